@@ -1,0 +1,1 @@
+"""Alembic environment and revisions for the ckptstore catalog (shipped in the wheel)."""

@@ -1,0 +1,66 @@
+"""One error hierarchy for everything ckptstore raises.
+
+Every error says what failed and what to do about it. Subclasses also inherit the builtin
+a caller would naturally catch (``LookupError`` for a missing checkpoint, ``ValueError`` for
+a bad name), so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointNotFoundError",
+    "CkptError",
+    "ConfigError",
+    "ConflictError",
+    "IncompleteCheckpointError",
+    "IntegrityError",
+    "InvalidNameError",
+    "LeaseHeldError",
+    "MissingBaseError",
+    "StorageError",
+    "UnsafeObjectError",
+]
+
+
+class CkptError(Exception):
+    """Root of every error raised by ckptstore."""
+
+
+class CheckpointNotFoundError(CkptError, LookupError):
+    """A checkpoint reference does not resolve to a committed checkpoint."""
+
+
+class IncompleteCheckpointError(CkptError):
+    """The checkpoint exists but was never committed (a save died or is still running)."""
+
+
+class IntegrityError(CkptError):
+    """Stored bytes do not match their recorded hashes, or a chunk or manifest is missing."""
+
+
+class MissingBaseError(IntegrityError):
+    """A delta checkpoint's base checkpoint (or one of its chunks) is gone."""
+
+
+class ConflictError(CkptError):
+    """Two writers raced for the same thing; the operation did nothing and may be retried."""
+
+
+class LeaseHeldError(ConflictError):
+    """Another flow holds a lease on the checkpoint; retry after the lease expires."""
+
+
+class InvalidNameError(CkptError, ValueError):
+    """A run name, tag, alias, reference or query field is not acceptable."""
+
+
+class UnsafeObjectError(CkptError, TypeError):
+    """The state holds an object that could only be stored with pickle."""
+
+
+class StorageError(CkptError, OSError):
+    """A storage backend failed (disk full, permission denied, S3 error); the cause is chained."""
+
+
+class ConfigError(CkptError, ValueError):
+    """The configuration file or environment holds an invalid value."""

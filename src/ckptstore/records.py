@@ -1,0 +1,134 @@
+"""Plain records that the catalog returns and the public API hands to users.
+
+They are frozen dataclasses with no database session attached, so they can be passed between
+threads, pickled by Prefect for task results, and printed by the CLI.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointState",
+    "Event",
+    "Replica",
+    "ReplicaState",
+    "RunInfo",
+    "UsageRow",
+]
+
+
+class CheckpointState(enum.StrEnum):
+    """Life cycle of a checkpoint row: PENDING → COMMITTED → DELETING → DELETED, or FAILED."""
+
+    PENDING = "PENDING"
+    COMMITTED = "COMMITTED"
+    DELETING = "DELETING"
+    DELETED = "DELETED"
+    FAILED = "FAILED"
+
+
+class ReplicaState(enum.StrEnum):
+    """Life cycle of one copy of a checkpoint on one tier."""
+
+    COPYING = "COPYING"
+    PRESENT = "PRESENT"
+    DELETING = "DELETING"
+    DELETED = "DELETED"
+    DAMAGED = "DAMAGED"
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One copy of a checkpoint on one storage tier."""
+
+    tier: str
+    uri: str
+    state: ReplicaState
+    bytes: int = 0
+    verified_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A catalogued checkpoint (one version of one step of one run)."""
+
+    id: str
+    run: str
+    step: int
+    version: int
+    state: CheckpointState
+    created_at: datetime
+    kind: str = "full"
+    base_id: str | None = None
+    parent_id: str | None = None
+    experiment: str | None = None
+    committed_at: datetime | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    tags: tuple[str, ...] = ()
+    logical_bytes: int = 0
+    stored_bytes: int = 0
+    codec: str = "none"
+    manifest_digest: str | None = None
+    lossy: bool = False
+    error_bound: float | None = None
+    pinned: bool = False
+    aliases: tuple[str, ...] = ()
+    replicas: tuple[Replica, ...] = ()
+
+    @property
+    def ref(self) -> str:
+        """A human reference that resolves to exactly this checkpoint (``run@v<version>``)."""
+        return f"{self.run}@v{self.version}"
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """Tiers holding a PRESENT replica, in the order the catalog returned them."""
+        return tuple(r.tier for r in self.replicas if r.state == ReplicaState.PRESENT)
+
+    def replica(self, tier: str) -> Replica | None:
+        """The replica on ``tier``, or None."""
+        for r in self.replicas:
+            if r.tier == tier:
+                return r
+        return None
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """A training run and what is needed to reproduce it."""
+
+    name: str
+    created_at: datetime
+    experiment: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    code_version: str | None = None
+    data_version: str | None = None
+    host: str | None = None
+    status: str = "active"
+    checkpoints: int = 0
+
+
+@dataclass(frozen=True)
+class Event:
+    """One audit-log entry: saved, archived, pruned, restored, converted, verified, ..."""
+
+    kind: str
+    at: datetime
+    checkpoint_id: str | None = None
+    actor: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    """Storage accounting for one run on one tier."""
+
+    run: str
+    tier: str
+    checkpoints: int
+    bytes: int

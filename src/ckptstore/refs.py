@@ -1,0 +1,104 @@
+"""Checkpoint references: the one syntax the API, the CLI and flow parameters accept.
+
+Forms:
+    ``<uuid>``                       one checkpoint by id
+    ``run@latest``                   newest committed version of the run
+    ``run@<step>``                   newest committed version saved at that step
+    ``run@v<version>``               that version
+    ``run@best:<metric>``            lowest value of the metric
+    ``run@best:<metric>:max``        highest value of the metric
+    ``<alias>``                      a user alias such as ``prod`` (see ``store.alias``)
+
+Parsing is pure; resolving a parsed reference against the catalog is the catalog's job.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+from ckptstore.errors import InvalidNameError
+from ckptstore.names import validate_metric_name, validate_name
+
+__all__ = ["Ref", "parse_ref"]
+
+RefKind = Literal["id", "latest", "step", "version", "best", "alias"]
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A parsed checkpoint reference.
+
+    Attributes:
+        kind: Which form the reference used.
+        text: The reference as the user wrote it (for error messages).
+        run: Run name, for the ``run@...`` forms.
+        id: Checkpoint id, for the uuid form.
+        step: Step, for ``run@<step>``.
+        version: Version, for ``run@v<version>``.
+        metric: Metric name, for ``run@best:...``.
+        mode: ``"min"`` or ``"max"``, for ``run@best:...``.
+        alias: Alias name, for the alias form.
+    """
+
+    kind: RefKind
+    text: str
+    run: str | None = None
+    id: str | None = None
+    step: int | None = None
+    version: int | None = None
+    metric: str | None = None
+    mode: Literal["min", "max"] = "min"
+    alias: str | None = None
+
+
+def _as_uuid(text: str) -> str | None:
+    try:
+        return str(uuid.UUID(text))
+    except ValueError:
+        return None
+
+
+def parse_ref(text: object) -> Ref:
+    """Parse a checkpoint reference.
+
+    Args:
+        text: The reference, e.g. ``"run-a@latest"``.
+
+    Returns:
+        The parsed :class:`Ref`.
+
+    Raises:
+        InvalidNameError: If the text is not a valid reference.
+
+    Example:
+        >>> parse_ref("exp1@best:val_loss:max").mode
+        'max'
+    """
+    if not isinstance(text, str) or not text:
+        raise InvalidNameError(f"checkpoint reference must be a non-empty string, got {text!r}")
+    if "@" not in text:
+        as_id = _as_uuid(text)
+        if as_id is not None:
+            return Ref(kind="id", text=text, id=as_id)
+        return Ref(kind="alias", text=text, alias=validate_name(text, "alias"))
+    run, _, sel = text.partition("@")
+    validate_name(run)
+    if sel == "latest":
+        return Ref(kind="latest", text=text, run=run)
+    if sel.isdigit():
+        return Ref(kind="step", text=text, run=run, step=int(sel))
+    if sel[:1] == "v" and sel[1:].isdigit():
+        return Ref(kind="version", text=text, run=run, version=int(sel[1:]))
+    if sel.startswith("best:"):
+        parts = sel.split(":")
+        if len(parts) == 2 or (len(parts) == 3 and parts[2] in ("min", "max")):
+            mode: Literal["min", "max"] = "max" if len(parts) == 3 and parts[2] == "max" else "min"
+            return Ref(
+                kind="best", text=text, run=run, metric=validate_metric_name(parts[1]), mode=mode
+            )
+    raise InvalidNameError(
+        f"cannot parse checkpoint reference {text!r}: use a uuid, an alias, run@latest, "
+        "run@<step>, run@v<version>, run@best:<metric> or run@best:<metric>:max"
+    )

@@ -1,0 +1,1 @@
+"""Test utilities shipped with ckptstore (fault injection, invariant checks)."""

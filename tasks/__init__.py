@@ -1,0 +1,1 @@
+"""ckptstore package."""
