@@ -1,0 +1,42 @@
+# Quick start: `make demo` and `make test`. Each creates .venv on first use.
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export PREFECT_LOGGING_LEVEL ?= WARNING
+
+.PHONY: demo test lint typecheck unit bench reliability services clean help
+
+help:
+	@echo "make demo    run the main job end to end on the embedded defaults"
+	@echo "make test    lint, type-check and run the whole test suite (starts PostgreSQL if needed)"
+	@echo "make bench   benchmarks side by side with torch.save / safetensors / DCP"
+
+# torch is installed first and pinned: it is the CPU wheel on this machine's disk; anything
+# unpinned would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+services:
+	@bash scripts/ensure-postgres.sh
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: $(STAMP) services lint
+	@if docker compose version >/dev/null 2>&1; then docker compose config -q && echo "docker-compose.yml: valid"; else echo "docker compose not installed: docker-compose.yml checked by tests/test_compose.py only"; fi
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info demo-store bench-out

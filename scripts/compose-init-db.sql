@@ -1,0 +1,2 @@
+-- The Prefect server keeps its own database next to the ckptstore catalog.
+CREATE DATABASE prefect;

@@ -1,0 +1,404 @@
+"""The ``ckpt`` command: browse, query and manage a checkpoint store.
+
+Exit codes: 0 success, 1 the operation failed (the message says why and what to do),
+2 bad usage (unknown option, missing argument).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+import click
+import typer
+
+from ckptstore.cli import ops_commands
+from ckptstore.cli.common import State, open_store, parse_where
+from ckptstore.cli.output import (
+    checkpoint_row,
+    console,
+    err_console,
+    human_bytes,
+    print_json,
+    print_table,
+)
+from ckptstore.errors import CkptError, InvalidNameError
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="ckpt",
+    help=(
+        "Manage PyTorch checkpoints: list, inspect, archive, prune, restore, convert.\n\n"
+        "The store is chosen by --store PATH (a directory holding catalog.db and hot/), "
+        "--config FILE (TOML), or $CKPT_CONFIG / $CKPT_ROOT / $CKPT_CATALOG_URL; "
+        "default ./ckpt. References: a uuid, run@latest, run@<step>, run@v<version>, "
+        "run@best:<metric>[:max] or an alias."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+db_app = typer.Typer(help="Catalog schema migrations (Alembic).", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    store: Annotated[
+        str | None, typer.Option("--store", "-s", help="Store directory (default ./ckpt).")
+    ] = None,
+    config: Annotated[
+        str | None, typer.Option("--config", "-c", help="TOML config file.")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress.")] = False,
+) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    ctx.obj = State(store=store, config=config)
+
+
+# --------------------------------------------------------------------------- queries
+@app.command("ls")
+def ls_cmd(
+    ctx: typer.Context,
+    run: Annotated[str | None, typer.Option("--run", "-r", help="Only this run.")] = None,
+    experiment: Annotated[str | None, typer.Option(help="Only runs of this experiment.")] = None,
+    tag: Annotated[str | None, typer.Option(help="Only checkpoints with this tag.")] = None,
+    min_step: Annotated[int | None, typer.Option(help="Smallest step.")] = None,
+    max_step: Annotated[int | None, typer.Option(help="Largest step.")] = None,
+    where: Annotated[
+        list[str] | None,
+        typer.Option(help="Metric filter such as 'loss<2.0' (repeatable; < <= > >= == !=)."),
+    ] = None,
+    tier: Annotated[str | None, typer.Option(help="Only checkpoints present on this tier.")] = None,
+    order_by: Annotated[
+        str, typer.Option(help="step, version, created_at, stored_bytes, run, metric:<name>; "
+                               "prefix '-' for descending.")
+    ] = "run",
+    limit: Annotated[int | None, typer.Option(help="At most this many rows.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List committed checkpoints."""
+    metrics = dict(parse_where(w) for w in (where or []))
+    step_range = (min_step, max_step) if min_step is not None or max_step is not None else None
+    with open_store(ctx) as store:
+        items = store.list(
+            run=run,
+            experiment=experiment,
+            tag=tag,
+            step_range=step_range,
+            metrics=metrics or None,
+            tier=tier,
+            order_by=order_by,
+            limit=limit,
+        )
+    if as_json:
+        print_json([_ck_json(c) for c in items])
+        return
+    if not items:
+        err_console.print("no checkpoints match")
+        return
+    print_table(
+        ["run", "step", "ver", "created", "stored", "tiers", "metrics", "tags", "id"],
+        (checkpoint_row(c) for c in items),
+    )
+
+
+def _ck_json(ck: Any) -> dict[str, Any]:
+    from ckptstore.store import _checkpoint_dict
+
+    return _checkpoint_dict(ck)
+
+
+@app.command("show")
+def show_cmd(
+    ctx: typer.Context,
+    ref: Annotated[str, typer.Argument(help="Checkpoint reference.")],
+    as_json: JsonOpt = False,
+    tensors: Annotated[bool, typer.Option(help="Also list every tensor.")] = False,
+) -> None:
+    """Show a checkpoint: catalog record, manifest summary and how to reproduce it."""
+    with open_store(ctx) as store:
+        info = store.show(ref)
+        if tensors:
+            manifest = store.manifest(ref)
+            info["tensors"] = [
+                {"key": k, **_tensor_entry(v)} for k, v in manifest.tensors.items()
+            ]
+    if as_json:
+        print_json(info)
+        return
+    ck = info["checkpoint"]
+    man = info.get("manifest", {})
+    rows = [
+        ("id", ck["id"]),
+        ("ref", ck["ref"]),
+        ("run / step", f"{ck['run']} / {ck['step']}"),
+        ("created", ck["created_at"]),
+        ("kind", ck["kind"] + (f" (base {ck['base_id']})" if ck["base_id"] else "")),
+        ("codec", ck["codec"]),
+        ("bytes", f"{human_bytes(ck['logical_bytes'])} logical, "
+                  f"{human_bytes(ck['stored_bytes'])} stored"),
+        ("metrics", ", ".join(f"{k}={v}" for k, v in ck["metrics"].items()) or "-"),
+        ("tags", ", ".join(ck["tags"]) or "-"),
+        ("pinned / aliases", f"{ck['pinned']} / {', '.join(ck['aliases']) or '-'}"),
+        ("replicas", ", ".join(f"{r['tier']}:{r['state']}" for r in ck["replicas"]) or "-"),
+        ("lossy", f"yes, max abs error {ck['error_bound']}" if ck["lossy"] else "no"),
+    ]
+    if "error" in man:
+        rows.append(("manifest", f"unreadable: {man['error']}"))
+    elif man:
+        rows.append(("tensors", f"{man['tensors']} in {man['arrays']} arrays, "
+                                f"{man['chunks']} chunks"))
+        rows.append(("dtypes", ", ".join(f"{k} x{v}" for k, v in man["dtypes"].items())))
+    repro = info.get("reproduction") or {}
+    for key in ("experiment", "code_version", "data_version", "host"):
+        if repro.get(key):
+            rows.append((key.replace("_", " "), str(repro[key])))
+    if repro.get("config"):
+        rows.append(("run config", str(repro["config"])))
+    if repro.get("parents"):
+        rows.append(("parent chain", " ← ".join(str(p) for p in repro["parents"])))
+    rows.append(("restore with", f"ckpt restore {ck['ref']}  |  store.load({ck['ref']!r})"))
+    print_table(["field", "value"], rows)
+    if tensors:
+        print_table(
+            ["tensor", "dtype", "shape"],
+            ((t["key"], t["dtype"], t["shape"]) for t in info["tensors"]),
+        )
+
+
+def _tensor_entry(entry: Any) -> dict[str, Any]:
+    get = entry.get if isinstance(entry, dict) else lambda k, d=None: getattr(entry, k, d)
+    return {"dtype": get("torch_dtype"), "shape": list(get("shape") or [])}
+
+
+@app.command("runs")
+def runs_cmd(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """List runs with their checkpoint counts."""
+    with open_store(ctx) as store:
+        runs = store.runs()
+    if as_json:
+        print_json(runs)
+        return
+    print_table(
+        ["run", "experiment", "checkpoints", "created", "code"],
+        (
+            (r.name, r.experiment or "-", r.checkpoints, r.created_at.strftime("%Y-%m-%d %H:%M"),
+             (r.code_version or "-")[:12])
+            for r in runs
+        ),
+    )
+
+
+@app.command("lineage")
+def lineage_cmd(
+    ctx: typer.Context,
+    ref: Annotated[str, typer.Argument(help="Checkpoint reference.")],
+    fmt: Annotated[
+        str, typer.Option("--format", "-f", help="tree, dot or mermaid.")
+    ] = "tree",
+    descendants: Annotated[
+        bool, typer.Option(help="Show what was derived from it instead of its ancestors.")
+    ] = False,
+) -> None:
+    """Show where a checkpoint came from (resumed / fine-tuned from), across runs."""
+    if fmt not in ("tree", "dot", "mermaid"):
+        raise InvalidNameError(f"unknown --format {fmt!r}; use tree, dot or mermaid")
+    with open_store(ctx) as store:
+        me = store.get(ref)
+        chain = store.descendants(ref) if descendants else store.lineage(ref)
+    nodes = [me, *chain]
+    if fmt == "tree":
+        for depth, ck in enumerate(nodes):
+            arrow = "" if depth == 0 else ("└─ derived " if descendants else "└─ from ")
+            indent = "   " * max(depth - 1, 0)
+            console.print(f"{indent}{arrow}{ck.ref} (step {ck.step}, {ck.id[:8]})")
+        return
+    edges = []
+    by_id = {ck.id: ck for ck in nodes}
+    for ck in nodes:
+        if ck.parent_id and ck.parent_id in by_id:
+            edges.append((by_id[ck.parent_id].ref, ck.ref))
+    if fmt == "dot":
+        lines = ["digraph lineage {"]
+        lines += [f'  "{a}" -> "{b}";' for a, b in edges]
+        if not edges:
+            lines.append(f'  "{me.ref}";')
+        lines.append("}")
+    else:
+        lines = ["graph TD"]
+        lines += [f'  {_mid(a)}["{a}"] --> {_mid(b)}["{b}"]' for a, b in edges]
+        if not edges:
+            lines.append(f'  {_mid(me.ref)}["{me.ref}"]')
+    sys.stdout.write("\n".join(lines) + "\n")
+
+
+def _mid(ref: str) -> str:
+    return "n_" + "".join(c if c.isalnum() else "_" for c in ref)
+
+
+@app.command("alias")
+def alias_cmd(
+    ctx: typer.Context,
+    ref: Annotated[str, typer.Argument(help="Checkpoint reference.")],
+    name: Annotated[str, typer.Argument(help="Alias, e.g. prod or best.")],
+) -> None:
+    """Point an alias at a checkpoint (aliased checkpoints are never pruned)."""
+    with open_store(ctx) as store:
+        store.alias(ref, name)
+        ck = store.get(name)
+    console.print(f"{name} → {ck.ref} ({ck.id})")
+
+
+@app.command("pin")
+def pin_cmd(ctx: typer.Context, ref: Annotated[str, typer.Argument()]) -> None:
+    """Protect a checkpoint from retention pruning."""
+    with open_store(ctx) as store:
+        store.pin(ref)
+        console.print(f"pinned {store.get(ref).ref}")
+
+
+@app.command("unpin")
+def unpin_cmd(ctx: typer.Context, ref: Annotated[str, typer.Argument()]) -> None:
+    """Remove a checkpoint's pin."""
+    with open_store(ctx) as store:
+        store.unpin(ref)
+        console.print(f"unpinned {store.get(ref).ref}")
+
+
+@app.command("du")
+def du_cmd(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """Storage used by run and tier."""
+    with open_store(ctx) as store:
+        rows = store.usage()
+    if as_json:
+        print_json(rows)
+        return
+    total = sum(r.bytes for r in rows)
+    print_table(
+        ["run", "tier", "checkpoints", "bytes"],
+        [(r.run, r.tier, r.checkpoints, human_bytes(r.bytes)) for r in rows]
+        + [("total", "", sum(r.checkpoints for r in rows), human_bytes(total))],
+    )
+
+
+@app.command("events")
+def events_cmd(
+    ctx: typer.Context,
+    ref: Annotated[
+        str | None, typer.Argument(help="Checkpoint reference (all if omitted).")
+    ] = None,
+    limit: Annotated[int, typer.Option(help="At most this many events.")] = 50,
+    as_json: JsonOpt = False,
+) -> None:
+    """The audit log: saved, archived, pruned, restored, converted, verified."""
+    with open_store(ctx) as store:
+        events = store.events(ref, limit=limit)
+    if as_json:
+        print_json(events)
+        return
+    print_table(
+        ["when", "event", "checkpoint", "actor", "detail"],
+        (
+            (e.at.strftime("%Y-%m-%d %H:%M:%S"), e.kind, (e.checkpoint_id or "-")[:8],
+             e.actor or "-", ", ".join(f"{k}={v}" for k, v in e.detail.items())[:60])
+            for e in events
+        ),
+    )
+
+
+@app.command("gc")
+def gc_cmd(
+    ctx: typer.Context,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report.")] = False,
+    older_than: Annotated[
+        float, typer.Option(help="Hours after which a pending save of another host is dead.")
+    ] = 24.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Remove staging left by dead saves (never touches committed data)."""
+    with open_store(ctx) as store:
+        report = store.gc(dry_run=dry_run, older_than_s=older_than * 3600)
+    if as_json:
+        print_json(report)
+        return
+    verb = "would remove" if dry_run else "removed"
+    if report.empty:
+        console.print("nothing to clean")
+    for path in report.removed_dirs:
+        console.print(f"{verb} {path}")
+    for ckpt_id in report.failed_rows:
+        console.print(f"{'would mark' if dry_run else 'marked'} {ckpt_id} FAILED")
+
+
+# --------------------------------------------------------------------------- db
+@db_app.command("upgrade")
+def db_upgrade(ctx: typer.Context) -> None:
+    """Create or upgrade the catalog schema to the newest revision."""
+    from ckptstore.catalog import mask_url, migrate
+
+    settings = ctx.obj.settings()
+    migrate.upgrade(settings.resolved_catalog_url)
+    console.print(f"catalog at {mask_url(settings.resolved_catalog_url)} is at head")
+
+
+@db_app.command("current")
+def db_current(ctx: typer.Context) -> None:
+    """Show the catalog's current schema revision."""
+    from ckptstore.catalog import migrate
+
+    console.print(migrate.current(ctx.obj.settings().resolved_catalog_url) or "empty (no schema)")
+
+
+@db_app.command("history")
+def db_history() -> None:
+    """List the schema revisions shipped with this version."""
+    from ckptstore.catalog import migrate
+
+    for line in migrate.history():
+        console.print(line)
+
+
+ops_commands.register(app)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``ckpt``; returns the exit code instead of raising."""
+    command = typer.main.get_command(app)
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        command.main(args=args, prog_name="ckpt", standalone_mode=False)
+    except click.exceptions.UsageError as exc:
+        exc.show()
+        return 2
+    except click.exceptions.Abort:
+        err_console.print("aborted")
+        return 1
+    except click.exceptions.Exit as exc:
+        return int(exc.exit_code or 0)
+    except CkptError as exc:
+        err_console.print(f"error: {exc}", markup=False, highlight=False)
+        return 1
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        return 130
+    except OSError as exc:  # anything our own layers did not wrap
+        err_console.print(f"error: {exc}", markup=False, highlight=False)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    os._exit(main())

@@ -1,0 +1,253 @@
+"""CLI commands that move data: archive, prune, restore, verify, convert, import, serve.
+
+Each calls the plain business function in :mod:`ckptstore.ops` directly (no Prefect needed);
+``ckpt serve`` is the one command that runs the flows under a Prefect server.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ckptstore.cli.common import open_store, progress_bar
+from ckptstore.cli.output import console, err_console, human_bytes, print_json
+from ckptstore.errors import ConfigError, InvalidNameError
+
+__all__ = ["register"]
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+
+
+def _summary(report: Any) -> Any:
+    if hasattr(report, "to_dict"):
+        return report.to_dict()
+    if hasattr(report, "__dataclass_fields__"):
+        return {k: getattr(report, k) for k in report.__dataclass_fields__}
+    return report
+
+
+def archive_cmd(
+    ctx: typer.Context,
+    run: Annotated[str | None, typer.Option("--run", "-r", help="Only this run.")] = None,
+    ref: Annotated[str | None, typer.Option(help="Only this checkpoint.")] = None,
+    tier: Annotated[str, typer.Option(help="Destination tier.")] = "warm",
+    reencode: Annotated[
+        str | None, typer.Option(help="Re-encode with this codec preset (e.g. zstd-3).")
+    ] = None,
+    demote_after_days: Annotated[
+        float | None,
+        typer.Option(help="Also move warm copies older than this many days to the cold tier."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Copy committed hot checkpoints to the warm tier (S3), verify them, record replicas."""
+    from ckptstore.ops.archive import archive_checkpoints, demote_checkpoints
+
+    with open_store(ctx) as store:
+        if tier not in store.settings.tier_urls():
+            raise ConfigError(
+                f"tier {tier!r} is not configured; set `warm = \"s3://bucket/prefix\"` under "
+                "[tiers] in the config file (or CKPT_WARM)"
+            )
+        with progress_bar("archiving", None, enabled=not as_json) as advance:
+            report = archive_checkpoints(
+                store, run=run, ref=ref, tier=tier, reencode=reencode, progress=advance
+            )
+        demoted = None
+        if demote_after_days is not None:
+            demoted = demote_checkpoints(store, older_than_days=demote_after_days)
+    if as_json:
+        print_json({"archive": _summary(report), "demote": _summary(demoted)})
+        return
+    console.print(str(report))
+    if demoted is not None:
+        console.print(str(demoted))
+
+
+def prune_cmd(
+    ctx: typer.Context,
+    run: Annotated[str | None, typer.Option("--run", "-r", help="Only this run.")] = None,
+    tier: Annotated[str, typer.Option(help="Tier to prune.")] = "hot",
+    keep_last: Annotated[int | None, typer.Option(help="Keep the newest N per run.")] = None,
+    keep_every: Annotated[
+        int | None, typer.Option(help="Keep steps that are multiples of K.")
+    ] = None,
+    keep_best: Annotated[
+        str | None, typer.Option(help="METRIC:min|max:N, e.g. val_loss:min:3.")
+    ] = None,
+    max_age_days: Annotated[float | None, typer.Option(help="Delete older than this.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan only.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Apply the retention policy (from the config, overridden by options).
+
+    Never deletes pinned or aliased checkpoints, the newest checkpoint of a run, a base that a
+    kept delta needs, anything under a lease, or the last verified copy of a kept checkpoint.
+    """
+    from ckptstore.ops.retention import apply_retention
+    from ckptstore.retention import RetentionPolicy
+
+    with open_store(ctx) as store:
+        policy = RetentionPolicy.from_settings(store.settings)
+        overrides: dict[str, Any] = {}
+        if keep_last is not None:
+            overrides["keep_last"] = keep_last
+        if keep_every is not None:
+            overrides["keep_every"] = keep_every
+        if max_age_days is not None:
+            overrides["max_age_days"] = max_age_days
+        if keep_best is not None:
+            parts = keep_best.split(":")
+            if len(parts) != 3 or parts[1] not in ("min", "max") or not parts[2].isdigit():
+                raise InvalidNameError(
+                    f"--keep-best {keep_best!r}: write METRIC:min|max:N, e.g. val_loss:min:3"
+                )
+            overrides["keep_best"] = (parts[0], parts[1], int(parts[2]))
+        if overrides:
+            from dataclasses import replace
+
+            policy = replace(policy, **overrides)
+        result = apply_retention(store, run=run, tier=tier, policy=policy, dry_run=dry_run)
+    if as_json:
+        print_json(_summary(result))
+        return
+    console.print(result.render() if hasattr(result, "render") else str(result))
+
+
+def restore_cmd(
+    ctx: typer.Context,
+    ref: Annotated[str, typer.Argument(help="Checkpoint reference.")],
+    to: Annotated[
+        Path | None, typer.Option(help="Restore into this directory instead of the hot tier.")
+    ] = None,
+) -> None:
+    """Bring a checkpoint back from the fastest tier that has a verified copy."""
+    from ckptstore.ops.restore import restore_checkpoint
+
+    with open_store(ctx) as store:
+        ck = store.get(ref)
+        with progress_bar(f"restoring {ck.ref}", ck.stored_bytes) as advance:
+            path = restore_checkpoint(store, ref, to=to, progress=advance)
+    console.print(f"restored {ck.ref} to {path}")
+
+
+def verify_cmd(
+    ctx: typer.Context,
+    ref: Annotated[str | None, typer.Argument(help="Checkpoint reference.")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Every checkpoint.")] = False,
+    tier: Annotated[str | None, typer.Option(help="Only replicas on this tier.")] = None,
+    repair: Annotated[bool, typer.Option(help="Repair damaged replicas from a good one.")] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """Re-hash replicas; mark damaged ones DAMAGED and repair them from another replica."""
+    from ckptstore.ops.verify import verify_replicas
+
+    if ref is None and not all_:
+        raise InvalidNameError("give a checkpoint reference or --all")
+    with open_store(ctx) as store:
+        report = verify_replicas(store, ref=ref, tier=tier, repair=repair)
+    if as_json:
+        print_json(_summary(report))
+    else:
+        console.print(str(report))
+    if getattr(report, "unrepaired", None):
+        raise typer.Exit(1)
+
+
+def convert_cmd(
+    ctx: typer.Context,
+    ref: Annotated[str | None, typer.Argument(help="Checkpoint reference to export.")] = None,
+    fmt: Annotated[
+        str, typer.Option("--format", "-f", help="pt (alias pytorch), safetensors, hf or dcp.")
+    ] = "pt",
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output file/folder.")] = None,
+    input_dir: Annotated[
+        Path | None, typer.Option(help="Convert plain files in this folder (no store needed).")
+    ] = None,
+    output_dir: Annotated[Path | None, typer.Option(help="Where --input-dir results go.")] = None,
+    keys: Annotated[
+        list[str] | None, typer.Option(help="Only tensors matching this pattern (repeatable).")
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output.")] = False,
+) -> None:
+    """Export a checkpoint to .pt / safetensors / a Hugging Face folder / DCP.
+
+    safetensors, hf and dcp stream one tensor at a time (memory stays bounded); pt needs the
+    whole state in memory because torch.save does.
+    Seed form: `ckpt convert --input-dir D --output-dir O --format pytorch`.
+    """
+    from ckptstore.ops import convert
+
+    fmt = "pt" if fmt == "pytorch" else fmt
+    if fmt not in ("pt", "safetensors", "hf", "dcp"):
+        raise InvalidNameError(f"unknown --format {fmt!r}; use pt, safetensors, hf or dcp")
+    if input_dir is not None:
+        if output_dir is None:
+            raise InvalidNameError("--input-dir needs --output-dir")
+        outputs = convert.convert_directory(input_dir, output_dir, fmt)
+        for path in outputs:
+            console.print(f"wrote {path}")
+        return
+    if ref is None or out is None:
+        raise InvalidNameError("give a checkpoint reference and --out PATH (or --input-dir)")
+    with open_store(ctx) as store:
+        ck = store.get(ref)
+        with progress_bar(f"converting {ck.ref}", ck.logical_bytes) as advance:
+            path = convert.export_checkpoint(
+                store, ref, fmt, out, keys=keys, progress=advance, overwrite=overwrite
+            )
+    console.print(f"wrote {path} ({human_bytes(_size(path))})")
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def import_cmd(
+    ctx: typer.Context,
+    path: Annotated[Path, typer.Argument(help=".pt/.bin/.safetensors file, HF or DCP folder.")],
+    run: Annotated[str, typer.Option("--run", "-r", help="Run to file it under.")],
+    step: Annotated[int, typer.Option(help="Step to record.")],
+    fmt: Annotated[
+        str | None, typer.Option("--format", "-f", help="pt, safetensors, hf or dcp (auto).")
+    ] = None,
+    tag: Annotated[list[str] | None, typer.Option(help="Tag (repeatable).")] = None,
+) -> None:
+    """Import an existing checkpoint (never unpickles: .pt files load with weights_only)."""
+    from ckptstore.ops.convert import import_checkpoint
+
+    with open_store(ctx) as store:
+        ck = import_checkpoint(store, path, run=run, step=step, fmt=fmt, tags=tuple(tag or ()))
+    console.print(f"imported {path} as {ck.ref} ({ck.id})")
+
+
+def serve_cmd(ctx: typer.Context) -> None:
+    """Serve every flow as a Prefect deployment with the schedules from the config.
+
+    Needs a Prefect server (PREFECT_API_URL); training hooks then trigger deployments.
+    """
+    import os
+
+    if not os.environ.get("PREFECT_API_URL"):
+        err_console.print(
+            "warning: PREFECT_API_URL is not set; schedules only fire with a Prefect server "
+            "(`prefect server start`)"
+        )
+    from ckptstore.flows.deployments import serve_all
+
+    serve_all(ctx.obj.settings(), store_root=ctx.obj.store, config=ctx.obj.config)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the data-moving commands to the ``ckpt`` app."""
+    app.command("archive")(archive_cmd)
+    app.command("prune")(prune_cmd)
+    app.command("restore")(restore_cmd)
+    app.command("verify")(verify_cmd)
+    app.command("convert")(convert_cmd)
+    app.command("import")(import_cmd)
+    app.command("serve")(serve_cmd)

@@ -1,0 +1,87 @@
+"""Rendering for the ``ckpt`` command: rich tables for people, JSON for scripts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ckptstore.records import Checkpoint
+
+__all__ = [
+    "checkpoint_row",
+    "console",
+    "err_console",
+    "human_bytes",
+    "print_json",
+    "print_table",
+]
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def human_bytes(n: int | float | None) -> str:
+    """Format a byte count with binary units (``1.5 GiB``)."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} PiB"  # pragma: no cover - unreachable
+
+
+def _default(obj: object) -> Any:
+    if isinstance(obj, datetime):
+        return obj.isoformat()
+    if hasattr(obj, "__dataclass_fields__"):
+        return {k: getattr(obj, k) for k in obj.__dataclass_fields__}
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    return str(obj)
+
+
+def print_json(data: Any) -> None:
+    """Write ``data`` as indented JSON to stdout (dataclasses and datetimes supported)."""
+    sys.stdout.write(json.dumps(data, default=_default, indent=2, sort_keys=False) + "\n")
+
+
+def print_table(
+    columns: Sequence[str], rows: Iterable[Sequence[Any]], *, title: str | None = None
+) -> None:
+    """Print a compact table that stays readable at 80 columns."""
+    table = Table(title=title, show_edge=False, pad_edge=False, header_style="bold")
+    for col in columns:
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(*("" if v is None else str(v) for v in row))
+    console.print(table)
+
+
+def _metrics_text(metrics: dict[str, float], limit: int = 2) -> str:
+    items = list(metrics.items())[:limit]
+    text = " ".join(f"{k}={v:.4g}" for k, v in items)
+    return text + (" …" if len(metrics) > limit else "")
+
+
+def checkpoint_row(ck: Checkpoint) -> list[str]:
+    """The columns ``ckpt ls`` shows for one checkpoint."""
+    flags = " ".join((["pinned"] if ck.pinned else []) + [f"@{a}" for a in ck.aliases])
+    return [
+        ck.run,
+        str(ck.step),
+        f"v{ck.version}",
+        ck.created_at.strftime("%m-%d %H:%M"),
+        human_bytes(ck.stored_bytes),
+        ",".join(ck.tiers) or "-",
+        _metrics_text(ck.metrics),
+        (" ".join(ck.tags) + (" " + flags if flags else "")).strip(),
+        ck.id[:8],
+    ]

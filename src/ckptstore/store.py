@@ -1,0 +1,530 @@
+"""CheckpointStore: the user-facing facade over the format, the hot tier and the catalog.
+
+A save is: validate the state (no pickle) → PENDING catalog row with the next version →
+chunks, manifest and commit marker on the hot tier, each durable → COMMITTED row. Anything
+that is not COMMITTED is invisible to ``load``/``list``/``latest``; ``gc`` removes what dead
+saves left behind.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptstore.catalog import Catalog
+from ckptstore.config import Settings, load_settings
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    InvalidNameError,
+    StorageError,
+)
+from ckptstore.faults import fault_point
+from ckptstore.format import (
+    Manifest,
+    flatten_state,
+    read_checkpoint,
+    read_manifest,
+    verify_checkpoint,
+    write_checkpoint,
+)
+from ckptstore.names import validate_name, validate_tag
+from ckptstore.records import (
+    Checkpoint,
+    CheckpointState,
+    Event,
+    ReplicaState,
+    RunInfo,
+    UsageRow,
+)
+
+__all__ = ["CheckpointStore", "GcReport"]
+
+logger = logging.getLogger(__name__)
+
+
+def _writer_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class GcReport:
+    """What ``gc`` removed (or would remove with ``dry_run``)."""
+
+    removed_dirs: list[str] = field(default_factory=list)
+    failed_rows: list[str] = field(default_factory=list)
+    dry_run: bool = False
+
+    @property
+    def empty(self) -> bool:
+        """True when there was nothing to clean."""
+        return not self.removed_dirs and not self.failed_rows
+
+
+class CheckpointStore:
+    """Save, load, find and manage checkpoints.
+
+    Open it with :meth:`open`; close it with :meth:`close` (or use it as a context manager).
+
+    Example:
+        >>> store = CheckpointStore.open("./ckpt")                      # doctest: +SKIP
+        >>> ck = store.save("run-a", step=100, state=model.state_dict(),  # doctest: +SKIP
+        ...                 metrics={"loss": 2.3})
+        >>> state = store.load("run-a@latest")                          # doctest: +SKIP
+    """
+
+    def __init__(self, settings: Settings, catalog: Catalog) -> None:
+        """Wrap an already opened catalog; prefer :meth:`open`."""
+        self.settings = settings
+        self.catalog = catalog
+        self.hot = settings.hot_path
+        self._closed = False
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def open(
+        cls,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        config: str | os.PathLike[str] | None = None,
+        catalog_url: str | None = None,
+        **overrides: Any,
+    ) -> CheckpointStore:
+        """Open (and on first use create) a store.
+
+        Args:
+            root: Store directory; holds ``catalog.db`` and ``hot/`` by default.
+            config: A TOML config file (default ``$CKPT_CONFIG``).
+            catalog_url: Catalog URL (default ``$CKPT_CATALOG_URL`` or the embedded SQLite).
+            **overrides: Any other :class:`~ckptstore.config.Settings` field.
+
+        Returns:
+            The open store. The catalog schema is upgraded to the newest revision.
+
+        Raises:
+            ConfigError: If the configuration is invalid.
+            StorageError: If the hot tier cannot be created.
+        """
+        settings = load_settings(config, root=root, catalog_url=catalog_url, **overrides)
+        try:
+            settings.root.mkdir(parents=True, exist_ok=True)
+            settings.hot_path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(
+                f"cannot create the store directory {settings.hot_path}: {exc.strerror}; "
+                "check the path and its permissions"
+            ) from exc
+        catalog = Catalog(settings.resolved_catalog_url, upgrade=True)
+        return cls(settings, catalog)
+
+    def close(self) -> None:
+        """Release the catalog connection pool."""
+        if not self._closed:
+            self._closed = True
+            self.catalog.close()
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ paths
+    def checkpoint_dir(self, run: str, ckpt_id: str) -> Path:
+        """Directory of a checkpoint on the hot tier."""
+        return self.hot / validate_name(run) / ckpt_id
+
+    def _locate(self, ckpt_id: str) -> Path:
+        """Find another checkpoint's hot directory (for chunks a delta references)."""
+        ck = self.catalog.get_any(ckpt_id)
+        return self.checkpoint_dir(ck.run, ck.id)
+
+    # ------------------------------------------------------------------ save
+    def save(
+        self,
+        run: str,
+        step: int,
+        state: Any,
+        *,
+        metrics: dict[str, float] | None = None,
+        tags: Sequence[str] = (),
+        parent: str | None = None,
+        codec: str | None = None,
+        experiment: str | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> Checkpoint:
+        """Save ``state`` as a new version of ``run`` at ``step``; return it once COMMITTED.
+
+        Args:
+            run: Run name (letters, digits, ``._+=,-``).
+            step: Training step (non-negative int). Saving a step again makes a new version.
+            state: Any nesting of dicts/lists/tuples of tensors and plain values.
+            metrics: Finite numbers recorded with the checkpoint (queryable).
+            tags: Labels for filtering.
+            parent: Reference of the checkpoint this run was resumed or fine-tuned from.
+            codec: Codec preset (default from the settings, ``lz4``).
+            experiment: Experiment to file the run under (on first save of the run).
+            progress: Called with the number of bytes written after each chunk.
+
+        Returns:
+            The committed :class:`Checkpoint`.
+
+        Raises:
+            InvalidNameError: For a bad run name, tag or metric.
+            UnsafeObjectError: If the state holds an object that would need pickle.
+            StorageError: If the hot tier fails (disk full, permissions); nothing is committed.
+        """
+        validate_name(run)
+        for tag in tags:
+            validate_tag(tag)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise InvalidNameError(f"step must be a non-negative int, got {step!r}")
+        codec = codec or self.settings.codec
+        # Refuse pickle-only objects before anything is written or catalogued.
+        flatten_state(state)
+        parent_id = self.catalog.get(parent).id if parent is not None else None
+        if experiment is not None:
+            self.catalog.ensure_run(run, experiment=experiment)
+        ck = self.catalog.begin_checkpoint(
+            run,
+            step,
+            metrics=metrics,
+            tags=tuple(tags),
+            parent_id=parent_id,
+            codec=codec,
+            writer=_writer_id(),
+            tier="hot",
+            uri="",
+        )
+        directory = self.checkpoint_dir(run, ck.id)
+        fault_point("save.pending")
+        started = time.perf_counter()
+        try:
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            manifest = write_checkpoint(
+                directory,
+                state,
+                ckpt_id=ck.id,
+                run=run,
+                step=step,
+                codec=codec,
+                chunk_bytes=self.settings.chunk_bytes,
+                threads=self.settings.threads,
+                fault_point=lambda phase: fault_point(f"save.{phase}"),
+                progress=progress,
+            )
+        except BaseException as exc:
+            self._abandon(ck.id, directory, exc)
+            if isinstance(exc, OSError) and not isinstance(exc, CkptError):
+                raise StorageError(f"saving {run}@{step} failed: {exc}") from exc
+            raise
+        committed = self.catalog.commit_checkpoint(
+            ck.id,
+            manifest_digest=manifest.digest,
+            logical_bytes=manifest.logical_bytes,
+            stored_bytes=manifest.stored_bytes,
+            tier="hot",
+            uri=str(directory),
+        )
+        fault_point("save.committed")
+        logger.info(
+            "saved %s step %s as v%s (%s bytes stored) in %.2fs",
+            run, step, committed.version, manifest.stored_bytes, time.perf_counter() - started,
+        )
+        return committed
+
+    def _abandon(self, ckpt_id: str, directory: Path, exc: BaseException) -> None:
+        """Mark a failed save FAILED and remove its partial directory (best effort)."""
+        try:
+            self.catalog.fail_checkpoint(ckpt_id, f"{type(exc).__name__}: {exc}")
+        except Exception:  # the catalog may be the thing that failed; gc finishes the job
+            logger.warning("could not mark checkpoint %s FAILED", ckpt_id, exc_info=True)
+        shutil.rmtree(directory, ignore_errors=True)
+
+    # ------------------------------------------------------------------ load
+    def manifest(self, ref: str) -> Manifest:
+        """Read and verify the manifest of a committed checkpoint (no tensor data)."""
+        ck = self.catalog.get(ref)
+        return read_manifest(self._hot_dir_of(ck), expected_digest=ck.manifest_digest)
+
+    def _hot_dir_of(self, ck: Checkpoint) -> Path:
+        replica = ck.replica("hot")
+        if replica is None or replica.state != ReplicaState.PRESENT:
+            where = ", ".join(f"{r.tier}:{r.state}" for r in ck.replicas) or "nowhere"
+            raise CheckpointNotFoundError(
+                f"checkpoint {ck.ref} ({ck.id}) has no copy on the hot tier (replicas: {where}); "
+                f"restore it first with `ckpt restore {ck.ref}`"
+            )
+        return self.checkpoint_dir(ck.run, ck.id)
+
+    def load(
+        self,
+        ref: str,
+        *,
+        keys: Sequence[str] | None = None,
+        into: Any | None = None,
+    ) -> Any:
+        """Load a committed checkpoint.
+
+        Args:
+            ref: A checkpoint reference (uuid, ``run@latest``, ``run@<step>``, ``run@v<n>``,
+                ``run@best:<metric>[:max]`` or an alias).
+            keys: fnmatch patterns over tensor/value paths (e.g. ``["model/*"]``); only the
+                chunks holding matching tensors are read.
+            into: A state of the same structure whose tensors are filled in place
+                (the fastest restore: no new allocations).
+
+        Returns:
+            The state, with the same nesting and container types; tensors on CPU.
+
+        Raises:
+            CheckpointNotFoundError: If the reference does not resolve.
+            IncompleteCheckpointError: If it names a checkpoint that was never committed.
+            IntegrityError: If any chunk or the manifest is damaged or missing.
+        """
+        ck = self.catalog.get(ref)
+        directory = self._hot_dir_of(ck)
+        manifest = read_manifest(directory, expected_digest=ck.manifest_digest)
+        return read_checkpoint(
+            directory,
+            manifest,
+            keys=keys,
+            into=into,
+            locate=self._locate,
+            threads=self.settings.threads,
+        )
+
+    def restore_latest(self, run: str, *, into: Any | None = None) -> Any | None:
+        """Load the newest committed checkpoint of ``run``, or None if it has none."""
+        try:
+            ck = self.catalog.latest(run)
+        except CheckpointNotFoundError:
+            return None
+        return self.load(ck.id, into=into)
+
+    def verify(self, ref: str, *, deep: bool = True) -> builtins.list[str]:
+        """Re-hash a checkpoint on the hot tier; return the problems found ([] when intact)."""
+        ck = self.catalog.get(ref)
+        directory = self._hot_dir_of(ck)
+        manifest = read_manifest(directory, expected_digest=ck.manifest_digest)
+        problems = verify_checkpoint(directory, manifest, locate=self._locate, deep=deep)
+        self.catalog.record_event(
+            "verified",
+            checkpoint_id=ck.id,
+            detail={"tier": "hot", "ok": not problems, "problems": problems[:20]},
+        )
+        return problems
+
+    # ------------------------------------------------------------------ queries
+    def get(self, ref: str) -> Checkpoint:
+        """Resolve a reference to its committed :class:`Checkpoint`."""
+        return self.catalog.get(ref)
+
+    def list(self, **filters: Any) -> builtins.list[Checkpoint]:
+        """List checkpoints; see :meth:`ckptstore.catalog.Catalog.list` for the filters."""
+        return self.catalog.list(**filters)
+
+    def runs(self) -> builtins.list[RunInfo]:
+        """All runs with their committed checkpoint counts."""
+        return self.catalog.runs()
+
+    def run(self, name: str, **fields: Any) -> RunInfo:
+        """Get or create a run, recording experiment/config/code and data versions."""
+        return self.catalog.ensure_run(name, **fields)
+
+    def latest(self, run: str) -> Checkpoint:
+        """Newest committed checkpoint of a run."""
+        return self.catalog.latest(run)
+
+    def best(self, run: str, metric: str, mode: str = "min") -> Checkpoint:
+        """Committed checkpoint of a run with the lowest (``min``) or highest metric."""
+        return self.catalog.best(run, metric, mode)
+
+    def lineage(self, ref: str) -> builtins.list[Checkpoint]:
+        """Ancestors of a checkpoint (parent first), across runs."""
+        return self.catalog.lineage(ref)
+
+    def descendants(self, ref: str) -> builtins.list[Checkpoint]:
+        """Checkpoints resumed or fine-tuned from this one, transitively."""
+        return self.catalog.descendants(ref)
+
+    def alias(self, ref: str, name: str) -> None:
+        """Point alias ``name`` at a checkpoint (moving it if it exists); aliased = kept."""
+        self.catalog.alias(ref, name)
+
+    def pin(self, ref: str) -> None:
+        """Protect a checkpoint from retention pruning."""
+        self.catalog.pin(ref)
+
+    def unpin(self, ref: str) -> None:
+        """Remove the pin of a checkpoint."""
+        self.catalog.unpin(ref)
+
+    def events(self, ref: str | None = None, **kw: Any) -> builtins.list[Event]:
+        """Audit log entries (of one checkpoint, or all)."""
+        return self.catalog.events(ref, **kw)
+
+    def usage(self) -> builtins.list[UsageRow]:
+        """Bytes stored by run and tier."""
+        return self.catalog.usage()
+
+    def show(self, ref: str) -> dict[str, Any]:
+        """Everything needed to understand and reproduce a checkpoint.
+
+        Returns:
+            A JSON-able dict: the catalog record, the run's reproduction record and a summary
+            of the manifest (tensor count, dtypes, bytes, codec, chunks).
+        """
+        ck = self.catalog.get(ref)
+        info: dict[str, Any] = {"checkpoint": _checkpoint_dict(ck)}
+        info["reproduction"] = self.catalog.run_record(ck.id)
+        try:
+            manifest = read_manifest(self._hot_dir_of(ck), expected_digest=ck.manifest_digest)
+        except CkptError as exc:
+            info["manifest"] = {"error": str(exc)}
+            return info
+        info["manifest"] = manifest_summary(manifest)
+        return info
+
+    # ------------------------------------------------------------------ gc
+    def gc(self, *, dry_run: bool = False, older_than_s: float = 24 * 3600) -> GcReport:
+        """Remove what dead saves left behind on the hot tier.
+
+        A PENDING row is dead when its writer process on this host is gone, or when it is older
+        than ``older_than_s`` (writers on other hosts). Its directory is deleted and the row is
+        marked FAILED. Directories without a catalog row and without a commit marker are removed
+        too. Committed data is never touched.
+
+        Args:
+            dry_run: Only report what would be removed.
+            older_than_s: Age after which a PENDING row of another host counts as dead.
+
+        Returns:
+            A :class:`GcReport`.
+        """
+        report = GcReport(dry_run=dry_run)
+        host = socket.gethostname()
+        dead: list[Checkpoint] = []
+        for ck in self.catalog.list(state=CheckpointState.PENDING):
+            writer = getattr(ck, "writer", None) or ""
+            w_host, _, w_pid = writer.rpartition(":")
+            age = time.time() - ck.created_at.timestamp()
+            if w_host == host and w_pid.isdigit():
+                if not _pid_alive(int(w_pid)):
+                    dead.append(ck)
+            elif age > older_than_s:
+                dead.append(ck)
+        known: set[str] = set()
+        for ck in self.catalog.list(state=None):
+            known.add(ck.id)
+        for ck in dead:
+            report.failed_rows.append(ck.id)
+            directory = self.checkpoint_dir(ck.run, ck.id)
+            if directory.exists():
+                report.removed_dirs.append(str(directory))
+            if not dry_run:
+                self.catalog.fail_checkpoint(ck.id, "abandoned save removed by gc")
+                shutil.rmtree(directory, ignore_errors=True)
+        for ck in self.catalog.list(state=CheckpointState.FAILED):
+            directory = self.checkpoint_dir(ck.run, ck.id)
+            if directory.exists() and str(directory) not in report.removed_dirs:
+                report.removed_dirs.append(str(directory))
+                if not dry_run:
+                    shutil.rmtree(directory, ignore_errors=True)
+        for directory in self._orphan_dirs(known):
+            report.removed_dirs.append(str(directory))
+            if not dry_run:
+                shutil.rmtree(directory, ignore_errors=True)
+        if not dry_run and not report.empty:
+            self.catalog.record_event(
+                "gc", detail={"removed": len(report.removed_dirs), "failed": report.failed_rows}
+            )
+        return report
+
+    def _orphan_dirs(self, known: set[str]) -> Iterator[Path]:
+        """Checkpoint directories with no catalog row and no commit marker."""
+        if not self.hot.is_dir():
+            return
+        for run_dir in self.hot.iterdir():
+            if not run_dir.is_dir() or run_dir.name.startswith("."):
+                continue
+            for ck_dir in run_dir.iterdir():
+                if ck_dir.name in known or not ck_dir.is_dir():
+                    continue
+                if not (ck_dir / "COMMITTED").exists():
+                    yield ck_dir
+
+
+def _checkpoint_dict(ck: Checkpoint) -> dict[str, Any]:
+    return {
+        "id": ck.id,
+        "ref": ck.ref,
+        "run": ck.run,
+        "step": ck.step,
+        "version": ck.version,
+        "state": str(ck.state),
+        "kind": ck.kind,
+        "base_id": ck.base_id,
+        "parent_id": ck.parent_id,
+        "created_at": ck.created_at.isoformat(),
+        "metrics": dict(ck.metrics),
+        "tags": list(ck.tags),
+        "logical_bytes": ck.logical_bytes,
+        "stored_bytes": ck.stored_bytes,
+        "codec": ck.codec,
+        "manifest_digest": ck.manifest_digest,
+        "lossy": ck.lossy,
+        "error_bound": ck.error_bound,
+        "pinned": ck.pinned,
+        "aliases": list(ck.aliases),
+        "replicas": [
+            {
+                "tier": r.tier,
+                "state": str(r.state),
+                "bytes": r.bytes,
+                "verified_at": r.verified_at.isoformat() if r.verified_at else None,
+            }
+            for r in ck.replicas
+        ],
+    }
+
+
+def manifest_summary(manifest: Manifest) -> dict[str, Any]:
+    """A short JSON-able summary of a manifest for ``ckpt show``."""
+    dtypes: dict[str, int] = {}
+    for entry in manifest.tensors.values():
+        dtype = str(entry["torch_dtype"] if isinstance(entry, dict) else entry.torch_dtype)
+        dtypes[dtype] = dtypes.get(dtype, 0) + 1
+    chunks = 0
+    for arr in manifest.arrays.values():
+        chunk_list = arr["chunks"] if isinstance(arr, dict) else arr.chunks
+        chunks += len(chunk_list)
+    return {
+        "format_version": manifest.format_version,
+        "codec": manifest.codec,
+        "kind": manifest.kind,
+        "tensors": len(manifest.tensors),
+        "dtypes": dtypes,
+        "arrays": len(manifest.arrays),
+        "chunks": chunks,
+        "logical_bytes": manifest.logical_bytes,
+        "stored_bytes": manifest.stored_bytes,
+    }

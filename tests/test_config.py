@@ -1,0 +1,58 @@
+"""Configuration precedence and validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ckptstore.config import load_settings
+from ckptstore.errors import ConfigError
+
+
+def test_defaults(tmp_path: Path) -> None:
+    s = load_settings(root=tmp_path)
+    assert s.codec == "lz4"
+    assert s.resolved_catalog_url.startswith("sqlite:///")
+    assert s.hot_path == (tmp_path / "hot").resolve()
+
+
+def test_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('codec = "zstd-1"\nthreads = 3\n[retention]\nkeep_last = 4\n')
+    assert load_settings(cfg).codec == "zstd-1"
+    monkeypatch.setenv("CKPT_CODEC", "none")
+    assert load_settings(cfg).codec == "none"  # env beats file
+    assert load_settings(cfg, codec="zstd-3").codec == "zstd-3"  # argument beats env
+    assert load_settings(cfg).keep_last == 4
+    monkeypatch.setenv("CKPT_CONFIG", str(cfg))
+    assert load_settings().threads == 3
+
+
+def test_seed_style_keys(tmp_path: Path) -> None:
+    cfg = tmp_path / "seed.toml"
+    cfg.write_text(
+        'save_dir = "hotdir"\narchive_dir = "s3://b/p"\nkeep_last = 2\nsave_interval = 500\n'
+        '[compression_config]\ntype = "diff"\nthreshold = 1e-4\nquantize = 8\n'
+    )
+    s = load_settings(cfg)
+    assert s.warm == "s3://b/p"
+    assert s.hot_path.name == "hotdir"
+    assert (s.keep_last, s.save_interval) == (2, 500)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['codec = "gzip"', "threads = 0", 'unknown_key = 1', "[tiers]\nlukewarm = 'x'",
+     "keep_last = -1", 'hot = "s3://bucket/x"', "this is not toml"],
+)
+def test_bad_config(tmp_path: Path, text: str) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError):
+        load_settings(cfg).hot_path  # noqa: B018 - the hot path is validated lazily
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "nope.toml")
