@@ -26,7 +26,7 @@ services:
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy
+	bash scripts/typecheck.sh
 
 test: $(STAMP) services lint
 	@if docker compose version >/dev/null 2>&1; then docker compose config -q && echo "docker-compose.yml: valid"; else echo "docker compose not installed: docker-compose.yml checked by tests/test_compose.py only"; fi

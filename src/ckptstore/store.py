@@ -395,7 +395,13 @@ class CheckpointStore:
         """
         ck = self.catalog.get(ref)
         info: dict[str, Any] = {"checkpoint": _checkpoint_dict(ck)}
-        info["reproduction"] = self.catalog.run_record(ck.id)
+        record = self.catalog.run_record(ck.id)
+        info["reproduction"] = {
+            **record.get("run", {}),
+            "parents": [p["ref"] for p in record.get("parents", [])],
+            "metrics_at_save": record.get("metrics", {}),
+            "edges": record.get("edges", []),
+        }
         try:
             manifest = read_manifest(self._hot_dir_of(ck), expected_digest=ck.manifest_digest)
         except CkptError as exc:

@@ -12,7 +12,6 @@ import sys
 from collections.abc import Sequence
 from typing import Annotated, Any
 
-import click
 import typer
 
 from ckptstore.cli import ops_commands
@@ -375,25 +374,21 @@ ops_commands.register(app)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``ckpt``; returns the exit code instead of raising."""
+    """Entry point of ``ckpt``; returns the exit code instead of raising.
+
+    Usage errors are reported by typer itself (exit 2); our own errors print one line saying
+    what failed and what to do (exit 1) instead of a traceback.
+    """
     command = typer.main.get_command(app)
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        command.main(args=args, prog_name="ckpt", standalone_mode=False)
-    except click.exceptions.UsageError as exc:
-        exc.show()
-        return 2
-    except click.exceptions.Abort:
-        err_console.print("aborted")
-        return 1
-    except click.exceptions.Exit as exc:
-        return int(exc.exit_code or 0)
+        command.main(args=args, prog_name="ckpt", standalone_mode=True)
+    except SystemExit as exc:
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
     except CkptError as exc:
         err_console.print(f"error: {exc}", markup=False, highlight=False)
         return 1
-    except KeyboardInterrupt:
-        err_console.print("interrupted")
-        return 130
     except OSError as exc:  # anything our own layers did not wrap
         err_console.print(f"error: {exc}", markup=False, highlight=False)
         return 1
