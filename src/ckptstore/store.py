@@ -152,8 +152,8 @@ class CheckpointStore:
         """Directory of a checkpoint on the hot tier."""
         return self.hot / validate_name(run) / ckpt_id
 
-    def _locate(self, ckpt_id: str) -> Path:
-        """Find another checkpoint's hot directory (for chunks a delta references)."""
+    def locate(self, ckpt_id: str) -> Path:
+        """Hot directory of any catalogued checkpoint (used for chunks a delta references)."""
         ck = self.catalog.get_any(ckpt_id)
         return self.checkpoint_dir(ck.run, ck.id)
 
@@ -308,7 +308,7 @@ class CheckpointStore:
             manifest,
             keys=keys,
             into=into,
-            locate=self._locate,
+            locate=self.locate,
             threads=self.settings.threads,
         )
 
@@ -325,7 +325,7 @@ class CheckpointStore:
         ck = self.catalog.get(ref)
         directory = self._hot_dir_of(ck)
         manifest = read_manifest(directory, expected_digest=ck.manifest_digest)
-        problems = verify_checkpoint(directory, manifest, locate=self._locate, deep=deep)
+        problems = verify_checkpoint(directory, manifest, locate=self.locate, deep=deep)
         self.catalog.record_event(
             "verified",
             checkpoint_id=ck.id,

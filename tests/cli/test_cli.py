@@ -105,3 +105,36 @@ def test_db_commands(store_root: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert code == 0 and out.strip() and "empty" not in out
     code, out, _ = run(capsys, "db", "history")
     assert code == 0 and out.strip()
+
+
+def test_convert_and_import(
+    filled: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "w.safetensors"
+    code, _, err = run(capsys, "-s", str(filled), "convert", "base@latest", "--format",
+                       "safetensors", "--out", str(out))
+    assert code == 0, err
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(out))["w"], torch.ones(4) * 100)
+    code, _, err = run(capsys, "-s", str(filled), "convert", "base@latest", "--format",
+                       "safetensors", "--out", str(out))
+    assert code == 1 and "exist" in err  # never overwrites silently
+    pt = tmp_path / "state.pt"
+    code, _, err = run(
+        capsys, "-s", str(filled), "convert", "base@10", "-f", "pytorch", "-o", str(pt)
+    )
+    assert code == 0, err
+    code, _, err = run(capsys, "-s", str(filled), "import", str(pt), "--run", "imported",
+                              "--step", "7", "--metric", "loss=0.5")
+    assert code == 0, err
+    with CheckpointStore.open(filled) as store:
+        assert torch.equal(store.load("imported@7")["w"], torch.ones(4) * 10)
+        assert store.get("imported@latest").metrics == {"loss": 0.5}
+    code, _, err = run(capsys, "-s", str(filled), "convert", "base@latest", "--codec", "zstd-3")
+    assert code == 0, err
+    seed_out = tmp_path / "seed-out"
+    code, _, err = run(capsys, "convert", "--input-dir", str(tmp_path), "--output-dir",
+                       str(seed_out), "--format", "pytorch")
+    assert code == 0, err
+    assert (seed_out / "state.pt").exists()

@@ -171,6 +171,10 @@ def convert_cmd(
         list[str] | None, typer.Option(help="Only tensors matching this pattern (repeatable).")
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output.")] = False,
+    codec: Annotated[
+        str | None,
+        typer.Option(help="Instead of exporting, rewrite REF with this codec as a new version."),
+    ] = None,
 ) -> None:
     """Export a checkpoint to .pt / safetensors / a Hugging Face folder / DCP.
 
@@ -189,6 +193,11 @@ def convert_cmd(
         outputs = convert.convert_directory(input_dir, output_dir, fmt)
         for path in outputs:
             console.print(f"wrote {path}")
+        return
+    if ref is not None and codec is not None:
+        with open_store(ctx) as store:
+            new = convert.convert_checkpoint(store, ref, codec=codec)
+        console.print(f"{ref} re-encoded with {codec} as {new.ref} ({new.id})")
         return
     if ref is None or out is None:
         raise InvalidNameError("give a checkpoint reference and --out PATH (or --input-dir)")
@@ -216,12 +225,29 @@ def import_cmd(
         str | None, typer.Option("--format", "-f", help="pt, safetensors, hf or dcp (auto).")
     ] = None,
     tag: Annotated[list[str] | None, typer.Option(help="Tag (repeatable).")] = None,
+    metric: Annotated[
+        list[str] | None, typer.Option(help="Metric as NAME=VALUE (repeatable).")
+    ] = None,
+    parent: Annotated[str | None, typer.Option(help="Checkpoint it derives from.")] = None,
+    codec: Annotated[str | None, typer.Option(help="Codec preset to store it with.")] = None,
 ) -> None:
     """Import an existing checkpoint (never unpickles: .pt files load with weights_only)."""
     from ckptstore.ops.convert import import_checkpoint
 
+    metrics: dict[str, float] = {}
+    for item in metric or []:
+        name, sep, value = item.partition("=")
+        try:
+            metrics[name] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise InvalidNameError(f"--metric {item!r}: write NAME=VALUE, e.g. loss=1.25")
     with open_store(ctx) as store:
-        ck = import_checkpoint(store, path, run=run, step=step, fmt=fmt, tags=tuple(tag or ()))
+        ck = import_checkpoint(
+            store, path, run=run, step=step, fmt=fmt, tags=tuple(tag or ()),
+            metrics=metrics or None, parent=parent, codec=codec,
+        )
     console.print(f"imported {path} as {ck.ref} ({ck.id})")
 
 
