@@ -1,0 +1,259 @@
+"""Codec presets: how chunk bytes are encoded, and the matching Zarr v3 codec chain.
+
+Every preset is ``bytes`` (+ optional ``blosc``) + ``crc32c``, all core Zarr v3 codecs, so any
+Zarr v3 reader can decode our chunks. We encode with numcodecs' Blosc directly instead of
+through zarr because zarr's per-chunk machinery costs more than the compression itself; a
+test checks zarr decodes our bytes identically.
+
+Why these settings (reference/performance.md): bit-shuffle beats byte-shuffle on float
+weights at the same speed, LZ4 level 1 is as fast as any level and compresses within 1% of
+level 5 on weights, and zstd is offered for the archive tier where bytes cost more than CPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c as _crc32c
+import numcodecs.blosc as _blosc
+import numpy as np
+
+__all__ = [
+    "BLOSC_HEADER",
+    "BLOSC_MAX_OVERHEAD",
+    "CODEC_PRESETS",
+    "TRAILER",
+    "CodecSpec",
+    "codec_spec",
+    "crc32c_update",
+    "decode_into",
+    "encode",
+    "encode_into",
+    "max_encoded_size",
+    "zarr_codecs",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Names accepted for ``codec``.
+CODEC_PRESETS: tuple[str, ...] = ("none", "lz4", "zstd-1", "zstd-3")
+
+#: The crc32c codec appends the checksum of the encoded bytes as 4 little-endian bytes.
+TRAILER = struct.Struct("<I")
+
+#: Blosc 1 frame header: version, versionlz, flags, typesize, nbytes, blocksize, cbytes.
+BLOSC_HEADER = struct.Struct("<BBBBIII")
+
+#: Bytes Blosc may add to incompressible input (the frame header).
+BLOSC_MAX_OVERHEAD = 16
+
+# Blosc's bit-shuffle filter id.
+_BITSHUFFLE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class CodecSpec:
+    """One preset.
+
+    Attributes:
+        name: Preset name (one of :data:`CODEC_PRESETS`).
+        cname: Blosc compressor name, or None for the uncompressed preset.
+        clevel: Blosc compression level (0 when uncompressed).
+    """
+
+    name: str
+    cname: str | None
+    clevel: int
+
+    @property
+    def compressed(self) -> bool:
+        """Whether chunks are Blosc frames (False: raw bytes + trailer)."""
+        return self.cname is not None
+
+
+_SPECS = {
+    "none": CodecSpec("none", None, 0),
+    "lz4": CodecSpec("lz4", "lz4", 1),
+    "zstd-1": CodecSpec("zstd-1", "zstd", 1),
+    "zstd-3": CodecSpec("zstd-3", "zstd", 3),
+}
+
+
+def codec_spec(name: str) -> CodecSpec:
+    """Return the preset called ``name``.
+
+    Raises:
+        ValueError: If ``name`` is not one of :data:`CODEC_PRESETS`.
+    """
+    try:
+        return _SPECS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown codec {name!r}; choose one of {', '.join(CODEC_PRESETS)}"
+        ) from None
+
+
+def zarr_codecs(spec: CodecSpec, itemsize: int) -> list[Any]:
+    """Return the zarr ``compressors`` list (bytes-to-bytes codecs) for a preset.
+
+    Args:
+        spec: The preset.
+        itemsize: Element size of the stored Zarr dtype (Blosc's shuffle granularity).
+    """
+    from zarr.codecs import BloscCodec, Crc32cCodec
+
+    codecs: list[Any] = []
+    if spec.cname is not None:
+        codecs.append(
+            BloscCodec(
+                cname=spec.cname,  # type: ignore[arg-type]
+                clevel=spec.clevel,
+                shuffle="bitshuffle",
+                typesize=itemsize,
+                blocksize=0,
+            )
+        )
+    codecs.append(Crc32cCodec())
+    return codecs
+
+
+def crc32c_update(data: Any, crc: int = 0) -> int:
+    """Extend a crc32c over ``data`` (any buffer); releases the GIL on large inputs."""
+    return int(_crc32c.crc32c(data, crc))
+
+
+class _BloscContext:
+    """Blosc's contextual (thread-safe, single-threaded) entry points, called directly.
+
+    numcodecs' ``compress`` allocates a fresh output buffer per call and then shrinks it,
+    which page-faults and copies ~8 MiB per chunk and halved compression throughput in our
+    measurements. numcodecs' extension module exports c-blosc's ``blosc_compress_ctx`` /
+    ``blosc_decompress_ctx``, which compress into a caller-owned buffer; if a numcodecs build
+    does not export them we fall back to the numcodecs API (same frames, just slower).
+    """
+
+    def __init__(self) -> None:
+        self.compress: Any = None
+        self.decompress: Any = None
+        try:
+            lib = ctypes.CDLL(_blosc.__file__)
+            compress = lib.blosc_compress_ctx
+            decompress = lib.blosc_decompress_ctx
+        except (OSError, AttributeError, TypeError):
+            logger.debug("blosc ctx symbols unavailable; using numcodecs.blosc")
+            return
+        compress.argtypes = [
+            ctypes.c_int,  # clevel
+            ctypes.c_int,  # doshuffle
+            ctypes.c_size_t,  # typesize
+            ctypes.c_size_t,  # nbytes
+            ctypes.c_void_p,  # src
+            ctypes.c_void_p,  # dest
+            ctypes.c_size_t,  # destsize
+            ctypes.c_char_p,  # compressor
+            ctypes.c_size_t,  # blocksize
+            ctypes.c_int,  # numinternalthreads
+        ]
+        compress.restype = ctypes.c_int
+        decompress.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        decompress.restype = ctypes.c_int
+        self.compress = compress
+        self.decompress = decompress
+
+
+_CTX = _BloscContext()
+
+
+def _as_uint8(data: Any) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    arr = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+    if arr.dtype != np.uint8 or arr.ndim != 1 or not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    return arr
+
+
+def max_encoded_size(raw_nbytes: int) -> int:
+    """Upper bound of a Blosc frame for ``raw_nbytes`` input (incompressible data is copied)."""
+    return raw_nbytes + BLOSC_MAX_OVERHEAD
+
+
+def encode_into(spec: CodecSpec, data: Any, itemsize: int, out: Any) -> Any:
+    """Compress one chunk into ``out`` and return the used prefix of it.
+
+    Blosc runs without internal threads: the writer parallelises across chunks instead.
+
+    Args:
+        spec: A compressed preset.
+        data: The unencoded chunk bytes (any contiguous buffer).
+        itemsize: Shuffle granularity, the element size of the stored dtype.
+        out: Writable uint8 numpy buffer of at least :func:`max_encoded_size` bytes.
+    """
+    if spec.cname is None:
+        raise ValueError("encode_into() needs a compressed preset")
+    src = _as_uint8(data)
+    if _CTX.compress is None:
+        frame = _blosc.compress(src, spec.cname.encode(), spec.clevel, _BITSHUFFLE, 0, itemsize)
+        out[: len(frame)] = np.frombuffer(frame, dtype=np.uint8)
+        return out[: len(frame)]
+    size = _CTX.compress(
+        spec.clevel,
+        _BITSHUFFLE,
+        itemsize,
+        src.nbytes,
+        src.ctypes.data,
+        out.ctypes.data,
+        out.nbytes,
+        spec.cname.encode(),
+        0,
+        1,
+    )
+    if size <= 0:
+        raise ValueError(f"blosc compression failed with code {size}")
+    return out[:size]
+
+
+def encode(spec: CodecSpec, data: Any, itemsize: int) -> bytes:
+    """Compress one chunk and return the frame as bytes (convenience for tests and tools)."""
+    src = _as_uint8(data)
+    out = np.empty(max_encoded_size(src.nbytes), dtype=np.uint8)
+    return bytes(encode_into(spec, src, itemsize, out))
+
+
+def decode_into(frame: Any, dest: Any, raw_nbytes: int) -> None:
+    """Decompress one Blosc frame into ``dest``.
+
+    The header is checked first so a frame that claims another size than the manifest's
+    chunk can neither overflow ``dest`` nor leave part of it stale.
+
+    Args:
+        frame: The Blosc frame (encoded chunk without the crc trailer).
+        dest: Writable buffer of at least ``raw_nbytes`` bytes.
+        raw_nbytes: The decoded size the manifest promises.
+
+    Raises:
+        ValueError: If the frame is malformed or decodes to another size.
+    """
+    src = _as_uint8(frame)
+    if src.nbytes < BLOSC_HEADER.size:
+        raise ValueError(f"blosc frame of {src.nbytes} bytes is shorter than its header")
+    _, _, _, _, nbytes, _, cbytes = BLOSC_HEADER.unpack_from(src.data)
+    if nbytes != raw_nbytes or cbytes != src.nbytes:
+        raise ValueError(
+            f"blosc header says {nbytes} bytes from {cbytes}, "
+            f"expected {raw_nbytes} from {src.nbytes}"
+        )
+    target = _as_uint8(dest)
+    if target.nbytes < raw_nbytes or not target.flags.writeable:
+        raise ValueError("destination buffer too small or read-only")
+    if _CTX.decompress is None:
+        try:
+            _blosc.decompress(src, target)
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"blosc decompression failed: {exc}") from exc
+        return
+    size = _CTX.decompress(src.ctypes.data, target.ctypes.data, raw_nbytes, 1)
+    if size != raw_nbytes:
+        raise ValueError(f"blosc decompression failed with code {size}")

@@ -1,0 +1,191 @@
+"""Low-level file I/O for chunk files: exclusive creation, vectored writes and reads,
+early writeback and fsync helpers, and the mapping of OSError onto StorageError.
+
+The functions here are thin wrappers over ``os``; they exist so the writer and reader do not
+each re-implement short-write loops and iovec batching.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ckptstore.errors import StorageError
+
+__all__ = [
+    "create_exclusive",
+    "fadvise_willneed",
+    "fsync_dir",
+    "fsync_path",
+    "preadv_all",
+    "start_writeback",
+    "storage_error",
+    "write_file_durable",
+    "writev_all",
+]
+
+logger = logging.getLogger(__name__)
+
+try:
+    _IOV_MAX = max(16, int(os.sysconf("SC_IOV_MAX")))
+except (ValueError, OSError, AttributeError):
+    _IOV_MAX = 1024
+
+_SYNC_FILE_RANGE_WRITE = 2
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    # Linux only; anywhere else writeback simply starts at fsync time.
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        func = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    func.restype = ctypes.c_int
+    return func  # type: ignore[no-any-return]
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+def storage_error(path: Path | str, action: str, exc: OSError) -> StorageError:
+    """Build the StorageError for an OSError hit while ``action``-ing ``path``.
+
+    The message names the path and, for the errors a user can fix, what to do.
+    """
+    hint = ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        hint = ": disk full: free space or prune old checkpoints"
+    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = ": permission denied: check the store directory's owner and mode"
+    elif exc.errno == errno.EEXIST:
+        hint = ": file exists: checkpoint directories are written once, use a new directory"
+    err = StorageError(exc.errno or 0, f"cannot {action} {path}{hint} ({exc.strerror or exc})")
+    err.filename = str(path)
+    return err
+
+
+def create_exclusive(path: Path) -> int:
+    """Open a new file for writing; fail if it exists (a checkpoint is write-once).
+
+    Returns:
+        The file descriptor. The caller closes it.
+    """
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+
+
+def _as_bytes_views(buffers: Sequence[Any]) -> list[memoryview]:
+    views = []
+    for buf in buffers:
+        view = memoryview(buf)
+        if view.ndim != 1 or view.itemsize != 1 or not view.contiguous:
+            view = view.cast("B")
+        if view.nbytes:
+            views.append(view)
+    return views
+
+
+def writev_all(fd: int, buffers: Sequence[Any]) -> int:
+    """Write every buffer in order with ``writev``, looping on short writes.
+
+    Returns:
+        The number of bytes written.
+    """
+    pending = _as_bytes_views(buffers)
+    total = 0
+    start = 0
+    while start < len(pending):
+        batch = pending[start : start + _IOV_MAX]
+        written = os.writev(fd, batch)
+        if written <= 0:
+            raise OSError(errno.EIO, "writev wrote nothing")
+        total += written
+        # Skip over the buffers written whole; keep the tail of a partially written one.
+        for view in batch:
+            if written >= view.nbytes:
+                written -= view.nbytes
+                start += 1
+            else:
+                pending[start] = view[written:]
+                break
+    return total
+
+
+def preadv_all(fd: int, buffers: Sequence[Any], offset: int) -> int:
+    """Fill every buffer in order from ``offset`` with ``preadv``, looping on short reads.
+
+    Returns:
+        The number of bytes read; less than requested only at end of file.
+    """
+    pending = _as_bytes_views(buffers)
+    total = 0
+    start = 0
+    while start < len(pending):
+        batch = pending[start : start + _IOV_MAX]
+        got = os.preadv(fd, batch, offset + total)
+        if got == 0:
+            break
+        total += got
+        for view in batch:
+            if got >= view.nbytes:
+                got -= view.nbytes
+                start += 1
+            else:
+                pending[start] = view[got:]
+                break
+    return total
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing the file's dirty pages now, without waiting.
+
+    This spreads disk work over the save so the final fsync finds little left to do; it is
+    only a hint, so failures (or a platform without ``sync_file_range``) are ignored.
+    """
+    if _sync_file_range is not None:
+        _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
+def fadvise_willneed(fd: int) -> None:
+    """Hint the kernel to read the whole file ahead; ignored where unsupported."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    except (AttributeError, OSError):
+        pass
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file that was written and closed earlier to stable storage."""
+    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (new file names) to stable storage."""
+    fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_durable(path: Path, data: bytes) -> None:
+    """Create ``path`` exclusively, write ``data`` and fsync it (not its directory)."""
+    fd = create_exclusive(path)
+    try:
+        writev_all(fd, [data])
+        os.fsync(fd)
+    finally:
+        os.close(fd)

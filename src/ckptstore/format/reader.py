@@ -1,0 +1,337 @@
+"""Read committed checkpoints: the manifest, the whole state, a subset, or one tensor at a
+time.
+
+Loading parallelises over chunks. Uncompressed chunks are read with positional vectored
+reads straight into the destination tensors; compressed ones are decoded straight into the
+tensor when one tensor covers the whole chunk. Fresh loads allocate every tensor with
+``torch.empty`` (numpy's single large allocation page-faults slower, see
+reference/performance.md); loading ``into`` a live state writes into its tensors in place,
+which avoids page faults entirely.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    InvalidNameError,
+)
+from ckptstore.format.chunkio import ByteBuffer, ChunkReader, Dest, Locate
+from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
+from ckptstore.format.dtypes import dtype_by_name
+from ckptstore.format.flatten import rebuild_state
+from ckptstore.format.fsio import storage_error
+from ckptstore.format.keys import render_path
+from ckptstore.format.manifest import ArrayEntry, Manifest, TensorEntry, manifest_digest
+from ckptstore.format.tree import iter_tensor_refs, match_into, select_tree
+
+__all__ = ["iter_tensors", "read_checkpoint", "read_manifest"]
+
+logger = logging.getLogger(__name__)
+
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def read_manifest(directory: Path, expected_digest: str | None = None) -> Manifest:
+    """Read and validate the manifest of a committed checkpoint.
+
+    Args:
+        directory: The checkpoint directory.
+        expected_digest: The digest the catalog recorded, if known.
+
+    Raises:
+        CheckpointNotFoundError: If ``directory`` does not exist.
+        IncompleteCheckpointError: If the ``COMMITTED`` marker is absent.
+        IntegrityError: If the manifest is missing, too large, invalid, or its digest differs
+            from the marker's or ``expected_digest``.
+        StorageError: On other OS errors.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointNotFoundError(f"no checkpoint directory at {directory}")
+    marker = directory / COMMIT_NAME
+    try:
+        with open(marker, "rb") as fh:
+            text = fh.read(256)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(
+            f"{directory} has no {COMMIT_NAME} marker: the save that wrote it died or is still "
+            "running; it cannot be loaded (ckpt gc removes dead ones)"
+        ) from None
+    except OSError as exc:
+        raise storage_error(marker, "read", exc) from exc
+    committed = text.decode("ascii", "replace").strip()
+    if not _DIGEST.match(committed):
+        raise IntegrityError(f"{marker} does not hold a manifest digest")
+    data = _read_bounded(directory / MANIFEST_NAME)
+    actual = manifest_digest(data)
+    if actual != committed:
+        raise IntegrityError(
+            f"{directory / MANIFEST_NAME} has digest {actual}, but {COMMIT_NAME} records "
+            f"{committed}: the manifest was modified or damaged"
+        )
+    if expected_digest is not None and actual != expected_digest:
+        raise IntegrityError(
+            f"{directory / MANIFEST_NAME} has digest {actual}, but {expected_digest} was "
+            "expected: this is not the checkpoint the catalog recorded"
+        )
+    return Manifest.from_json(data)
+
+
+def _read_bounded(path: Path) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+    except FileNotFoundError:
+        raise IntegrityError(f"{path} is missing from a committed checkpoint") from None
+    except OSError as exc:
+        raise storage_error(path, "open", exc) from exc
+    try:
+        size = os.fstat(fd).st_size
+        # Checked before reading so a hostile file cannot make us allocate unbounded memory.
+        if size > MAX_MANIFEST_BYTES:
+            raise IntegrityError(f"{path} is {size} bytes, over the {MAX_MANIFEST_BYTES} limit")
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            return fh.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
+        raise storage_error(path, "read", exc) from exc
+    finally:
+        os.close(fd)
+
+
+def _select(manifest: Manifest, keys: Sequence[str] | None) -> Any:
+    if keys is None:
+        return manifest.tree
+    patterns = [keys] if isinstance(keys, str) else list(keys)
+    tree, matched = select_tree(manifest.tree, patterns)
+    missing = [p for p in patterns if p not in matched]
+    if missing:
+        some = ", ".join(render_path(k) for k in manifest.tensor_keys()[:8])
+        raise InvalidNameError(
+            f"key patterns {missing} match nothing in checkpoint {manifest.id}; "
+            f"tensor keys look like: {some or '(none)'}"
+        )
+    return tree
+
+
+def _accepts(entry: TensorEntry, live: Any) -> bool:
+    info = dtype_by_name(entry.torch_dtype)
+    if info is None:
+        return False
+    if isinstance(live, torch.Tensor):
+        return live.dtype == info.torch_dtype and tuple(live.shape) == entry.shape
+    if isinstance(live, np.ndarray):
+        return (
+            live.dtype == np.dtype(info.zarr_dtype)
+            and info.native
+            and live.dtype.isnative
+            and tuple(live.shape) == entry.shape
+            and live.flags.c_contiguous
+            and live.flags.writeable
+        )
+    return False
+
+
+def _writable_bytes(tensor: torch.Tensor) -> ByteBuffer:
+    view: ByteBuffer = tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    return view
+
+
+def _direct(tensor: torch.Tensor) -> bool:
+    """Whether we may write a live tensor's memory directly."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
+
+
+def _chunk_dests(
+    entry: TensorEntry, array: ArrayEntry, view: ByteBuffer, plan: dict[tuple[str, int], list[Dest]]
+) -> None:
+    isz = array.itemsize
+    end = entry.offset + entry.numel
+    for k in range(entry.chunk_start, entry.chunk_stop):
+        lo = max(k * array.chunk_len, entry.offset)
+        hi = min((k + 1) * array.chunk_len, end)
+        dest = view[(lo - entry.offset) * isz : (hi - entry.offset) * isz]
+        plan.setdefault((array.name, k), []).append(((lo - k * array.chunk_len) * isz, dest))
+
+
+def read_checkpoint(
+    directory: Path,
+    manifest: Manifest,
+    *,
+    keys: Sequence[str] | None = None,
+    into: Any | None = None,
+    locate: Locate | None = None,
+    threads: int = 2,
+) -> Any:
+    """Load a checkpoint's state (or part of it).
+
+    Args:
+        directory: The checkpoint directory.
+        manifest: Its manifest (from :func:`read_manifest`).
+        keys: fnmatch patterns over tensor keys (see :mod:`ckptstore.format.keys`); a pattern
+            also selects everything under a matching container path (``"model"`` ==
+            ``"model/*"``). Only the selected leaves are returned, inside the containers
+            that hold them (see :func:`ckptstore.format.tree.select_tree`), and only chunks
+            holding selected tensors are read.
+        into: A live state of the same structure. Tensors (and ndarrays) found at the same
+            path with the same shape and dtype are filled in place and returned as those
+            objects; others are allocated fresh. Non-tensor values always come from the
+            manifest. If loading fails, ``into`` may be partly overwritten.
+        locate: Finds other checkpoints' directories by id (needed for deltas).
+        threads: Reader threads.
+
+    Returns:
+        The state: CPU tensors, bit-identical, ``requires_grad`` False (unless they are the
+        ``into`` tensors).
+
+    Raises:
+        IntegrityError: On a damaged, missing or truncated chunk (names tensor and chunk).
+        MissingBaseError: If a chunk's base checkpoint cannot be found.
+        InvalidNameError: If a key pattern matches nothing.
+    """
+    started = time.perf_counter()
+    if not isinstance(threads, int) or threads < 1:
+        raise InvalidNameError(f"threads must be a positive int, got {threads!r}")
+    tree = _select(manifest, keys)
+    needed: dict[str, None] = {}
+    for _, _, key in iter_tensor_refs(tree):
+        needed.setdefault(key)
+    # Pair with the full tree: selection compacts lists, which would shift positions.
+    live = (
+        match_into(
+            manifest.tree, into, lambda k, obj: k in needed and _accepts(manifest.tensors[k], obj)
+        )
+        if into is not None
+        else {}
+    )
+
+    tensors: dict[str, torch.Tensor] = {}
+    arrays_out: dict[str, np.ndarray[Any, Any]] = {}
+    copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+    plan: dict[tuple[str, int], list[Dest]] = {}
+    for key in needed:
+        entry = manifest.tensors[key]
+        info = dtype_by_name(entry.torch_dtype)
+        assert info is not None  # the manifest was validated
+        target = live.get(key)
+        if isinstance(target, np.ndarray):
+            arrays_out[key] = target
+            target = torch.from_numpy(target)
+        if isinstance(target, torch.Tensor) and _direct(target):
+            dest = target
+            tensors[key] = target
+        else:
+            dest = torch.empty(entry.shape, dtype=info.torch_dtype)
+            if isinstance(target, torch.Tensor):
+                copy_back.append((target, dest))
+                tensors[key] = target
+            else:
+                tensors[key] = dest
+        if entry.numel:
+            _chunk_dests(entry, manifest.arrays[entry.array], _writable_bytes(dest), plan)
+
+    reader = ChunkReader(Path(directory), manifest, locate)
+    _run_reads(reader, manifest, plan, threads)
+    if copy_back:
+        with torch.no_grad():
+            for target, fresh in copy_back:
+                target.copy_(fresh)
+    state = rebuild_state(tree, tensors, arrays_out)
+    logger.debug(
+        "read checkpoint %s: %d tensors from %d chunks in %.3fs",
+        manifest.id,
+        len(tensors),
+        len(plan),
+        time.perf_counter() - started,
+    )
+    return state
+
+
+def _run_reads(
+    reader: ChunkReader,
+    manifest: Manifest,
+    plan: dict[tuple[str, int], list[Dest]],
+    threads: int,
+) -> None:
+    jobs = [
+        (manifest.arrays[name], index, sorted(dests, key=lambda d: d[0]))
+        for (name, index), dests in plan.items()
+    ]
+    if threads == 1 or len(jobs) <= 1:
+        for array, index, dests in jobs:
+            reader.read(array, index, dests)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-read") as pool:
+        futures: list[Future[None]] = [
+            pool.submit(reader.read, array, index, dests) for array, index, dests in jobs
+        ]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+def iter_tensors(
+    directory: Path, manifest: Manifest, *, locate: Locate | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(key, tensor)`` one tensor at a time, for memory-bounded conversion.
+
+    Tensors come grouped by array (dtype) in packing order, not in flatten order; ndarray
+    leaves come as tensors. Memory holds one tensor plus at most one chunk.
+
+    Raises:
+        IntegrityError: On a damaged chunk, as :func:`read_checkpoint`.
+    """
+    reader = ChunkReader(Path(directory), manifest, locate)
+    by_array: dict[str, list[TensorEntry]] = {}
+    for entry in manifest.tensors.values():
+        by_array.setdefault(entry.array, []).append(entry)
+    for name, entries in by_array.items():
+        array = manifest.arrays[name]
+        entries.sort(key=lambda e: e.offset)
+        held_index = -1
+        held = np.empty(array.chunk_nbytes, dtype=np.uint8)
+        for entry in entries:
+            info = dtype_by_name(entry.torch_dtype)
+            assert info is not None
+            tensor = torch.empty(entry.shape, dtype=info.torch_dtype)
+            view = _writable_bytes(tensor)
+            isz = array.itemsize
+            end = entry.offset + entry.numel
+            for k in range(entry.chunk_start, entry.chunk_stop):
+                chunk_lo = k * array.chunk_len
+                lo, hi = max(chunk_lo, entry.offset), min(chunk_lo + array.chunk_len, end)
+                dest = view[(lo - entry.offset) * isz : (hi - entry.offset) * isz]
+                at = (lo - chunk_lo) * isz
+                if k != held_index and (
+                    hi < min(chunk_lo + array.chunk_len, array.length) or lo > chunk_lo
+                ):
+                    # The chunk is shared with other tensors: keep it for them.
+                    reader.read(array, k, [(0, held)])
+                    held_index = k
+                if k == held_index:
+                    np.copyto(dest, held[at : at + len(dest)])
+                else:
+                    reader.read(array, k, [(at, dest)])
+            yield entry.key, tensor

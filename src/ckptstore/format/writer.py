@@ -1,0 +1,525 @@
+"""Write one checkpoint directory: chunk files, zarr metadata, manifest, commit marker.
+
+The hot path writes chunk files itself, at the keys zarr v3 uses, from the tensors' own
+memory: one task per chunk on a small thread pool, vectored writes of the tensor segments
+that fall in the chunk (no gathered copy when uncompressed), crc32c and blake3 computed on
+the way (both release the GIL), and early writeback so the final fsyncs find little to do.
+Going through zarr's own ``__setitem__`` measured ~2x slower (reference/performance.md).
+
+Durability order: chunks (fsynced) -> array/group ``zarr.json`` -> ``manifest.json`` ->
+directories -> ``COMMITTED``. A directory without ``COMMITTED`` is garbage for ``ckpt gc``;
+nothing here ever removes files, and a failed save never leaves a marker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import blake3
+import numpy as np
+import torch
+
+from ckptstore.errors import CkptError, InvalidNameError, UnsafeObjectError
+from ckptstore.format.codecs import (
+    TRAILER,
+    CodecSpec,
+    codec_spec,
+    crc32c_update,
+    encode_into,
+    max_encoded_size,
+)
+from ckptstore.format.constants import (
+    COMMIT_NAME,
+    DEFAULT_CHUNK_BYTES,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+)
+from ckptstore.format.flatten import flatten_state
+from ckptstore.format.fsio import (
+    create_exclusive,
+    fsync_dir,
+    fsync_path,
+    start_writeback,
+    storage_error,
+    write_file_durable,
+    writev_all,
+)
+from ckptstore.format.layout import ArrayPlan, chunk_span, plan_layout
+from ckptstore.format.manifest import (
+    ArrayEntry,
+    BaseRef,
+    ChunkEntry,
+    Manifest,
+    TensorEntry,
+    is_checkpoint_id,
+    manifest_digest,
+)
+from ckptstore.format.zarrmeta import build_metadata
+
+__all__ = ["PHASES", "write_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+#: Names passed to ``fault_point``, in order.
+PHASES = ("chunks_started", "chunks_written", "metadata_written", "manifest_written", "committed")
+
+# Above this many segments in one chunk, copying them into one buffer is cheaper than
+# hashing and writing many tiny pieces.
+_GATHER_ABOVE = 64
+
+# Uncompressed chunks are hashed and written in pieces that fit in L2 cache.
+_PIECE_BYTES = 1 << 20
+
+
+def write_checkpoint(
+    directory: Path,
+    state: Any,
+    *,
+    ckpt_id: str,
+    run: str,
+    step: int,
+    codec: str = "lz4",
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    threads: int = 2,
+    base: BaseRef | None = None,
+    extra: dict[str, Any] | None = None,
+    fault_point: Callable[[str], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Manifest:
+    """Write ``state`` as a committed checkpoint in ``directory``.
+
+    Args:
+        directory: Checkpoint directory; created (with parents) if absent, must be empty if
+            present. Nothing in it is ever overwritten.
+        state: The state (see :mod:`ckptstore.format.flatten` for what it may hold).
+        ckpt_id: The checkpoint's uuid (canonical lower-case form).
+        run: Run name, recorded in the manifest.
+        step: Training step, recorded in the manifest.
+        codec: One of :data:`~ckptstore.format.codecs.CODEC_PRESETS`.
+        chunk_bytes: Target chunk size in bytes.
+        threads: Writer threads (one chunk per task).
+        base: Committed checkpoint to deduplicate against: a chunk with the same array,
+            index, chunk length, codec and blake3 as the base's is not written but referenced
+            (``src``). The base, and every checkpoint it references, must outlive this one.
+        extra: Free JSON metadata stored in the manifest (NaN allowed; keys become str).
+        fault_point: Test hook called with each name in :data:`PHASES` as that phase ends.
+        progress: Called from the calling thread with the logical bytes of each finished
+            chunk.
+
+    Returns:
+        The committed manifest.
+
+    Raises:
+        StorageError: On any OS error (path and cause included; ``COMMITTED`` not written).
+        UnsafeObjectError: If the state holds an object that would need pickle.
+        InvalidNameError: On a bad id, run, step, codec, chunk size or thread count.
+    """
+    started = time.perf_counter()
+    directory = Path(directory)
+    spec = _check_args(ckpt_id, run, step, codec, chunk_bytes, threads, base)
+    if sys.byteorder != "little":
+        raise CkptError("the checkpoint format stores little-endian bytes; this host is not")
+    extra_doc = _normalise_extra(extra)
+    flat = flatten_state(state)
+    plans = plan_layout(flat.tensors, chunk_bytes)
+    sources = {key: _byte_view(t) for key, t in flat.tensors.items()}
+    docs = build_metadata(
+        ckpt_id, [(p.name, p.length, p.chunk_len, p.info) for p in plans.values()], spec
+    )
+
+    def fault(name: str) -> None:
+        if fault_point is not None:
+            fault_point(name)
+
+    _make_dirs(directory, plans)
+    fault("chunks_started")
+    chunk_writer = _ChunkWriter(directory, spec, sources, plans, base)
+    chunks, stored_bytes = chunk_writer.run(threads, progress)
+    fault("chunks_written")
+
+    for rel, data in docs.items():
+        _durable(directory / rel, data)
+    fault("metadata_written")
+
+    manifest = _build_manifest(
+        flat.tensors,
+        flat.tree,
+        plans,
+        chunks,
+        spec,
+        chunk_bytes,
+        stored_bytes,
+        ckpt_id=ckpt_id,
+        run=run,
+        step=step,
+        base=base,
+        extra=extra_doc,
+    )
+    manifest_bytes = manifest.to_json()
+    _durable(directory / MANIFEST_NAME, manifest_bytes)
+    for plan in plans.values():
+        _fsync_dir(directory / plan.name / "c")
+        _fsync_dir(directory / plan.name)
+    _fsync_dir(directory)
+    _fsync_dir(directory.parent)
+    fault("manifest_written")
+
+    _commit(directory, manifest_digest(manifest_bytes))
+    logger.info(
+        "wrote checkpoint %s (%s step %s): %d tensors, %d logical bytes, %d stored, %.3fs",
+        ckpt_id,
+        run,
+        step,
+        len(manifest.tensors),
+        manifest.logical_bytes,
+        stored_bytes,
+        time.perf_counter() - started,
+    )
+    fault("committed")
+    return manifest
+
+
+def _check_args(
+    ckpt_id: str,
+    run: str,
+    step: int,
+    codec: str,
+    chunk_bytes: int,
+    threads: int,
+    base: BaseRef | None,
+) -> CodecSpec:
+    if not is_checkpoint_id(ckpt_id):
+        raise InvalidNameError(f"checkpoint id {ckpt_id!r} must be a lower-case uuid string")
+    if not isinstance(run, str) or not run or len(run) > 1024:
+        raise InvalidNameError("run must be a non-empty string of at most 1024 characters")
+    if not isinstance(step, int) or isinstance(step, bool) or not -(2**63) <= step < 2**63:
+        raise InvalidNameError(f"step must be a 64-bit int, got {step!r}")
+    if not isinstance(chunk_bytes, int) or not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise InvalidNameError(
+            f"chunk_bytes must be between {MIN_CHUNK_BYTES} and {MAX_CHUNK_BYTES}"
+        )
+    if not isinstance(threads, int) or threads < 1:
+        raise InvalidNameError(f"threads must be a positive int, got {threads!r}")
+    if base is not None and base.manifest.id == ckpt_id:
+        raise InvalidNameError("a checkpoint cannot be its own base")
+    try:
+        return codec_spec(codec)
+    except ValueError as exc:
+        raise InvalidNameError(str(exc)) from None
+
+
+def _normalise_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict):
+        raise UnsafeObjectError(f"extra must be a dict, got {type(extra).__name__}")
+    try:
+        # A JSON round trip gives exactly what from_json will return (str keys, lists).
+        doc = json.loads(json.dumps(extra))
+    except (TypeError, ValueError) as exc:
+        raise UnsafeObjectError(f"extra must be JSON-serialisable: {exc}") from exc
+    assert isinstance(doc, dict)
+    return doc
+
+
+def _byte_view(tensor: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """Bytes of a tensor's own elements, without copying when it is a contiguous CPU tensor.
+
+    A non-contiguous view costs a copy of only its own elements, never of its storage.
+    """
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    view: np.ndarray[Any, np.dtype[np.uint8]] = t.reshape(-1).view(torch.uint8).numpy()
+    return view
+
+
+def _make_dirs(directory: Path, plans: dict[str, ArrayPlan]) -> None:
+    try:
+        if directory.exists():
+            if any(directory.iterdir()):
+                raise FileExistsError(17, "directory is not empty")
+        else:
+            directory.mkdir(parents=True)
+    except OSError as exc:
+        raise storage_error(directory, "create checkpoint directory", exc) from exc
+    for plan in plans.values():
+        path = directory / plan.name / "c"
+        try:
+            path.mkdir(parents=True)
+        except OSError as exc:
+            raise storage_error(path, "create directory", exc) from exc
+
+
+def _durable(path: Path, data: bytes) -> None:
+    try:
+        write_file_durable(path, data)
+    except OSError as exc:
+        raise storage_error(path, "write", exc) from exc
+
+
+def _commit(directory: Path, digest: str) -> None:
+    """Publish the marker atomically: a crash or a full disk never leaves a partial one.
+
+    The marker is written and fsynced under a temporary name, then hard-linked to its final
+    name (``link`` fails rather than overwrite, unlike ``rename``).
+    """
+    tmp = directory / f"{COMMIT_NAME}.tmp"
+    final = directory / COMMIT_NAME
+    _durable(tmp, (digest + "\n").encode("ascii"))
+    try:
+        os.link(tmp, final)
+    except OSError as exc:
+        raise storage_error(final, "create commit marker", exc) from exc
+    try:
+        os.unlink(tmp)
+    except OSError as exc:  # the checkpoint is committed; a stray temp file is harmless
+        logger.warning("cannot remove %s: %s", tmp, exc)
+    _fsync_dir(directory)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fsync_dir(path)
+    except OSError as exc:
+        raise storage_error(path, "fsync directory", exc) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    entry: ChunkEntry
+    path: Path | None  # None when deduplicated against the base
+    logical: int
+
+
+class _ChunkWriter:
+    """Writes every chunk of every array on a thread pool."""
+
+    def __init__(
+        self,
+        directory: Path,
+        spec: CodecSpec,
+        sources: dict[str, np.ndarray[Any, np.dtype[np.uint8]]],
+        plans: dict[str, ArrayPlan],
+        base: BaseRef | None,
+    ) -> None:
+        self._directory = directory
+        self._spec = spec
+        self._sources = sources
+        self._plans = plans
+        self._local = threading.local()
+        self._gather_size = max((p.chunk_nbytes for p in plans.values()), default=0)
+        self._base_id = base.manifest.id if base is not None else None
+        self._base: dict[str, tuple[ChunkEntry, ...]] = {}
+        if base is not None:
+            for name, plan in plans.items():
+                old = base.manifest.arrays.get(name)
+                if old is not None and old.chunk_len == plan.chunk_len and old.codec == spec.name:
+                    self._base[name] = old.chunks
+
+    def run(
+        self, threads: int, progress: Callable[[int], None] | None
+    ) -> tuple[dict[str, list[ChunkEntry]], int]:
+        """Write all chunks, then fsync them; return entries per array and bytes written."""
+        results: dict[str, list[ChunkEntry | None]] = {
+            name: [None] * plan.n_chunks for name, plan in self._plans.items()
+        }
+        written: list[Path] = []
+        stored = 0
+        with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-write") as pool:
+            futures: list[tuple[str, Future[_Written]]] = [
+                (name, pool.submit(self._write_chunk, plan, i))
+                for name, plan in self._plans.items()
+                for i in range(plan.n_chunks)
+            ]
+            try:
+                for name, future in futures:
+                    done = future.result()
+                    results[name][done.entry.i] = done.entry
+                    if done.path is not None:
+                        written.append(done.path)
+                        stored += done.entry.nbytes
+                    if progress is not None:
+                        progress(done.logical)
+                # Writeback of every file is already under way; these mostly just wait.
+                for _ in pool.map(_fsync_chunk, written):
+                    pass
+            except BaseException:
+                # Stop queued chunks; running ones finish before the pool closes, so no write
+                # happens after we return.
+                for _, future in futures:
+                    future.cancel()
+                raise
+        entries = {name: [e for e in chunks if e is not None] for name, chunks in results.items()}
+        return entries, stored
+
+    def _buffer(self, name: str, size: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        # Per-thread buffers, reused for every chunk: fresh 8 MiB allocations per chunk
+        # would page-fault at ~2 GB/s, slower than compressing.
+        buf: np.ndarray[Any, np.dtype[np.uint8]] | None = getattr(self._local, name, None)
+        if buf is None:
+            buf = np.empty(size, dtype=np.uint8)
+            setattr(self._local, name, buf)
+        return buf
+
+    def _write_chunk(self, plan: ArrayPlan, index: int) -> _Written:
+        isz = plan.info.itemsize
+        segments: list[Any] = [
+            self._sources[member.key][first * isz : stop * isz]
+            for member, first, stop in plan.chunk_members(index)
+        ]
+        logical = sum(len(s) for s in segments)
+        pad = plan.chunk_nbytes - logical
+        if pad:
+            segments.append(np.zeros(pad, dtype=np.uint8))
+        if len(segments) > 1 and (self._spec.compressed or len(segments) > _GATHER_ABOVE):
+            buf = self._buffer("gather", self._gather_size)
+            pos = 0
+            for seg in segments:
+                np.copyto(buf[pos : pos + len(seg)], seg)
+                pos += len(seg)
+            segments = [buf[:pos]]
+
+        path = self._directory / plan.name / "c" / str(index)
+        old_chunks = self._base.get(plan.name)
+        old = old_chunks[index] if old_chunks is not None and index < len(old_chunks) else None
+        if old is None and not self._spec.compressed:
+            return self._stream_raw(path, index, segments, logical)
+
+        hasher = blake3.blake3()
+        for seg in segments:
+            hasher.update(seg)
+        digest = hasher.hexdigest()
+        if old is not None and old.blake3 == digest:
+            entry = ChunkEntry(index, old.nbytes, old.crc32c, digest, old.src or self._base_id)
+            return _Written(entry, None, logical)
+
+        payload: list[Any] = segments
+        if self._spec.compressed:
+            out = self._buffer("encoded", max_encoded_size(self._gather_size))
+            payload = [encode_into(self._spec, segments[0], isz, out)]
+        crc = 0
+        for part in payload:
+            crc = crc32c_update(part, crc)
+        payload.append(TRAILER.pack(crc))
+        try:
+            fd = create_exclusive(path)
+            try:
+                nbytes = writev_all(fd, payload)
+                start_writeback(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise storage_error(path, "write chunk", exc) from exc
+        return _Written(ChunkEntry(index, nbytes, crc, digest, None), path, logical)
+
+    def _stream_raw(self, path: Path, index: int, segments: list[Any], logical: int) -> _Written:
+        """Write an uncompressed chunk piece by piece, hashing each piece just before.
+
+        The kernel then copies each piece from cache instead of reading the chunk from
+        memory a third time (measured ~15% faster than hashing the whole chunk first).
+        Only used when no base chunk could make the write unnecessary.
+        """
+        hasher = blake3.blake3()
+        crc = 0
+        try:
+            fd = create_exclusive(path)
+            try:
+                for seg in segments:
+                    for start in range(0, len(seg), _PIECE_BYTES):
+                        piece = seg[start : start + _PIECE_BYTES]
+                        crc = crc32c_update(piece, crc)
+                        hasher.update(piece)
+                        writev_all(fd, [piece])
+                writev_all(fd, [TRAILER.pack(crc)])
+                start_writeback(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise storage_error(path, "write chunk", exc) from exc
+        nbytes = sum(len(seg) for seg in segments) + TRAILER.size
+        entry = ChunkEntry(index, nbytes, crc, hasher.hexdigest(), None)
+        return _Written(entry, path, logical)
+
+
+def _fsync_chunk(path: Path) -> None:
+    try:
+        fsync_path(path)
+    except OSError as exc:
+        raise storage_error(path, "fsync", exc) from exc
+
+
+def _build_manifest(
+    tensors: dict[str, torch.Tensor],
+    tree: Any,
+    plans: dict[str, ArrayPlan],
+    chunks: dict[str, list[ChunkEntry]],
+    spec: CodecSpec,
+    chunk_bytes: int,
+    stored_bytes: int,
+    *,
+    ckpt_id: str,
+    run: str,
+    step: int,
+    base: BaseRef | None,
+    extra: dict[str, Any],
+) -> Manifest:
+    arrays = {
+        name: ArrayEntry(
+            name=name,
+            torch_dtype=plan.info.name,
+            zarr_dtype=plan.info.zarr_dtype,
+            itemsize=plan.info.itemsize,
+            length=plan.length,
+            chunk_len=plan.chunk_len,
+            codec=spec.name,
+            chunks=tuple(chunks[name]),
+        )
+        for name, plan in plans.items()
+    }
+    placements = {m.key: m for plan in plans.values() for m in plan.members}
+    entries: dict[str, TensorEntry] = {}
+    for key in tensors:
+        place = placements[key]
+        chunk_len = plans[place.array].chunk_len
+        start, stop = chunk_span(place.offset, place.numel, chunk_len)
+        entries[key] = TensorEntry(
+            key, place.array, place.offset, place.numel, place.shape, place.array, start, stop
+        )
+    referenced = any(c.src is not None for a in arrays.values() for c in a.chunks)
+    return Manifest(
+        format_version=FORMAT_VERSION,
+        id=ckpt_id,
+        run=run,
+        step=step,
+        created_at=datetime.now(UTC).isoformat(),
+        kind="delta" if referenced else "full",
+        base_id=base.manifest.id if (referenced and base is not None) else None,
+        codec=spec.name,
+        chunk_bytes=chunk_bytes,
+        arrays=arrays,
+        tensors=entries,
+        tree=tree,
+        logical_bytes=sum(p.length * p.info.itemsize for p in plans.values()),
+        stored_bytes=stored_bytes,
+        extra=extra,
+    )
