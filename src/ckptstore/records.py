@@ -79,6 +79,7 @@ class Checkpoint:
     pinned: bool = False
     aliases: tuple[str, ...] = ()
     replicas: tuple[Replica, ...] = ()
+    writer: str | None = None  # "host:pid" of the saving process; gc uses it to spot dead saves
 
     @property
     def ref(self) -> str:
@@ -122,6 +123,7 @@ class Event:
     checkpoint_id: str | None = None
     actor: str | None = None
     detail: dict[str, Any] = field(default_factory=dict)
+    run: str | None = None
 
 
 @dataclass(frozen=True)

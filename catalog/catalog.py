@@ -1,0 +1,58 @@
+"""The :class:`Catalog`: the SQL catalog's public API, assembled from its method groups."""
+
+from __future__ import annotations
+
+from ckptstore.catalog.checkpoints import CheckpointsMixin
+from ckptstore.catalog.events import EventsMixin
+from ckptstore.catalog.labels import LabelsMixin
+from ckptstore.catalog.leases import LeasesMixin
+from ckptstore.catalog.lineage import LineageMixin
+from ckptstore.catalog.queries import QueriesMixin
+from ckptstore.catalog.replicas import ReplicasMixin
+
+__all__ = ["Catalog"]
+
+
+class Catalog(
+    CheckpointsMixin,
+    QueriesMixin,
+    LineageMixin,
+    LabelsMixin,
+    ReplicasMixin,
+    LeasesMixin,
+    EventsMixin,
+):
+    """The checkpoint catalog on SQLite (embedded) or PostgreSQL (shared).
+
+    Every method is one short transaction and returns plain records from
+    :mod:`ckptstore.records` (never ORM objects), so results can cross threads and processes.
+    The object is thread-safe; each process opens its own.
+
+    Method groups (each in its own module):
+        * runs: :meth:`ensure_run`, :meth:`get_run`, :meth:`runs`;
+        * life cycle: :meth:`begin_checkpoint`, :meth:`commit_checkpoint`,
+          :meth:`fail_checkpoint`, :meth:`get_any`, :meth:`mark_deleting`,
+          :meth:`mark_deleted`, :meth:`stale_pending`, :meth:`pending_by_writer`;
+        * queries: :meth:`get`, :meth:`latest`, :meth:`best`, :meth:`list`, :meth:`usage`;
+        * lineage: :meth:`lineage`, :meth:`descendants`, :meth:`add_edge`, :meth:`edges`,
+          :meth:`run_record`;
+        * labels: :meth:`alias`, :meth:`unalias`, :meth:`pin`, :meth:`unpin`,
+          :meth:`is_protected`;
+        * replicas: :meth:`replicas`, :meth:`set_replica`;
+        * leases: :meth:`acquire_lease`, :meth:`release_lease`, :meth:`lease_holder`;
+        * audit log: :meth:`record_event`, :meth:`events`.
+
+    Args:
+        url: ``sqlite:///path/catalog.db`` (the parent directory is created) or
+            ``postgresql+psycopg://user:password@host:5432/db``.
+        upgrade: Run ``alembic upgrade head`` on open when the schema is behind (default);
+            with False an out-of-date schema raises :class:`~ckptstore.errors.ConfigError`.
+
+    Example:
+        >>> cat = Catalog("sqlite:////tmp/ckpt/catalog.db")  # doctest: +SKIP
+        >>> ck = cat.begin_checkpoint("run-a", 100, metrics={"loss": 0.5})  # doctest: +SKIP
+        >>> cat.commit_checkpoint(ck.id, manifest_digest="b3:...", logical_bytes=10,
+        ...                       stored_bytes=8)  # doctest: +SKIP
+        >>> cat.get("run-a@latest").step  # doctest: +SKIP
+        100
+    """

@@ -1,0 +1,489 @@
+"""The checkpoint life cycle: PENDING → COMMITTED → DELETING → DELETED, or FAILED.
+
+Version allocation is the one read-modify-write that must never race: ``version`` is
+``max(version of the run) + 1`` and has to be unique and gap-free with several processes
+saving into the same run. On SQLite the write transaction starts with ``BEGIN IMMEDIATE``, so
+writers are serialised before they read the maximum. On PostgreSQL the run row is locked
+(``SELECT ... FOR NO KEY UPDATE``) before the maximum is read; under READ COMMITTED that read
+then sees every version committed by the previous lock holder.
+
+State changes are conditional ``UPDATE ... WHERE state = <expected>`` statements, so two
+processes flipping the same row cannot both succeed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from typing import Any, cast
+
+from ckptstore.catalog.checks import (
+    check_checkpoint_id,
+    check_metrics,
+    check_positive,
+    check_step,
+    check_tags,
+    check_tier,
+)
+from ckptstore.catalog.core import default_writer
+from ckptstore.catalog.loading import checkpoint_query, load_by_id, load_checkpoints
+from ckptstore.catalog.models import (
+    AliasRow,
+    CheckpointMetricRow,
+    CheckpointRow,
+    CheckpointTagRow,
+    ReplicaRow,
+    utcnow,
+)
+from ckptstore.catalog.resolve import resolve_any
+from ckptstore.catalog.runs import RunsMixin
+from sqlalchemy import CursorResult, func, insert, select, update
+from sqlalchemy.orm import Session
+
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    ConflictError,
+    IncompleteCheckpointError,
+    InvalidNameError,
+)
+from ckptstore.names import validate_name
+from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+
+__all__ = ["CheckpointsMixin"]
+
+logger = logging.getLogger("ckptstore.catalog")
+
+C = CheckpointRow
+PENDING = CheckpointState.PENDING
+COMMITTED = CheckpointState.COMMITTED
+KINDS = ("full", "delta")
+
+
+def _check_bytes(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidNameError(f"{what} must be a non-negative int, got {value!r}")
+    return value
+
+
+def _check_short_text(value: object, what: str, max_len: int) -> str:
+    if not isinstance(value, str) or not value or len(value) > max_len:
+        raise InvalidNameError(f"{what} must be a non-empty string of at most {max_len} chars")
+    return value
+
+
+class CheckpointsMixin(RunsMixin):
+    """Checkpoint life-cycle methods of :class:`~ckptstore.catalog.Catalog`."""
+
+    def begin_checkpoint(
+        self,
+        run: str,
+        step: int,
+        *,
+        ckpt_id: str | None = None,
+        metrics: Mapping[str, float] | None = None,
+        tags: Iterable[str] = (),
+        parent_id: str | None = None,
+        kind: str = "full",
+        base_id: str | None = None,
+        codec: str = "none",
+        lossy: bool = False,
+        error_bound: float | None = None,
+        writer: str | None = None,
+        tier: str = "hot",
+        uri: str = "",
+    ) -> Checkpoint:
+        """Register a checkpoint that is about to be written (state PENDING).
+
+        Allocates the run's next version atomically (unique and gap-free under concurrent
+        writers on both backends), creates the run if needed, and records a COPYING replica
+        on ``tier``. Nothing lists, loads or uses a PENDING checkpoint as a base until
+        :meth:`commit_checkpoint`.
+
+        Args:
+            run: Run name (created if it does not exist).
+            step: Training step (saving a step again makes a new version).
+            ckpt_id: Id to use (a uuid); a fresh uuid4 by default.
+            metrics: Metric values at save time; finite numbers only.
+            tags: Tags for filtering.
+            parent_id: Checkpoint this one was resumed or fine-tuned from (any run).
+            kind: ``"full"`` or ``"delta"``.
+            base_id: Base of a delta checkpoint; must be COMMITTED.
+            codec: Codec preset name.
+            lossy: Whether any stored value is approximate.
+            error_bound: Largest absolute error of a lossy checkpoint.
+            writer: ``host:pid`` of the saving process; this process by default.
+            tier: Tier the checkpoint is written to.
+            uri: Where on that tier, if already known.
+
+        Returns:
+            The PENDING checkpoint with its version.
+
+        Raises:
+            InvalidNameError: If a name, tag, metric or value is invalid.
+            CheckpointNotFoundError: If ``parent_id`` or ``base_id`` does not exist.
+            IncompleteCheckpointError: If the parent or base was never committed.
+            ConflictError: If ``ckpt_id`` is already taken.
+        """
+        validate_name(run)
+        step = check_step(step)
+        cid = check_checkpoint_id(ckpt_id) if ckpt_id is not None else str(uuid.uuid4())
+        values = check_metrics(metrics)
+        tag_list = check_tags(tags)
+        if kind not in KINDS:
+            raise InvalidNameError(
+                f"checkpoint kind must be one of {', '.join(KINDS)}, not {kind!r}"
+            )
+        if kind == "delta" and base_id is None:
+            raise InvalidNameError("a delta checkpoint needs base_id (the checkpoint it extends)")
+        parent = check_checkpoint_id(parent_id) if parent_id is not None else None
+        base = check_checkpoint_id(base_id) if base_id is not None else None
+        codec = _check_short_text(codec, "codec", 64)
+        if error_bound is not None and (
+            isinstance(error_bound, bool)
+            or not isinstance(error_bound, int | float)
+            or not math.isfinite(error_bound)
+            or error_bound < 0
+        ):
+            raise InvalidNameError(f"error_bound must be a finite number >= 0, got {error_bound!r}")
+        tier = check_tier(tier)
+        writer = _check_short_text(writer or default_writer(), "writer", 300)
+        now = utcnow()
+        with self._write() as s:
+            run_id = self._get_or_create_run(s, run)
+            self._run_id(s, run, lock=True)
+            self._check_link(s, parent, "parent", committed_only=False)
+            self._check_link(s, base, "base", committed_only=True)
+            if s.scalar(select(C.id).where(C.id == cid)) is not None:
+                raise ConflictError(f"checkpoint id {cid} is already taken; omit ckpt_id")
+            version = (s.scalar(select(func.max(C.version)).where(C.run_id == run_id)) or 0) + 1
+            s.execute(
+                insert(CheckpointRow).values(
+                    id=cid,
+                    run_id=run_id,
+                    step=step,
+                    version=version,
+                    state=PENDING,
+                    kind=kind,
+                    base_id=base,
+                    parent_id=parent,
+                    metrics=values,
+                    tags=sorted(tag_list),
+                    codec=codec,
+                    lossy=bool(lossy),
+                    error_bound=None if error_bound is None else float(error_bound),
+                    writer=writer,
+                    created_at=now,
+                )
+            )
+            if tag_list:
+                s.execute(
+                    insert(CheckpointTagRow),
+                    [
+                        {
+                            "checkpoint_id": cid,
+                            "tag": t,
+                            "run_id": run_id,
+                            "step": step,
+                            "version": version,
+                        }
+                        for t in tag_list
+                    ],
+                )
+            if values:
+                s.execute(
+                    insert(CheckpointMetricRow),
+                    [
+                        {"checkpoint_id": cid, "name": k, "run_id": run_id, "value": v}
+                        for k, v in values.items()
+                    ],
+                )
+            s.execute(
+                insert(ReplicaRow).values(
+                    checkpoint_id=cid,
+                    tier=tier,
+                    uri=str(uri),
+                    state=ReplicaState.COPYING,
+                    bytes=0,
+                    updated_at=now,
+                )
+            )
+            logger.debug("began checkpoint %s: %s step %s v%s", cid, run, step, version)
+            return self._load(s, cid)
+
+    def commit_checkpoint(
+        self,
+        ckpt_id: str,
+        *,
+        manifest_digest: str,
+        logical_bytes: int,
+        stored_bytes: int,
+        tier: str = "hot",
+        replica_bytes: int | None = None,
+        uri: str | None = None,
+    ) -> Checkpoint:
+        """Flip a PENDING checkpoint to COMMITTED once its files are durable.
+
+        The replica on ``tier`` becomes PRESENT and verified now; a ``saved`` event is logged.
+
+        Args:
+            ckpt_id: The checkpoint id from :meth:`begin_checkpoint`.
+            manifest_digest: Digest of the written manifest.
+            logical_bytes: Bytes of the state before encoding.
+            stored_bytes: Bytes written.
+            tier: Tier holding the written copy.
+            replica_bytes: Bytes of that copy; ``stored_bytes`` by default.
+            uri: Where the copy lives, if not given at :meth:`begin_checkpoint`.
+
+        Returns:
+            The COMMITTED checkpoint.
+
+        Raises:
+            CheckpointNotFoundError: If no checkpoint has that id.
+            ConflictError: If the checkpoint is not PENDING (already committed, or marked
+                FAILED by gc because its writer looked dead).
+        """
+        cid = check_checkpoint_id(ckpt_id)
+        digest = _check_short_text(manifest_digest, "manifest_digest", 128)
+        logical = _check_bytes(logical_bytes, "logical_bytes")
+        stored = _check_bytes(stored_bytes, "stored_bytes")
+        copy_bytes = (
+            stored if replica_bytes is None else _check_bytes(replica_bytes, "replica_bytes")
+        )
+        tier = check_tier(tier)
+        now = utcnow()
+        with self._write() as s:
+            self._transition(
+                s,
+                cid,
+                PENDING,
+                COMMITTED,
+                committed_at=now,
+                manifest_digest=digest,
+                logical_bytes=logical,
+                stored_bytes=stored,
+            )
+            values: dict[str, Any] = {
+                "checkpoint_id": cid,
+                "tier": tier,
+                "uri": uri or "",
+                "state": ReplicaState.PRESENT,
+                "bytes": copy_bytes,
+                "verified_at": now,
+                "updated_at": now,
+            }
+            stmt = self._insert(ReplicaRow).values(**values)
+            changes = {k: stmt.excluded[k] for k in ("state", "bytes", "verified_at", "updated_at")}
+            if uri is not None:
+                changes["uri"] = stmt.excluded.uri
+            s.execute(
+                stmt.on_conflict_do_update(index_elements=["checkpoint_id", "tier"], set_=changes)
+            )
+            ck = self._load(s, cid)
+            self._add_event(
+                s,
+                "saved",
+                checkpoint_id=cid,
+                run_id=self._run_id(s, ck.run),
+                detail={
+                    "step": ck.step,
+                    "version": ck.version,
+                    "stored_bytes": stored,
+                    "tier": tier,
+                },
+            )
+            return ck
+
+    def fail_checkpoint(self, ckpt_id: str, reason: str) -> None:
+        """Mark a PENDING checkpoint FAILED (its save died); logs a ``save_failed`` event.
+
+        Idempotent for an already FAILED checkpoint.
+
+        Raises:
+            CheckpointNotFoundError: If no checkpoint has that id.
+            ConflictError: If the checkpoint is COMMITTED or being deleted.
+        """
+        cid = check_checkpoint_id(ckpt_id)
+        with self._write() as s:
+            state = s.scalar(select(C.state).where(C.id == cid))
+            if state == CheckpointState.FAILED:
+                return
+            self._transition(s, cid, PENDING, CheckpointState.FAILED)
+            run_id = s.scalar(select(C.run_id).where(C.id == cid))
+            self._add_event(
+                s, "save_failed", checkpoint_id=cid, run_id=run_id, detail={"reason": str(reason)}
+            )
+        logger.info("checkpoint %s marked FAILED: %s", cid, reason)
+
+    def get_any(self, ckpt_id: str) -> Checkpoint:
+        """The checkpoint with this id, in any state (for gc and flows).
+
+        Raises:
+            CheckpointNotFoundError: If no checkpoint has that id.
+        """
+        cid = check_checkpoint_id(ckpt_id)
+        with self._read() as s:
+            return resolve_any(s, cid)
+
+    def mark_deleting(self, ckpt_id: str) -> Checkpoint:
+        """Start deleting a checkpoint: COMMITTED or FAILED → DELETING (idempotent).
+
+        Refused while anything still needs the checkpoint, as a last line of defence behind
+        the retention policies: a pin, an alias, or a live delta that uses it as its base.
+
+        Raises:
+            CheckpointNotFoundError: If no checkpoint has that id.
+            ConflictError: If it is PENDING or DELETED, pinned, aliased, or a live base.
+        """
+        cid = check_checkpoint_id(ckpt_id)
+        with self._write() as s:
+            row = s.execute(
+                select(C.state, C.pinned).where(C.id == cid).with_for_update(key_share=True)
+            ).first()
+            if row is None:
+                raise CheckpointNotFoundError(f"no checkpoint has id {cid}")
+            if row.state == CheckpointState.DELETING:
+                return self._load(s, cid)
+            if row.state not in (COMMITTED, CheckpointState.FAILED):
+                raise ConflictError(
+                    f"checkpoint {cid} is {row.state.value}; only COMMITTED or FAILED "
+                    "checkpoints can be deleted"
+                )
+            aliases = list(s.scalars(select(AliasRow.name).where(AliasRow.checkpoint_id == cid)))
+            if row.pinned or aliases:
+                what = "pinned" if row.pinned else f"aliased as {', '.join(sorted(aliases))}"
+                raise ConflictError(
+                    f"checkpoint {cid} is {what} and is never pruned; unpin/unalias it first"
+                )
+            dependents = list(
+                s.scalars(
+                    select(C.id).where(C.base_id == cid, C.state.in_((PENDING, COMMITTED))).limit(5)
+                )
+            )
+            if dependents:
+                raise ConflictError(
+                    f"checkpoint {cid} is the base of delta checkpoint(s) {', '.join(dependents)}; "
+                    "delete or compact those first"
+                )
+            s.execute(update(C).where(C.id == cid).values(state=CheckpointState.DELETING))
+            return self._load(s, cid)
+
+    def mark_deleted(self, ckpt_id: str) -> Checkpoint:
+        """Finish deleting: DELETING → DELETED (idempotent); every replica becomes DELETED.
+
+        The row, its metrics, tags and events stay, so lineage and history remain readable.
+        Logs a ``deleted`` event.
+
+        Raises:
+            CheckpointNotFoundError: If no checkpoint has that id.
+            ConflictError: If the checkpoint is not DELETING.
+        """
+        cid = check_checkpoint_id(ckpt_id)
+        now = utcnow()
+        with self._write() as s:
+            if s.scalar(select(C.state).where(C.id == cid)) == CheckpointState.DELETED:
+                return self._load(s, cid)
+            self._transition(s, cid, CheckpointState.DELETING, CheckpointState.DELETED)
+            s.execute(
+                update(ReplicaRow)
+                .where(ReplicaRow.checkpoint_id == cid)
+                .values(state=ReplicaState.DELETED, updated_at=now)
+            )
+            ck = self._load(s, cid)
+            self._add_event(
+                s,
+                "deleted",
+                checkpoint_id=cid,
+                run_id=self._run_id(s, ck.run),
+                detail={"step": ck.step, "version": ck.version},
+            )
+            return ck
+
+    def stale_pending(self, *, older_than_s: float) -> list[Checkpoint]:
+        """PENDING checkpoints created more than ``older_than_s`` seconds ago, oldest first.
+
+        These are saves that died or hang; gc marks them FAILED and removes their files.
+        """
+        age = check_positive(older_than_s, "older_than_s")
+        cutoff = utcnow() - timedelta(seconds=age)
+        with self._read() as s:
+            stmt = (
+                checkpoint_query()
+                .where(C.state == PENDING, C.created_at < cutoff)
+                .order_by(C.created_at, C.id)
+            )
+            return load_checkpoints(s, stmt)
+
+    def pending_by_writer(self, host: str) -> list[Checkpoint]:
+        """PENDING checkpoints written by processes on ``host`` (``writer`` = ``host:pid``).
+
+        gc checks whether each pid is still alive to find saves of dead local processes.
+        """
+        if not isinstance(host, str) or not host:
+            raise InvalidNameError(f"host must be a non-empty string, got {host!r}")
+        with self._read() as s:
+            stmt = (
+                checkpoint_query()
+                .where(C.state == PENDING, C.writer.startswith(f"{host}:", autoescape=True))
+                .order_by(C.created_at, C.id)
+            )
+            return load_checkpoints(s, stmt)
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _load(session: Session, cid: str) -> Checkpoint:
+        ck = load_by_id(session, cid)
+        if ck is None:
+            raise CheckpointNotFoundError(f"no checkpoint has id {cid}")
+        return ck
+
+    @staticmethod
+    def _check_link(session: Session, cid: str | None, what: str, *, committed_only: bool) -> None:
+        if cid is None:
+            return
+        state = session.scalar(select(C.state).where(C.id == cid))
+        if state is None:
+            raise CheckpointNotFoundError(f"{what} checkpoint {cid} does not exist")
+        if state in (PENDING, CheckpointState.FAILED):
+            raise IncompleteCheckpointError(
+                f"{what} checkpoint {cid} was never committed (state {state.value})"
+            )
+        if committed_only and state != COMMITTED:
+            raise CheckpointNotFoundError(
+                f"{what} checkpoint {cid} was pruned (state {state.value}); pick a kept one"
+            )
+
+    @staticmethod
+    def _transition(
+        session: Session,
+        cid: str,
+        expected: CheckpointState,
+        new: CheckpointState,
+        **values: Any,
+    ) -> None:
+        """``UPDATE ... SET state = new WHERE id = cid AND state = expected``, or explain."""
+        result = cast(
+            "CursorResult[Any]",
+            session.execute(
+                update(C)
+                .where(C.id == cid, C.state == expected)
+                .values(state=new, **values)
+                .execution_options(synchronize_session=False)
+            ),
+        )
+        if result.rowcount == 1:
+            return
+        state = session.scalar(select(C.state).where(C.id == cid))
+        if state is None:
+            raise CheckpointNotFoundError(f"no checkpoint has id {cid}")
+        hint = ""
+        if expected == PENDING and state == CheckpointState.FAILED:
+            hint = "; gc marked it FAILED (its writer looked dead): save again"
+        elif expected == PENDING and state == COMMITTED:
+            hint = "; it was already committed"
+        raise ConflictError(
+            f"checkpoint {cid} is {state.value}, not {expected.value}: cannot make it "
+            f"{new.value}{hint}"
+        )

@@ -1,0 +1,215 @@
+"""The catalog's plumbing: engine, one-transaction-per-call sessions, shared helpers.
+
+Every public :class:`~ckptstore.catalog.Catalog` method runs in exactly one short transaction,
+opened by :meth:`CatalogCore._read` or :meth:`CatalogCore._write`. Write transactions take the
+SQLite write lock up front (``BEGIN IMMEDIATE``, see :mod:`ckptstore.catalog.engine`); on
+PostgreSQL the methods that read-then-write lock the rows they depend on explicitly.
+Nothing here ever holds a transaction open across I/O outside the database.
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from types import TracebackType
+from typing import Any, Literal
+
+from ckptstore.catalog import migrate
+from ckptstore.catalog.engine import WRITE_OPTION, create_catalog_engine, mask_url
+from ckptstore.catalog.models import Base, EventRow, RunRow, utcnow
+from sqlalchemy import Engine, insert, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from ckptstore.errors import CheckpointNotFoundError, ConfigError, StorageError
+from ckptstore.refs import Ref, parse_ref
+
+__all__ = ["CatalogCore", "default_actor", "default_writer", "name_list", "runs_hint"]
+
+logger = logging.getLogger("ckptstore.catalog")
+
+
+def default_writer() -> str:
+    """``host:pid`` of this process, recorded on the checkpoints it saves."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def default_actor() -> str:
+    """``user@host`` for the audit log."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (containers) and no $USER
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def name_list(names: Sequence[object], *, limit: int = 20) -> str:
+    """``"a, b, c"``, shortened to ``limit`` items plus a count for long lists."""
+    shown = ", ".join(str(n) for n in names[:limit])
+    if len(names) > limit:
+        shown += f", ... ({len(names)} in total)"
+    return shown
+
+
+def runs_hint(session: Session) -> str:
+    """``"runs: a, b, ..."`` or ``"no runs exist yet"``, for not-found messages."""
+    names = list(session.scalars(select(RunRow.name).order_by(RunRow.name).limit(21)))
+    return f"runs: {name_list(names)}" if names else "no runs exist yet"
+
+
+class CatalogCore:
+    """Engine, sessions and helpers shared by the catalog's method groups.
+
+    Args:
+        url: Catalog URL, ``sqlite:///path/catalog.db`` or
+            ``postgresql+psycopg://user:password@host:5432/db``.
+        upgrade: Bring the schema to the newest revision on open (``alembic upgrade head``).
+            With False, a catalog that is not at the expected revision is refused.
+
+    Raises:
+        ConfigError: If the URL is not a supported catalog URL, or the schema is not at the
+            revision this code expects and ``upgrade`` is False.
+        StorageError: If the database cannot be reached.
+    """
+
+    def __init__(self, url: str, *, upgrade: bool = True) -> None:
+        self._engine: Engine = create_catalog_engine(url)
+        self._url = mask_url(self._engine.url)
+        self._sessions = sessionmaker(self._engine, expire_on_commit=False, autoflush=False)
+        try:
+            self._check_schema(upgrade)
+        except BaseException:
+            self._engine.dispose()
+            raise
+        logger.debug("opened catalog %s", self._url)
+
+    def _check_schema(self, upgrade: bool) -> None:
+        # Comparing revisions first keeps opening an up-to-date catalog to one cheap query.
+        expected = migrate.head()
+        found = migrate.current(self._engine)
+        if found == expected:
+            return
+        if upgrade:
+            migrate.upgrade(self._engine)
+            return
+        raise ConfigError(
+            f"catalog {self._url} is at schema revision {found or '<empty>'}, this version of "
+            f"ckptstore needs {expected}; run `ckpt db upgrade`"
+        )
+
+    # ------------------------------------------------------------------ properties, life cycle
+    @property
+    def url(self) -> str:
+        """The catalog URL with its password masked (safe to log and print)."""
+        return self._url
+
+    @property
+    def dialect(self) -> Literal["sqlite", "postgresql"]:
+        """``"sqlite"`` or ``"postgresql"``."""
+        return "sqlite" if self._engine.dialect.name == "sqlite" else "postgresql"
+
+    @property
+    def engine(self) -> Engine:
+        """The SQLAlchemy engine (for tests, benchmarks and migrations)."""
+        return self._engine
+
+    def upgrade(self) -> None:
+        """Bring the schema to the newest revision (no-op when it is there)."""
+        migrate.upgrade(self._engine)
+
+    def close(self) -> None:
+        """Close every pooled connection. The object must not be used afterwards."""
+        self._engine.dispose()
+
+    def __enter__(self) -> CatalogCore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._url!r})"
+
+    # ------------------------------------------------------------------ transactions
+    @contextmanager
+    def _session(self, *, write: bool) -> Iterator[Session]:
+        try:
+            with self._sessions() as session, session.begin():
+                if write:
+                    # The session acquires its connection lazily: procure it now, flagged,
+                    # so the engine's begin hook emits BEGIN IMMEDIATE before any statement.
+                    session.connection(execution_options={WRITE_OPTION: True})
+                yield session
+        except (OperationalError, InterfaceError) as e:
+            # The driver's message names host and database but never the password.
+            raise StorageError(f"catalog {self._url} failed: {e.orig}") from e
+
+    @contextmanager
+    def _read(self) -> Iterator[Session]:
+        """One read-only transaction (deferred ``BEGIN`` on SQLite: never waits for writers)."""
+        with self._session(write=False) as session:
+            yield session
+
+    @contextmanager
+    def _write(self) -> Iterator[Session]:
+        """One write transaction (``BEGIN IMMEDIATE`` on SQLite: writers queue, never fail)."""
+        with self._session(write=True) as session:
+            yield session
+
+    # ------------------------------------------------------------------ helpers
+    def _insert(self, table: type[Base]) -> postgresql.Insert | sqlite.Insert:
+        """A dialect-specific ``INSERT`` supporting ``ON CONFLICT`` (both backends have it)."""
+        if self._engine.dialect.name == "postgresql":
+            return postgresql.insert(table)
+        return sqlite.insert(table)
+
+    @staticmethod
+    def _ref(ref: str | Ref) -> Ref:
+        return ref if isinstance(ref, Ref) else parse_ref(ref)
+
+    def _run_id(self, session: Session, name: str, *, lock: bool = False) -> int:
+        """Id of run ``name``; with ``lock``, the row is locked until the transaction ends."""
+        stmt = select(RunRow.id).where(RunRow.name == name)
+        if lock:
+            # FOR NO KEY UPDATE: serialises version allocation but, unlike FOR UPDATE, does
+            # not block inserts whose foreign keys merely reference the run.
+            stmt = stmt.with_for_update(key_share=True)
+        run_id = session.scalar(stmt)
+        if run_id is None:
+            raise CheckpointNotFoundError(f"run {name!r} does not exist; {runs_hint(session)}")
+        return run_id
+
+    @staticmethod
+    def _add_event(
+        session: Session,
+        kind: str,
+        *,
+        checkpoint_id: str | None = None,
+        run_id: int | None = None,
+        actor: str | None = None,
+        detail: dict[str, Any] | None = None,
+    ) -> datetime:
+        """Append an audit-log entry inside the caller's transaction; returns its time."""
+        at = utcnow()
+        session.execute(
+            insert(EventRow).values(
+                kind=kind,
+                checkpoint_id=checkpoint_id,
+                run_id=run_id,
+                actor=actor or default_actor(),
+                detail=detail or {},
+                at=at,
+            )
+        )
+        return at

@@ -1,0 +1,184 @@
+"""Engine creation for the catalog: SQLite pragmas, write locking, PostgreSQL driver choice.
+
+SQLite (the embedded default) needs care under several writer processes (see
+``reference/ecosystem.md`` §7 item 4): pysqlite's own transaction handling does not ``BEGIN``
+before a ``SELECT``, so a read-modify-write (allocating the next version) silently loses
+updates, and a deferred transaction that read a stale snapshot fails with "database is locked"
+the moment it writes, whatever ``busy_timeout`` says. The recipe used here:
+
+* take transaction control away from pysqlite (``isolation_level = None``) and emit ``BEGIN``
+  ourselves from the engine's ``begin`` event;
+* ``BEGIN IMMEDIATE`` for write transactions (connections carrying the
+  :data:`WRITE_OPTION` execution option), which takes the write lock up front and waits up to
+  ``busy_timeout`` for it, so concurrent writers queue instead of failing;
+* plain deferred ``BEGIN`` for reads, which in WAL mode never block and are never blocked;
+* WAL, ``busy_timeout=30000``, ``foreign_keys=ON`` on every new connection.
+
+PostgreSQL uses psycopg 3; version allocation there locks the run row (``SELECT ... FOR
+UPDATE``) instead, see ``ckptstore.catalog.checkpoints``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.exc import ArgumentError
+from sqlalchemy.pool import StaticPool
+
+from ckptstore.errors import ConfigError
+
+__all__ = ["WRITE_OPTION", "create_catalog_engine", "mask_url", "parse_catalog_url"]
+
+logger = logging.getLogger(__name__)
+
+#: Execution option that marks a connection's transaction as a write (``BEGIN IMMEDIATE``).
+WRITE_OPTION = "ckpt_write"
+
+_BUSY_TIMEOUT_MS = 30_000
+_PASSWORD_RE = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@]*:)(?P<pw>[^@/]*)@")
+
+
+def mask_url(url: str | URL) -> str:
+    """Render a database URL with its password replaced by ``***``.
+
+    Works on anything URL-like, also on text SQLAlchemy cannot parse, so it is safe to use in
+    error messages about bad URLs.
+
+    Args:
+        url: A URL string or a SQLAlchemy :class:`~sqlalchemy.engine.URL`.
+
+    Returns:
+        The URL without its password.
+
+    Example:
+        >>> mask_url("postgresql+psycopg://ckpt:s3cret@db:5432/catalog")
+        'postgresql+psycopg://ckpt:***@db:5432/catalog'
+    """
+    if isinstance(url, URL):
+        return url.render_as_string(hide_password=True)
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError, TypeError):
+        return _PASSWORD_RE.sub(lambda m: f"{m.group('head')}***@", str(url))
+
+
+def parse_catalog_url(url: str | URL) -> URL:
+    """Parse and check a catalog URL, choosing psycopg 3 for plain ``postgresql://``.
+
+    Args:
+        url: ``sqlite:///path/to/catalog.db``, ``sqlite://`` (in memory, tests only) or
+            ``postgresql[+psycopg]://user:password@host:port/db``.
+
+    Returns:
+        The parsed URL.
+
+    Raises:
+        ConfigError: If the URL cannot be parsed or names another database or driver.
+    """
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError) as e:
+        raise ConfigError(
+            f"cannot parse catalog URL {mask_url(url)!r}: use sqlite:///path/to/catalog.db or "
+            "postgresql+psycopg://user@host:5432/db"
+        ) from e
+    backend, driver = parsed.get_backend_name(), parsed.get_driver_name()
+    if backend == "postgresql":
+        if parsed.drivername == "postgresql":
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        elif driver != "psycopg":
+            raise ConfigError(
+                f"catalog URL {mask_url(parsed)!r} uses driver {driver!r}; "
+                "use postgresql+psycopg:// (psycopg 3)"
+            )
+    elif backend != "sqlite":
+        raise ConfigError(
+            f"unsupported catalog database in {mask_url(parsed)!r}: use sqlite:///path or "
+            "postgresql+psycopg://..."
+        )
+    return parsed
+
+
+def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
+    # We issue BEGIN ourselves (see _sqlite_on_begin); pysqlite must not.
+    dbapi_conn.isolation_level = None
+    cur = dbapi_conn.cursor()
+    try:
+        # busy_timeout first: switching to WAL needs a lock another process may hold.
+        cur.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA journal_mode=WAL")
+        # FULL, not NORMAL: a COMMITTED flip must survive a power cut, otherwise a checkpoint
+        # whose files were fsynced could revert to PENDING and be garbage-collected. Catalog
+        # writes are a handful per checkpoint, so the extra fsync is cheap.
+        cur.execute("PRAGMA synchronous=FULL")
+        cur.execute("PRAGMA foreign_keys=ON")
+    finally:
+        cur.close()
+
+
+def _sqlite_on_begin(conn: Connection) -> None:
+    if conn.get_execution_options().get(WRITE_OPTION):
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+    else:
+        conn.exec_driver_sql("BEGIN")
+
+
+def create_catalog_engine(url: str | URL, *, echo: bool = False) -> Engine:
+    """Create the SQLAlchemy engine for a catalog URL.
+
+    For SQLite the parent directory of the database file is created, and the pragmas and
+    ``BEGIN`` handling described in the module docstring are installed. For PostgreSQL the
+    pool pings connections before use, so a restarted server does not surface as an error
+    on the next call.
+
+    Args:
+        url: The catalog URL (see :func:`parse_catalog_url`).
+        echo: Log every SQL statement (debugging).
+
+    Returns:
+        A thread-safe engine. Pass ``execution_options={WRITE_OPTION: True}`` when procuring
+        a connection for a write transaction.
+
+    Raises:
+        ConfigError: If the URL is not a supported catalog URL.
+    """
+    parsed = parse_catalog_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        database = parsed.database or ""
+        if database in ("", ":memory:"):
+            # One shared connection, or every checkout would see a different empty database.
+            engine = create_engine(
+                parsed,
+                echo=echo,
+                poolclass=StaticPool,
+                connect_args={"check_same_thread": False},
+            )
+        else:
+            if not database.startswith("file:"):
+                Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            engine = create_engine(
+                parsed,
+                echo=echo,
+                pool_size=5,
+                max_overflow=10,
+                # Connections are handed between threads by the pool, never shared at once.
+                connect_args={"check_same_thread": False, "timeout": _BUSY_TIMEOUT_MS / 1000},
+            )
+        event.listen(engine, "connect", _sqlite_on_connect)
+        event.listen(engine, "begin", _sqlite_on_begin)
+    else:
+        engine = create_engine(
+            parsed,
+            echo=echo,
+            pool_pre_ping=True,
+            pool_size=5,
+            max_overflow=10,
+            connect_args={"connect_timeout": 10},
+        )
+    logger.debug("catalog engine created for %s", mask_url(parsed))
+    return engine

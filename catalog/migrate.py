@@ -1,0 +1,212 @@
+"""Schema migrations of the catalog, driven from code (``ckpt db upgrade|current|history``).
+
+The schema is created only by the Alembic revisions in ``ckptstore.migrations``; there is no
+``alembic.ini``. :func:`alembic_config` builds the configuration in code and points
+``script_location`` at the package resource ``ckptstore.migrations:``, which resolves both in
+a source checkout and in an installed wheel.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from ckptstore.catalog.engine import WRITE_OPTION, create_catalog_engine, mask_url
+from sqlalchemy import Engine
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
+
+from ckptstore.errors import StorageError
+
+__all__ = [
+    "SCRIPT_LOCATION",
+    "MigrationInfo",
+    "alembic_config",
+    "current",
+    "downgrade",
+    "head",
+    "history",
+    "revisions",
+    "upgrade",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Where the revisions live, as a package resource (works from a wheel too).
+SCRIPT_LOCATION = "ckptstore.migrations:"
+
+
+@dataclass(frozen=True)
+class MigrationInfo:
+    """One revision, as ``ckpt db history`` shows it."""
+
+    revision: str
+    down_revision: str | None
+    message: str
+    is_head: bool
+
+    def __str__(self) -> str:
+        down = self.down_revision or "<base>"
+        head = " (head)" if self.is_head else ""
+        return f"{down} -> {self.revision}{head}, {self.message}"
+
+
+def alembic_config(url: str | URL | None = None) -> Config:
+    """Build the Alembic configuration in code.
+
+    Args:
+        url: Optional catalog URL for ``sqlalchemy.url`` (only needed by raw ``alembic.command``
+            calls without a connection; our helpers pass a connection instead).
+
+    Returns:
+        A :class:`alembic.config.Config` whose ``script_location`` is the migrations package.
+    """
+    cfg = Config()
+    cfg.set_main_option("script_location", SCRIPT_LOCATION)
+    # Date-prefixed revision files, e.g. versions/20260101_initial_catalog.py.
+    cfg.set_main_option("file_template", "%%(year)d%%(month).2d%%(day).2d_%%(slug)s")
+    if url is not None:
+        # ConfigParser interpolates '%': escape it (URL-encoded passwords contain '%').
+        text = url if isinstance(url, str) else url.render_as_string(hide_password=False)
+        cfg.set_main_option("sqlalchemy.url", text.replace("%", "%%"))
+    return cfg
+
+
+@functools.cache
+def _script() -> ScriptDirectory:
+    # Loading the revision modules costs milliseconds; every Catalog() checks the head.
+    return ScriptDirectory.from_config(alembic_config())
+
+
+def head() -> str:
+    """The revision id the code expects (the single head of the revision graph)."""
+    rev = _script().get_current_head()
+    assert rev is not None, "ckptstore.migrations has no revisions"
+    return rev
+
+
+def revisions() -> list[MigrationInfo]:
+    """All revisions shipped with this version, oldest first.
+
+    Returns:
+        One :class:`MigrationInfo` per revision.
+    """
+    script = _script()
+    heads = set(script.get_heads())
+    infos = []
+    for rev in script.walk_revisions():
+        down = rev.down_revision
+        infos.append(
+            MigrationInfo(
+                revision=rev.revision,
+                down_revision=down if isinstance(down, str) or down is None else ",".join(down),
+                message=(rev.doc or "").strip(),
+                is_head=rev.revision in heads,
+            )
+        )
+    infos.reverse()
+    return infos
+
+
+def history() -> list[str]:
+    """One printable line per revision, oldest first (what ``ckpt db history`` prints).
+
+    Returns:
+        Lines such as ``"<base> -> 3f2c9a1e7b40 (head), initial catalog"``.
+    """
+    return [str(info) for info in revisions()]
+
+
+def _with_engine(url: str | URL | Engine) -> tuple[Engine, bool]:
+    if isinstance(url, Engine):
+        return url, False
+    return create_catalog_engine(url), True
+
+
+def current(url: str | URL | Engine) -> str | None:
+    """The revision the catalog database is at.
+
+    Args:
+        url: A catalog URL or an engine created by :func:`create_catalog_engine`.
+
+    Returns:
+        The revision id, or None for an empty database.
+
+    Raises:
+        StorageError: If the database cannot be reached.
+    """
+    engine, own = _with_engine(url)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    except DBAPIError as e:
+        raise StorageError(
+            f"cannot read the schema revision of catalog {mask_url(engine.url)}: {e.orig}"
+        ) from e
+    finally:
+        if own:
+            engine.dispose()
+
+
+def _run_command(url: str | URL | Engine, action: str, revision: str) -> None:
+    engine, own = _with_engine(url)
+    cfg = alembic_config()
+    try:
+        with engine.connect() as conn:
+            # A write transaction: BEGIN IMMEDIATE on SQLite serialises concurrent upgrades.
+            conn.execution_options(**{WRITE_OPTION: True})
+            with conn.begin():
+                cfg.attributes["connection"] = conn
+                if action == "upgrade":
+                    command.upgrade(cfg, revision)
+                else:
+                    command.downgrade(cfg, revision)
+    except DBAPIError as e:
+        raise StorageError(
+            f"catalog {mask_url(engine.url)}: {action} to {revision} failed: {e.orig}"
+        ) from e
+    finally:
+        if own:
+            engine.dispose()
+
+
+def upgrade(url: str | URL | Engine, revision: str = "head") -> None:
+    """Bring the catalog schema up to ``revision`` (creates it in an empty database).
+
+    Safe to call from several processes at once, and a no-op when already there.
+
+    Args:
+        url: A catalog URL or engine.
+        revision: Target revision; ``"head"`` by default.
+
+    Raises:
+        StorageError: If the database cannot be reached or a migration fails.
+
+    Example:
+        >>> upgrade("sqlite:////tmp/ckpt/catalog.db")  # doctest: +SKIP
+    """
+    logger.info("upgrading catalog %s to %s", mask_url(_url_of(url)), revision)
+    _run_command(url, "upgrade", revision)
+
+
+def downgrade(url: str | URL | Engine, revision: str) -> None:
+    """Revert the catalog schema to ``revision`` (``"base"`` drops every table: data is lost).
+
+    Args:
+        url: A catalog URL or engine.
+        revision: Target revision, e.g. ``"base"`` or ``"-1"``.
+
+    Raises:
+        StorageError: If the database cannot be reached or a migration fails.
+    """
+    logger.warning("downgrading catalog %s to %s", mask_url(_url_of(url)), revision)
+    _run_command(url, "downgrade", revision)
+
+
+def _url_of(url: str | URL | Engine) -> str | URL:
+    return url.url if isinstance(url, Engine) else url

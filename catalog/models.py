@@ -1,0 +1,332 @@
+"""Typed SQLAlchemy 2 models of the catalog schema.
+
+The schema itself is created only by the Alembic revisions in ``ckptstore.migrations``; these
+models describe it for queries and for the migration test that checks both agree
+(``compare_metadata`` finds no difference). Change a model only together with a new revision.
+
+Conventions:
+    * every constraint and index gets a deterministic name from :data:`NAMING_CONVENTION`, so
+      migrations can refer to them on every backend (SQLite needs names for batch mode);
+    * timestamps are timezone-aware UTC (:class:`UTCDateTime`), also on SQLite, which stores
+      them as naive text;
+    * states are stored as plain strings (``Enum(native_enum=False)``) so that adding a state
+      never needs a PostgreSQL ``ALTER TYPE``;
+    * checkpoint ids are uuid strings, the same text users see in references and paths.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Dialect,
+    Enum,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+    false,
+    func,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from ckptstore.records import CheckpointState, ReplicaState
+
+__all__ = [
+    "NAMING_CONVENTION",
+    "AliasRow",
+    "Base",
+    "CheckpointMetricRow",
+    "CheckpointRow",
+    "CheckpointTagRow",
+    "EventRow",
+    "ExperimentRow",
+    "LeaseRow",
+    "LineageEdgeRow",
+    "ReplicaRow",
+    "RunRow",
+    "UTCDateTime",
+    "utcnow",
+]
+
+# %(column_0_N_name)s, not %(column_0_name)s: a two-column unique constraint must not be named
+# after its first column only (that name would collide with a later one on the same column).
+NAMING_CONVENTION: dict[str, str] = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# Length of the string columns that hold names (run, tag, alias: names.MAX_NAME_BYTES is 200).
+NAME_LEN = 200
+ID_LEN = 36  # str(uuid.UUID(...))
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC (what every timestamp column stores)."""
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """``DateTime(timezone=True)`` that always hands back aware UTC datetimes.
+
+    PostgreSQL stores ``timestamptz`` natively. SQLite has no time zone support: SQLAlchemy
+    stores the wall-clock text and returns naive datetimes, so values are normalised to UTC
+    before binding and tagged as UTC after loading. Naive datetimes are refused on the way in
+    because their meaning depends on the host's zone.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass a timezone-aware datetime")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+    def result_processor(self, dialect: Dialect, coltype: object) -> Any:
+        if dialect.name != "sqlite":
+            return super().result_processor(dialect, coltype)
+
+        # SQLAlchemy's SQLite DATETIME parses its text with a regular expression; loading a
+        # 1,000-checkpoint lineage spent a third of its time there. fromisoformat (C) reads
+        # the same "YYYY-MM-DD HH:MM:SS[.ffffff]" text an order of magnitude faster.
+        def process(value: str | datetime | None) -> datetime | None:
+            if value is None:
+                return None
+            parsed = value if isinstance(value, datetime) else datetime.fromisoformat(value)
+            if parsed.tzinfo is None:
+                return parsed.replace(tzinfo=UTC)
+            return parsed.astimezone(UTC)
+
+        return process
+
+
+def _state_enum(enum_cls: type[CheckpointState] | type[ReplicaState], name: str) -> Enum:
+    # native_enum=False: a VARCHAR, no CHECK constraint; values are validated in Python.
+    return Enum(
+        enum_cls,
+        name=name,
+        native_enum=False,
+        create_constraint=False,
+        length=16,
+        values_callable=lambda members: [m.value for m in members],
+    )
+
+
+class Base(DeclarativeBase):
+    """Declarative base of every catalog table."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dict[str, Any]: JSON, datetime: UTCDateTime}
+
+
+class ExperimentRow(Base):
+    """A named group of runs."""
+
+    __tablename__ = "experiments"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(NAME_LEN), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
+
+
+class RunRow(Base):
+    """A training run and what is needed to reproduce it."""
+
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(NAME_LEN), unique=True)
+    experiment_id: Mapped[int | None] = mapped_column(
+        ForeignKey("experiments.id", ondelete="SET NULL"), index=True
+    )
+    config: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    code_version: Mapped[str | None] = mapped_column(String(200))
+    data_version: Mapped[str | None] = mapped_column(String(200))
+    host: Mapped[str | None] = mapped_column(String(255))
+    status: Mapped[str] = mapped_column(String(32), default="active", server_default="active")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
+
+
+class CheckpointRow(Base):
+    """One version of one step of one run."""
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (
+        UniqueConstraint("run_id", "version"),
+        Index("ix_checkpoints_run_id_step", "run_id", "step"),
+        Index("ix_checkpoints_run_id_state_version", "run_id", "state", "version"),
+        Index("ix_checkpoints_state_created_at", "state", "created_at"),
+        # Serves list() across runs in its default order (step, run, version) with a LIMIT
+        # without sorting every checkpoint.
+        Index("ix_checkpoints_step_run_id_version", "step", "run_id", "version"),
+    )
+
+    id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(BigInteger)
+    version: Mapped[int] = mapped_column(Integer)
+    state: Mapped[CheckpointState] = mapped_column(_state_enum(CheckpointState, "checkpoint_state"))
+    kind: Mapped[str] = mapped_column(String(16), default="full", server_default="full")
+    base_id: Mapped[str | None] = mapped_column(ForeignKey("checkpoints.id"), index=True)
+    parent_id: Mapped[str | None] = mapped_column(ForeignKey("checkpoints.id"), index=True)
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # Sorted copy of the checkpoint_tags rows (tags never change after begin): loading a
+    # record then needs no per-checkpoint probe of checkpoint_tags, which serves filtering.
+    tags: Mapped[list[str] | None] = mapped_column(JSON)
+    logical_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    manifest_digest: Mapped[str | None] = mapped_column(String(128))
+    codec: Mapped[str] = mapped_column(String(64), default="none", server_default="none")
+    lossy: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    error_bound: Mapped[float | None] = mapped_column(Float)
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    writer: Mapped[str | None] = mapped_column(String(300), index=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
+    committed_at: Mapped[datetime | None] = mapped_column()
+
+
+class CheckpointTagRow(Base):
+    """One tag of one checkpoint (a separate table so tag filters use an index).
+
+    ``run_id``, ``step`` and ``version`` are copied from the checkpoint (they never change):
+    with the ``(tag, step, run_id, version)`` index, ``list(tag=..., limit=100)`` reads the
+    first 100 entries of the tag in list order instead of joining and sorting every
+    checkpoint carrying a common tag.
+    """
+
+    __tablename__ = "checkpoint_tags"
+    __table_args__ = (
+        Index("ix_checkpoint_tags_tag_step_run_id_version", "tag", "step", "run_id", "version"),
+    )
+
+    checkpoint_id: Mapped[str] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True
+    )
+    tag: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(BigInteger)
+    version: Mapped[int] = mapped_column(Integer)
+
+
+class CheckpointMetricRow(Base):
+    """One metric value of one checkpoint, duplicated from ``checkpoints.metrics``.
+
+    ``run_id`` is denormalised from the checkpoint so that ``best(run, metric)`` walks the
+    ``(run_id, name, value)`` index in value order and stops at the first committed row,
+    instead of sorting every value the run ever logged.
+    """
+
+    __tablename__ = "checkpoint_metrics"
+    __table_args__ = (
+        Index("ix_checkpoint_metrics_name_value", "name", "value"),
+        Index("ix_checkpoint_metrics_run_id_name_value", "run_id", "name", "value"),
+    )
+
+    checkpoint_id: Mapped[str] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True
+    )
+    name: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    value: Mapped[float] = mapped_column(Float)
+
+
+class ReplicaRow(Base):
+    """One copy of a checkpoint on one tier."""
+
+    __tablename__ = "replicas"
+    # The primary key (checkpoint_id, tier) is the "one replica per tier" uniqueness rule.
+    checkpoint_id: Mapped[str] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True
+    )
+    tier: Mapped[str] = mapped_column(String(64), primary_key=True)
+    uri: Mapped[str] = mapped_column(Text, default="", server_default="")
+    state: Mapped[ReplicaState] = mapped_column(_state_enum(ReplicaState, "replica_state"))
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    verified_at: Mapped[datetime | None] = mapped_column()
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
+
+
+class LineageEdgeRow(Base):
+    """A derivation edge: ``dst`` was resumed / fine-tuned / converted / merged from ``src``."""
+
+    __tablename__ = "lineage_edges"
+
+    src_id: Mapped[str] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True
+    )
+    dst_id: Mapped[str] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True, index=True
+    )
+    kind: Mapped[str] = mapped_column(String(32), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
+
+
+class AliasRow(Base):
+    """A user label (``prod``, ``best``) that points at one checkpoint and protects it."""
+
+    __tablename__ = "aliases"
+
+    name: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    checkpoint_id: Mapped[str] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), index=True
+    )
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
+
+
+class EventRow(Base):
+    """One audit-log entry."""
+
+    __tablename__ = "events"
+    __table_args__ = (
+        Index("ix_events_checkpoint_id_at", "checkpoint_id", "at"),
+        Index("ix_events_run_id_at", "run_id", "at"),
+    )
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer(), "sqlite"), primary_key=True
+    )
+    checkpoint_id: Mapped[str | None] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="SET NULL")
+    )
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
+    kind: Mapped[str] = mapped_column(String(64))
+    actor: Mapped[str | None] = mapped_column(String(300))
+    detail: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now(), index=True)
+
+
+class LeaseRow(Base):
+    """A flow's time-limited claim on a checkpoint for one purpose (archive, prune, ...)."""
+
+    __tablename__ = "leases"
+
+    checkpoint_id: Mapped[str] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True
+    )
+    purpose: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(300))
+    expires_at: Mapped[datetime] = mapped_column()
