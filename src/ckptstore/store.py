@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptstore.catalog import Catalog
 from ckptstore.config import Settings, load_settings
@@ -36,6 +36,7 @@ from ckptstore.format import (
     verify_checkpoint,
     write_checkpoint,
 )
+from ckptstore.hooks.async_save import SaveHandle, close_saver, save_async, wait_async
 from ckptstore.names import validate_name, validate_tag
 from ckptstore.records import (
     Checkpoint,
@@ -45,6 +46,9 @@ from ckptstore.records import (
     RunInfo,
     UsageRow,
 )
+
+if TYPE_CHECKING:
+    from ckptstore.storage import Tier
 
 __all__ = ["CheckpointStore", "GcReport"]
 
@@ -97,6 +101,7 @@ class CheckpointStore:
         self.catalog = catalog
         self.hot = settings.hot_path
         self._closed = False
+        self._tiers: dict[str, Tier] | None = None
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -136,10 +141,33 @@ class CheckpointStore:
         return cls(settings, catalog)
 
     def close(self) -> None:
-        """Release the catalog connection pool."""
+        """Wait for pending async saves, then release the catalog and the tiers.
+
+        Raises:
+            CkptError: The first async save failure not yet reported (the store is closed
+                anyway).
+        """
         if not self._closed:
-            self._closed = True
-            self.catalog.close()
+            try:
+                close_saver(self)
+            finally:
+                self._closed = True
+                for tier in (self._tiers or {}).values():
+                    tier.close()
+                self.catalog.close()
+
+    @property
+    def tiers(self) -> dict[str, Tier]:
+        """Configured storage tiers by name: ``hot`` always, ``warm``/``cold`` if set.
+
+        Raises:
+            ConfigError: If a tier URL or the storage options are invalid.
+        """
+        if self._tiers is None:
+            from ckptstore.storage import build_tiers
+
+            self._tiers = build_tiers(self.settings)
+        return self._tiers
 
     def __enter__(self) -> CheckpointStore:
         return self
@@ -251,6 +279,53 @@ class CheckpointStore:
         )
         return committed
 
+    def save_async(
+        self,
+        run: str,
+        step: int,
+        state: Any,
+        *,
+        metrics: dict[str, float] | None = None,
+        tags: Sequence[str] = (),
+        parent: str | None = None,
+        codec: str | None = None,
+        experiment: str | None = None,
+        on_commit: Callable[[Checkpoint], None] | None = None,
+    ) -> SaveHandle:
+        """Like :meth:`save`, but return once the state is staged in host memory.
+
+        The tensors are copied into reused staging buffers (bounded by
+        ``staging_budget_bytes``; waits for earlier saves when the budget is in use) and the
+        save runs on a background thread. ``state`` may be changed as soon as this returns.
+
+        Args:
+            run: Run name.
+            step: Training step.
+            state: The training state.
+            metrics: Finite numbers recorded with the checkpoint.
+            tags: Labels for filtering.
+            parent: Reference of the checkpoint this run was resumed or fine-tuned from.
+            codec: Codec preset.
+            experiment: Experiment to file the run under.
+            on_commit: Called on the background thread with the committed checkpoint.
+
+        Returns:
+            A :class:`~ckptstore.hooks.SaveHandle`; ``.result()`` waits for the commit.
+
+        Raises:
+            CkptError: An earlier async save's failure (raised once, by the next call).
+            ConfigError: If the state is larger than ``staging_budget_bytes``.
+            UnsafeObjectError: If the state holds an object that would need pickle.
+        """
+        return save_async(
+            self, run, step, state, on_commit=on_commit, metrics=metrics, tags=tuple(tags),
+            parent=parent, codec=codec, experiment=experiment,
+        )
+
+    def wait(self) -> None:
+        """Wait for every pending async save; raise the first failure not yet reported."""
+        wait_async(self)
+
     def _abandon(self, ckpt_id: str, directory: Path, exc: BaseException) -> None:
         """Mark a failed save FAILED and remove its partial directory (best effort)."""
         try:
@@ -262,8 +337,11 @@ class CheckpointStore:
     # ------------------------------------------------------------------ load
     def manifest(self, ref: str) -> Manifest:
         """Read and verify the manifest of a committed checkpoint (no tensor data)."""
+        from ckptstore.ops.replicas import manifest_of
+
         ck = self.catalog.get(ref)
-        return read_manifest(self._hot_dir_of(ck), expected_digest=ck.manifest_digest)
+        # From the fastest copy that has it; no need to restore tensors to read the index.
+        return manifest_of(self, ck)
 
     def _hot_dir_of(self, ck: Checkpoint) -> Path:
         replica = ck.replica("hot")
@@ -300,8 +378,11 @@ class CheckpointStore:
             IncompleteCheckpointError: If it names a checkpoint that was never committed.
             IntegrityError: If any chunk or the manifest is damaged or missing.
         """
+        from ckptstore.ops.restore import ensure_hot
+
         ck = self.catalog.get(ref)
-        directory = self._hot_dir_of(ck)
+        # A checkpoint that only S3 holds is restored to the hot tier first (verified).
+        directory = ensure_hot(self, ck)
         manifest = read_manifest(directory, expected_digest=ck.manifest_digest)
         return read_checkpoint(
             directory,

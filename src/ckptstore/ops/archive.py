@@ -1,0 +1,432 @@
+"""Archive (hot → warm) and demote (warm → cold): copy → verify → record → maybe delete.
+
+Both are driven by catalog state and idempotent: a checkpoint is worked on only while it has
+a PRESENT replica on the source tier and none on the destination, under a catalog lease, so
+two runs never copy the same checkpoint and a rerun after a crash redoes only what is
+missing (files already on the destination that match are kept). A checkpoint never has zero
+verified copies: the source copy is deleted (demote only) after the destination copy is
+verified and recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
+
+from ckptstore.errors import CkptError, ConfigError
+from ckptstore.ops.replicas import (
+    delete_replica,
+    dependents,
+    lease_owner,
+    manifest_on,
+    referenced_chunks,
+    run_resolver,
+    tier_of,
+)
+from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.storage import COMMIT_NAME, Tier, copy_checkpoint, is_retryable
+from ckptstore.storage.transfer import copy_foreign_chunks
+
+if TYPE_CHECKING:
+    from ckptstore.store import CheckpointStore
+
+__all__ = ["ArchiveReport", "archive_checkpoints", "demote_checkpoints"]
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[int], None]
+
+#: Default lease length; the lease is renewed while a copy makes progress.
+LEASE_TTL_S = 3600.0
+
+
+@dataclass
+class ArchiveReport:
+    """What an archive or demote run did.
+
+    Attributes:
+        src: Source tier.
+        tier: Destination tier.
+        archived: Ids of checkpoints copied (and verified) to ``tier`` by this run.
+        removed: Ids whose ``src`` copy was deleted afterwards (demote only).
+        skipped: Id -> reason, for checkpoints left alone (lease held, already there, ...).
+        failed: Id -> error message.
+        bytes: Bytes of the copies made.
+        reencode_ignored: The re-encode codec that was asked for but not applied.
+    """
+
+    src: str
+    tier: str
+    archived: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    bytes: int = 0
+    reencode_ignored: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing failed."""
+        return not self.failed
+
+    def summary(self) -> str:
+        """One line for logs and error notes."""
+        return (
+            f"{self.src} -> {self.tier}: {len(self.archived)} copied ({self.bytes} bytes), "
+            f"{len(self.removed)} source copies removed, {len(self.skipped)} skipped, "
+            f"{len(self.failed)} failed"
+        )
+
+
+def _present(ck: Checkpoint, tier: str) -> bool:
+    replica = ck.replica(tier)
+    return replica is not None and replica.state == ReplicaState.PRESENT
+
+
+def _candidates(
+    store: CheckpointStore, *, run: str | None, ref: str | None, src: str, dst: str
+) -> list[Checkpoint]:
+    """COMMITTED checkpoints on ``src`` and not on ``dst``, oldest first (bases first)."""
+    if ref is not None:
+        found = [store.catalog.get(ref)]
+    else:
+        found = store.catalog.list(run=run, state=CheckpointState.COMMITTED,
+                                   order_by="created_at")
+    todo = [ck for ck in found if _present(ck, src) and not _present(ck, dst)]
+    return sorted(todo, key=lambda ck: (ck.created_at, ck.version))
+
+
+class _Lease:
+    """A catalog lease that renews itself while the work it guards makes progress."""
+
+    def __init__(self, store: CheckpointStore, ckpt_id: str, purpose: str, owner: str,
+                 ttl_s: float) -> None:
+        self._store, self._id, self._purpose = store, ckpt_id, purpose
+        self._owner, self._ttl = owner, ttl_s
+        self._renewed = time.monotonic()
+
+    def acquire(self) -> bool:
+        self._renewed = time.monotonic()
+        return bool(self._store.catalog.acquire_lease(self._id, self._purpose, self._owner,
+                                                      self._ttl))
+
+    def touch(self) -> None:
+        if time.monotonic() - self._renewed > self._ttl / 3:
+            self.acquire()
+
+    def release(self) -> None:
+        try:
+            self._store.catalog.release_lease(self._id, self._purpose, self._owner)
+        except CkptError:  # expiry frees it anyway
+            logger.warning("could not release lease %s on %s", self._purpose, self._id,
+                           exc_info=True)
+
+
+def _discard_partial(store: CheckpointStore, dst: Tier, ck: Checkpoint) -> None:
+    """Remove what a failed copy left on ``dst`` (marker first); best effort.
+
+    Chunk files other checkpoints on ``dst`` read (dedup) are kept. If the tier is down this
+    does nothing: the next run keeps the files that match and redoes the rest.
+    """
+    try:
+        prefix = dst.prefix_for(ck.run, ck.id)
+        dst.delete(dst.key_for(ck.run, ck.id, COMMIT_NAME))
+        keep = {
+            dst.key_for(ck.run, ck.id, f"{array}/c/{index}")
+            for owner, array, index in referenced_chunks(store, dst.name, exclude=[ck.id])
+            if owner == ck.id
+        }
+        dst.delete_keys(k for k in dst.list_prefix(prefix) if k not in keep)
+        dst.abort_multipart_uploads(prefix)
+    except CkptError as exc:
+        logger.warning("could not remove the partial %s copy of %s (%s); a rerun reuses or "
+                       "replaces it", dst.name, ck.ref, exc)
+
+
+def _copy_one(
+    store: CheckpointStore,
+    ck: Checkpoint,
+    src: Tier,
+    dst: Tier,
+    *,
+    lease: _Lease,
+    threads: int,
+    progress: Progress | None,
+    deep: bool,
+) -> int:
+    """Copy one checkpoint ``src`` → ``dst`` under a held lease and record the replica."""
+    uri = dst.uri_for(ck.run, ck.id)
+    manifest = manifest_on(src, ck)
+    run_of = run_resolver(store, ck)
+
+    def tick(nbytes: int) -> None:
+        lease.touch()
+        if progress is not None:
+            progress(nbytes)
+
+    store.catalog.set_replica(ck.id, dst.name, uri=uri, state=ReplicaState.COPYING)
+    try:
+        # Chunks a delta reads from its base go first, into the base's prefix; usually the
+        # base was archived just before (oldest first) and nothing is copied here.
+        copy_foreign_chunks(src, dst, manifest, run_of, threads=threads, progress=tick,
+                            deep=deep)
+        nbytes = copy_checkpoint(src, dst, ck.run, ck.id, manifest, threads=threads,
+                                 progress=tick, deep=deep, run_of=run_of)
+    except BaseException:
+        _discard_partial(store, dst, ck)
+        store.catalog.set_replica(ck.id, dst.name, state=ReplicaState.DELETED, bytes=0)
+        raise
+    store.catalog.set_replica(ck.id, dst.name, uri=uri, state=ReplicaState.PRESENT,
+                              bytes=nbytes, verified=True)
+    return nbytes
+
+
+def _run(
+    store: CheckpointStore,
+    todo: list[Checkpoint],
+    *,
+    src: Tier,
+    dst: Tier,
+    report: ArchiveReport,
+    owner: str,
+    threads: int,
+    progress: Progress | None,
+    deep: bool,
+    lease_ttl_s: float,
+    remove_source: bool,
+    raise_errors: bool,
+) -> ArchiveReport:
+    errors: list[BaseException] = []
+    visited: set[str] = set()
+    verb = "demoted" if remove_source else "archived"
+
+    def process(ckpt_id: str, depth: int) -> None:
+        if ckpt_id in visited:
+            return
+        visited.add(ckpt_id)
+        lease = _Lease(store, ckpt_id, f"archive:{dst.name}", owner, lease_ttl_s)
+        if not lease.acquire():
+            holder = store.catalog.lease_holder(ckpt_id, f"archive:{dst.name}")
+            report.skipped[ckpt_id] = f"lease held by {holder}"
+            return
+        try:
+            # Re-read under the lease: another run may have finished it since we listed.
+            ck = store.catalog.get_any(ckpt_id)
+            if ck.state != CheckpointState.COMMITTED:
+                report.skipped[ck.id] = f"state is {ck.state}"
+                return
+            if not _present(ck, dst.name):
+                if not _present(ck, src.name):
+                    report.skipped[ck.id] = f"no PRESENT copy on {src.name} any more"
+                    return
+                # A delta's bases go first, whole: the reader needs each base directory to
+                # be a committed checkpoint on the tier it reads from.
+                for base_id in sorted(manifest_on(src, ck).referenced_checkpoints()):
+                    base = store.catalog.get_any(base_id)
+                    if (depth < 64 and base.state == CheckpointState.COMMITTED
+                            and _present(base, src.name) and not _present(base, dst.name)):
+                        process(base_id, depth + 1)
+                nbytes = _copy_one(store, ck, src, dst, lease=lease, threads=threads,
+                                   progress=progress, deep=deep)
+                report.archived.append(ck.id)
+                report.bytes += nbytes
+                store.catalog.record_event(
+                    verb, checkpoint_id=ck.id, actor=owner,
+                    detail={"from": src.name, "tier": dst.name, "bytes": nbytes,
+                            "uri": dst.uri_for(ck.run, ck.id)},
+                )
+                logger.info("%s %s (%s) to %s: %s bytes", verb, ck.ref, ck.id, dst.name,
+                            nbytes)
+            elif not remove_source:
+                report.skipped[ck.id] = f"already on {dst.name}"
+            if remove_source:
+                _remove_source(store, ck, src, report, owner)
+        except CkptError as exc:
+            report.failed.setdefault(ckpt_id, str(exc))
+            raise
+        finally:
+            lease.release()
+
+    for listed in todo:
+        try:
+            process(listed.id, 0)
+        except CkptError as exc:
+            errors.append(exc)
+            logger.warning("%s -> %s failed for %s (%s): %s", src.name, dst.name, listed.ref,
+                           listed.id, exc)
+            if is_retryable(exc):
+                # The tier is down or throttling: every further checkpoint would fail the
+                # same way, slowly. Stop; the next run resumes.
+                break
+    if remove_source and not errors:
+        # Source copies kept because a younger delta still read them: the deltas may have
+        # moved since, so try again, newest first (a chain releases from its tip).
+        for ckpt_id in [i for i in reversed(list(report.skipped)) if i in visited]:
+            if not report.skipped[ckpt_id].startswith(f"{src.name} copy kept"):
+                continue
+            lease = _Lease(store, ckpt_id, f"archive:{dst.name}", owner, lease_ttl_s)
+            if not lease.acquire():
+                continue
+            try:
+                del report.skipped[ckpt_id]
+                _remove_source(store, store.catalog.get_any(ckpt_id), src, report, owner)
+            except CkptError as exc:
+                report.failed[ckpt_id] = str(exc)
+                errors.append(exc)
+            finally:
+                lease.release()
+    logger.info("%s", report.summary())
+    if errors and raise_errors:
+        first = errors[0]
+        first.add_note(f"archive report: {report.summary()}; rerun to resume")
+        raise first
+    return report
+
+
+def _remove_source(store: CheckpointStore, ck: Checkpoint, src: Tier, report: ArchiveReport,
+                   owner: str) -> None:
+    """Delete the source copy once the destination copy is verified and recorded."""
+    if not _present(store.catalog.get_any(ck.id), src.name):
+        return
+    readers = dependents(store, ck, src.name)
+    if readers:
+        # Younger deltas on src still read this copy's chunks; it goes when they have moved.
+        report.skipped[ck.id] = (
+            f"{src.name} copy kept: read by {', '.join(d.ref for d in readers[:3])}"
+        )
+        return
+    delete_replica(store, ck, src.name, actor=owner)
+    report.removed.append(ck.id)
+
+
+def archive_checkpoints(
+    store: CheckpointStore,
+    *,
+    run: str | None = None,
+    ref: str | None = None,
+    tier: str = "warm",
+    src: str = "hot",
+    reencode: str | None = None,
+    owner: str | None = None,
+    progress: Progress | None = None,
+    threads: int = 4,
+    deep: bool = False,
+    lease_ttl_s: float = LEASE_TTL_S,
+    raise_errors: bool = True,
+) -> ArchiveReport:
+    """Copy COMMITTED checkpoints from ``src`` (hot) to ``tier``, verify, record.
+
+    Every checkpoint with a PRESENT replica on ``src`` and none on ``tier`` is copied,
+    oldest first (so a delta's base goes before the delta): lease ``archive:<tier>`` →
+    replica COPYING → copy data, manifest, marker (each read back and compared) → replica
+    PRESENT (verified) → event ``archived`` → lease released. On failure the partial copy is
+    removed, the replica set DELETED and the source copy is untouched.
+
+    Args:
+        store: The open store.
+        run: Only this run.
+        ref: Only this checkpoint.
+        tier: Destination tier.
+        src: Source tier.
+        reencode: Codec to re-encode with. Not supported yet: the copy keeps the hot codec
+            (recorded in ``report.reencode_ignored`` and logged).
+        owner: Lease owner (default: unique per call).
+        progress: Called with the byte count of each file written.
+        threads: Parallel transfers per checkpoint.
+        deep: Compare blake3 instead of crc32c when reading back.
+        lease_ttl_s: Lease length; renewed while copying.
+        raise_errors: Raise the first error after the run (True) or only report it.
+
+    Returns:
+        The :class:`ArchiveReport`.
+
+    Raises:
+        ConfigError: If a tier is not configured or ``tier`` equals ``src``.
+        StorageError: If a tier fails (retryable ones stop the run early); others as they
+            come from the copy (IntegrityError, MissingBaseError), with the report attached
+            as a note.
+    """
+    if tier == src:
+        raise ConfigError(f"cannot archive from {src!r} to itself; choose another tier")
+    dst_tier, src_tier = tier_of(store, tier), tier_of(store, src)
+    report = ArchiveReport(src=src, tier=tier)
+    if reencode is not None:
+        # A re-encoded copy has a different manifest digest than the catalog records, and
+        # the catalog has no per-replica digest yet, so such a copy could not be restored.
+        report.reencode_ignored = reencode
+        logger.warning("re-encoding on archive (%s) is not supported yet; archiving with the "
+                       "codec the checkpoint was saved with", reencode)
+    todo = _candidates(store, run=run, ref=ref, src=src, dst=tier)
+    return _run(store, todo, src=src_tier, dst=dst_tier, report=report,
+                owner=lease_owner(owner), threads=threads, progress=progress, deep=deep,
+                lease_ttl_s=lease_ttl_s, remove_source=False, raise_errors=raise_errors)
+
+
+def demote_checkpoints(
+    store: CheckpointStore,
+    *,
+    older_than_days: float,
+    src: str = "warm",
+    dst: str = "cold",
+    run: str | None = None,
+    owner: str | None = None,
+    progress: Progress | None = None,
+    threads: int = 4,
+    deep: bool = False,
+    lease_ttl_s: float = LEASE_TTL_S,
+    raise_errors: bool = True,
+    now: datetime | None = None,
+) -> ArchiveReport:
+    """Move copies older than ``older_than_days`` from ``src`` to ``dst``.
+
+    Per checkpoint: copy → verify → record the ``dst`` replica PRESENT → event ``demoted`` →
+    delete the ``src`` copy with :func:`~ckptstore.ops.replicas.delete_replica` (which keeps
+    chunk files younger deltas on ``src`` still read). A rerun after a crash between copy and
+    delete only deletes.
+
+    Args:
+        store: The open store.
+        older_than_days: Minimum age (since commit) of the checkpoints to move.
+        src: Tier to move from.
+        dst: Tier to move to.
+        run: Only this run.
+        owner: Lease owner (default: unique per call).
+        progress: Called with the byte count of each file written.
+        threads: Parallel transfers per checkpoint.
+        deep: Compare blake3 instead of crc32c when reading back.
+        lease_ttl_s: Lease length; renewed while copying.
+        raise_errors: Raise the first error after the run (True) or only report it.
+        now: The current time (tests).
+
+    Returns:
+        The :class:`ArchiveReport` (``removed`` lists the source copies deleted).
+
+    Raises:
+        ConfigError: If a tier is not configured, ``src == dst`` or the age is negative.
+        StorageError: As :func:`archive_checkpoints`.
+    """
+    if src == dst:
+        raise ConfigError(f"cannot demote from {src!r} to itself; choose another tier")
+    if older_than_days < 0:
+        raise ConfigError(f"older_than_days must be >= 0, got {older_than_days}")
+    src_tier, dst_tier = tier_of(store, src), tier_of(store, dst)
+    cutoff = (now or datetime.now(UTC)) - timedelta(days=older_than_days)
+    found = store.catalog.list(run=run, state=CheckpointState.COMMITTED, order_by="created_at")
+
+    def age_ref(ck: Checkpoint) -> datetime:
+        when = ck.committed_at or ck.created_at
+        return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+    # Already on dst but still on src counts too: a crash between copy and delete.
+    todo = sorted(
+        (ck for ck in found if _present(ck, src) and age_ref(ck) <= cutoff),
+        key=lambda ck: (ck.created_at, ck.version),
+    )
+    report = ArchiveReport(src=src, tier=dst)
+    return _run(store, todo, src=src_tier, dst=dst_tier, report=report,
+                owner=lease_owner(owner), threads=threads, progress=progress, deep=deep,
+                lease_ttl_s=lease_ttl_s, remove_source=True, raise_errors=raise_errors)

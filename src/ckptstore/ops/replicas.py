@@ -1,0 +1,378 @@
+"""Replica plumbing shared by archive, restore, verify and retention.
+
+* :func:`store_tiers` / :func:`tier_of`: the store's configured tiers.
+* :func:`manifest_on` / :func:`manifest_of`: a checkpoint's manifest read from a tier and
+  checked against the catalog digest (cached: a manifest never changes for a given digest).
+* :func:`referenced_chunks`: which chunk files on a tier other checkpoints still read
+  (dedup), so deleting one checkpoint's copy never breaks another.
+* :func:`delete_replica`: the one safe way to delete a copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import blake3
+
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    ConflictError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    StorageError,
+)
+from ckptstore.format import Manifest, read_manifest
+from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.storage import (
+    COMMIT_NAME,
+    MANIFEST_NAME,
+    Tier,
+    build_tiers,
+    is_not_found,
+    iter_chunks,
+)
+
+if TYPE_CHECKING:
+    from ckptstore.store import CheckpointStore
+
+__all__ = [
+    "TIER_ORDER",
+    "ChunkId",
+    "delete_replica",
+    "dependents",
+    "lease_owner",
+    "manifest_of",
+    "manifest_on",
+    "referenced_chunks",
+    "run_resolver",
+    "store_tiers",
+    "tier_of",
+    "tier_rank",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Tiers from fastest to slowest; restore reads from the first one holding a good copy.
+TIER_ORDER = ("hot", "warm", "cold")
+
+#: ``(owner checkpoint id, array name, chunk index)``: one chunk file on a tier.
+ChunkId = tuple[str, str, int]
+
+# Replica states whose copy is (or is becoming) usable, so its chunk references count.
+_LIVE = frozenset({ReplicaState.PRESENT, ReplicaState.COPYING, ReplicaState.DAMAGED})
+
+_tier_cache: weakref.WeakKeyDictionary[Any, dict[str, Tier]] = weakref.WeakKeyDictionary()
+_tier_lock = threading.Lock()
+_manifests: OrderedDict[tuple[str, str], Manifest] = OrderedDict()
+_manifest_lock = threading.Lock()
+_MANIFEST_CACHE = 512
+
+
+def tier_rank(name: str) -> int:
+    """Sort key: hot < warm < cold < any other tier."""
+    return TIER_ORDER.index(name) if name in TIER_ORDER else len(TIER_ORDER)
+
+
+def store_tiers(store: CheckpointStore) -> dict[str, Tier]:
+    """The store's tiers by name (``store.tiers`` when the store has it, else built once)."""
+    existing = getattr(store, "tiers", None)
+    if isinstance(existing, Mapping):
+        return dict(existing)
+    with _tier_lock:
+        tiers = _tier_cache.get(store)
+        if tiers is None:
+            tiers = build_tiers(store.settings)
+            _tier_cache[store] = tiers
+        return tiers
+
+
+def tier_of(store: CheckpointStore, name: str) -> Tier:
+    """The tier called ``name``.
+
+    Raises:
+        ConfigError: If the store has no such tier configured.
+    """
+    tiers = store_tiers(store)
+    if name not in tiers:
+        raise ConfigError(
+            f"tier {name!r} is not configured (configured: {', '.join(sorted(tiers))}); "
+            "set it under [tiers] in the config or CKPT_WARM/CKPT_COLD"
+        )
+    return tiers[name]
+
+
+def lease_owner(owner: str | None = None) -> str:
+    """A lease owner unique to this call (host, pid and a random suffix) unless given."""
+    return owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def run_resolver(store: CheckpointStore, ck: Checkpoint) -> Callable[[str], str]:
+    """Map checkpoint ids to run names (for chunks owned by other checkpoints), cached."""
+    known = {ck.id: ck.run}
+
+    def run_of(ckpt_id: str) -> str:
+        if ckpt_id not in known:
+            known[ckpt_id] = store.catalog.get_any(ckpt_id).run
+        return known[ckpt_id]
+
+    return run_of
+
+
+def _cache_get(ckpt_id: str, digest: str | None) -> Manifest | None:
+    if digest is None:
+        return None
+    with _manifest_lock:
+        found = _manifests.get((ckpt_id, digest))
+        if found is not None:
+            _manifests.move_to_end((ckpt_id, digest))
+        return found
+
+
+def _cache_put(ckpt_id: str, digest: str | None, manifest: Manifest) -> None:
+    if digest is None:
+        return
+    with _manifest_lock:
+        _manifests[(ckpt_id, digest)] = manifest
+        while len(_manifests) > _MANIFEST_CACHE:
+            _manifests.popitem(last=False)
+
+
+def manifest_on(tier: Tier, ck: Checkpoint, *, use_cache: bool = True) -> Manifest:
+    """Read a checkpoint's manifest from one tier and check it against the catalog.
+
+    Args:
+        tier: The tier to read from.
+        ck: The catalog record (its ``manifest_digest`` is the expected digest).
+        use_cache: Return a cached manifest with the same id and digest if there is one.
+
+    Raises:
+        IncompleteCheckpointError: If the copy has no ``COMMITTED`` marker.
+        IntegrityError: If the manifest is damaged or is not the one the catalog recorded.
+        StorageError: If the tier fails.
+    """
+    if use_cache:
+        cached = _cache_get(ck.id, ck.manifest_digest)
+        if cached is not None:
+            return cached
+    local = tier.local_dir(ck.run, ck.id)
+    if local is not None:
+        manifest = read_manifest(local, expected_digest=ck.manifest_digest)
+    else:
+        manifest = _remote_manifest(tier, ck)
+    _cache_put(ck.id, ck.manifest_digest, manifest)
+    return manifest
+
+
+def _remote_manifest(tier: Tier, ck: Checkpoint) -> Manifest:
+    where = f"{tier.name} copy of {ck.ref} ({ck.id})"
+    try:
+        marker = tier.get_bytes(tier.key_for(ck.run, ck.id, COMMIT_NAME))
+    except StorageError as exc:
+        if is_not_found(exc):
+            raise IncompleteCheckpointError(
+                f"the {where} has no {COMMIT_NAME} marker: it is incomplete; rerun the "
+                "archive or verify flow to redo it"
+            ) from exc
+        raise
+    data = tier.get_bytes(tier.key_for(ck.run, ck.id, MANIFEST_NAME))
+    digest = blake3.blake3(data).hexdigest()
+    if marker.decode("ascii", "replace").strip() != digest:
+        raise IntegrityError(
+            f"the manifest of the {where} has digest {digest}, which its {COMMIT_NAME} marker "
+            "does not record: it is damaged; run `ckpt verify` to repair it"
+        )
+    if ck.manifest_digest is not None and digest != ck.manifest_digest:
+        raise IntegrityError(
+            f"the manifest of the {where} has digest {digest}, but the catalog recorded "
+            f"{ck.manifest_digest}: it is not this checkpoint; run `ckpt verify` to repair it"
+        )
+    return Manifest.from_json(data)
+
+
+def manifest_of(store: CheckpointStore, ck: Checkpoint) -> Manifest:
+    """The checkpoint's manifest, from its fastest PRESENT (or COPYING source) replica.
+
+    Raises:
+        CheckpointNotFoundError: If no configured tier holds a readable copy.
+    """
+    cached = _cache_get(ck.id, ck.manifest_digest)
+    if cached is not None:
+        return cached
+    tiers = store_tiers(store)
+    errors: list[str] = []
+    # Archival tiers (GLACIER) last: their manifest objects are readable, their chunks not.
+    for replica in sorted(ck.replicas, key=lambda r: (not tiers[r.tier].readable
+                                                      if r.tier in tiers else True,
+                                                      tier_rank(r.tier))):
+        tier = tiers.get(replica.tier)
+        if tier is None or replica.state != ReplicaState.PRESENT:
+            continue
+        try:
+            return manifest_on(tier, ck)
+        except (IntegrityError, IncompleteCheckpointError, StorageError) as exc:
+            errors.append(f"{replica.tier}: {exc}")
+    raise CheckpointNotFoundError(
+        f"no readable copy of {ck.ref} ({ck.id}) holds its manifest"
+        + (f" ({'; '.join(errors)})" if errors else "")
+        + "; run `ckpt verify` to find and repair damaged copies"
+    )
+
+
+def referenced_chunks(
+    store: CheckpointStore,
+    tier: str,
+    *,
+    exclude: Iterable[str] = (),
+) -> set[ChunkId]:
+    """Chunks on ``tier`` that checkpoints read from another checkpoint's directory.
+
+    Dedup means a chunk file owned (physically stored) by checkpoint A may be read by B.
+    This collects, from the manifests of every COMMITTED checkpoint with a live replica
+    (PRESENT, COPYING or DAMAGED) on ``tier``, each chunk whose owner is another checkpoint.
+    Deleting A's copy on that tier must keep exactly these of A's chunk files.
+
+    Known gap: a save still in progress (PENDING, no manifest yet) that deduplicates against
+    A is not seen; retention keeps the newest checkpoint of each run, which is the base new
+    saves use, so this does not arise in practice.
+
+    Args:
+        store: The open store.
+        tier: Tier name.
+        exclude: Checkpoint ids whose references do not count (the ones being deleted).
+
+    Returns:
+        ``{(owner id, array name, chunk index)}``.
+
+    Raises:
+        CheckpointNotFoundError: If a live replica's manifest cannot be read anywhere (the
+            caller must then not delete anything: it cannot know what is still needed).
+    """
+    skip = set(exclude)
+    out: set[ChunkId] = set()
+    for ck in store.catalog.list(state=CheckpointState.COMMITTED, order_by="created_at"):
+        replica = ck.replica(tier)
+        if ck.id in skip or replica is None or replica.state not in _LIVE:
+            continue
+        manifest = manifest_of(store, ck)
+        out.update(
+            (ref.owner, ref.array, ref.index)
+            for ref in iter_chunks(manifest)
+            if ref.owner != ck.id
+        )
+    return out
+
+
+def dependents(store: CheckpointStore, ck: Checkpoint, tier: str) -> list[Checkpoint]:
+    """Live checkpoints on ``tier`` that read chunk files ``ck`` holds there (dedup)."""
+    out = []
+    for other in store.catalog.list(state=CheckpointState.COMMITTED, order_by="created_at"):
+        replica = other.replica(tier)
+        if other.id == ck.id or replica is None or replica.state not in _LIVE:
+            continue
+        if any(ref.owner == ck.id for ref in iter_chunks(manifest_of(store, other))):
+            out.append(other)
+    return out
+
+
+def delete_replica(
+    store: CheckpointStore,
+    ck: Checkpoint,
+    tier: str,
+    *,
+    actor: str | None = None,
+    force: bool = False,
+    keep_referenced: bool = False,
+) -> int:
+    """Delete a checkpoint's copy on one tier, safely.
+
+    Order: refuse if this is the last verified copy, or if other live checkpoints on the
+    tier read its chunks → replica DELETING → remove the ``COMMITTED`` marker → remove the
+    other files → replica DELETED → event ``replica_deleted``. Safe to rerun after a crash.
+
+    Dedup: a delta reads chunk files from its base's directory, and the format's reader
+    requires that directory to be a committed checkpoint (marker present). So by default a
+    copy whose chunks are read by other live copies on the same tier is not deleted
+    (ConflictError naming them): delete or compact the deltas first. With
+    ``keep_referenced=True`` the copy is deleted except exactly the chunk files
+    :func:`referenced_chunks` reports (marker first, as always): chunk-level reclamation,
+    for readers that accept a base directory without a marker.
+
+    Args:
+        store: The open store.
+        ck: The checkpoint (re-read from the catalog here).
+        tier: The tier whose copy goes.
+        actor: Who deletes (recorded in the event).
+        force: Delete even the last verified copy of a COMMITTED checkpoint (used when the
+            checkpoint itself is being pruned).
+        keep_referenced: Keep only the referenced chunk files instead of refusing.
+
+    Returns:
+        Number of files deleted.
+
+    Raises:
+        ConflictError: If the copy is the last PRESENT, verified copy of a COMMITTED
+            checkpoint and ``force`` is False, or other copies read its chunks and
+            ``keep_referenced`` is False.
+        StorageError: If the tier fails; the replica stays DELETING and a rerun finishes.
+    """
+    ck = store.catalog.get_any(ck.id)
+    target = tier_of(store, tier)
+    replica = ck.replica(tier)
+    if (
+        not force
+        and ck.state == CheckpointState.COMMITTED
+        and replica is not None
+        and replica.state == ReplicaState.PRESENT
+    ):
+        others = [
+            r for r in ck.replicas
+            if r.tier != tier and r.state == ReplicaState.PRESENT and r.verified_at is not None
+        ]
+        if not others:
+            raise ConflictError(
+                f"refusing to delete the {tier} copy of {ck.ref} ({ck.id}): it is the last "
+                "verified copy; archive or restore it to another tier first"
+            )
+    keep_ids = {
+        (array, index)
+        for owner, array, index in referenced_chunks(store, tier, exclude=[ck.id])
+        if owner == ck.id
+    }
+    if keep_ids and not keep_referenced:
+        readers = ", ".join(d.ref for d in dependents(store, ck, tier)[:5])
+        raise ConflictError(
+            f"refusing to delete the {tier} copy of {ck.ref} ({ck.id}): {len(keep_ids)} of its "
+            f"chunk files are read by other checkpoints on {tier} ({readers}); delete or "
+            "compact those first"
+        )
+    store.catalog.set_replica(ck.id, tier, state=ReplicaState.DELETING)
+    prefix = target.prefix_for(ck.run, ck.id)
+    keep = {target.key_for(ck.run, ck.id, f"{array}/c/{index}") for array, index in keep_ids}
+    # The marker goes first and alone: from here on the copy is visibly incomplete.
+    marker = target.key_for(ck.run, ck.id, COMMIT_NAME)
+    deleted = 1 if target.delete(marker) else 0
+    if keep:
+        rest = [k for k in target.list_prefix(prefix) if k not in keep and k != marker]
+        deleted += target.delete_keys(rest)
+        logger.info("%s copy of %s: kept %d chunk files other checkpoints read",
+                    tier, ck.ref, len(keep))
+    else:
+        deleted += target.delete_prefix(prefix)
+    target.abort_multipart_uploads(prefix)
+    store.catalog.set_replica(ck.id, tier, state=ReplicaState.DELETED, bytes=0)
+    store.catalog.record_event(
+        "replica_deleted",
+        checkpoint_id=ck.id,
+        actor=actor,
+        detail={"tier": tier, "files": deleted, "kept_chunks": len(keep)},
+    )
+    return deleted

@@ -1,0 +1,314 @@
+"""Restore: bring a checkpoint back to the hot tier (or into any directory) and verify it.
+
+The copy comes from the fastest tier holding a PRESENT replica (hot → warm → cold); if that
+copy turns out damaged or unreachable the next one is tried. Chunks a delta reads from other
+checkpoints (dedup) are restored into their owners' directories, so the usual ``locate``
+(``<hot>/<run>/<id>``) finds them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    LeaseHeldError,
+    MissingBaseError,
+    StorageError,
+)
+from ckptstore.format import Manifest, verify_checkpoint
+from ckptstore.ops.replicas import (
+    delete_replica,
+    lease_owner,
+    manifest_on,
+    run_resolver,
+    store_tiers,
+    tier_rank,
+)
+from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.storage import (
+    COMMIT_NAME,
+    LocalTier,
+    Tier,
+    copy_checkpoint,
+    copy_keys,
+    foreign_chunks,
+)
+from ckptstore.storage.transfer import source_checker
+
+if TYPE_CHECKING:
+    from ckptstore.store import CheckpointStore
+
+__all__ = ["delete_replica", "ensure_hot", "restore_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[int], None]
+
+_POLL_S = 0.2
+
+
+def _sources(store: CheckpointStore, ck: Checkpoint, exclude: str | None) -> list[Tier]:
+    tiers = store_tiers(store)
+    found = [
+        tiers[r.tier]
+        for r in ck.replicas
+        if r.state == ReplicaState.PRESENT and r.tier in tiers and r.tier != exclude
+        and tiers[r.tier].readable
+    ]
+    return sorted(found, key=lambda t: tier_rank(t.name))
+
+
+def _key_of(tier: Tier, run_of: Callable[[str], str]) -> Callable[[str, str], str]:
+    return lambda owner, rel: tier.key_for(run_of(owner), owner, rel)
+
+
+def _restore_foreign(
+    store: CheckpointStore,
+    ck: Checkpoint,
+    manifest: Manifest,
+    first: Tier,
+    target: Tier,
+    run_of: Callable[[str], str],
+    *,
+    threads: int,
+    progress: Progress | None,
+) -> None:
+    """Put the chunks ``ck`` reads from other checkpoints into their owners' dirs on target."""
+    tiers = sorted(store_tiers(store).values(), key=lambda t: tier_rank(t.name))
+    for owner, refs in foreign_chunks(manifest).items():
+        owner_run = run_of(owner)
+        have = set(target.list_prefix(target.prefix_for(owner_run, owner)))
+        missing = [r for r in refs if target.key_for(owner_run, owner, r.rel) not in have]
+        if not missing:
+            continue
+        problems: list[str] = []
+        for tier in [first, *(t for t in tiers if t is not first)]:
+            if not tier.readable or tier.url == target.url:
+                continue
+            pairs = [
+                (tier.key_for(owner_run, owner, r.rel), target.key_for(owner_run, owner, r.rel))
+                for r in missing
+            ]
+            check = source_checker(manifest, _key_of(tier, run_of))
+            try:
+                copy_keys(tier, target, pairs, threads=threads, progress=progress,
+                          check_source=check)
+                break
+            except (StorageError, IntegrityError) as exc:
+                problems.append(f"{tier.name}: {exc}")
+        else:
+            raise MissingBaseError(
+                f"checkpoint {ck.ref} ({ck.id}) reads {len(missing)} chunks stored with "
+                f"checkpoint {owner}, and no tier has them intact ({'; '.join(problems)}); "
+                "it cannot be restored"
+            )
+
+
+def _restore_from(
+    store: CheckpointStore,
+    ck: Checkpoint,
+    src: Tier,
+    target: Tier,
+    *,
+    threads: int,
+    progress: Progress | None,
+    deep: bool,
+    record: bool,
+    actor: str,
+    depth: int,
+) -> tuple[Path, int]:
+    run_of = run_resolver(store, ck)
+    manifest = manifest_on(src, ck)
+    # Bases come back whole first: the reader needs each base directory to be a committed
+    # checkpoint. Chunks of bases that exist nowhere whole are then copied one by one.
+    for base_id in sorted(manifest.referenced_checkpoints()):
+        base = store.catalog.get_any(base_id)
+        base_dir = target.local_dir(base.run, base.id)
+        if base_dir is not None and (base_dir / COMMIT_NAME).is_file():
+            continue
+        if depth < 64 and base.state == CheckpointState.COMMITTED and _sources(
+                store, base, exclude=target.name if record else None):
+            if record:
+                _restore_hot(store, base, threads=threads, progress=progress, deep=deep,
+                             actor=actor, wait_s=600.0, depth=depth + 1)
+            else:
+                _restore_into(store, base, target, record=False, threads=threads,
+                              progress=progress, deep=deep, actor=actor, depth=depth + 1)
+    _restore_foreign(store, ck, manifest, src, target, run_of, threads=threads,
+                     progress=progress)
+    nbytes = copy_checkpoint(src, target, ck.run, ck.id, manifest, threads=threads,
+                             progress=progress, run_of=run_of)
+    directory = target.local_dir(ck.run, ck.id)
+    assert directory is not None  # restore targets are local
+
+    def locate(ckpt_id: str) -> Path:
+        found = target.local_dir(run_of(ckpt_id), ckpt_id)
+        assert found is not None
+        return found
+
+    problems = verify_checkpoint(directory, manifest, locate=locate, deep=deep)
+    if problems:
+        raise IntegrityError(
+            f"the copy of {ck.ref} restored from {src.name} fails verification: "
+            + "; ".join(problems[:5])
+            + f"; run `ckpt verify {ck.ref}` to repair the {src.name} copy"
+        )
+    return directory, nbytes
+
+
+def _restore_into(
+    store: CheckpointStore,
+    ck: Checkpoint,
+    target: Tier,
+    *,
+    record: bool,
+    threads: int,
+    progress: Progress | None,
+    deep: bool,
+    actor: str,
+    depth: int = 0,
+) -> Path:
+    sources = _sources(store, ck, exclude=target.name if record else None)
+    if not sources:
+        where = ", ".join(f"{r.tier}:{r.state}" for r in ck.replicas) or "none"
+        raise CheckpointNotFoundError(
+            f"checkpoint {ck.ref} ({ck.id}) has no readable PRESENT copy on a configured tier "
+            f"(replicas: {where}); check the tier configuration, or restore archived "
+            "(GLACIER) objects first"
+        )
+    failures: list[CkptError] = []
+    for src in sources:
+        try:
+            directory, nbytes = _restore_from(store, ck, src, target, threads=threads,
+                                              progress=progress, deep=deep, record=record,
+                                              actor=actor, depth=depth)
+        except (IntegrityError, IncompleteCheckpointError, StorageError) as exc:
+            logger.warning("restoring %s from %s failed: %s", ck.ref, src.name, exc)
+            failures.append(exc)
+            continue
+        if record:
+            store.catalog.set_replica(ck.id, target.name, uri=str(directory),
+                                      state=ReplicaState.PRESENT, bytes=nbytes, verified=True)
+        store.catalog.record_event(
+            "restored",
+            checkpoint_id=ck.id,
+            actor=actor,
+            detail={"from": src.name, "tier": target.name if record else None,
+                    "path": str(directory), "bytes": nbytes},
+        )
+        logger.info("restored %s (%s) from %s to %s", ck.ref, ck.id, src.name, directory)
+        return directory
+    last = failures[-1]
+    last.add_note("tried: " + "; ".join(f"{s.name}: {e}" for s, e in zip(sources, failures,
+                                                                           strict=True)))
+    raise last
+
+
+def restore_checkpoint(
+    store: CheckpointStore,
+    ref: str,
+    *,
+    to: str | os.PathLike[str] | None = None,
+    progress: Progress | None = None,
+    threads: int = 4,
+    deep: bool = True,
+    owner: str | None = None,
+    wait_s: float = 600.0,
+) -> Path:
+    """Restore a committed checkpoint and verify it.
+
+    Without ``to`` the copy goes to the hot tier and is recorded there (replica PRESENT,
+    verified, event ``restored``); concurrent restores of the same checkpoint wait for each
+    other through the ``restore:hot`` lease. With ``to`` the directory is treated as a tier
+    root: the checkpoint lands in ``<to>/<run>/<id>/`` (chunks read from other checkpoints in
+    their ``<to>/<run>/<owner id>/``), nothing is recorded but the event.
+
+    Args:
+        store: The open store.
+        ref: Checkpoint reference.
+        to: Target root directory instead of the hot tier.
+        progress: Called with the byte count of each file written.
+        threads: Parallel transfers.
+        deep: Re-hash every chunk after the copy (blake3 of the decoded chunk).
+        owner: Lease owner (default: unique per call).
+        wait_s: How long to wait for another restore of the same checkpoint.
+
+    Returns:
+        The restored checkpoint directory.
+
+    Raises:
+        CheckpointNotFoundError: If the reference does not resolve or no tier holds a copy.
+        IntegrityError: If every copy is damaged (MissingBaseError when a base's chunks are).
+        StorageError: If the tiers holding copies are unreachable.
+        LeaseHeldError: If another restore holds the lease for longer than ``wait_s``.
+    """
+    ck = store.catalog.get(ref)
+    actor = lease_owner(owner)
+    if to is not None:
+        target = LocalTier(to, name="restore-target")
+        return _restore_into(store, ck, target, record=False, threads=threads,
+                             progress=progress, deep=deep, actor=actor)
+    return _restore_hot(store, ck, threads=threads, progress=progress, deep=deep,
+                        actor=actor, wait_s=wait_s, depth=0)
+
+
+def _restore_hot(
+    store: CheckpointStore,
+    ck: Checkpoint,
+    *,
+    threads: int,
+    progress: Progress | None,
+    deep: bool,
+    actor: str,
+    wait_s: float,
+    depth: int,
+) -> Path:
+    """Restore onto the hot tier under the ``restore:hot`` lease (waiting for another one)."""
+    hot = store_tiers(store)["hot"]
+    directory = store.checkpoint_dir(ck.run, ck.id)
+    deadline = time.monotonic() + wait_s
+    while True:
+        replica = store.catalog.get_any(ck.id).replica("hot")
+        if replica is not None and replica.state == ReplicaState.PRESENT:
+            return directory
+        if store.catalog.acquire_lease(ck.id, "restore:hot", actor, max(wait_s, 60.0)):
+            break
+        if time.monotonic() > deadline:
+            holder = store.catalog.lease_holder(ck.id, "restore:hot")
+            raise LeaseHeldError(
+                f"another restore of {ck.ref} ({holder}) has not finished after {wait_s:.0f}s; "
+                "retry later"
+            )
+        time.sleep(_POLL_S)
+    try:
+        current = store.catalog.get_any(ck.id)
+        replica = current.replica("hot")
+        if replica is not None and replica.state == ReplicaState.PRESENT:
+            return directory
+        return _restore_into(store, current, hot, record=True, threads=threads,
+                             progress=progress, deep=deep, actor=actor, depth=depth)
+    finally:
+        store.catalog.release_lease(ck.id, "restore:hot", actor)
+
+
+def ensure_hot(store: CheckpointStore, ck: Checkpoint) -> Path:
+    """The checkpoint's hot directory, restoring it first when only other tiers hold it.
+
+    This is what makes ``store.load`` of an archived checkpoint transparent.
+
+    Raises:
+        As :func:`restore_checkpoint`.
+    """
+    replica = ck.replica("hot")
+    if replica is not None and replica.state == ReplicaState.PRESENT:
+        return store.checkpoint_dir(ck.run, ck.id)
+    return restore_checkpoint(store, ck.id)

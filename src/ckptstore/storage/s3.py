@@ -1,0 +1,409 @@
+"""A tier on S3 (or any S3-compatible endpoint) through s3fs.
+
+Objects are created with ``If-None-Match: *`` (s3fs ``mode="create"``), so a key is written
+once even with several writers: the second one gets a 412 and we raise ConflictError. Every
+listing or existence check first drops s3fs's listings cache, which would otherwise hide
+objects written by other processes. Credentials never pass through here: s3fs takes them
+from the environment or the AWS credential chain, and ``storage_options`` holding secrets
+are refused.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from ckptstore.errors import ConfigError, ConflictError, InvalidNameError, StorageError
+from ckptstore.storage.base import (
+    COMMIT_NAME,
+    MANIFEST_NAME,
+    Tier,
+    check_key,
+    is_not_found,
+    is_retryable,
+    scrub_secrets,
+)
+
+__all__ = ["ARCHIVAL_STORAGE_CLASSES", "S3Tier"]
+
+logger = logging.getLogger(__name__)
+
+#: Storage classes whose objects cannot be read without a restore request first.
+ARCHIVAL_STORAGE_CLASSES = frozenset({"GLACIER", "DEEP_ARCHIVE"})
+
+_T = TypeVar("_T")
+
+# Option names that would carry credentials into config files, flow parameters and logs.
+_FORBIDDEN_OPTIONS = frozenset(
+    {"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key",
+     "aws_session_token", "session_token"}
+)
+_BULK_DELETE = 1000
+_ALWAYS_STANDARD = frozenset({COMMIT_NAME, MANIFEST_NAME})
+
+
+def _backend_errors() -> tuple[type[BaseException], ...]:
+    """The exception types a backend call may raise besides our own errors."""
+    types: list[type[BaseException]] = [OSError]
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        types += [BotoCoreError, ClientError]
+    except ImportError:  # pragma: no cover - s3fs always brings botocore
+        pass
+    try:
+        import aiohttp
+
+        types.append(aiohttp.ClientError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(types)
+
+
+def _check_options(options: Mapping[str, Any], where: str = "storage_options") -> None:
+    for name, value in options.items():
+        if name.lower() in _FORBIDDEN_OPTIONS and value not in (None, ""):
+            raise ConfigError(
+                f"{where}.{name} would put a credential into the configuration; remove it and "
+                "provide credentials through the environment (AWS_ACCESS_KEY_ID, "
+                "AWS_SECRET_ACCESS_KEY) or the AWS credential chain (profile, instance role)"
+            )
+        if isinstance(value, Mapping):
+            _check_options(value, f"{where}.{name}")
+
+
+def _error_code(exc: BaseException) -> str:
+    current: BaseException | None = exc
+    for _ in range(8):
+        if current is None:
+            break
+        response = getattr(current, "response", None)
+        if isinstance(response, Mapping):
+            return str(response.get("Error", {}).get("Code", ""))
+        current = current.__cause__ or current.__context__
+    return ""
+
+
+class S3Tier(Tier):
+    """Checkpoint objects under ``s3://bucket/prefix/<run>/<id>/<file>``.
+
+    Example:
+        >>> tier = S3Tier("s3://ckpt/warm", {"endpoint_url": "http://127.0.0.1:9000"},
+        ...               name="warm")                                # doctest: +SKIP
+    """
+
+    supports_rename: ClassVar[bool] = False
+    is_local: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        storage_class: str | None = None,
+        name: str = "warm",
+    ) -> None:
+        """Create the tier; no request is made until first use.
+
+        Args:
+            url: ``s3://bucket`` or ``s3://bucket/prefix``.
+            storage_options: Options for ``s3fs.S3FileSystem`` (``endpoint_url``,
+                ``client_kwargs``, ``config_kwargs``, ...); never credentials.
+            storage_class: S3 storage class for new objects (``STANDARD_IA``, ``GLACIER``...);
+                ``manifest.json`` and ``COMMITTED`` always use the default class so they can
+                be read without a restore request.
+            name: The tier's name in the catalog.
+
+        Raises:
+            ConfigError: If the URL is not ``s3://bucket[/prefix]`` or the options hold
+                credentials.
+        """
+        super().__init__(name)
+        if not url.startswith("s3://"):
+            raise ConfigError(f"tier {name}: {url!r} is not an s3:// URL")
+        bucket, _, prefix = url[len("s3://") :].partition("/")
+        prefix = prefix.strip("/")
+        if not bucket or "//" in prefix:
+            raise ConfigError(
+                f"tier {name}: {url!r} is not a valid S3 URL; use s3://bucket[/prefix]"
+            )
+        if prefix:
+            try:
+                check_key(prefix)
+            except InvalidNameError as exc:
+                raise ConfigError(f"tier {name}: bad prefix in {url!r}: {exc}") from exc
+        options = dict(storage_options or {})
+        _check_options(options)
+        self.bucket = bucket
+        self.prefix = prefix
+        self.storage_class = storage_class.upper() if storage_class else None
+        self._options = options
+        self._fs: Any = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def url(self) -> str:
+        """``s3://bucket/prefix`` (no endpoint, no credentials)."""
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    @property
+    def readable(self) -> bool:
+        """False for archival storage classes (GLACIER, DEEP_ARCHIVE)."""
+        return self.storage_class not in ARCHIVAL_STORAGE_CLASSES
+
+    @property
+    def fs(self) -> Any:
+        """The s3fs file system (created on first use, never shared with other tiers)."""
+        with self._lock:
+            if self._fs is None:
+                try:
+                    import s3fs
+                except ImportError as exc:
+                    raise ConfigError(
+                        f"tier {self.name} ({self.url}) needs s3fs: pip install 'ckptstore[s3]'"
+                    ) from exc
+                # skip_instance_cache: s3fs would otherwise hand every caller with the same
+                # options one shared instance, listings cache and event loop included.
+                self._fs = s3fs.S3FileSystem(skip_instance_cache=True, **self._options)
+            return self._fs
+
+    def _path(self, key: str) -> str:
+        head = f"{self.bucket}/{self.prefix}" if self.prefix else self.bucket
+        return f"{head}/{key}" if key else head
+
+    def _display(self, key: str) -> str:
+        return f"s3://{self._path(key)}"
+
+    def _error(self, action: str, key: str, exc: BaseException) -> StorageError:
+        code = _error_code(exc)
+        endpoint = self._options.get("endpoint_url", "the default AWS endpoint")
+        if is_not_found(exc) or code in ("NoSuchKey", "NoSuchBucket", "404"):
+            number = errno.ENOENT
+            hint = (
+                "the bucket does not exist: create it or fix the tier URL"
+                if code == "NoSuchBucket"
+                else "the object does not exist: the copy is incomplete or was deleted"
+            )
+        elif code == "InvalidObjectState":
+            number = errno.EACCES
+            hint = (
+                f"the object is in an archival storage class ({self.storage_class or 'GLACIER'}); "
+                "request a restore (S3 RestoreObject) and retry once it has completed"
+            )
+        elif isinstance(exc, PermissionError) or code in ("AccessDenied", "403",
+                                                            "InvalidAccessKeyId",
+                                                            "SignatureDoesNotMatch"):
+            number = errno.EACCES
+            hint = (
+                "access denied: check the credentials in the environment or AWS credential "
+                "chain and the bucket policy"
+            )
+        elif is_retryable(exc):
+            number = errno.ECONNREFUSED if "onnect" in type(exc).__name__ else errno.EAGAIN
+            hint = (
+                f"S3 at {endpoint} is unreachable or busy: check the endpoint and network, "
+                "then retry (nothing was recorded as archived)"
+            )
+        else:
+            number = getattr(exc, "errno", None) or errno.EIO
+            hint = "check the endpoint, bucket and permissions, then retry"
+        reason = scrub_secrets(f"{type(exc).__name__}: {exc}", self._options)
+        err = StorageError(
+            number,
+            f"{self.name} tier: cannot {action} {self._display(key)}: {reason}; {hint}",
+        )
+        err.filename = self._display(key)
+        return err
+
+    @contextmanager
+    def _wrap(self, action: str, key: str) -> Iterator[None]:
+        try:
+            yield
+        except (StorageError, ConflictError, ConfigError, InvalidNameError):
+            raise
+        except _backend_errors() as exc:
+            raise self._error(action, key, exc) from exc
+
+    def _call(self, action: str, key: str, func: Callable[[], _T]) -> _T:
+        with self._wrap(action, key):
+            return func()
+        raise AssertionError("unreachable")  # pragma: no cover - keeps mypy happy
+
+    def _put_kwargs(self, key: str) -> dict[str, Any]:
+        # The manifest and the marker stay in the default class: they are tiny, and tools
+        # (verify, retention's reference scan) must read them without a restore request.
+        if not self.storage_class or key.rsplit("/", 1)[-1] in _ALWAYS_STANDARD:
+            return {}
+        return {"StorageClass": self.storage_class}
+
+    def _conflict(self, key: str, exc: BaseException) -> ConflictError:
+        return ConflictError(
+            f"{self.name} tier: {self._display(key)} already exists and objects are written "
+            "once; delete the incomplete copy first (or let the archive flow redo it)"
+        )
+
+    # ------------------------------------------------------------------ Tier API
+    def put_bytes(self, key: str, data: bytes) -> int:
+        """Create object ``key`` with ``data`` (``If-None-Match: *``)."""
+        check_key(key)
+        path = self._path(key)
+        try:
+            extra = self._put_kwargs(key)
+            self._call(
+                "write", key,
+                lambda: self.fs.pipe_file(path, bytes(data), mode="create", **extra),
+            )
+        except StorageError as exc:
+            if isinstance(exc.__cause__, FileExistsError):
+                raise self._conflict(key, exc) from exc.__cause__
+            raise
+        return len(data)
+
+    def put_file(self, local: Path, key: str) -> int:
+        """Upload local file ``local`` as new object ``key`` (``If-None-Match: *``)."""
+        check_key(key)
+        path = self._path(key)
+        try:
+            size = os.path.getsize(local)
+            self._call(
+                "write", key,
+                lambda: self.fs.put_file(str(local), path, mode="create", **self._put_kwargs(key)),
+            )
+        except StorageError as exc:
+            if isinstance(exc.__cause__, FileExistsError):
+                raise self._conflict(key, exc) from exc.__cause__
+            raise
+        except OSError as exc:  # the local file
+            raise StorageError(
+                exc.errno or errno.EIO, f"cannot read {local} to upload it: {exc.strerror}"
+            ) from exc
+        return size
+
+    def get_bytes(self, key: str) -> bytes:
+        """Download object ``key``."""
+        check_key(key)
+        # max_concurrency=1: one GET, without the HEAD s3fs sends to plan ranged reads.
+        data = self._call("read", key,
+                          lambda: self.fs.cat_file(self._path(key), max_concurrency=1))
+        return bytes(data)
+
+    def get_file(self, key: str, local: Path) -> int:
+        """Download object ``key`` into ``local`` (via a temp file and a rename)."""
+        check_key(key)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.parent / f".ckpt-tmp-{uuid.uuid4().hex}"
+        try:
+            self._call("read", key, lambda: self.fs.get_file(self._path(key), str(tmp)))
+            os.replace(tmp, local)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        return local.stat().st_size
+
+    def _head(self, key: str) -> dict[str, Any] | None:
+        """HEAD one object (never from cache); None when it does not exist."""
+        check_key(key)
+        bucket_key = self._path(key)[len(self.bucket) + 1 :]
+        try:
+            out: dict[str, Any] = self.fs.call_s3("head_object", Bucket=self.bucket,
+                                                  Key=bucket_key)
+        except FileNotFoundError:
+            return None
+        return out
+
+    def exists(self, key: str) -> bool:
+        """Whether object ``key`` exists (one HEAD request; no cached answer)."""
+        return self._call("stat", key, lambda: self._head(key) is not None)
+
+    def size(self, key: str) -> int:
+        """Size of object ``key``."""
+
+        def head() -> int:
+            found = self._head(key)
+            if found is None:
+                raise FileNotFoundError(errno.ENOENT, "no such object", self._display(key))
+            return int(found["ContentLength"])
+
+        return self._call("stat", key, head)
+
+    def list_prefix(self, prefix: str) -> list[str]:
+        """Keys under ``prefix`` (fresh listing, never from cache), sorted."""
+        check_key(prefix, prefix=True)
+        head = self._path("") + "/"
+        base = self._path(prefix.rstrip("/")) if prefix else self._path("")
+
+        def listing() -> list[str]:
+            self.fs.invalidate_cache()
+            try:
+                found = self.fs.find(base)
+            except FileNotFoundError:
+                return []
+            keys = [p[len(head) :] for p in found if p.startswith(head)]
+            return sorted(k for k in keys if k.startswith(prefix) and not k.endswith("/"))
+
+        return self._call("list", prefix, listing)
+
+    def delete(self, key: str) -> bool:
+        """Delete object ``key`` (S3 does not say whether it existed; True unless missing)."""
+        check_key(key)
+        path = self._path(key)
+
+        def remove() -> bool:
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                return False
+            return True
+
+        return self._call("delete", key, remove)
+
+    def delete_keys(self, keys: Iterable[str]) -> int:
+        """Delete keys with bulk requests of up to 1,000 keys."""
+        batch = [check_key(k) for k in keys]
+        for start in range(0, len(batch), _BULK_DELETE):
+            part = [self._path(k) for k in batch[start : start + _BULK_DELETE]]
+            with self._wrap("delete", batch[start]):
+                self.fs.rm(part)
+        return len(batch)
+
+    def abort_multipart_uploads(self, prefix: str) -> int:
+        """Abort unfinished multipart uploads under ``prefix``; return how many."""
+        check_key(prefix, prefix=True)
+        key_prefix = self._path(prefix)[len(self.bucket) + 1 :] if prefix or self.prefix else ""
+
+        def abort() -> int:
+            count = 0
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": key_prefix}
+            for _ in range(1000):  # bounded pagination
+                out = self.fs.call_s3("list_multipart_uploads", **kwargs)
+                for upload in out.get("Uploads", []) or []:
+                    self.fs.call_s3(
+                        "abort_multipart_upload",
+                        Bucket=self.bucket,
+                        Key=upload["Key"],
+                        UploadId=upload["UploadId"],
+                    )
+                    count += 1
+                if not out.get("IsTruncated"):
+                    break
+                kwargs["KeyMarker"] = out.get("NextKeyMarker", "")
+                kwargs["UploadIdMarker"] = out.get("NextUploadIdMarker", "")
+            return count
+
+        count = self._call("abort multipart uploads under", prefix, abort)
+        if count:
+            logger.info("%s tier: aborted %s unfinished multipart uploads under %s",
+                        self.name, count, self._display(prefix))
+        return count
+
+    def close(self) -> None:
+        """Forget the s3fs instance (its connections close with it)."""
+        with self._lock:
+            self._fs = None

@@ -1,0 +1,390 @@
+"""Copy one checkpoint between tiers and verify the copy before it may be used.
+
+The copy follows the :class:`~ckptstore.storage.base.Tier` call order: data files (in
+parallel), then ``manifest.json``, each read back from the destination and compared with the
+bytes read from the source, and only then the ``COMMITTED`` marker. A copy that fails half way
+has no marker, so it can never be mistaken for a checkpoint; rerunning the copy keeps the files
+that already match and redoes only the rest.
+
+Chunk ownership (dedup): a manifest may point at chunks physically stored in another
+checkpoint (``src`` = that checkpoint's id). Only the chunks this checkpoint owns are copied;
+the others must already be on the destination, inside their owner's prefix — copy the owner
+first (the archive and restore operations order that).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import blake3
+import crc32c
+
+from ckptstore.errors import ConflictError, IntegrityError, MissingBaseError
+from ckptstore.format import chunk_files
+from ckptstore.storage.base import COMMIT_NAME, MANIFEST_NAME, Tier
+
+__all__ = [
+    "ChunkRef",
+    "ManifestLike",
+    "chunk_rel",
+    "copy_checkpoint",
+    "copy_foreign_chunks",
+    "copy_keys",
+    "foreign_chunks",
+    "iter_chunks",
+    "owned_files",
+    "require_foreign_chunks",
+    "source_checker",
+]
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[int], None]
+
+
+class ManifestLike(Protocol):
+    """What transfer needs from :class:`ckptstore.format.Manifest`."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def arrays(self) -> Mapping[str, Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """One chunk a manifest uses.
+
+    Attributes:
+        owner: Id of the checkpoint whose directory physically holds the chunk file.
+        array: Array name (the dtype name, e.g. ``float32``).
+        index: Chunk index in the array.
+        rel: File path relative to the owner's directory.
+    """
+
+    owner: str
+    array: str
+    index: int
+    rel: str
+
+
+def chunk_rel(array: str, index: int) -> str:
+    """Relative path of chunk ``index`` of a flat (1-D) array: ``<array>/c/<index>``."""
+    return f"{array}/c/{index}"
+
+
+def _field(entry: Any, name: str) -> Any:
+    if isinstance(entry, Mapping):
+        return entry.get(name)
+    return getattr(entry, name, None)
+
+
+def iter_chunks(manifest: ManifestLike) -> Iterator[ChunkRef]:
+    """Every chunk the manifest uses, with the checkpoint that owns it."""
+    for name, array in manifest.arrays.items():
+        chunks = _field(array, "chunks") or []
+        items = chunks.items() if isinstance(chunks, Mapping) else enumerate(chunks)
+        for position, chunk in items:
+            if chunk is None:
+                continue
+            index = _field(chunk, "i")
+            index = int(position if index is None else index)
+            owner = _field(chunk, "src") or manifest.id
+            yield ChunkRef(str(owner), name, index, chunk_rel(name, index))
+
+
+def foreign_chunks(manifest: ManifestLike) -> dict[str, list[ChunkRef]]:
+    """Chunks the manifest uses but another checkpoint owns, grouped by owner id."""
+    out: dict[str, list[ChunkRef]] = {}
+    for ref in iter_chunks(manifest):
+        if ref.owner != manifest.id:
+            out.setdefault(ref.owner, []).append(ref)
+    return out
+
+
+def owned_files(manifest: ManifestLike) -> list[str]:
+    """Relative paths of every file the checkpoint owns, marker last.
+
+    Delegates to :func:`ckptstore.format.chunk_files`, the format's authority on which files
+    make up a checkpoint, and only reorders so ``manifest.json`` and ``COMMITTED`` come last.
+    """
+    files = list(chunk_files(manifest))  # type: ignore[arg-type]
+    data = [f for f in files if f not in (MANIFEST_NAME, COMMIT_NAME)]
+    return [*data, MANIFEST_NAME, COMMIT_NAME]
+
+
+def _digest(data: bytes, deep: bool) -> str:
+    if deep:
+        return "blake3:" + blake3.blake3(data).hexdigest()
+    return f"crc32c:{crc32c.crc32c(data):08x}"
+
+
+def copy_keys(
+    src: Tier,
+    dst: Tier,
+    pairs: Sequence[tuple[str, str]],
+    *,
+    threads: int = 4,
+    progress: Progress | None = None,
+    deep: bool = False,
+    existing: set[str] | None = None,
+    check_source: Callable[[str, bytes], str | None] | None = None,
+) -> int:
+    """Copy files ``src_key -> dst_key`` and verify each one on the destination.
+
+    Each file is read from ``src``, written to ``dst`` (write-once), read back from ``dst``
+    and compared (size + crc32c, or blake3 when ``deep``). A destination file that already
+    exists is kept when it matches the source, and replaced when it does not, which is what
+    makes a rerun after a crash redo only what is missing.
+
+    Args:
+        src: Source tier.
+        dst: Destination tier.
+        pairs: ``(source key, destination key)`` pairs.
+        threads: Parallel transfers.
+        progress: Called with the byte count of every file actually written.
+        deep: Compare blake3 hashes instead of crc32c.
+        existing: Destination keys known to exist (skips one existence request per file).
+        check_source: Called with ``(source key, bytes)``; returns a problem description
+            when the source bytes are damaged, so damage is never propagated to a new copy.
+
+    Returns:
+        Total bytes of the files (written or already present).
+
+    Raises:
+        StorageError: If a tier fails; remaining transfers are cancelled.
+        IntegrityError: If a source file is damaged, or a file read back from ``dst`` differs
+            from the source.
+        ConflictError: If another writer creates a key with different bytes at the same
+            moment.
+    """
+
+    def one(pair: tuple[str, str]) -> int:
+        src_key, dst_key = pair
+        data = src.get_bytes(src_key)
+        problem = check_source(src_key, data) if check_source is not None else None
+        if problem is not None:
+            raise IntegrityError(
+                f"{src.name} tier: {src_key} is damaged ({problem}); not copying it to "
+                f"{dst.name}. Run `ckpt verify` to repair the {src.name} copy from another one"
+            )
+        expect = _digest(data, deep)
+        present = dst_key in existing if existing is not None else dst.exists(dst_key)
+        if present:
+            if _matches(dst, dst_key, data, expect, deep):
+                logger.debug("%s tier: %s already present and intact", dst.name, dst_key)
+                return len(data)
+            logger.info("%s tier: replacing %s (differs from %s)", dst.name, dst_key, src.name)
+            dst.delete(dst_key)
+        try:
+            dst.put_bytes(dst_key, data)
+        except ConflictError:
+            # Another copier (say, one carrying a base's chunks for a delta) created the
+            # same key a moment ago; identical bytes are fine, anything else is not.
+            if not _matches(dst, dst_key, data, expect, deep):
+                raise
+            return len(data)
+        if not _matches(dst, dst_key, data, expect, deep):
+            raise IntegrityError(
+                f"{dst.name} tier: {dst_key} does not match the source after copying from "
+                f"{src.name} (size or hash differs); the copy is unusable, retry the transfer"
+            )
+        if progress is not None:
+            progress(len(data))
+        return len(data)
+
+    if not pairs:
+        return 0
+    if threads <= 1 or len(pairs) == 1:
+        return sum(one(pair) for pair in pairs)
+    pool = ThreadPoolExecutor(max_workers=min(threads, len(pairs)),
+                              thread_name_prefix="ckpt-copy")
+    try:
+        futures: list[Future[int]] = [pool.submit(one, pair) for pair in pairs]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for fut in done:
+            if fut.exception() is not None:
+                # Stop queued transfers early: with S3 down, each one would fail slowly.
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise fut.exception()  # type: ignore[misc]
+        return sum(f.result() for f in futures)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _matches(dst: Tier, key: str, data: bytes, expect: str, deep: bool) -> bool:
+    if not dst.readable:
+        # Archival classes (GLACIER) cannot be read back without a restore request; S3 has
+        # already checked the upload's integrity, so the size is what we can verify here.
+        return dst.size(key) == len(data)
+    back = dst.get_bytes(key)
+    return len(back) == len(data) and _digest(back, deep) == expect
+
+
+def source_checker(
+    manifest: ManifestLike, key_of: Callable[[str, str], str]
+) -> Callable[[str, bytes], str | None]:
+    """A ``check_source`` for :func:`copy_keys` that checks files against the manifest.
+
+    Chunk files (its own and those it reads from other checkpoints) must have the recorded
+    size and crc32c (the format stores the crc32c of the encoded bytes as a 4-byte
+    little-endian trailer); ``manifest.json`` must hash to the manifest's digest and
+    ``COMMITTED`` must hold that digest. Other files pass unchecked.
+
+    Args:
+        manifest: The checkpoint's manifest.
+        key_of: Maps ``(owner checkpoint id, relative path)`` to the key on the source tier.
+    """
+    expected: dict[str, tuple[int, int]] = {}
+    for name, array in manifest.arrays.items():
+        for position, chunk in enumerate(_field(array, "chunks") or []):
+            index = _field(chunk, "i")
+            rel = chunk_rel(name, int(position if index is None else index))
+            owner = str(_field(chunk, "src") or manifest.id)
+            expected[key_of(owner, rel)] = (int(_field(chunk, "nbytes")),
+                                            int(_field(chunk, "crc32c")))
+    digest = str(getattr(manifest, "digest", "") or "")
+    manifest_key = key_of(manifest.id, MANIFEST_NAME)
+    marker_key = key_of(manifest.id, COMMIT_NAME)
+
+    def check(key: str, data: bytes) -> str | None:
+        if key in expected:
+            nbytes, crc = expected[key]
+            if len(data) != nbytes:
+                return f"{len(data)} bytes, the manifest records {nbytes}"
+            got = crc32c.crc32c(data[:-4])
+            trailer = int.from_bytes(data[-4:], "little") if len(data) >= 4 else -1
+            if got != crc or trailer != crc:
+                return f"crc32c {got:#010x} differs from the manifest's {crc:#010x}"
+        elif digest and key == manifest_key:
+            got_digest = blake3.blake3(data).hexdigest()
+            if got_digest != digest:
+                return f"digest {got_digest} differs from the catalog's {digest}"
+        elif (digest and key == marker_key
+              and data.decode("ascii", "replace").strip() != digest):
+            return "the marker does not hold the manifest digest"
+        return None
+
+    return check
+
+
+def copy_foreign_chunks(
+    src: Tier,
+    dst: Tier,
+    manifest: ManifestLike,
+    run_of: Callable[[str], str],
+    *,
+    threads: int = 4,
+    progress: Progress | None = None,
+    deep: bool = False,
+) -> int:
+    """Copy the chunk files a checkpoint reads from other checkpoints, where ``dst`` lacks them.
+
+    Each file goes to its owner's prefix on ``dst`` (the owner gets no marker from this: it is
+    not a copy of the owner, only of chunks the owner holds). Source files are checked
+    against the manifest's sizes and crc32c first.
+
+    Returns:
+        Bytes of the chunk files now on ``dst`` for this checkpoint's foreign chunks.
+
+    Raises:
+        StorageError: If a tier fails (including a chunk missing on ``src``).
+        IntegrityError: If a source chunk is damaged or does not read back identical.
+    """
+    def key_of(tier: Tier) -> Callable[[str, str], str]:
+        return lambda owner, rel: tier.key_for(run_of(owner), owner, rel)
+
+    pairs: list[tuple[str, str]] = []
+    existing: set[str] = set()
+    for owner, refs in foreign_chunks(manifest).items():
+        existing.update(dst.list_prefix(dst.prefix_for(run_of(owner), owner)))
+        pairs.extend((key_of(src)(owner, r.rel), key_of(dst)(owner, r.rel)) for r in refs)
+    return copy_keys(src, dst, pairs, threads=threads, progress=progress, deep=deep,
+                     existing=existing, check_source=source_checker(manifest, key_of(src)))
+
+
+def require_foreign_chunks(
+    dst: Tier,
+    manifest: ManifestLike,
+    run_of: Callable[[str], str],
+) -> None:
+    """Check that every chunk owned by another checkpoint is on ``dst`` in its owner's prefix.
+
+    Raises:
+        MissingBaseError: Naming the owner and a missing chunk, if any is absent.
+    """
+    for owner, refs in foreign_chunks(manifest).items():
+        present = set(dst.list_prefix(dst.prefix_for(run_of(owner), owner)))
+        missing = [r for r in refs if dst.key_for(run_of(owner), owner, r.rel) not in present]
+        if missing:
+            raise MissingBaseError(
+                f"checkpoint {manifest.id} uses {len(missing)} chunks stored in checkpoint "
+                f"{owner} that are not on the {dst.name} tier (first: {missing[0].rel}); "
+                f"copy checkpoint {owner} to {dst.name} first"
+            )
+
+
+def copy_checkpoint(
+    src: Tier,
+    dst: Tier,
+    run: str,
+    ckpt_id: str,
+    manifest: ManifestLike,
+    *,
+    threads: int = 4,
+    progress: Progress | None = None,
+    deep: bool = False,
+    run_of: Callable[[str], str] | None = None,
+) -> int:
+    """Copy one checkpoint's own files from ``src`` to ``dst``, verified, marker last.
+
+    Args:
+        src: Tier holding a complete copy.
+        dst: Tier to copy to.
+        run: The checkpoint's run.
+        ckpt_id: The checkpoint's id.
+        manifest: Its manifest (already verified against the catalog digest).
+        threads: Parallel transfers for data files.
+        progress: Called with the byte count of every file written.
+        deep: Verify with blake3 instead of crc32c.
+        run_of: Maps the id of a checkpoint owning deduplicated chunks to its run name
+            (default: the same run).
+
+    Returns:
+        Bytes of the checkpoint's files on ``dst`` (what its replica occupies).
+
+    Raises:
+        MissingBaseError: If chunks owned by another checkpoint are not on ``dst``.
+        IntegrityError: If a copied file does not read back identical.
+        StorageError: If either tier fails. The destination then holds no marker.
+    """
+    resolve = run_of or (lambda _owner: run)
+    require_foreign_chunks(dst, manifest, resolve)
+    files = owned_files(manifest)
+    marker = dst.key_for(run, ckpt_id, COMMIT_NAME)
+    # A marker already there means we are re-doing this copy (a repair, or a crash after the
+    # marker but before the catalog update): it is not complete until we say so again.
+    if dst.exists(marker):
+        dst.delete(marker)
+    existing = set(dst.list_prefix(dst.prefix_for(run, ckpt_id)))
+
+    def pairs(rels: Sequence[str]) -> list[tuple[str, str]]:
+        return [(src.key_for(run, ckpt_id, r), dst.key_for(run, ckpt_id, r)) for r in rels]
+
+    check = source_checker(manifest, lambda owner, rel: src.key_for(resolve(owner), owner, rel))
+    data_files = files[:-2]
+    total = copy_keys(src, dst, pairs(data_files), threads=threads, progress=progress,
+                      deep=deep, existing=existing, check_source=check)
+    total += copy_keys(src, dst, pairs([MANIFEST_NAME]), progress=progress, deep=deep,
+                       existing=existing, check_source=check)
+    # Everything above is on dst and read back intact: only now may the copy become visible.
+    total += copy_keys(src, dst, pairs([COMMIT_NAME]), progress=progress, deep=deep,
+                       existing=set(), check_source=check)
+    logger.info("copied %s/%s from %s to %s: %s files, %s bytes",
+                run, ckpt_id, src.name, dst.name, len(files), total)
+    return total
