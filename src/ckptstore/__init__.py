@@ -43,6 +43,7 @@ from ckptstore.records import (
 from ckptstore.refs import Ref, parse_ref
 
 if TYPE_CHECKING:
+    from ckptstore.hooks import CheckpointManager, LossMonitor, SaveHandle
     from ckptstore.store import CheckpointStore, GcReport
 
 __version__ = "0.1.0"
@@ -50,6 +51,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "CheckpointStore": "ckptstore.store",
     "GcReport": "ckptstore.store",
+    "CheckpointManager": "ckptstore.hooks",
+    "LossMonitor": "ckptstore.hooks",
+    "SaveHandle": "ckptstore.hooks",
 }
 
 
@@ -67,6 +71,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "Checkpoint",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointState",
     "CheckpointStore",
@@ -79,11 +84,13 @@ __all__ = [
     "IntegrityError",
     "InvalidNameError",
     "LeaseHeldError",
+    "LossMonitor",
     "MissingBaseError",
     "Ref",
     "Replica",
     "ReplicaState",
     "RunInfo",
+    "SaveHandle",
     "Settings",
     "StorageError",
     "UnsafeObjectError",

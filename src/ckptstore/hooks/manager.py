@@ -1,0 +1,478 @@
+"""CheckpointManager: the training-loop side of the store.
+
+It decides when to save (save policies), saves asynchronously (the loop blocks only while the
+state is staged to host memory), resumes from the newest checkpoint, and after each commit
+pins, prunes the run's hot tier, runs the user's ``on_commit`` hooks and triggers the archive
+flow, all on the background save thread. On SIGTERM (preemption) it makes a final save at the
+next ``step()`` and exits once that save is committed.
+
+Example:
+    >>> store = CheckpointStore.open("./ckpt")                        # doctest: +SKIP
+    >>> mgr = CheckpointManager(store, "run-a", save_interval=100, keep_last=3)  # doctest: +SKIP
+    >>> with mgr:                                                     # doctest: +SKIP
+    ...     state = mgr.restore_latest()
+    ...     start = state["step"] + 1 if state else 0
+    ...     for step in range(start, 10_000):
+    ...         loss = train_step()
+    ...         mgr.step(step, lambda: {"model": model.state_dict(),
+    ...                                 "optim": opt.state_dict(), "step": step},
+    ...                  metrics={"loss": loss})
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError
+from ckptstore.hooks.async_save import SaveHandle, saver_for
+from ckptstore.hooks.policies import AnyOf, EveryNSeconds, EveryNSteps, OnDemand, SavePolicy
+
+if TYPE_CHECKING:
+    from ckptstore.records import Checkpoint
+    from ckptstore.store import CheckpointStore
+
+__all__ = ["CheckpointManager", "PruneFn", "StateFn"]
+
+logger = logging.getLogger(__name__)
+
+#: Builds the training state; called only when a save is due.
+StateFn = Callable[[], Any]
+#: Applies the manager's retention to one run's hot tier: ``prune_fn(store, run)``.
+PruneFn = Callable[["CheckpointStore", str], None]
+
+#: Exit status after a preemption save, as if SIGTERM had killed the process (128 + 15).
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
+
+
+def _default_prune(
+    store: CheckpointStore,
+    run: str,
+    *,
+    keep_last: int | None,
+    keep_best: tuple[str, str, int] | None,
+) -> None:
+    """Apply keep_last/keep_best to the run's hot tier with the retention engine, if present.
+
+    A no-op while ``ckptstore.ops.retention`` has no ``apply_retention`` (so the manager works
+    before the retention engine exists).
+    """
+    try:
+        import ckptstore.ops.retention as retention
+    except ImportError:
+        logger.debug("no retention engine: keeping every checkpoint of %s", run)
+        return
+    apply = getattr(retention, "apply_retention", None)
+    policy_cls = getattr(retention, "RetentionPolicy", None)
+    if policy_cls is None:
+        try:
+            from ckptstore.retention import RetentionPolicy as policy_cls
+        except ImportError:
+            policy_cls = None
+    if apply is None or policy_cls is None:
+        logger.debug("retention engine has no apply_retention: keeping every checkpoint")
+        return
+    apply(store, run=run, tier="hot", policy=policy_cls(keep_last=keep_last, keep_best=keep_best))
+
+
+class CheckpointManager:
+    """Save a training run on a schedule, resume it, and survive preemption.
+
+    Lifecycle: create → :meth:`restore_latest` (optional) → :meth:`step` every training step
+    (and :meth:`save_now` for extra saves) → :meth:`close` (or use it as a context manager).
+    The store stays open; the caller closes it.
+
+    Attributes:
+        store: The store saves go to.
+        run: The run name.
+        policy: The save policy (steps and/or seconds, plus on-demand requests).
+        resumed_from: The checkpoint :meth:`restore_latest` loaded, if any.
+        last_checkpoint: The most recently committed checkpoint of this manager.
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        run: str,
+        *,
+        save_interval: int | None = None,
+        save_every_seconds: float | None = None,
+        keep_last: int | None = None,
+        keep_best: tuple[str, str, int] | None = None,
+        async_save: bool = True,
+        archive: bool = False,
+        on_commit: Callable[[Checkpoint], None]
+        | Sequence[Callable[[Checkpoint], None]]
+        | None = None,
+        handle_sigterm: bool = True,
+        experiment: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        prune_fn: PruneFn | None = None,
+        policy: SavePolicy | None = None,
+    ) -> None:
+        """Attach a manager to ``run`` of ``store``.
+
+        Args:
+            store: An open store.
+            run: Run name (created in the catalog if new).
+            save_interval: Save every N steps (default the store's ``save_interval``).
+            save_every_seconds: Also save when this many seconds passed since the last save.
+            keep_last: Keep the newest N checkpoints of the run on the hot tier
+                (default the store's ``keep_last``).
+            keep_best: ``(metric, "min"|"max", N)``: also keep the best N
+                (default the store's ``keep_best``).
+            async_save: Stage and save in the background (True) or save in the step (False).
+            archive: Trigger the archive flow after each commit (never waited for).
+            on_commit: Callables run with each committed checkpoint (background thread when
+                ``async_save``); their errors are logged.
+            handle_sigterm: On SIGTERM, save at the next :meth:`step` and exit with status
+                143 once it is committed (main thread only).
+            experiment: Experiment the run is filed under.
+            config: Run configuration recorded in the catalog (for reproduction).
+            prune_fn: Retention hook ``prune_fn(store, run)``; default applies
+                ``keep_last``/``keep_best`` through ``ckptstore.ops.retention``.
+            policy: A custom save policy; replaces ``save_interval``/``save_every_seconds``.
+
+        Raises:
+            ConfigError: For a non-positive interval or count, or a bad ``keep_best``.
+            InvalidNameError: For a bad run name.
+        """
+        settings = store.settings
+        self.store = store
+        self.run = run
+        self._async = async_save
+        self._archive = archive
+        self._hooks: tuple[Callable[[Checkpoint], None], ...] = (
+            () if on_commit is None
+            else (on_commit,) if callable(on_commit)
+            else tuple(on_commit)
+        )
+        save_interval = save_interval if save_interval is not None else settings.save_interval
+        self.keep_last = keep_last if keep_last is not None else settings.keep_last
+        self.keep_best = _check_keep_best(
+            keep_best if keep_best is not None else settings.keep_best
+        )
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ConfigError(f"keep_last must be at least 1, got {self.keep_last!r}")
+        self._on_demand = OnDemand()
+        if policy is None:
+            parts: list[SavePolicy] = []
+            if save_interval is not None:
+                parts.append(EveryNSteps(save_interval))
+            if save_every_seconds is not None:
+                parts.append(EveryNSeconds(save_every_seconds))
+            policy = AnyOf(*parts)
+        self.policy: SavePolicy = AnyOf(policy, self._on_demand)
+        if prune_fn is None and (self.keep_last is not None or self.keep_best is not None):
+            prune_fn = functools.partial(
+                _default_prune, keep_last=self.keep_last, keep_best=self.keep_best
+            )
+        self._prune = prune_fn
+        self.resumed_from: Checkpoint | None = None
+        self.last_checkpoint: Checkpoint | None = None
+        self._parent_pending: str | None = None
+        self._last_state_fn: StateFn | None = None
+        self._handles: list[SaveHandle] = []
+        self._handles_lock = threading.Lock()
+        self._preempted = False
+        self._previous_handler: Any = None
+        self._installed = False
+        self._closed = False
+        fields: dict[str, Any] = {}
+        if experiment is not None:
+            fields["experiment"] = experiment
+        if config is not None:
+            fields["config"] = dict(config)
+        store.run(run, **fields)
+        if handle_sigterm:
+            self._install_sigterm()
+
+    # ------------------------------------------------------------------ resume
+    def restore_latest(self, into: Any | None = None) -> Any | None:
+        """Load the newest committed checkpoint of the run.
+
+        The next save records it as its parent (lineage: resumed-from), and the step policy
+        continues from its step.
+
+        Args:
+            into: A state of the same structure to fill in place (fastest; no allocations).
+
+        Returns:
+            The state, or None when the run has no committed checkpoint yet.
+
+        Raises:
+            CheckpointNotFoundError: If the newest checkpoint has no copy on the hot tier.
+            IntegrityError: If it is damaged.
+        """
+        self.wait()
+        try:
+            ck = self.store.latest(self.run)
+        except CheckpointNotFoundError:
+            logger.info("run %s has no checkpoint yet: starting fresh", self.run)
+            return None
+        state = self.store.load(ck.id, into=into)
+        self.resumed_from = ck
+        self._parent_pending = ck.id
+        self.policy.saved(ck.step, time.monotonic())
+        logger.info("resumed %s from %s (step %s)", self.run, ck.ref, ck.step)
+        return state
+
+    # ------------------------------------------------------------------ saving
+    def step(
+        self,
+        step: int,
+        state_fn: StateFn,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> SaveHandle | Checkpoint | None:
+        """Save if the policy says a save is due at ``step``.
+
+        Args:
+            step: The training step just finished.
+            state_fn: Builds the state to save; called only when a save is due.
+            metrics: Numbers recorded with the checkpoint (non-finite values are dropped).
+
+        Returns:
+            A :class:`SaveHandle` (async), the committed :class:`Checkpoint` (sync), or None
+            when no save was due.
+
+        Raises:
+            CkptError: An earlier background save's failure (raised once).
+            SystemExit: With status 143 after the preemption save, when SIGTERM was received.
+        """
+        self._check_open()
+        self._last_state_fn = state_fn
+        if self._preempted:
+            self._save_and_exit(step, state_fn, metrics)
+        if not self.policy.should_save(step, time.monotonic()):
+            return None
+        return self._save(step, state_fn, metrics, tags=(), pin=False)
+
+    def save_now(
+        self,
+        step: int,
+        state_fn: StateFn | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        tags: Sequence[str] = (),
+        pin: bool = False,
+    ) -> SaveHandle | Checkpoint:
+        """Save now, whatever the policy says.
+
+        Args:
+            step: The training step.
+            state_fn: Builds the state (default: the one last passed to :meth:`step`).
+            metrics: Numbers recorded with the checkpoint (non-finite values are dropped).
+            tags: Labels for the checkpoint.
+            pin: Protect it from retention once committed.
+
+        Returns:
+            A :class:`SaveHandle` (async) or the committed :class:`Checkpoint` (sync).
+
+        Raises:
+            ConfigError: If no ``state_fn`` is given and :meth:`step` was never called.
+            CkptError: An earlier background save's failure (raised once).
+        """
+        self._check_open()
+        state_fn = state_fn or self._last_state_fn
+        if state_fn is None:
+            raise ConfigError(
+                "save_now needs a state_fn: pass one, or call step() with one first"
+            )
+        return self._save(step, state_fn, metrics, tags=tuple(tags), pin=pin)
+
+    def request_save(self) -> None:
+        """Ask for a save at the next :meth:`step` (safe from signal handlers and threads)."""
+        self._on_demand.request()
+
+    @property
+    def preempted(self) -> bool:
+        """Whether SIGTERM was received."""
+        return self._preempted
+
+    def _save(
+        self,
+        step: int,
+        state_fn: StateFn,
+        metrics: Mapping[str, Any] | None,
+        *,
+        tags: tuple[str, ...],
+        pin: bool,
+    ) -> SaveHandle | Checkpoint:
+        state = state_fn()
+        now = time.monotonic()
+        kwargs: dict[str, Any] = {"metrics": _finite_metrics(metrics), "tags": tags}
+        if self._parent_pending is not None:
+            kwargs["parent"] = self._parent_pending
+        after = functools.partial(self._after_commit, pin=pin)
+        result: SaveHandle | Checkpoint
+        if self._async:
+            handle = saver_for(self.store).submit(
+                self.run, step, state, on_commit=after, **kwargs
+            )
+            with self._handles_lock:
+                self._handles = [h for h in self._handles if not h.done()]
+                self._handles.append(handle)
+            result = handle
+        else:
+            ck = self.store.save(self.run, step, state, **kwargs)
+            after(ck)
+            result = ck
+        # Only after a successful submit: a refused save leaves the policy due.
+        self._parent_pending = None
+        self.policy.saved(step, now)
+        return result
+
+    def _after_commit(self, ck: Checkpoint, *, pin: bool) -> None:
+        """Post-commit work; each part is isolated so one failure does not skip the rest."""
+        self.last_checkpoint = ck
+        if pin:
+            try:
+                self.store.pin(ck.id)
+            except CkptError:
+                logger.exception("could not pin %s; retention may prune it", ck.ref)
+        if self._prune is not None:
+            try:
+                self._prune(self.store, self.run)
+            except Exception:
+                logger.exception("pruning the hot tier of %s after %s failed", self.run, ck.ref)
+        for hook in self._hooks:
+            try:
+                hook(ck)
+            except Exception:
+                logger.exception("on_commit hook %r failed for %s", hook, ck.ref)
+        if self._archive:
+            trigger = getattr(self.store, "trigger", None)
+            if callable(trigger):
+                try:
+                    trigger("archive", ck)
+                except Exception:
+                    logger.exception("could not trigger archiving of %s", ck.ref)
+            else:
+                logger.debug("store has no flow trigger: %s is not archived now", ck.ref)
+
+    # ------------------------------------------------------------------ waiting
+    def wait(self) -> None:
+        """Wait until this manager's pending saves are committed (or failed).
+
+        Raises:
+            CkptError: The first failure of this manager's saves not yet reported.
+        """
+        with self._handles_lock:
+            handles, self._handles = self._handles, []
+        if handles:
+            saver_for(self.store).wait(handles)
+
+    def close(self) -> None:
+        """Wait for pending saves and restore the SIGTERM handler; the store stays open.
+
+        Raises:
+            CkptError: The first failure of this manager's saves not yet reported.
+        """
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._uninstall_sigterm()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        if exc_type is None or issubclass(exc_type, SystemExit):
+            self.close()
+            return
+        # Do not hide the loop's own exception behind a save failure.
+        try:
+            self.close()
+        except CkptError:
+            logger.exception("a pending save failed while the training loop was failing")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CkptError(f"the checkpoint manager of {self.run} is closed; create a new one")
+
+    # ------------------------------------------------------------------ preemption
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            logger.debug("not on the main thread: SIGTERM is not handled by the manager")
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is signal.SIG_IGN:
+            # The program chose to ignore SIGTERM; preemption handling must not undo that.
+            return
+        self._previous_handler = previous
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._installed = True
+
+    def _uninstall_sigterm(self) -> None:
+        if not self._installed:
+            return
+        self._installed = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_handler or signal.SIG_DFL)
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        # Runs between two bytecodes of the main thread: set flags only, save in step().
+        if self._preempted:
+            logger.warning("SIGTERM again: still waiting for the next step to save")
+            return
+        self._preempted = True
+        self._on_demand.request()
+        logger.warning("SIGTERM received: %s saves at its next step, then exits", self.run)
+
+    def _save_and_exit(
+        self, step: int, state_fn: StateFn, metrics: Mapping[str, Any] | None
+    ) -> None:
+        for attempt in range(2):
+            try:
+                self._save(step, state_fn, metrics, tags=("preempted",), pin=False)
+                self.wait()
+                break
+            except CkptError:
+                # The error may be an earlier save's failure surfacing now; one retry makes
+                # the preemption save itself.
+                if attempt:
+                    raise
+                logger.exception("a save failed during preemption; saving again")
+        logger.warning("preemption save of %s at step %s committed; exiting", self.run, step)
+        previous = self._previous_handler
+        self.close()
+        if callable(previous) and previous not in (signal.default_int_handler,):
+            previous(signal.SIGTERM, None)
+        raise SystemExit(PREEMPTED_EXIT_CODE)
+
+
+def _finite_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float] | None:
+    """Plain floats; non-finite values are dropped (with a warning) instead of failing a save."""
+    if not metrics:
+        return None
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        number = float(value)
+        if math.isfinite(number):
+            out[name] = number
+        else:
+            logger.warning("metric %s=%s is not finite: not recorded", name, number)
+    return out
+
+
+def _check_keep_best(value: tuple[str, str, int] | None) -> tuple[str, str, int] | None:
+    if value is None:
+        return None
+    try:
+        metric, mode, count = value
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"keep_best must be (metric, 'min'|'max', N), got {value!r}"
+        ) from None
+    if mode not in ("min", "max") or not isinstance(count, int) or count < 1:
+        raise ConfigError(f"keep_best must be (metric, 'min'|'max', N>=1), got {value!r}")
+    return (str(metric), mode, count)
