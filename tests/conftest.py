@@ -17,6 +17,8 @@ _PREFECT_HOME = tempfile.mkdtemp(prefix="ckpt-prefect-home-")
 os.environ.setdefault("PREFECT_HOME", _PREFECT_HOME)
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+# A loaded 2-core machine can take longer than the default 20 s to start the ephemeral API.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 # Tests must never reach outside the machine; AWS credentials are fakes for moto.
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")

@@ -326,6 +326,28 @@ class CheckpointStore:
         """Wait for every pending async save; raise the first failure not yet reported."""
         wait_async(self)
 
+    def trigger(
+        self, flow_name: str, checkpoint: Checkpoint | None = None, **params: Any
+    ) -> None:
+        """Start a background flow (``archive``, ``retention``, ``verify``, ...); never waits.
+
+        Without a Prefect server the flow runs on this process's one embedded background worker
+        (started on first use); with ``PREFECT_API_URL`` set it becomes a ``run_deployment``
+        of the deployment ``ckpt serve`` serves. The flow reopens the store from its root and
+        config file, so settings given only as ``open()`` arguments do not reach it.
+
+        Args:
+            flow_name: Short flow name.
+            checkpoint: The checkpoint the flow is about (passed as ``ref``).
+            **params: Other flow parameters (plain values, never credentials).
+        """
+        from ckptstore.flows.embedded import trigger_flow
+
+        if checkpoint is not None:
+            params.setdefault("ref", checkpoint.id)
+        config = str(self.settings.source) if self.settings.source else None
+        trigger_flow(str(self.settings.root), flow_name, params, config=config)
+
     def _abandon(self, ckpt_id: str, directory: Path, exc: BaseException) -> None:
         """Mark a failed save FAILED and remove its partial directory (best effort)."""
         try:

@@ -17,6 +17,8 @@ import typer
 from ckptstore.cli import ops_commands
 from ckptstore.cli.common import State, open_store, parse_where
 from ckptstore.cli.output import (
+    LS_COLUMNS,
+    LS_WIDE_COLUMNS,
     checkpoint_row,
     console,
     err_console,
@@ -86,6 +88,7 @@ def ls_cmd(
                                "prefix '-' for descending.")
     ] = "run",
     limit: Annotated[int | None, typer.Option(help="At most this many rows.")] = None,
+    wide: Annotated[bool, typer.Option("--wide", "-w", help="Also show time and id.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """List committed checkpoints."""
@@ -109,8 +112,9 @@ def ls_cmd(
         err_console.print("no checkpoints match")
         return
     print_table(
-        ["run", "step", "ver", "created", "stored", "tiers", "metrics", "tags", "id"],
-        (checkpoint_row(c) for c in items),
+        LS_WIDE_COLUMNS if wide else LS_COLUMNS,
+        (checkpoint_row(c, wide=wide) for c in items),
+        no_wrap=("checkpoint", "step", "stored", "id", "created"),
     )
 
 
@@ -311,11 +315,18 @@ def events_cmd(
     print_table(
         ["when", "event", "checkpoint", "actor", "detail"],
         (
-            (e.at.strftime("%Y-%m-%d %H:%M:%S"), e.kind, (e.checkpoint_id or "-")[:8],
-             e.actor or "-", ", ".join(f"{k}={v}" for k, v in e.detail.items())[:60])
+            (e.at.strftime("%m-%d %H:%M:%S"), e.kind, (e.checkpoint_id or "-")[:8],
+             (e.actor or "-").split(":")[0], _detail_text(e.detail))
             for e in events
         ),
+        no_wrap=("when", "event", "checkpoint"),
     )
+
+
+def _detail_text(detail: dict[str, Any], limit: int = 48) -> str:
+    parts = [f"{k}={v}" for k, v in detail.items() if v not in (None, [], {}, "")]
+    text = ", ".join(parts)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 @app.command("gc")

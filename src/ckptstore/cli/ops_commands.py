@@ -61,9 +61,16 @@ def archive_cmd(
     if as_json:
         print_json({"archive": _summary(report), "demote": _summary(demoted)})
         return
-    console.print(str(report))
+    console.print(report.summary())
+    for ckpt_id, why in report.failed.items():
+        err_console.print(f"failed {ckpt_id}: {why}", markup=False)
+    if report.reencode_ignored:
+        err_console.print(
+            f"note: re-encoding with {report.reencode_ignored} is not supported yet; "
+            "archived with the original codec"
+        )
     if demoted is not None:
-        console.print(str(demoted))
+        console.print(demoted.summary())
 
 
 def prune_cmd(
@@ -113,7 +120,16 @@ def prune_cmd(
     if as_json:
         print_json(_summary(result))
         return
-    console.print(result.render() if hasattr(result, "render") else str(result))
+    console.print(result.plan.render(), markup=False, highlight=False)
+    if not dry_run:
+        console.print(
+            f"executed {len(result.executed)} action(s), freed {human_bytes(result.freed_bytes)}"
+            f"; skipped {len(result.skipped)}, failed {len(result.failed)}"
+        )
+        for action, why in result.failed:
+            err_console.print(f"failed: {action.describe()}: {why}", markup=False)
+    if result.failed:
+        raise typer.Exit(1)
 
 
 def restore_cmd(
@@ -151,8 +167,16 @@ def verify_cmd(
     if as_json:
         print_json(_summary(report))
     else:
-        console.print(str(report))
-    if getattr(report, "unrepaired", None):
+        console.print(
+            f"checked {len(report.checked)} replica(s): {len(report.ok)} intact, "
+            f"{len(report.damaged)} damaged, {len(report.repaired)} repaired, "
+            f"{len(report.unrepaired)} unrepaired, {len(report.skipped)} skipped"
+        )
+        for name, problems in report.damaged.items():
+            err_console.print(f"damaged {name}: {'; '.join(problems[:3])}", markup=False)
+        for name, why in report.unrepaired.items():
+            err_console.print(f"NOT repaired {name}: {why}", markup=False)
+    if report.unrepaired:
         raise typer.Exit(1)
 
 

@@ -14,6 +14,8 @@ from rich.table import Table
 from ckptstore.records import Checkpoint
 
 __all__ = [
+    "LS_COLUMNS",
+    "LS_WIDE_COLUMNS",
     "checkpoint_row",
     "console",
     "err_console",
@@ -54,12 +56,23 @@ def print_json(data: Any) -> None:
 
 
 def print_table(
-    columns: Sequence[str], rows: Iterable[Sequence[Any]], *, title: str | None = None
+    columns: Sequence[str],
+    rows: Iterable[Sequence[Any]],
+    *,
+    title: str | None = None,
+    no_wrap: Sequence[str] = (),
 ) -> None:
-    """Print a compact table that stays readable at 80 columns."""
+    """Print a compact table that stays readable at 80 columns.
+
+    Args:
+        columns: Header names.
+        rows: Cell values.
+        title: Optional title.
+        no_wrap: Columns that must stay on one line (references, numbers).
+    """
     table = Table(title=title, show_edge=False, pad_edge=False, header_style="bold")
     for col in columns:
-        table.add_column(col, overflow="fold")
+        table.add_column(col, overflow="fold", no_wrap=col in no_wrap)
     for row in rows:
         table.add_row(*("" if v is None else str(v) for v in row))
     console.print(table)
@@ -71,17 +84,21 @@ def _metrics_text(metrics: dict[str, float], limit: int = 2) -> str:
     return text + (" …" if len(metrics) > limit else "")
 
 
-def checkpoint_row(ck: Checkpoint) -> list[str]:
-    """The columns ``ckpt ls`` shows for one checkpoint."""
-    flags = " ".join((["pinned"] if ck.pinned else []) + [f"@{a}" for a in ck.aliases])
-    return [
-        ck.run,
+LS_COLUMNS = ["checkpoint", "step", "stored", "tiers", "metrics", "tags"]
+LS_WIDE_COLUMNS = [*LS_COLUMNS, "created", "id"]
+
+
+def checkpoint_row(ck: Checkpoint, *, wide: bool = False) -> list[str]:
+    """The columns ``ckpt ls`` shows for one checkpoint (fits 80 columns unless ``wide``)."""
+    flags = " ".join((["pinned"] if ck.pinned else []) + [f"={a}" for a in ck.aliases])
+    row = [
+        ck.ref,
         str(ck.step),
-        f"v{ck.version}",
-        ck.created_at.strftime("%m-%d %H:%M"),
         human_bytes(ck.stored_bytes),
         ",".join(ck.tiers) or "-",
-        _metrics_text(ck.metrics),
+        _metrics_text(ck.metrics, limit=1 if not wide else 4),
         (" ".join(ck.tags) + (" " + flags if flags else "")).strip(),
-        ck.id[:8],
     ]
+    if wide:
+        row += [ck.created_at.strftime("%Y-%m-%d %H:%M"), ck.id]
+    return row

@@ -1,0 +1,139 @@
+"""CLI commands that look at the store: ``ckpt tiers``, ``ckpt ui`` and ``ckpt report``.
+
+None of them changes the catalog. ``tiers --probe`` writes and deletes one probe blob per
+tier under ``.ckpt-probe/``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ckptstore.cli.common import open_store
+from ckptstore.cli.output import console, err_console, human_bytes, print_json, print_table
+from ckptstore.errors import InvalidNameError
+
+__all__ = ["register"]
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1e6:,.0f} MB/s"
+
+
+def tiers_cmd(
+    ctx: typer.Context,
+    probe: Annotated[
+        bool,
+        typer.Option(
+            "--probe",
+            help="Measure write/read throughput with a temporary blob (64 MiB local, "
+            "16 MiB S3), deleted afterwards.",
+        ),
+    ] = False,
+    probe_mib: Annotated[
+        int | None, typer.Option(help="Probe blob size in MiB (default by backend).")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Each configured tier: reachable, free space, objects and bytes held, throughput.
+
+    With --probe, each rate is flagged against what the tier's role needs (hot > 1 GB/s,
+    archive > 100 MB/s). Exits with 1 when a tier is unreachable.
+    """
+    from ckptstore.observability.tiers import tier_status
+    from ckptstore.storage import build_tiers
+
+    if probe_mib is not None and not 1 <= probe_mib <= 4096:
+        raise InvalidNameError(f"--probe-mib must be between 1 and 4096, got {probe_mib}")
+    with open_store(ctx) as store:
+        usage = store.usage()
+        tiers = build_tiers(store.settings)
+        try:
+            statuses = [
+                tier_status(
+                    tier,
+                    usage,
+                    listing=True,
+                    probe=probe,
+                    probe_bytes=probe_mib * 2**20 if probe_mib else None,
+                )
+                for tier in tiers.values()
+            ]
+        finally:
+            for tier in tiers.values():
+                tier.close()
+    healthy = all(s.reachable for s in statuses)
+    if as_json:
+        print_json([s.to_dict() for s in statuses])
+    else:
+        columns = ["tier", "url", "reachable", "free", "objects", "listed", "catalogued"]
+        if probe:
+            columns += ["write", "read", "verdict"]
+        rows = []
+        for s in statuses:
+            row = [
+                s.name,
+                s.url,
+                "yes" if s.reachable else "NO",
+                human_bytes(s.free_bytes),
+                "-" if s.objects is None else str(s.objects),
+                human_bytes(s.listed_bytes),
+                f"{s.catalog_checkpoints} ckpt, {human_bytes(s.catalog_bytes)}",
+            ]
+            if probe:
+                p = s.probe
+                row += (
+                    [_rate(p.write_bytes_per_s), _rate(p.read_bytes_per_s), p.verdict]
+                    if p else ["-", "-", "not probed"]
+                )
+            rows.append(row)
+        print_table(columns, rows)
+        for s in statuses:
+            if s.error:
+                err_console.print(f"{s.name}: {s.error}", markup=False, highlight=False)
+    if not healthy:
+        raise typer.Exit(1)
+
+
+def ui_cmd(
+    ctx: typer.Context,
+    host: Annotated[str, typer.Option(help="Loopback address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8787,
+) -> None:
+    """Browse the catalog in a web browser (read-only; bound to this machine only)."""
+    from ckptstore.ui.app import check_loopback, serve
+
+    check_loopback(host)
+    with open_store(ctx) as store:
+        err_console.print(f"catalog browser on http://{host}:{port}/ (Ctrl-C stops it)")
+        serve(store, host=host, port=port)
+
+
+def report_cmd(
+    ctx: typer.Context,
+    html: Annotated[
+        Path, typer.Option("--html", help="Write a self-contained HTML report to this file.")
+    ],
+    max_checkpoints: Annotated[
+        int, typer.Option(help="Most checkpoint sections (newest first).")
+    ] = 200,
+) -> None:
+    """Write the browser's views (runs, lineage, tiers, checkpoints) as one static file."""
+    from ckptstore.ui.report import write_report
+
+    if max_checkpoints < 0:
+        raise InvalidNameError(f"--max-checkpoints must be >= 0, got {max_checkpoints}")
+    with open_store(ctx) as store:
+        path = write_report(store, html, max_checkpoints=max_checkpoints)
+    console.print(f"wrote {path} ({human_bytes(path.stat().st_size)})")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``tiers``, ``ui`` and ``report`` to the ``ckpt`` command."""
+    app.command("tiers")(tiers_cmd)
+    app.command("ui")(ui_cmd)
+    app.command("report")(report_cmd)
