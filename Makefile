@@ -7,7 +7,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_LOGGING_LEVEL ?= WARNING
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: demo test lint typecheck unit bench reliability services clean help
+.PHONY: demo test lint typecheck unit bench reliability services browser clean help
 
 help:
 	@echo "make demo    run the main job end to end on the embedded defaults"
@@ -25,11 +25,18 @@ $(STAMP): pyproject.toml
 services:
 	@bash scripts/ensure-postgres.sh
 
+# Debian's Chromium for tests/ui/test_browser.py (Playwright drives it; no browser download).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing chromium (Debian package) for the UI tests"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	  || echo "WARNING: chromium could not be installed; tests/ui/test_browser.py will skip"; }
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	bash scripts/typecheck.sh
 
-test: $(STAMP) services lint
+test: $(STAMP) services browser lint
 	@if docker compose version >/dev/null 2>&1; then docker compose config -q && echo "docker-compose.yml: valid"; else echo "docker compose not installed: docker-compose.yml checked by tests/test_compose.py only"; fi
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ckptstore.cli import ops_commands
+from ckptstore.cli import observe_commands, ops_commands
 from ckptstore.cli.common import State, open_store, parse_where
 from ckptstore.cli.output import (
     LS_COLUMNS,
@@ -66,6 +66,9 @@ def _root(
         format="%(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    from ckptstore.observability import configure_logging
+
+    configure_logging(level=logging.INFO if verbose else logging.WARNING)
     ctx.obj = State(store=store, config=config)
 
 
@@ -382,6 +385,7 @@ def db_history() -> None:
 
 
 ops_commands.register(app)
+observe_commands.register(app)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

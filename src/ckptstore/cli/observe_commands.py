@@ -41,6 +41,8 @@ def tiers_cmd(
 ) -> None:
     """Each configured tier: reachable, free space, objects and bytes held, throughput.
 
+    Columns: up (reachable), free (local tiers), objects and listed bytes (a listing of the
+    tier), catalog (checkpoints / bytes the catalog records as present there).
     With --probe, each rate is flagged against what the tier's role needs (hot > 1 GB/s,
     archive > 100 MB/s). Exits with 1 when a tier is unreachable.
     """
@@ -70,31 +72,36 @@ def tiers_cmd(
     if as_json:
         print_json([s.to_dict() for s in statuses])
     else:
-        columns = ["tier", "url", "reachable", "free", "objects", "listed", "catalogued"]
+        columns = ["tier", "up", "free", "objects", "listed", "catalog"]
         if probe:
-            columns += ["write", "read", "verdict"]
+            columns += ["write", "read", "role"]
         rows = []
         for s in statuses:
             row = [
                 s.name,
-                s.url,
                 "yes" if s.reachable else "NO",
                 human_bytes(s.free_bytes),
                 "-" if s.objects is None else str(s.objects),
                 human_bytes(s.listed_bytes),
-                f"{s.catalog_checkpoints} ckpt, {human_bytes(s.catalog_bytes)}",
+                f"{s.catalog_checkpoints} / {human_bytes(s.catalog_bytes)}",
             ]
             if probe:
                 p = s.probe
                 row += (
-                    [_rate(p.write_bytes_per_s), _rate(p.read_bytes_per_s), p.verdict]
-                    if p else ["-", "-", "not probed"]
+                    [_rate(p.write_bytes_per_s), _rate(p.read_bytes_per_s),
+                     "ok" if p.ok else "SLOW"]
+                    if p else ["-", "-", "-"]
                 )
             rows.append(row)
         print_table(columns, rows)
+        # Long text goes below the table, one line per tier, so the table stays readable at
+        # 80 columns.
         for s in statuses:
+            console.print(f"{s.name}: {s.url}", markup=False, highlight=False)
+            if s.probe is not None and not s.probe.ok:
+                console.print(f"  {s.probe.verdict}", markup=False, highlight=False)
             if s.error:
-                err_console.print(f"{s.name}: {s.error}", markup=False, highlight=False)
+                err_console.print(f"  {s.name}: {s.error}", markup=False, highlight=False)
     if not healthy:
         raise typer.Exit(1)
 

@@ -43,6 +43,7 @@ import torch
 
 from ckptstore.errors import CkptError, ConfigError
 from ckptstore.format import flatten_state
+from ckptstore.observability.metrics import off_training_path
 
 if TYPE_CHECKING:
     from ckptstore.records import Checkpoint
@@ -539,6 +540,7 @@ class AsyncSaver:
         handle.staged_bytes = sum(_key_nbytes(key) for key in plan.keys)
         handle.waited_s = acquired - started
         handle.blocked_s = time.perf_counter() - started
+        self.store.metrics.observe_blocked("save", handle.blocked_s, run=run, step=step)
         job = _Job(run, step, staged, plan.keys, buffers, kwargs, on_commit, handle, future)
         with self._lock:
             self._pending.add(future)
@@ -646,7 +648,9 @@ class AsyncSaver:
 
     def _execute(self, job: _Job) -> None:
         try:
-            ck = self.store.save(job.run, job.step, job.state, **job.save_kwargs)
+            # The background write does not block training; submit() reported what did.
+            with off_training_path():
+                ck = self.store.save(job.run, job.step, job.state, **job.save_kwargs)
         except BaseException as exc:  # every failure must reach the caller, not kill the thread
             job.state = None
             self.pool.release(job.keys, job.buffers)

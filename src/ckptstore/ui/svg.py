@@ -1,0 +1,370 @@
+"""Server-side SVG: a metric-over-steps line plot and a layered lineage DAG.
+
+Pure functions from plain data to SVG text (no JavaScript, no external resources), so the
+same markup works in the live browser and in the static report. Every piece of text that
+came from the catalog is escaped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import math
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "Edge",
+    "Node",
+    "PlotPoint",
+    "dag_svg",
+    "group_colors",
+    "layered_layout",
+    "line_plot",
+    "nice_ticks",
+]
+
+_PALETTE = (
+    "#2f6fb0", "#c0504d", "#4f9a4f", "#8064a2", "#d08a1f", "#2aa0a4", "#b0487f", "#6b6b2f",
+)
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _num(value: float) -> str:
+    if value == 0:
+        return "0"
+    if abs(value) >= 1e5 or abs(value) < 1e-3:
+        return f"{value:.3g}"
+    return f"{value:.4g}"
+
+
+def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
+    """Round tick values covering ``[low, high]`` (steps of 1, 2 or 5 times a power of 10).
+
+    Args:
+        low: Smallest value.
+        high: Largest value (> low).
+        count: About how many ticks.
+
+    Returns:
+        Increasing tick values inside ``[low, high]``.
+    """
+    span = high - low
+    if span <= 0 or not math.isfinite(span):
+        return [low]
+    raw = span / max(count, 1)
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
+    first = math.ceil(low / step) * step
+    ticks: list[float] = []
+    value = first
+    for _ in range(count * 3):  # bounded even for pathological float input
+        if value > high + step * 1e-9:
+            break
+        ticks.append(round(value, 12))
+        value += step
+    return ticks
+
+
+@dataclass(frozen=True)
+class PlotPoint:
+    """One checkpoint on a metric plot.
+
+    Attributes:
+        x: Training step.
+        y: Metric value.
+        label: Tooltip text (the checkpoint reference).
+        href: Link target of the marker, or None.
+    """
+
+    x: float
+    y: float
+    label: str
+    href: str | None = None
+
+
+def line_plot(
+    points: Sequence[PlotPoint],
+    *,
+    title: str,
+    x_label: str = "step",
+    width: int = 640,
+    height: int = 220,
+) -> str:
+    """A line plot of a metric over steps with one linked marker per checkpoint.
+
+    Args:
+        points: The checkpoints (any order; non-finite values are skipped).
+        title: Plot title (the metric name).
+        x_label: X axis label.
+        width: SVG width in px.
+        height: SVG height in px.
+
+    Returns:
+        ``<svg class="plot">`` markup: axes, ticks, one ``<path class="series">`` and a
+        ``<circle class="marker">`` (inside an ``<a>`` when linked) per point.
+    """
+    good = sorted(
+        (p for p in points if math.isfinite(p.x) and math.isfinite(p.y)), key=lambda p: p.x
+    )
+    left, right, top, bottom = 60, 14, 26, 34
+    head = (
+        f'<svg class="plot" xmlns="http://www.w3.org/2000/svg" width="{width}" '
+        f'height="{height}" viewBox="0 0 {width} {height}" role="img" '
+        f'data-metric="{_e(title)}" aria-label="{_e(title)} over {_e(x_label)}">'
+        f'<text class="title" x="{left}" y="16">{_e(title)}</text>'
+    )
+    if not good:
+        return (
+            head + f'<text class="empty" x="{width / 2:.0f}" y="{height / 2:.0f}" '
+            'text-anchor="middle">no values</text></svg>'
+        )
+    x_lo, x_hi = good[0].x, good[-1].x
+    y_lo = min(p.y for p in good)
+    y_hi = max(p.y for p in good)
+    if x_hi == x_lo:
+        x_lo, x_hi = x_lo - 1, x_hi + 1
+    if y_hi == y_lo:
+        pad = abs(y_lo) * 0.1 or 1.0
+        y_lo, y_hi = y_lo - pad, y_hi + pad
+    else:
+        pad = (y_hi - y_lo) * 0.06
+        y_lo, y_hi = y_lo - pad, y_hi + pad
+    plot_w, plot_h = width - left - right, height - top - bottom
+
+    def sx(x: float) -> float:
+        return left + (x - x_lo) / (x_hi - x_lo) * plot_w
+
+    def sy(y: float) -> float:
+        return top + (1 - (y - y_lo) / (y_hi - y_lo)) * plot_h
+
+    parts = [head]
+    parts.append(
+        f'<g class="axes"><line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" '
+        f'y2="{top + plot_h}"/><line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}"/>'
+    )
+    for tick in nice_ticks(y_lo, y_hi, 4):
+        y = sy(tick)
+        parts.append(
+            f'<line class="grid" x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}"/>'
+            f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">'
+            f"{_num(tick)}</text>"
+        )
+    for tick in nice_ticks(x_lo, x_hi, 6):
+        x = sx(tick)
+        parts.append(
+            f'<text class="tick" x="{x:.1f}" y="{top + plot_h + 16}" text-anchor="middle">'
+            f"{_num(tick)}</text>"
+        )
+    parts.append(
+        f'<text class="axis-label" x="{left + plot_w}" y="{height - 4}" text-anchor="end">'
+        f"{_e(x_label)}</text></g>"
+    )
+    d = " ".join(
+        f"{'M' if i == 0 else 'L'}{sx(p.x):.1f},{sy(p.y):.1f}" for i, p in enumerate(good)
+    )
+    parts.append(f'<path class="series" d="{d}"/>')
+    for p in good:
+        circle = (
+            f'<circle class="marker" cx="{sx(p.x):.1f}" cy="{sy(p.y):.1f}" r="4">'
+            f"<title>{_e(p.label)}: {_e(title)}={_num(p.y)} at {_e(x_label)} {_num(p.x)}"
+            "</title></circle>"
+        )
+        parts.append(f'<a href="{_e(p.href)}">{circle}</a>' if p.href else circle)
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+# --------------------------------------------------------------------------- DAG
+@dataclass(frozen=True)
+class Node:
+    """A box in the lineage graph.
+
+    Attributes:
+        id: Unique id (the checkpoint id).
+        label: First line (the checkpoint reference).
+        sublabel: Second line (step, a metric).
+        href: Link target, or None.
+        group: Colour group (the run).
+        muted: Drawn faded (pruned or deleted checkpoints).
+    """
+
+    id: str
+    label: str
+    sublabel: str = ""
+    href: str | None = None
+    group: str = ""
+    muted: bool = False
+
+
+@dataclass(frozen=True)
+class Edge:
+    """An arrow ``src → dst``; ``kind`` becomes its CSS class (``parent``, ``same-run``...)."""
+
+    src: str
+    dst: str
+    kind: str = "parent"
+
+
+def group_colors(groups: Sequence[str]) -> dict[str, str]:
+    """A stable colour per group: the same run keeps its colour across pages and reports."""
+    out: dict[str, str] = {}
+    used: set[str] = set()
+    for group in sorted(set(groups)):
+        digest = int(hashlib.blake2s(group.encode(), digest_size=4).hexdigest(), 16)
+        color = _PALETTE[digest % len(_PALETTE)]
+        # Prefer an unused colour while any is left, so few runs never share one.
+        if color in used and len(used) < len(_PALETTE):
+            color = next(c for c in _PALETTE if c not in used)
+        used.add(color)
+        out[group] = color
+    return out
+
+
+def layered_layout(
+    nodes: Sequence[Node], edges: Sequence[Edge], *, sweeps: int = 2
+) -> dict[str, tuple[int, int]]:
+    """Place nodes in layers (longest path from a source) and order each layer.
+
+    Args:
+        nodes: The nodes, in a preferred initial order.
+        edges: Edges; those with an unknown end are ignored.
+        sweeps: Barycenter passes (down then up) to reduce crossings.
+
+    Returns:
+        ``{node id: (layer, position in layer)}``.
+    """
+    index = {n.id: i for i, n in enumerate(nodes)}
+    succ: dict[str, list[str]] = defaultdict(list)
+    pred: dict[str, list[str]] = defaultdict(list)
+    for edge in edges:
+        if edge.src in index and edge.dst in index and edge.src != edge.dst:
+            succ[edge.src].append(edge.dst)
+            pred[edge.dst].append(edge.src)
+    indegree = {n.id: len(pred[n.id]) for n in nodes}
+    layer: dict[str, int] = {}
+    ready = deque(n.id for n in nodes if indegree[n.id] == 0)
+    for nid in ready:
+        layer[nid] = 0
+    while ready:
+        nid = ready.popleft()
+        for nxt in succ[nid]:
+            layer[nxt] = max(layer.get(nxt, 0), layer[nid] + 1)
+            indegree[nxt] -= 1
+            if indegree[nxt] == 0:
+                ready.append(nxt)
+    # Nodes on a cycle (never produced by the catalog, but data is data) go after their
+    # placed predecessors instead of being dropped.
+    for n in nodes:
+        if n.id not in layer:
+            placed = [layer[p] for p in pred[n.id] if p in layer]
+            layer[n.id] = max(placed) + 1 if placed else 0
+    depth = max(layer.values(), default=-1) + 1
+    layers: list[list[str]] = [[] for _ in range(depth)]
+    for n in sorted(nodes, key=lambda n: (n.group, index[n.id])):
+        layers[layer[n.id]].append(n.id)
+    position = {nid: i for row in layers for i, nid in enumerate(row)}
+
+    def reorder(row: list[str], neighbours: dict[str, list[str]]) -> None:
+        def key(nid: str) -> tuple[float, int]:
+            around = [position[m] for m in neighbours[nid] if m in position]
+            center = sum(around) / len(around) if around else float(position[nid])
+            return (center, position[nid])
+
+        row.sort(key=key)
+        for i, nid in enumerate(row):
+            position[nid] = i
+
+    for _ in range(max(sweeps, 0)):
+        for row in layers[1:]:
+            reorder(row, pred)
+        for row in reversed(layers[:-1]):
+            reorder(row, succ)
+    return {nid: (layer[nid], position[nid]) for nid in index}
+
+
+_NODE_W, _NODE_H, _GAP_X, _GAP_Y, _PAD = 176, 44, 56, 14, 12
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def dag_svg(nodes: Sequence[Node], edges: Sequence[Edge], *, title: str = "lineage") -> str:
+    """Draw a DAG left to right with :func:`layered_layout`.
+
+    Args:
+        nodes: Boxes to draw.
+        edges: Arrows between them (unknown ends are skipped).
+        title: Accessible name of the graph.
+
+    Returns:
+        ``<svg class="dag">`` markup with one ``<g class="node" data-id=...>`` per node and
+        one ``<path class="edge <kind>">`` per edge.
+    """
+    if not nodes:
+        return (
+            '<svg class="dag" xmlns="http://www.w3.org/2000/svg" width="320" height="40" '
+            f'role="img" aria-label="{_e(title)}"><text x="8" y="24">no lineage recorded'
+            "</text></svg>"
+        )
+    places = layered_layout(nodes, edges)
+    colors = group_colors([n.group for n in nodes])
+    layers = max(layer for layer, _ in places.values()) + 1
+    rows = max(pos for _, pos in places.values()) + 1
+    width = _PAD * 2 + layers * _NODE_W + (layers - 1) * _GAP_X
+    height = _PAD * 2 + rows * _NODE_H + (rows - 1) * _GAP_Y
+
+    def origin(nid: str) -> tuple[float, float]:
+        layer, pos = places[nid]
+        return _PAD + layer * (_NODE_W + _GAP_X), _PAD + pos * (_NODE_H + _GAP_Y)
+
+    parts = [
+        f'<svg class="dag" xmlns="http://www.w3.org/2000/svg" width="{width}" '
+        f'height="{height}" viewBox="0 0 {width} {height}" role="img" '
+        f'aria-label="{_e(title)}">'
+        '<defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="7" '
+        'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z"/>'
+        "</marker></defs>"
+    ]
+    for edge in edges:
+        if edge.src not in places or edge.dst not in places or edge.src == edge.dst:
+            continue
+        sx, sy = origin(edge.src)
+        dx, dy = origin(edge.dst)
+        x1, y1 = sx + _NODE_W, sy + _NODE_H / 2
+        x2, y2 = dx, dy + _NODE_H / 2
+        bend = max(abs(x2 - x1) / 2, 24)
+        parts.append(
+            f'<path class="edge {_e(edge.kind)}" data-src="{_e(edge.src)}" '
+            f'data-dst="{_e(edge.dst)}" d="M{x1:.1f},{y1:.1f} C{x1 + bend:.1f},{y1:.1f} '
+            f'{x2 - bend:.1f},{y2:.1f} {x2:.1f},{y2:.1f}" marker-end="url(#arrow)">'
+            f"<title>{_e(edge.kind)}</title></path>"
+        )
+    for node in nodes:
+        x, y = origin(node.id)
+        color = colors[node.group]
+        body = (
+            f'<rect x="{x:.1f}" y="{y:.1f}" width="{_NODE_W}" height="{_NODE_H}" rx="6" '
+            f'style="stroke:{color}"/>'
+            f'<rect class="band" x="{x:.1f}" y="{y:.1f}" width="6" height="{_NODE_H}" '
+            f'style="fill:{color}"/>'
+            f'<text class="label" x="{x + 12:.1f}" y="{y + 18:.1f}">{_e(_clip(node.label, 24))}'
+            f"</text>"
+            f'<text class="sublabel" x="{x + 12:.1f}" y="{y + 34:.1f}">'
+            f"{_e(_clip(node.sublabel, 28))}</text>"
+            f"<title>{_e(node.label)} {_e(node.sublabel)}</title>"
+        )
+        if node.href:
+            body = f'<a href="{_e(node.href)}">{body}</a>'
+        muted = " muted" if node.muted else ""
+        parts.append(
+            f'<g class="node{muted}" data-id="{_e(node.id)}" data-group="{_e(node.group)}">'
+            f"{body}</g>"
+        )
+    parts.append("</svg>")
+    return "".join(parts)

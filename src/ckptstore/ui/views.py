@@ -1,0 +1,471 @@
+"""What each page of the catalog browser shows, gathered from the store as plain data.
+
+Shared by the live app and the static report: a view function takes the store and a
+:class:`Links` (how to link to another page) and returns a dict the templates render. Views
+only read; nothing here changes the catalog or the tiers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import shlex
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import quote
+
+from ckptstore.errors import CkptError
+from ckptstore.records import Checkpoint, CheckpointState
+from ckptstore.ui.svg import Edge, Node, PlotPoint, dag_svg, group_colors, line_plot
+
+if TYPE_CHECKING:
+    from ckptstore.store import CheckpointStore
+
+__all__ = [
+    "MAX_GRAPH_NODES",
+    "MAX_PLOTS",
+    "AppLinks",
+    "Links",
+    "checkpoint_view",
+    "lineage_view",
+    "restore_snippets",
+    "run_view",
+    "runs_view",
+    "tiers_view",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Metric plots on a run page (the rest are listed in the table).
+MAX_PLOTS = 6
+#: Checkpoints read for the lineage graph (newest first); older ones are left out.
+MAX_GRAPH_SCAN = 5000
+#: Boxes drawn in the lineage graph.
+MAX_GRAPH_NODES = 300
+_HISTORY_STATES = frozenset(
+    {CheckpointState.COMMITTED, CheckpointState.DELETING, CheckpointState.DELETED}
+)
+
+
+class Links(Protocol):
+    """How pages link to each other (URLs in the app, anchors in the static report)."""
+
+    def runs(self) -> str:
+        """The runs list."""
+        ...
+
+    def run(self, name: str) -> str:
+        """One run's page."""
+        ...
+
+    def checkpoint(self, ckpt_id: str) -> str:
+        """One checkpoint's page; ``""`` when the page is not available."""
+        ...
+
+    def lineage(self) -> str:
+        """The lineage graph."""
+        ...
+
+    def tiers(self) -> str:
+        """The tiers and usage page."""
+        ...
+
+
+@dataclass(frozen=True)
+class AppLinks:
+    """URLs of the live app."""
+
+    def runs(self) -> str:
+        """``/``."""
+        return "/"
+
+    def run(self, name: str) -> str:
+        """``/runs/<name>``."""
+        return f"/runs/{quote(name, safe='')}"
+
+    def checkpoint(self, ckpt_id: str) -> str:
+        """``/checkpoints/<id>``."""
+        return f"/checkpoints/{quote(ckpt_id, safe='')}"
+
+    def lineage(self) -> str:
+        """``/lineage``."""
+        return "/lineage"
+
+    def tiers(self) -> str:
+        """``/tiers``."""
+        return "/tiers"
+
+
+def _metric_text(metrics: dict[str, float], limit: int = 3) -> str:
+    items = sorted(metrics.items())[:limit]
+    text = " ".join(f"{k}={v:.4g}" for k, v in items)
+    return text + (" …" if len(metrics) > limit else "")
+
+
+# --------------------------------------------------------------------------- runs
+def runs_view(store: CheckpointStore, links: Links) -> dict[str, Any]:
+    """The runs list: each run with its size, newest checkpoint and tiers.
+
+    Returns:
+        ``{"runs": [...], "total_bytes": int, "total_checkpoints": int}``.
+    """
+    usage = store.usage()
+    bytes_by_run: dict[str, int] = defaultdict(int)
+    tiers_by_run: dict[str, set[str]] = defaultdict(set)
+    for row in usage:
+        bytes_by_run[row.run] += row.bytes
+        tiers_by_run[row.run].add(row.tier)
+    rows = []
+    for info in store.runs():
+        latest: Checkpoint | None = None
+        if info.checkpoints:
+            try:
+                latest = store.catalog.latest(info.name)
+            except CkptError:
+                latest = None
+        rows.append(
+            {
+                "name": info.name,
+                "href": links.run(info.name),
+                "experiment": info.experiment,
+                "checkpoints": info.checkpoints,
+                "created_at": info.created_at,
+                "code_version": info.code_version,
+                "bytes": bytes_by_run.get(info.name, 0),
+                "tiers": sorted(tiers_by_run.get(info.name, ())),
+                "latest": latest,
+                "latest_href": links.checkpoint(latest.id) if latest else "",
+                "latest_metrics": _metric_text(latest.metrics) if latest else "",
+            }
+        )
+    return {
+        "runs": rows,
+        "total_bytes": sum(r.bytes for r in usage),
+        "total_checkpoints": sum(r["checkpoints"] for r in rows),
+    }
+
+
+# --------------------------------------------------------------------------- one run
+def _ck_row(ck: Checkpoint, links: Links) -> dict[str, Any]:
+    return {
+        "ck": ck,
+        "href": links.checkpoint(ck.id),
+        "metrics": _metric_text(ck.metrics),
+        "tiers": ",".join(ck.tiers) or "-",
+        "flags": (["pinned"] if ck.pinned else []) + [f"@{a}" for a in ck.aliases],
+    }
+
+
+def run_view(
+    store: CheckpointStore,
+    name: str,
+    links: Links,
+    *,
+    all_checkpoints: Iterable[Checkpoint] | None = None,
+) -> dict[str, Any]:
+    """One run: its record, checkpoints table, metric plots and cross-run lineage.
+
+    Args:
+        store: The store.
+        name: Run name.
+        links: Link builder.
+        all_checkpoints: Every catalogued checkpoint, if the caller already has them (the
+            report reads them once for all runs); used to find runs derived from this one.
+
+    Returns:
+        ``{"run", "checkpoints", "plots", "other_states", "parents", "children"}``.
+
+    Raises:
+        CheckpointNotFoundError: If the run does not exist.
+        InvalidNameError: If the name is not a valid run name.
+    """
+    info = store.catalog.get_run(name)
+    cks = store.list(run=name, order_by="step")
+    history = store.list(run=name, state=None, order_by="step")
+    other_states = Counter(str(c.state) for c in history if c.state != CheckpointState.COMMITTED)
+    metric_names = sorted({m for c in cks for m in c.metrics})
+    plots = []
+    for metric in metric_names[:MAX_PLOTS]:
+        points = [
+            PlotPoint(float(c.step), float(c.metrics[metric]), c.ref, links.checkpoint(c.id))
+            for c in cks
+            if metric in c.metrics
+        ]
+        plots.append({"metric": metric, "svg": line_plot(points, title=metric)})
+    own = {c.id for c in history}
+    parents: dict[str, Checkpoint] = {}
+    for ck in history:
+        if ck.parent_id and ck.parent_id not in own and ck.parent_id not in parents:
+            try:
+                parents[ck.parent_id] = store.catalog.get_any(ck.parent_id)
+            except CkptError:
+                logger.debug("parent %s of %s is gone", ck.parent_id, ck.ref)
+    if all_checkpoints is None:
+        all_checkpoints = store.list(state=None, order_by="-created_at", limit=MAX_GRAPH_SCAN)
+    children = [c for c in all_checkpoints if c.parent_id in own and c.run != name]
+    return {
+        "run": info,
+        "checkpoints": [_ck_row(c, links) for c in cks],
+        "metric_names": metric_names,
+        "plots": plots,
+        "more_metrics": metric_names[MAX_PLOTS:],
+        "other_states": dict(sorted(other_states.items())),
+        "parents": [
+            {"ck": p, "href": links.checkpoint(p.id), "run_href": links.run(p.run)}
+            for p in parents.values()
+        ],
+        "children": [
+            {"ck": c, "href": links.checkpoint(c.id), "run_href": links.run(c.run)}
+            for c in sorted(children, key=lambda c: (c.run, c.version))
+        ],
+    }
+
+
+# --------------------------------------------------------------------------- checkpoint
+def restore_snippets(store: CheckpointStore, ref: str) -> dict[str, str]:
+    """The exact command and Python lines that restore ``ref`` from this store.
+
+    Returns:
+        ``{"cli": "ckpt --store ... restore <ref>", "python": "..."}``.
+    """
+    settings = store.settings
+    if settings.source is not None:
+        where = f"--config {shlex.quote(str(settings.source))}"
+        open_args = f"config={str(settings.source)!r}"
+    else:
+        root = str(settings.root.resolve())
+        where = f"--store {shlex.quote(root)}"
+        open_args = repr(root)
+    cli = f"ckpt {where} restore {shlex.quote(ref)}"
+    python = (
+        "from ckptstore import CheckpointStore\n\n"
+        f"with CheckpointStore.open({open_args}) as store:\n"
+        f"    state = store.load({ref!r})\n"
+        "    # model.load_state_dict(state['model'])  # or store.load(ref, into=state)"
+    )
+    return {"cli": cli, "python": python}
+
+
+def _neighbour(ck: Checkpoint, links: Links, relation: str) -> dict[str, Any]:
+    return {
+        "ck": ck,
+        "relation": relation,
+        "href": links.checkpoint(ck.id),
+        "run_href": links.run(ck.run),
+    }
+
+
+def checkpoint_view(store: CheckpointStore, ckpt_id: str, links: Links) -> dict[str, Any]:
+    """One checkpoint: record, manifest summary, replicas, lineage neighbours, restore.
+
+    Args:
+        store: The store.
+        ckpt_id: The checkpoint id (any state: pruned checkpoints keep their page).
+        links: Link builder.
+
+    Returns:
+        A dict for ``_checkpoint.html``.
+
+    Raises:
+        CheckpointNotFoundError: If no checkpoint has this id.
+    """
+    ck = store.catalog.get_any(ckpt_id)
+    manifest: dict[str, Any] | None = None
+    manifest_error: str | None = None
+    reproduction: dict[str, Any] = {}
+    if ck.state == CheckpointState.COMMITTED:
+        try:
+            info = store.show(ck.id)
+        except CkptError as exc:
+            manifest_error = str(exc)
+        else:
+            found = info.get("manifest") or {}
+            if "error" in found:
+                manifest_error = str(found["error"])
+            else:
+                manifest = found
+            reproduction = info.get("reproduction") or {}
+    else:
+        manifest_error = f"the checkpoint is {ck.state}; its data is no longer readable"
+    neighbours: list[dict[str, Any]] = []
+    if ck.parent_id:
+        try:
+            neighbours.append(_neighbour(store.catalog.get_any(ck.parent_id), links, "parent"))
+        except CkptError:
+            logger.debug("parent %s of %s is gone", ck.parent_id, ck.id)
+    if ck.base_id and ck.base_id != ck.parent_id:
+        try:
+            neighbours.append(_neighbour(store.catalog.get_any(ck.base_id), links, "delta base"))
+        except CkptError:
+            logger.debug("base %s of %s is gone", ck.base_id, ck.id)
+    if ck.state == CheckpointState.COMMITTED:
+        try:
+            for child in store.catalog.descendants(ck.id):
+                if child.parent_id == ck.id:
+                    neighbours.append(_neighbour(child, links, "child"))
+        except CkptError:
+            logger.debug("descendants of %s unavailable", ck.id, exc_info=True)
+    try:
+        edges = store.catalog.edges(ck.id)
+    except CkptError:
+        edges = []
+    for src, dst, kind in edges:
+        other, relation = (dst, f"{kind} (derived)") if src == ck.id else (src, kind)
+        try:
+            neighbours.append(_neighbour(store.catalog.get_any(other), links, relation))
+        except CkptError:
+            logger.debug("edge end %s is gone", other)
+    try:
+        events = store.catalog.events(ck.id, limit=20)
+    except CkptError:
+        events = []
+    return {
+        "ck": ck,
+        "run_href": links.run(ck.run),
+        "manifest": manifest,
+        "manifest_error": manifest_error,
+        "reproduction": reproduction,
+        "neighbours": neighbours,
+        "events": events,
+        "restore": restore_snippets(store, ck.ref),
+        "restorable": ck.state == CheckpointState.COMMITTED,
+    }
+
+
+# --------------------------------------------------------------------------- lineage
+def _all_edges(store: CheckpointStore, ids: Iterable[str]) -> list[tuple[str, str, str]]:
+    """Derivation edges among ``ids`` (converted-from, merged-from...)."""
+    wanted = set(ids)
+    try:
+        # One query instead of one per checkpoint; the catalog has no bulk method yet.
+        from sqlalchemy import select
+
+        from ckptstore.catalog.models import LineageEdgeRow as E
+
+        with store.catalog.engine.connect() as conn:
+            rows = conn.execute(select(E.src_id, E.dst_id, E.kind)).all()
+        return [(a, b, k) for a, b, k in rows if a in wanted and b in wanted]
+    except Exception:
+        logger.debug("bulk edge query failed; asking per checkpoint", exc_info=True)
+    found: set[tuple[str, str, str]] = set()
+    for cid in wanted:
+        try:
+            found.update(e for e in store.catalog.edges(cid) if e[0] in wanted and e[1] in wanted)
+        except CkptError:
+            continue
+    return sorted(found)
+
+
+def lineage_view(
+    store: CheckpointStore,
+    links: Links,
+    *,
+    all_checkpoints: Iterable[Checkpoint] | None = None,
+) -> dict[str, Any]:
+    """The lineage graph across runs.
+
+    Nodes are the checkpoints that take part in lineage (a parent, a child, or an end of a
+    derivation edge) plus each run's newest committed checkpoint; consecutive nodes of one
+    run are joined by a dotted "same run" edge so each run reads as a lane.
+
+    Returns:
+        ``{"svg", "legend", "nodes", "edges", "truncated", "runs_left_out"}``.
+    """
+    if all_checkpoints is None:
+        all_checkpoints = store.list(state=None, order_by="-created_at", limit=MAX_GRAPH_SCAN)
+    by_id = {c.id: c for c in all_checkpoints if c.state in _HISTORY_STATES}
+    involved: set[str] = set()
+    edges: list[Edge] = []
+    for ck in by_id.values():
+        if ck.parent_id and ck.parent_id in by_id:
+            involved.update((ck.id, ck.parent_id))
+            edges.append(Edge(ck.parent_id, ck.id, "parent"))
+    for src, dst, kind in _all_edges(store, by_id):
+        involved.update((src, dst))
+        edges.append(Edge(src, dst, kind))
+    # Each run's newest committed checkpoint joins too, so every run shows up as a lane that
+    # ends at its current head (a run without lineage is a single box).
+    heads: dict[str, Checkpoint] = {}
+    for ck in by_id.values():
+        if ck.state == CheckpointState.COMMITTED:
+            head = heads.get(ck.run)
+            if head is None or (ck.step, ck.version) > (head.step, head.version):
+                heads[ck.run] = ck
+    involved.update(c.id for c in heads.values())
+    chosen = sorted((by_id[i] for i in involved), key=lambda c: c.created_at, reverse=True)
+    truncated = len(chosen) > MAX_GRAPH_NODES
+    chosen = sorted(chosen[:MAX_GRAPH_NODES], key=lambda c: (c.run, c.step, c.version))
+    keep = {c.id for c in chosen}
+    edges = [e for e in edges if e.src in keep and e.dst in keep]
+    lanes: dict[str, list[Checkpoint]] = defaultdict(list)
+    for ck in chosen:
+        lanes[ck.run].append(ck)
+    for lane in lanes.values():
+        for before, after in itertools.pairwise(lane):
+            edges.append(Edge(before.id, after.id, "same-run"))
+    nodes = [
+        Node(
+            id=c.id,
+            label=c.ref,
+            sublabel=f"step {c.step}" + (f" · {_metric_text(c.metrics, 1)}" if c.metrics else ""),
+            href=links.checkpoint(c.id) or None,
+            group=c.run,
+            muted=c.state != CheckpointState.COMMITTED,
+        )
+        for c in chosen
+    ]
+    colors = group_colors(list(lanes))
+    all_runs = {c.run for c in by_id.values() if c.state == CheckpointState.COMMITTED}
+    return {
+        "svg": dag_svg(nodes, edges, title="checkpoint lineage across runs"),
+        "legend": [
+            {"run": run, "color": colors[run], "href": links.run(run)} for run in sorted(lanes)
+        ],
+        "nodes": len(nodes),
+        "edges": len(edges),
+        "truncated": truncated,
+        "runs_left_out": [
+            {"run": run, "href": links.run(run)} for run in sorted(all_runs - set(lanes))
+        ],
+    }
+
+
+# --------------------------------------------------------------------------- tiers
+def tiers_view(store: CheckpointStore, links: Links, *, scan: bool = False) -> dict[str, Any]:
+    """Usage by run and tier, and the health of each configured tier.
+
+    Args:
+        store: The store.
+        links: Link builder.
+        scan: Also list each tier to count objects (one LIST pass per tier).
+
+    Returns:
+        ``{"usage", "tiers", "tiers_error", "scan"}``.
+    """
+    from ckptstore.observability.tiers import tier_status
+    from ckptstore.storage import build_tiers
+
+    usage = store.usage()
+    statuses = []
+    tiers_error = None
+    try:
+        tiers = build_tiers(store.settings)
+    except CkptError as exc:
+        tiers, tiers_error = {}, str(exc)
+    try:
+        for tier in tiers.values():
+            statuses.append(tier_status(tier, usage, listing=scan))
+    finally:
+        for tier in tiers.values():
+            tier.close()
+    return {
+        "usage": [
+            {"row": r, "href": links.run(r.run)} for r in usage
+        ],
+        "total_bytes": sum(r.bytes for r in usage),
+        "tiers": statuses,
+        "tiers_error": tiers_error,
+        "scan": scan,
+    }
