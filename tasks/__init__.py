@@ -1,1 +1,25 @@
-"""ckptstore package."""
+"""Thin Prefect tasks around ckptstore's operations (retries, logging); no business rules here.
+
+Every task takes an open :class:`ckptstore.CheckpointStore` plus plain values and returns a
+JSON-able summary. The operations are imported lazily, so this package imports even when an
+optional operation module is missing.
+"""
+
+from ckptstore.tasks.archive import archive_task, demote_task
+from ckptstore.tasks.convert import export_task, import_task
+from ckptstore.tasks.maintenance import gc_task
+from ckptstore.tasks.restore import restore_task
+from ckptstore.tasks.retention import apply_retention_plan_task, plan_retention_task
+from ckptstore.tasks.verify import verify_task
+
+__all__ = [
+    "apply_retention_plan_task",
+    "archive_task",
+    "demote_task",
+    "export_task",
+    "gc_task",
+    "import_task",
+    "plan_retention_task",
+    "restore_task",
+    "verify_task",
+]

@@ -351,12 +351,18 @@ class CheckpointStore:
             checkpoint: The checkpoint the flow is about (passed as ``ref``).
             **params: Other flow parameters (plain values, never credentials).
         """
-        from ckptstore.flows.embedded import trigger_flow
+        from ckptstore.flows.embedded import trigger_flow  # Prefect loads on the worker only
 
+        key = None
         if checkpoint is not None:
-            params.setdefault("ref", checkpoint.id)
+            if flow_name == "retention":
+                params.setdefault("run", checkpoint.run)
+            else:
+                params.setdefault("ref", checkpoint.id)
+            key = f"{flow_name}:{checkpoint.id}"
         config = str(self.settings.source) if self.settings.source else None
-        trigger_flow(str(self.settings.root), flow_name, params, config=config)
+        trigger_flow(str(self.settings.root), flow_name, params, config=config,
+                     idempotency_key=key)
 
     def _abandon(self, ckpt_id: str, directory: Path, exc: BaseException) -> None:
         """Mark a failed save FAILED and remove its partial directory (best effort)."""

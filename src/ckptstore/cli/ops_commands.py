@@ -289,7 +289,7 @@ def serve_cmd(ctx: typer.Context) -> None:
         )
     from ckptstore.flows.deployments import serve_all
 
-    serve_all(ctx.obj.settings(), store_root=ctx.obj.store, config=ctx.obj.config)
+    serve_all(ctx.obj.settings())
 
 
 def register(app: typer.Typer) -> None:

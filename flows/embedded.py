@@ -1,0 +1,488 @@
+"""Run flows off the training thread: one background worker, warmed once, fed by a queue.
+
+Embedded mode (the default, no Prefect server): :class:`EmbeddedRunner` owns one daemon thread.
+The thread imports Prefect and warms its client once (``get_client(sync_client=True).hello()``,
+which starts Prefect's ephemeral server; doing it once, on one thread, avoids the race two
+threads hit when both make their first flow call), then runs queued flows one at a time, and
+fires the configured schedules with a timer of its own (Prefect's cron schedules need a
+server). ``submit`` only enqueues: it costs microseconds and never imports Prefect.
+
+Server mode (``PREFECT_API_URL`` set): the same thread calls
+``run_deployment(name, parameters, timeout=0, idempotency_key=...)`` for deployments that
+``ckpt serve`` serves (see :mod:`ckptstore.flows.deployments`); the served deployments carry
+the schedules, so the runner's timer stays off.
+
+Example:
+    >>> runner = EmbeddedRunner("./ckpt", schedules={"gc": "every 10 minutes"})  # doctest: +SKIP
+    >>> runner.submit("archive", ref=ck.id)                                  # doctest: +SKIP
+    >>> runner.close(wait=True)                                              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from ckptstore.errors import ConfigError
+from ckptstore.flows.registry import FLOWS, get_flow
+from ckptstore.flows.schedules import CronSchedule, IntervalSchedule, parse_schedule
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRun
+
+__all__ = [
+    "DEPLOYMENT_NAME",
+    "EmbeddedRunner",
+    "JobResult",
+    "deployment_name",
+    "get_runner",
+    "shutdown_runners",
+    "trigger_flow",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Name every flow's deployment gets from ``serve_all``; ``run_deployment`` targets it.
+DEPLOYMENT_NAME = "ckptstore"
+
+#: Flows that need parameters nobody can schedule (a ref, an output path).
+_UNSCHEDULABLE = frozenset({"restore", "convert", "import"})
+
+#: Longest the worker sleeps between looks at the schedules (seconds).
+_MAX_SLEEP_S = 1.0
+
+Mode = Literal["auto", "embedded", "server"]
+
+
+def deployment_name(flow_name: str, deployment: str = DEPLOYMENT_NAME) -> str:
+    """``<prefect flow name>/<deployment>`` for a short flow name (``ckpt-archive/ckptstore``)."""
+    if flow_name not in FLOWS:
+        raise ConfigError(f"unknown flow {flow_name!r}; known flows: {', '.join(sorted(FLOWS))}")
+    return f"ckpt-{flow_name}/{deployment}"
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """The outcome of one flow run started by the runner.
+
+    Attributes:
+        flow: Short flow name.
+        params: Parameters it ran with.
+        ok: True when the flow completed.
+        result: Its JSON-able result (a flow-run id in server mode), or None.
+        error: ``"Type: message"`` when it failed.
+        started_at: When it started.
+        seconds: How long it took.
+        scheduled: True when the runner's timer started it.
+    """
+
+    flow: str
+    params: dict[str, Any]
+    ok: bool
+    result: Any = None
+    error: str | None = None
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    seconds: float = 0.0
+    scheduled: bool = False
+
+
+@dataclass(frozen=True)
+class _Job:
+    flow: str
+    params: dict[str, Any]
+    key: str | None
+    scheduled: bool = False
+
+
+_STOP = object()
+
+
+class EmbeddedRunner:
+    """One background thread that runs ckptstore flows from a queue and on schedules.
+
+    Lifecycle: construct (parses the schedules, starts nothing) → ``start()`` or the first
+    ``submit()`` starts the thread → the thread warms Prefect once, then runs jobs in order
+    and fires due schedules → ``close(wait=True)`` runs what is queued and stops it.
+    Jobs never raise into the caller: failures are logged and kept in :attr:`results`.
+
+    Args:
+        store_root: Store directory passed to every flow (a plain path, never credentials).
+        config: Config file passed to every flow.
+        schedules: Flow name → cron expression or ``"every N <unit>"`` (embedded mode only).
+        mode: ``"embedded"`` runs flows in this process; ``"server"`` calls
+            ``run_deployment`` instead; ``"auto"`` picks server when ``PREFECT_API_URL`` is
+            set in the environment.
+        warm: Warm the Prefect client first thing on the thread.
+        history: How many :class:`JobResult` entries to keep.
+        deployment: Deployment name used in server mode.
+        exit_timeout_s: At interpreter exit, wait this long for queued flows.
+
+    Raises:
+        ConfigError: For an unknown flow name or an invalid schedule.
+    """
+
+    def __init__(
+        self,
+        store_root: str | os.PathLike[str] | None = None,
+        config: str | os.PathLike[str] | None = None,
+        *,
+        schedules: Mapping[str, str] | None = None,
+        mode: Mode = "auto",
+        warm: bool = True,
+        history: int = 100,
+        deployment: str = DEPLOYMENT_NAME,
+        exit_timeout_s: float = 600.0,
+    ) -> None:
+        """Validate the schedules; nothing starts until :meth:`start` or :meth:`submit`."""
+        self.store_root = None if store_root is None else str(store_root)
+        self.config = None if config is None else str(config)
+        if mode == "auto":
+            mode = "server" if os.environ.get("PREFECT_API_URL") else "embedded"
+        if mode not in ("embedded", "server"):
+            raise ConfigError(f"runner mode must be auto, embedded or server, got {mode!r}")
+        self.mode: Mode = mode
+        self.deployment = deployment
+        self.exit_timeout_s = exit_timeout_s
+        self._warm = warm
+        self.schedules: dict[str, IntervalSchedule | CronSchedule] = {}
+        for name, text in (schedules or {}).items():
+            if name not in FLOWS:
+                raise ConfigError(
+                    f"schedule for unknown flow {name!r}; known flows: {', '.join(sorted(FLOWS))}"
+                )
+            if name in _UNSCHEDULABLE:
+                raise ConfigError(
+                    f"flow {name!r} needs a checkpoint or path and cannot be scheduled; remove it "
+                    "from [schedules]"
+                )
+            self.schedules[name] = parse_schedule(text)
+        self.results: collections.deque[JobResult] = collections.deque(maxlen=history)
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._outstanding = 0
+        self._queued_keys: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._abort = threading.Event()
+        self.ready = threading.Event()
+        """Set once the worker has warmed Prefect (or failed to and moved on)."""
+
+    # ------------------------------------------------------------------ public API
+    def start(self) -> None:
+        """Start the worker thread (idempotent)."""
+        with self._lock:
+            self._start_locked()
+
+    def _start_locked(self) -> None:
+        if self._closed:
+            raise ConfigError("this flow runner is closed; create a new EmbeddedRunner")
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._main, name="ckptstore-flows", daemon=True
+            )
+            self._thread.start()
+
+    def submit(self, flow_name: str, /, *, key: str | None = None, **params: Any) -> bool:
+        """Queue a flow run and return at once (no Prefect import, no I/O).
+
+        Args:
+            flow_name: Short flow name (``archive``, ``retention``, ``verify``, ``gc``, ...).
+            key: Idempotency key: a job whose key is already queued (not yet started) is
+                dropped, like ``run_deployment``'s ``idempotency_key`` in server mode.
+            **params: Flow parameters (plain values); ``store_root``/``config`` default to
+                the runner's.
+
+        Returns:
+            True when queued, False when dropped as a duplicate.
+
+        Raises:
+            ConfigError: For an unknown flow or a closed runner.
+        """
+        if flow_name not in FLOWS:
+            raise ConfigError(
+                f"unknown flow {flow_name!r}; known flows: {', '.join(sorted(FLOWS))}"
+            )
+        with self._lock:
+            self._start_locked()
+            if key is not None:
+                if key in self._queued_keys:
+                    return False
+                self._queued_keys.add(key)
+            self._outstanding += 1
+        self._queue.put(_Job(flow_name, dict(params), key))
+        return True
+
+    def pending(self) -> int:
+        """Jobs queued or running."""
+        with self._lock:
+            return self._outstanding
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every submitted job finished.
+
+        Args:
+            timeout: Seconds to wait at most (None: no limit).
+
+        Returns:
+            True when idle, False on timeout.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._outstanding:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._idle.wait(remaining)
+        return True
+
+    def close(self, wait: bool = True, timeout: float | None = None) -> bool:
+        """Stop the worker.
+
+        Args:
+            wait: Run what is already queued first; False drops queued jobs (the running one
+                still finishes: flows are not interrupted half-way).
+            timeout: Seconds to wait for the thread (None: no limit).
+
+        Returns:
+            True when the thread has stopped (or never started).
+        """
+        with self._lock:
+            if self._closed and self._thread is None:
+                return True
+            self._closed = True
+            thread = self._thread
+        if not wait:
+            self._abort.set()
+        self._queue.put(_STOP)
+        if thread is None:
+            return True
+        thread.join(timeout)
+        stopped = not thread.is_alive()
+        if stopped:
+            atexit.unregister(self._at_exit)
+            with self._lock:
+                self._thread = None
+        else:
+            logger.warning("flow runner still busy after %ss; leaving it to finish", timeout)
+        return stopped
+
+    def __enter__(self) -> EmbeddedRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(wait=True)
+
+    # ------------------------------------------------------------------ worker thread
+    def _main(self) -> None:
+        try:
+            self._loop()
+        except BaseException:  # a bug here must not leave submitters waiting forever
+            logger.exception("the flow runner thread crashed; queued flows are dropped")
+            with self._lock:
+                self._closed = True
+            self._drain_dropped()
+            raise
+
+    def _loop(self) -> None:
+        if self._warm:
+            self._warm_up()
+        self.ready.set()
+        # Registered after the warm-up so it runs before Prefect's own exit hook (LIFO), while
+        # the ephemeral server is still up.
+        atexit.register(self._at_exit)
+        timer_on = self.mode == "embedded" and bool(self.schedules)
+        now = datetime.now(UTC)
+        due = {name: s.next_after(now) for name, s in self.schedules.items()} if timer_on else {}
+        while True:
+            wait_s = _MAX_SLEEP_S
+            if due:
+                soonest = min(due.values())
+                wait_s = max(0.0, min(wait_s, (soonest - datetime.now(UTC)).total_seconds()))
+            try:
+                item = self._queue.get(timeout=wait_s)
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                self._drain_dropped()
+                return
+            if isinstance(item, _Job):
+                if self._abort.is_set():
+                    self._finish(item, None)
+                else:
+                    self._finish(item, self._run(item))
+            now = datetime.now(UTC)
+            for name, when in list(due.items()):
+                if when <= now and not self._abort.is_set():
+                    logger.info("schedule %s fired for flow %s", self.schedules[name].text, name)
+                    self.results.append(self._run(_Job(name, {}, None, scheduled=True)))
+                    due[name] = self.schedules[name].next_after(datetime.now(UTC))
+
+    def _warm_up(self) -> None:
+        started = time.perf_counter()
+        try:
+            from prefect.client.orchestration import get_client
+
+            with get_client(sync_client=True) as client:
+                client.hello()
+        except Exception:  # a cold Prefect is slower, not broken: the first flow retries it
+            logger.warning("could not warm up the Prefect client", exc_info=True)
+            return
+        logger.info("prefect client warmed in %.1fs", time.perf_counter() - started)
+
+    def _params(self, job: _Job) -> dict[str, Any]:
+        params = dict(job.params)
+        if self.store_root is not None:
+            params.setdefault("store_root", self.store_root)
+        if self.config is not None:
+            params.setdefault("config", self.config)
+        return params
+
+    def _run(self, job: _Job) -> JobResult:
+        params = self._params(job)
+        started_at = datetime.now(UTC)
+        started = time.perf_counter()
+        try:
+            if self.mode == "server":
+                result: Any = self._run_deployment(job, params)
+            else:
+                result = get_flow(job.flow)(**params)
+        except Exception as exc:  # a failed flow must not kill the worker; keep the error
+            logger.warning("flow %s failed: %s", job.flow, exc, exc_info=True)
+            return JobResult(
+                job.flow, params, False, None, f"{type(exc).__name__}: {exc}", started_at,
+                time.perf_counter() - started, job.scheduled,
+            )
+        return JobResult(
+            job.flow, params, True, result, None, started_at, time.perf_counter() - started,
+            job.scheduled,
+        )
+
+    def _run_deployment(self, job: _Job, params: dict[str, Any]) -> str:
+        from prefect.deployments import run_deployment
+
+        # Called from sync code, run_deployment returns the FlowRun (not a coroutine).
+        flow_run = cast(
+            "FlowRun",
+            run_deployment(
+                deployment_name(job.flow, self.deployment),
+                parameters=params,
+                timeout=0,
+                idempotency_key=job.key,
+                as_subflow=False,
+            ),
+        )
+        return str(flow_run.id)
+
+    def _finish(self, job: _Job, result: JobResult | None) -> None:
+        if result is not None:
+            self.results.append(result)
+        with self._idle:
+            if job.key is not None:
+                self._queued_keys.discard(job.key)
+            self._outstanding -= 1
+            self._idle.notify_all()
+
+    def _drain_dropped(self) -> None:
+        """Account for jobs left behind a STOP (close without wait)."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Job):
+                logger.warning("dropped queued flow %s at shutdown", item.flow)
+                self._finish(item, None)
+
+    def _at_exit(self) -> None:
+        if self._abort.is_set():
+            return  # close(wait=False) was asked for: do not hold the interpreter's exit
+        if not self._closed or self._thread is not None:
+            self.close(wait=True, timeout=self.exit_timeout_s)
+
+
+# ---------------------------------------------------------------------- process-wide runners
+_RUNNERS: dict[tuple[str | None, str | None], EmbeddedRunner] = {}
+_RUNNERS_LOCK = threading.Lock()
+
+
+def get_runner(
+    store_root: str | os.PathLike[str] | None = None,
+    config: str | os.PathLike[str] | None = None,
+    *,
+    schedules: Mapping[str, str] | None = None,
+    mode: Mode = "auto",
+) -> EmbeddedRunner:
+    """The process-wide runner for a store (created and started on first use).
+
+    Args:
+        store_root: Store directory.
+        config: Config file.
+        schedules: Schedules, used only when the runner is created.
+        mode: See :class:`EmbeddedRunner`.
+
+    Returns:
+        The runner.
+    """
+    key = (None if store_root is None else str(store_root), None if config is None else str(config))
+    with _RUNNERS_LOCK:
+        runner = _RUNNERS.get(key)
+        if runner is None or runner._closed:
+            runner = EmbeddedRunner(key[0], key[1], schedules=schedules, mode=mode)
+            runner.start()
+            _RUNNERS[key] = runner
+        return runner
+
+
+def shutdown_runners(wait: bool = True, timeout: float | None = None) -> None:
+    """Close every process-wide runner.
+
+    Args:
+        wait: Run queued flows first.
+        timeout: Per runner, seconds to wait.
+    """
+    with _RUNNERS_LOCK:
+        runners = list(_RUNNERS.values())
+        _RUNNERS.clear()
+    for runner in runners:
+        runner.close(wait=wait, timeout=timeout)
+
+
+def trigger_flow(
+    store_root: str | os.PathLike[str] | None,
+    flow_name: str,
+    params: Mapping[str, Any] | None = None,
+    *,
+    config: str | os.PathLike[str] | None = None,
+    idempotency_key: str | None = None,
+) -> None:
+    """Start a flow without waiting for it (what ``CheckpointStore.trigger`` calls).
+
+    With ``PREFECT_API_URL`` set, the background thread calls ``run_deployment(...,
+    timeout=0)`` for the deployment ``ckpt serve`` serves; otherwise it runs the flow
+    in-process (embedded). Either way this call only enqueues.
+
+    Args:
+        store_root: Store directory (plain path).
+        flow_name: Short flow name.
+        params: Flow parameters (plain values; never credentials).
+        config: Config file path.
+        idempotency_key: e.g. ``f"archive:{ckpt_id}"`` (default derived from ``ref``).
+
+    Raises:
+        ConfigError: For an unknown flow.
+    """
+    params = dict(params or {})
+    if idempotency_key is None and "ref" in params:
+        idempotency_key = f"{flow_name}:{params['ref']}"
+    get_runner(store_root, config).submit(flow_name, key=idempotency_key, **params)
+

@@ -1,0 +1,51 @@
+"""The flows by short name (``archive``, ``retention``, ...), imported on first use."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+from ckptstore.errors import ConfigError
+
+__all__ = ["FLOWS", "entrypoint", "get_flow"]
+
+logger = logging.getLogger(__name__)
+
+#: short name → (module, attribute)
+FLOWS: dict[str, tuple[str, str]] = {
+    "archive": ("ckptstore.flows.archive", "archive_flow"),
+    "demote": ("ckptstore.flows.archive", "demote_flow"),
+    "retention": ("ckptstore.flows.retention", "retention_flow"),
+    "restore": ("ckptstore.flows.restore", "restore_flow"),
+    "verify": ("ckptstore.flows.verify", "verify_flow"),
+    "convert": ("ckptstore.flows.convert", "convert_flow"),
+    "import": ("ckptstore.flows.convert", "import_flow"),
+    "gc": ("ckptstore.flows.gc", "gc_flow"),
+}
+
+
+def get_flow(name: str) -> Any:
+    """The Prefect flow object for a short name.
+
+    Args:
+        name: One of :data:`FLOWS`.
+
+    Returns:
+        The flow.
+
+    Raises:
+        ConfigError: For an unknown name.
+    """
+    if name not in FLOWS:
+        raise ConfigError(f"unknown flow {name!r}; known flows: {', '.join(sorted(FLOWS))}")
+    module, attr = FLOWS[name]
+    return getattr(importlib.import_module(module), attr)
+
+
+def entrypoint(name: str) -> str:
+    """The module-path entrypoint of a flow (``ckptstore.flows.archive.archive_flow``)."""
+    if name not in FLOWS:
+        raise ConfigError(f"unknown flow {name!r}; known flows: {', '.join(sorted(FLOWS))}")
+    module, attr = FLOWS[name]
+    return f"{module}.{attr}"

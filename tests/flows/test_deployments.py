@@ -1,0 +1,165 @@
+"""Server mode: deployments built from the config, and (slow) served for real."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore import CheckpointStore
+from ckptstore.config import load_settings
+from ckptstore.errors import ConfigError
+from ckptstore.flows.deployments import build_deployments
+from ckptstore.flows.registry import FLOWS
+from ckptstore.records import CheckpointState
+
+pytestmark = pytest.mark.prefect
+
+
+def test_build_deployments_from_config(tmp_path: Path) -> None:
+    config = tmp_path / "ckpt.toml"
+    config.write_text(
+        f'root = "{tmp_path / "store"}"\n'
+        "[schedules]\n"
+        'retention = "0 3 * * *"\n'
+        'gc = "every 10 minutes"\n',
+        encoding="utf-8",
+    )
+    deployments = {d.flow_name: d for d in build_deployments(load_settings(config))}
+    assert set(deployments) == {f"ckpt-{name}" for name in FLOWS}
+    retention = deployments["ckpt-retention"]
+    assert retention.name == "ckptstore"
+    assert retention.entrypoint == "ckptstore.flows.retention.retention_flow"
+    assert retention.parameters == {"store_root": str(tmp_path / "store"), "config": str(config)}
+    assert [s.schedule.cron for s in retention.schedules] == ["0 3 * * *"]
+    gc = deployments["ckpt-gc"]
+    assert [s.schedule.interval.total_seconds() for s in gc.schedules] == [600.0]
+    assert deployments["ckpt-archive"].schedules == []
+    # No credentials can travel: only the store root and the config path are parameters.
+    assert all(set(d.parameters) <= {"store_root", "config"} for d in deployments.values())
+
+
+def test_unschedulable_flow_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "ckpt.toml"
+    config.write_text('[schedules]\nrestore = "every 1s"\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match="cannot be served"):
+        build_deployments(load_settings(config, root=tmp_path))
+
+
+# ---------------------------------------------------------------------- slow: a real server
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
+    """SIGINT (Prefect's processes ignore SIGTERM for a while), then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        proc.wait(10)
+
+
+def _wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes]) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited early with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} did not answer within {timeout}s")
+
+
+@pytest.fixture
+def prefect_server(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+    }
+    env.pop("PREFECT_API_URL", None)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+         "--port", str(port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        api = f"http://127.0.0.1:{port}/api"
+        _wait_http(f"{api}/health", 120, server)
+        yield api, {**env, "PREFECT_API_URL": api}
+    finally:
+        _stop(server)
+
+
+@pytest.mark.slow
+def test_serve_and_trigger_against_a_real_server(
+    tmp_path: Path, prefect_server: tuple[str, dict[str, str]]
+) -> None:
+    api, env = prefect_server
+    config = tmp_path / "ckpt.toml"
+    config.write_text(f'root = "{tmp_path / "store"}"\n', encoding="utf-8")
+    with CheckpointStore.open(config=config) as store:
+        ids = [store.save("r", i, {"w": torch.full((4,), float(i))}).id for i in range(3)]
+    env = {**env, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+    serve = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys; from ckptstore.config import load_settings; "
+         "from ckptstore.flows.deployments import serve_all; "
+         "serve_all(load_settings(sys.argv[1]))", str(config)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        _wait_http(f"{api}/deployments/name/ckpt-retention/ckptstore", 120, serve)
+        # The "trainer": trigger_flow in server mode only enqueues run_deployment(timeout=0).
+        trainer = subprocess.run(
+            [sys.executable, "-c",
+             "import json, sys, time; from ckptstore.flows.embedded import get_runner, "
+             "trigger_flow\n"
+             "t = time.perf_counter(); trigger_flow(None, 'retention', {'keep_last': 1}, "
+             "config=sys.argv[1]); took = time.perf_counter() - t\n"
+             "runner = get_runner(None, sys.argv[1]); runner.close(wait=True, timeout=60)\n"
+             "r = runner.results[-1]\n"
+             "print(json.dumps({'mode': runner.mode, 'ok': r.ok, 'error': r.error, "
+             "'took': took}))",
+             str(config)],
+            env=env, capture_output=True, timeout=180, check=True,
+        )
+        outcome = json.loads(trainer.stdout.decode().strip().splitlines()[-1])
+        assert outcome["mode"] == "server" and outcome["ok"], outcome
+        assert outcome["took"] < 0.05
+        deadline = time.monotonic() + 120
+        with CheckpointStore.open(config=config) as store:
+            while time.monotonic() < deadline:
+                states = [store.catalog.get_any(i).state for i in ids]
+                if states[:2] == [CheckpointState.DELETED] * 2:
+                    break
+                time.sleep(1)
+            assert states == [CheckpointState.DELETED] * 2 + [CheckpointState.COMMITTED]
+    finally:
+        _stop(serve)
