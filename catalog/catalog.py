@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from ckptstore.catalog.checkpoints import CheckpointsMixin
 from ckptstore.catalog.events import EventsMixin
 from ckptstore.catalog.labels import LabelsMixin
 from ckptstore.catalog.leases import LeasesMixin
 from ckptstore.catalog.lineage import LineageMixin
+from ckptstore.catalog.pruning import PruningMixin
 from ckptstore.catalog.queries import QueriesMixin
 from ckptstore.catalog.replicas import ReplicasMixin
 
@@ -14,7 +14,7 @@ __all__ = ["Catalog"]
 
 
 class Catalog(
-    CheckpointsMixin,
+    PruningMixin,
     QueriesMixin,
     LineageMixin,
     LabelsMixin,
@@ -31,8 +31,9 @@ class Catalog(
     Method groups (each in its own module):
         * runs: :meth:`ensure_run`, :meth:`get_run`, :meth:`runs`;
         * life cycle: :meth:`begin_checkpoint`, :meth:`commit_checkpoint`,
-          :meth:`fail_checkpoint`, :meth:`get_any`, :meth:`mark_deleting`,
-          :meth:`mark_deleted`, :meth:`stale_pending`, :meth:`pending_by_writer`;
+          :meth:`fail_checkpoint`, :meth:`get_any`;
+        * pruning and gc: :meth:`mark_deleting`, :meth:`mark_deleted`, :meth:`stale_pending`,
+          :meth:`pending_by_writer`;
         * queries: :meth:`get`, :meth:`latest`, :meth:`best`, :meth:`list`, :meth:`usage`;
         * lineage: :meth:`lineage`, :meth:`descendants`, :meth:`add_edge`, :meth:`edges`,
           :meth:`run_record`;

@@ -1,4 +1,6 @@
-"""The checkpoint life cycle: PENDING → COMMITTED → DELETING → DELETED, or FAILED.
+"""The checkpoint life cycle up to COMMITTED: PENDING → COMMITTED, or FAILED.
+
+Deletion (COMMITTED → DELETING → DELETED) lives in :mod:`ckptstore.catalog.pruning`.
 
 Version allocation is the one read-modify-write that must never race: ``version`` is
 ``max(version of the run) + 1`` and has to be unique and gap-free with several processes
@@ -17,21 +19,21 @@ import logging
 import math
 import uuid
 from collections.abc import Iterable, Mapping
-from datetime import timedelta
 from typing import Any, cast
+
+from sqlalchemy import CursorResult, func, insert, select, update
+from sqlalchemy.orm import Session
 
 from ckptstore.catalog.checks import (
     check_checkpoint_id,
     check_metrics,
-    check_positive,
     check_step,
     check_tags,
     check_tier,
 )
 from ckptstore.catalog.core import default_writer
-from ckptstore.catalog.loading import checkpoint_query, load_by_id, load_checkpoints
+from ckptstore.catalog.loading import load_by_id
 from ckptstore.catalog.models import (
-    AliasRow,
     CheckpointMetricRow,
     CheckpointRow,
     CheckpointTagRow,
@@ -40,9 +42,6 @@ from ckptstore.catalog.models import (
 )
 from ckptstore.catalog.resolve import resolve_any
 from ckptstore.catalog.runs import RunsMixin
-from sqlalchemy import CursorResult, func, insert, select, update
-from sqlalchemy.orm import Session
-
 from ckptstore.errors import (
     CheckpointNotFoundError,
     ConflictError,
@@ -52,7 +51,7 @@ from ckptstore.errors import (
 from ckptstore.names import validate_name
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
 
-__all__ = ["CheckpointsMixin"]
+__all__ = ["CheckpointsMixin", "transition"]
 
 logger = logging.getLogger("ckptstore.catalog")
 
@@ -255,7 +254,7 @@ class CheckpointsMixin(RunsMixin):
         tier = check_tier(tier)
         now = utcnow()
         with self._write() as s:
-            self._transition(
+            transition(
                 s,
                 cid,
                 PENDING,
@@ -310,7 +309,7 @@ class CheckpointsMixin(RunsMixin):
             state = s.scalar(select(C.state).where(C.id == cid))
             if state == CheckpointState.FAILED:
                 return
-            self._transition(s, cid, PENDING, CheckpointState.FAILED)
+            transition(s, cid, PENDING, CheckpointState.FAILED)
             run_id = s.scalar(select(C.run_id).where(C.id == cid))
             self._add_event(
                 s, "save_failed", checkpoint_id=cid, run_id=run_id, detail={"reason": str(reason)}
@@ -326,110 +325,6 @@ class CheckpointsMixin(RunsMixin):
         cid = check_checkpoint_id(ckpt_id)
         with self._read() as s:
             return resolve_any(s, cid)
-
-    def mark_deleting(self, ckpt_id: str) -> Checkpoint:
-        """Start deleting a checkpoint: COMMITTED or FAILED → DELETING (idempotent).
-
-        Refused while anything still needs the checkpoint, as a last line of defence behind
-        the retention policies: a pin, an alias, or a live delta that uses it as its base.
-
-        Raises:
-            CheckpointNotFoundError: If no checkpoint has that id.
-            ConflictError: If it is PENDING or DELETED, pinned, aliased, or a live base.
-        """
-        cid = check_checkpoint_id(ckpt_id)
-        with self._write() as s:
-            row = s.execute(
-                select(C.state, C.pinned).where(C.id == cid).with_for_update(key_share=True)
-            ).first()
-            if row is None:
-                raise CheckpointNotFoundError(f"no checkpoint has id {cid}")
-            if row.state == CheckpointState.DELETING:
-                return self._load(s, cid)
-            if row.state not in (COMMITTED, CheckpointState.FAILED):
-                raise ConflictError(
-                    f"checkpoint {cid} is {row.state.value}; only COMMITTED or FAILED "
-                    "checkpoints can be deleted"
-                )
-            aliases = list(s.scalars(select(AliasRow.name).where(AliasRow.checkpoint_id == cid)))
-            if row.pinned or aliases:
-                what = "pinned" if row.pinned else f"aliased as {', '.join(sorted(aliases))}"
-                raise ConflictError(
-                    f"checkpoint {cid} is {what} and is never pruned; unpin/unalias it first"
-                )
-            dependents = list(
-                s.scalars(
-                    select(C.id).where(C.base_id == cid, C.state.in_((PENDING, COMMITTED))).limit(5)
-                )
-            )
-            if dependents:
-                raise ConflictError(
-                    f"checkpoint {cid} is the base of delta checkpoint(s) {', '.join(dependents)}; "
-                    "delete or compact those first"
-                )
-            s.execute(update(C).where(C.id == cid).values(state=CheckpointState.DELETING))
-            return self._load(s, cid)
-
-    def mark_deleted(self, ckpt_id: str) -> Checkpoint:
-        """Finish deleting: DELETING → DELETED (idempotent); every replica becomes DELETED.
-
-        The row, its metrics, tags and events stay, so lineage and history remain readable.
-        Logs a ``deleted`` event.
-
-        Raises:
-            CheckpointNotFoundError: If no checkpoint has that id.
-            ConflictError: If the checkpoint is not DELETING.
-        """
-        cid = check_checkpoint_id(ckpt_id)
-        now = utcnow()
-        with self._write() as s:
-            if s.scalar(select(C.state).where(C.id == cid)) == CheckpointState.DELETED:
-                return self._load(s, cid)
-            self._transition(s, cid, CheckpointState.DELETING, CheckpointState.DELETED)
-            s.execute(
-                update(ReplicaRow)
-                .where(ReplicaRow.checkpoint_id == cid)
-                .values(state=ReplicaState.DELETED, updated_at=now)
-            )
-            ck = self._load(s, cid)
-            self._add_event(
-                s,
-                "deleted",
-                checkpoint_id=cid,
-                run_id=self._run_id(s, ck.run),
-                detail={"step": ck.step, "version": ck.version},
-            )
-            return ck
-
-    def stale_pending(self, *, older_than_s: float) -> list[Checkpoint]:
-        """PENDING checkpoints created more than ``older_than_s`` seconds ago, oldest first.
-
-        These are saves that died or hang; gc marks them FAILED and removes their files.
-        """
-        age = check_positive(older_than_s, "older_than_s")
-        cutoff = utcnow() - timedelta(seconds=age)
-        with self._read() as s:
-            stmt = (
-                checkpoint_query()
-                .where(C.state == PENDING, C.created_at < cutoff)
-                .order_by(C.created_at, C.id)
-            )
-            return load_checkpoints(s, stmt)
-
-    def pending_by_writer(self, host: str) -> list[Checkpoint]:
-        """PENDING checkpoints written by processes on ``host`` (``writer`` = ``host:pid``).
-
-        gc checks whether each pid is still alive to find saves of dead local processes.
-        """
-        if not isinstance(host, str) or not host:
-            raise InvalidNameError(f"host must be a non-empty string, got {host!r}")
-        with self._read() as s:
-            stmt = (
-                checkpoint_query()
-                .where(C.state == PENDING, C.writer.startswith(f"{host}:", autoescape=True))
-                .order_by(C.created_at, C.id)
-            )
-            return load_checkpoints(s, stmt)
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -455,35 +350,34 @@ class CheckpointsMixin(RunsMixin):
                 f"{what} checkpoint {cid} was pruned (state {state.value}); pick a kept one"
             )
 
-    @staticmethod
-    def _transition(
-        session: Session,
-        cid: str,
-        expected: CheckpointState,
-        new: CheckpointState,
-        **values: Any,
-    ) -> None:
-        """``UPDATE ... SET state = new WHERE id = cid AND state = expected``, or explain."""
-        result = cast(
-            "CursorResult[Any]",
-            session.execute(
-                update(C)
-                .where(C.id == cid, C.state == expected)
-                .values(state=new, **values)
-                .execution_options(synchronize_session=False)
-            ),
-        )
-        if result.rowcount == 1:
-            return
-        state = session.scalar(select(C.state).where(C.id == cid))
-        if state is None:
-            raise CheckpointNotFoundError(f"no checkpoint has id {cid}")
-        hint = ""
-        if expected == PENDING and state == CheckpointState.FAILED:
-            hint = "; gc marked it FAILED (its writer looked dead): save again"
-        elif expected == PENDING and state == COMMITTED:
-            hint = "; it was already committed"
-        raise ConflictError(
-            f"checkpoint {cid} is {state.value}, not {expected.value}: cannot make it "
-            f"{new.value}{hint}"
-        )
+
+def transition(
+    session: Session,
+    cid: str,
+    expected: CheckpointState,
+    new: CheckpointState,
+    **values: Any,
+) -> None:
+    """``UPDATE ... SET state = new WHERE id = cid AND state = expected``, or explain."""
+    result = cast(
+        "CursorResult[Any]",
+        session.execute(
+            update(C)
+            .where(C.id == cid, C.state == expected)
+            .values(state=new, **values)
+            .execution_options(synchronize_session=False)
+        ),
+    )
+    if result.rowcount == 1:
+        return
+    state = session.scalar(select(C.state).where(C.id == cid))
+    if state is None:
+        raise CheckpointNotFoundError(f"no checkpoint has id {cid}")
+    hint = ""
+    if expected == PENDING and state == CheckpointState.FAILED:
+        hint = "; gc marked it FAILED (its writer looked dead): save again"
+    elif expected == PENDING and state == COMMITTED:
+        hint = "; it was already committed"
+    raise ConflictError(
+        f"checkpoint {cid} is {state.value}, not {expected.value}: cannot make it {new.value}{hint}"
+    )

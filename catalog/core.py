@@ -19,18 +19,25 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, Literal
 
-from ckptstore.catalog import migrate
-from ckptstore.catalog.engine import WRITE_OPTION, create_catalog_engine, mask_url
-from ckptstore.catalog.models import Base, EventRow, RunRow, utcnow
-from sqlalchemy import Engine, insert, select
+from sqlalchemy import Engine, func, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from ckptstore.catalog import migrate
+from ckptstore.catalog.engine import WRITE_OPTION, create_catalog_engine, mask_url
+from ckptstore.catalog.models import Base, EventRow, RunRow, utcnow
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, StorageError
 from ckptstore.refs import Ref, parse_ref
 
-__all__ = ["CatalogCore", "default_actor", "default_writer", "name_list", "runs_hint"]
+__all__ = [
+    "CatalogCore",
+    "default_actor",
+    "default_writer",
+    "name_list",
+    "names_hint",
+    "runs_hint",
+]
 
 logger = logging.getLogger("ckptstore.catalog")
 
@@ -49,18 +56,32 @@ def default_actor() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def name_list(names: Sequence[object], *, limit: int = 20) -> str:
+def name_list(names: Sequence[object], *, limit: int = 20, total: int | None = None) -> str:
     """``"a, b, c"``, shortened to ``limit`` items plus a count for long lists."""
     shown = ", ".join(str(n) for n in names[:limit])
-    if len(names) > limit:
-        shown += f", ... ({len(names)} in total)"
+    count = len(names) if total is None else total
+    if count > limit:
+        shown += f", ... ({count} in total)"
     return shown
+
+
+def names_hint(session: Session, column: Any, what: str, *, limit: int = 20) -> str | None:
+    """``"<what>: a, b, ..."`` of the first names in a column, or None when there are none.
+
+    Only ``limit + 1`` names are read; the total is counted only when there are more.
+    """
+    names = list(session.scalars(select(column).order_by(column).limit(limit + 1)))
+    if not names:
+        return None
+    total = None
+    if len(names) > limit:
+        total = session.scalar(select(func.count()).select_from(column.class_))
+    return f"{what}: {name_list(names, limit=limit, total=total)}"
 
 
 def runs_hint(session: Session) -> str:
     """``"runs: a, b, ..."`` or ``"no runs exist yet"``, for not-found messages."""
-    names = list(session.scalars(select(RunRow.name).order_by(RunRow.name).limit(21)))
-    return f"runs: {name_list(names)}" if names else "no runs exist yet"
+    return names_hint(session, RunRow.name, "runs") or "no runs exist yet"
 
 
 class CatalogCore:

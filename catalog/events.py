@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
 from ckptstore.catalog.checks import check_checkpoint_id, check_json
 from ckptstore.catalog.core import CatalogCore, default_actor
 from ckptstore.catalog.models import EventRow, RunRow
 from ckptstore.catalog.resolve import resolve, resolve_any
-from sqlalchemy import select
-from sqlalchemy.orm import Session
-
 from ckptstore.errors import InvalidNameError
 from ckptstore.names import validate_name
 from ckptstore.records import Event

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import uuid
 
-from ckptstore.catalog.checks import check_checkpoint_id
-from ckptstore.catalog.core import CatalogCore, name_list
-from ckptstore.catalog.loading import load_by_id
-from ckptstore.catalog.models import AliasRow, CheckpointRow, utcnow
-from ckptstore.catalog.resolve import ensure_committed, resolve
 from sqlalchemy import delete, exists, select, update
 from sqlalchemy.orm import Session
 
+from ckptstore.catalog.checks import check_checkpoint_id
+from ckptstore.catalog.core import CatalogCore, names_hint
+from ckptstore.catalog.loading import load_by_id
+from ckptstore.catalog.models import AliasRow, CheckpointRow, utcnow
+from ckptstore.catalog.resolve import ensure_committed, resolve
 from ckptstore.errors import CheckpointNotFoundError, InvalidNameError
 from ckptstore.names import validate_name
 from ckptstore.records import Checkpoint, CheckpointState
@@ -77,8 +77,7 @@ class LabelsMixin(CatalogCore):
         alias = validate_name(name, "alias")
         with self._write() as s:
             if s.scalar(select(AliasRow.name).where(AliasRow.name == alias)) is None:
-                names = list(s.scalars(select(AliasRow.name).order_by(AliasRow.name).limit(21)))
-                known = f"aliases: {name_list(names)}" if names else "no aliases are defined"
+                known = names_hint(s, AliasRow.name, "aliases") or "no aliases are defined"
                 raise CheckpointNotFoundError(f"no alias {alias!r}; {known}")
             s.execute(delete(AliasRow).where(AliasRow.name == alias))
 

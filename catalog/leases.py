@@ -19,11 +19,11 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, cast
 
+from sqlalchemy import CursorResult, delete, or_, select
+
 from ckptstore.catalog.checks import check_checkpoint_id, check_positive
 from ckptstore.catalog.core import CatalogCore
 from ckptstore.catalog.models import CheckpointRow, LeaseRow, utcnow
-from sqlalchemy import CursorResult, delete, or_, select
-
 from ckptstore.errors import CheckpointNotFoundError, InvalidNameError
 
 __all__ = ["LeasesMixin"]

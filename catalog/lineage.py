@@ -12,17 +12,16 @@ by :meth:`run_record`; they are not followed by :meth:`lineage`.
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
+
+from sqlalchemy import Integer, Select, bindparam, literal, or_, select
+from sqlalchemy.orm import Session
 
 from ckptstore.catalog.checks import check_edge_kind
 from ckptstore.catalog.core import CatalogCore
 from ckptstore.catalog.loading import ROW_COLUMNS, checkpoint_query_from, load_checkpoints
 from ckptstore.catalog.models import CheckpointRow, LineageEdgeRow, RunRow, utcnow
 from ckptstore.catalog.resolve import resolve, resolve_any
-from sqlalchemy import Integer, literal, or_, select
-from sqlalchemy.orm import Session
-
 from ckptstore.errors import InvalidNameError
 from ckptstore.records import Checkpoint
 from ckptstore.refs import Ref
@@ -39,12 +38,36 @@ C = CheckpointRow
 _WALKED = (*ROW_COLUMNS, C.run_id)
 
 
-def _is_uuid(text: str) -> bool:
-    try:
-        uuid.UUID(text)
-    except ValueError:
-        return False
-    return True
+def _ancestors_query() -> Select[Any]:
+    parent_of_start = select(C.parent_id).where(C.id == bindparam("start")).scalar_subquery()
+    first = select(*_WALKED, literal(1, Integer).label("depth")).where(C.id == parent_of_start)
+    walk = first.cte("ancestors", recursive=True)
+    walk = walk.union_all(
+        select(*_WALKED, walk.c.depth + 1)
+        .select_from(C)
+        .join(walk, C.id == walk.c.parent_id)
+        .where(walk.c.depth < MAX_DEPTH)
+    )
+    return checkpoint_query_from(walk).order_by(walk.c.depth)
+
+
+def _descendants_query() -> Select[Any]:
+    first = select(*_WALKED, literal(1, Integer).label("depth")).where(
+        C.parent_id == bindparam("start")
+    )
+    walk = first.cte("descendants", recursive=True)
+    walk = walk.union_all(
+        select(*_WALKED, walk.c.depth + 1)
+        .select_from(C)
+        .join(walk, C.parent_id == walk.c.id)
+        .where(walk.c.depth < MAX_DEPTH)
+    )
+    return checkpoint_query_from(walk).order_by(walk.c.depth, walk.c.run_id, walk.c.version)
+
+
+# Built once, executed with the start id bound.
+_ANCESTORS = _ancestors_query()
+_DESCENDANTS = _descendants_query()
 
 
 class LineageMixin(CatalogCore):
@@ -74,16 +97,7 @@ class LineageMixin(CatalogCore):
         parsed = self._ref(ref)
         with self._read() as s:
             start = resolve(s, parsed, attachments=False).id
-            first = select(*_WALKED, literal(1, Integer).label("depth")).where(C.parent_id == start)
-            walk = first.cte("descendants", recursive=True)
-            walk = walk.union_all(
-                select(*_WALKED, walk.c.depth + 1)
-                .select_from(C)
-                .join(walk, C.parent_id == walk.c.id)
-                .where(walk.c.depth < MAX_DEPTH)
-            )
-            stmt = checkpoint_query_from(walk).order_by(walk.c.depth, walk.c.run_id, walk.c.version)
-            return load_checkpoints(s, stmt)
+            return load_checkpoints(s, _DESCENDANTS, {"start": start})
 
     def add_edge(self, src_id: str | Ref, dst_id: str | Ref, kind: str) -> None:
         """Record that ``dst`` was derived from ``src`` (idempotent).
@@ -189,16 +203,7 @@ class LineageMixin(CatalogCore):
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def _ancestors(session: Session, start: str) -> list[Checkpoint]:
-        parent_of_start = select(C.parent_id).where(C.id == start).scalar_subquery()
-        first = select(*_WALKED, literal(1, Integer).label("depth")).where(C.id == parent_of_start)
-        walk = first.cte("ancestors", recursive=True)
-        walk = walk.union_all(
-            select(*_WALKED, walk.c.depth + 1)
-            .select_from(C)
-            .join(walk, C.id == walk.c.parent_id)
-            .where(walk.c.depth < MAX_DEPTH)
-        )
-        return load_checkpoints(session, checkpoint_query_from(walk).order_by(walk.c.depth))
+        return load_checkpoints(session, _ANCESTORS, {"start": start})
 
     @staticmethod
     def _edges(session: Session, cid: str) -> list[tuple[str, str, str]]:
@@ -213,8 +218,6 @@ class LineageMixin(CatalogCore):
     def _endpoint(self, session: Session, ref: str | Ref) -> str:
         # Ids are taken in any state (edges and history outlive pruning); other references
         # must resolve to a COMMITTED checkpoint.
-        if isinstance(ref, str) and _is_uuid(ref):
-            return resolve_any(session, str(uuid.UUID(ref)), attachments=False).id
         parsed = self._ref(ref)
         if parsed.kind == "id" and parsed.id is not None:
             return resolve_any(session, parsed.id, attachments=False).id

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from dataclasses import dataclass
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from ckptstore.catalog.engine import WRITE_OPTION, create_catalog_engine, mask_url
 from sqlalchemy import Engine
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
+from ckptstore.catalog.engine import WRITE_OPTION, create_catalog_engine, mask_url
 from ckptstore.errors import StorageError
 
 __all__ = [
@@ -39,6 +40,11 @@ logger = logging.getLogger(__name__)
 
 #: Where the revisions live, as a package resource (works from a wheel too).
 SCRIPT_LOCATION = "ckptstore.migrations:"
+
+# Alembic keeps the running migration's context in module globals (alembic.context), so two
+# threads of one process must not run commands at once. Processes are serialised by the
+# database itself (see migrations/env.py).
+_COMMAND_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -157,7 +163,7 @@ def _run_command(url: str | URL | Engine, action: str, revision: str) -> None:
     engine, own = _with_engine(url)
     cfg = alembic_config()
     try:
-        with engine.connect() as conn:
+        with _COMMAND_LOCK, engine.connect() as conn:
             # A write transaction: BEGIN IMMEDIATE on SQLite serialises concurrent upgrades.
             conn.execution_options(**{WRITE_OPTION: True})
             with conn.begin():

@@ -13,6 +13,9 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from sqlalchemy import ColumnElement, Select, exists, func, select
+from sqlalchemy.orm import aliased
+
 from ckptstore.catalog.checks import (
     check_checkpoint_state,
     check_metric_value,
@@ -30,9 +33,6 @@ from ckptstore.catalog.models import (
     RunRow,
 )
 from ckptstore.catalog.resolve import resolve
-from sqlalchemy import ColumnElement, Select, exists, func, select
-from sqlalchemy.orm import aliased
-
 from ckptstore.errors import InvalidNameError
 from ckptstore.names import validate_metric_name, validate_name
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, UsageRow
@@ -64,6 +64,16 @@ METRIC_OPS: dict[str, Callable[[Any, Any], ColumnElement[bool]]] = {
 
 _ALLOWED_ORDER = ", ".join([*ORDER_FIELDS, "metric:<name>"])
 
+# Table aliases are made once, with fixed names: a fresh aliased() per call gives every
+# statement a new cache key, so SQLAlchemy recompiled each listing (1.2 ms instead of 0.25).
+_MAX_TAGS = 16
+_MAX_METRIC_FILTERS = 16
+_TAG_ALIASES = tuple(aliased(CheckpointTagRow, name=f"tag_{i}") for i in range(_MAX_TAGS))
+_METRIC_ALIASES = tuple(
+    aliased(CheckpointMetricRow, name=f"metric_{i}") for i in range(_MAX_METRIC_FILTERS)
+)
+_ORDER_METRIC = aliased(CheckpointMetricRow, name="order_metric")
+
 
 def _order_clause(stmt: Select[Any], order_by: object, tagged: Any = None) -> Select[Any]:
     if not isinstance(order_by, str):
@@ -72,7 +82,7 @@ def _order_clause(stmt: Select[Any], order_by: object, tagged: Any = None) -> Se
     field = order_by[1:] if descending else order_by
     if field.startswith("metric:"):
         name = validate_metric_name(field.removeprefix("metric:"))
-        metric = aliased(CheckpointMetricRow)
+        metric = _ORDER_METRIC
         stmt = stmt.outerjoin(metric, (metric.checkpoint_id == C.id) & (metric.name == name))
         # Checkpoints without the metric go last in both directions (false sorts first).
         prefix: builtins.list[Any] = [metric.value.is_(None)]
@@ -105,8 +115,10 @@ def _metric_filters(
 ) -> list[ColumnElement[bool]]:
     if not isinstance(metrics, Mapping):
         raise InvalidNameError("metrics filter must map metric name -> (operator, value)")
+    if len(metrics) > _MAX_METRIC_FILTERS:
+        raise InvalidNameError(f"at most {_MAX_METRIC_FILTERS} metric filters, got {len(metrics)}")
     clauses: list[ColumnElement[bool]] = []
-    for name, spec in metrics.items():
+    for metric, (name, spec) in zip(_METRIC_ALIASES, metrics.items(), strict=False):
         validate_metric_name(name)
         if not isinstance(spec, tuple | builtins.list) or len(spec) != 2:
             raise InvalidNameError(
@@ -119,7 +131,6 @@ def _metric_filters(
                 f"use one of {' '.join(METRIC_OPS)}"
             )
         number = check_metric_value(name, value)
-        metric = aliased(CheckpointMetricRow)
         clauses.append(
             exists().where(
                 metric.checkpoint_id == C.id,
@@ -227,10 +238,12 @@ class QueriesMixin(CatalogCore):
             stmt = stmt.where(ExperimentRow.name == validate_name(experiment, "experiment name"))
         first_tag = None
         if tag is not None:
-            for t in check_tags(tag):
+            tags = check_tags(tag)
+            if len(tags) > _MAX_TAGS:
+                raise InvalidNameError(f"at most {_MAX_TAGS} tags per filter, got {len(tags)}")
+            for tagged, t in zip(_TAG_ALIASES, tags, strict=False):
                 # A JOIN, not EXISTS: the planner can then start from the tag index instead
                 # of scanning every checkpoint in list order and probing its tags.
-                tagged = aliased(CheckpointTagRow)
                 stmt = stmt.join(tagged, (tagged.checkpoint_id == C.id) & (tagged.tag == t))
                 first_tag = tagged if first_tag is None else first_tag
         if step_range is not None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy import select
+
 from ckptstore.catalog.checks import check_checkpoint_id, check_replica_state, check_tier
 from ckptstore.catalog.core import CatalogCore
 from ckptstore.catalog.models import CheckpointRow, ReplicaRow, utcnow
 from ckptstore.catalog.resolve import resolve_any
-from sqlalchemy import select
-
 from ckptstore.errors import CheckpointNotFoundError, InvalidNameError
 from ckptstore.records import Replica, ReplicaState
 

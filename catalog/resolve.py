@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ckptstore.catalog.core import name_list, runs_hint
-from ckptstore.catalog.loading import checkpoint_query, load_by_id, load_one
-from ckptstore.catalog.models import AliasRow, CheckpointMetricRow, CheckpointRow, RunRow
 from sqlalchemy import Select, bindparam, func, select
 from sqlalchemy.orm import Session
 
+from ckptstore.catalog.core import name_list, names_hint, runs_hint
+from ckptstore.catalog.loading import checkpoint_query, load_by_id, load_one
+from ckptstore.catalog.models import AliasRow, CheckpointMetricRow, CheckpointRow, RunRow
 from ckptstore.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from ckptstore.records import Checkpoint, CheckpointState
 from ckptstore.refs import Ref
@@ -171,8 +171,7 @@ def resolve(session: Session, ref: Ref, *, attachments: bool = True) -> Checkpoi
 def _resolve_alias(session: Session, ref: Ref, *, attachments: bool) -> Checkpoint:
     found = load_one(session, _BY_ALIAS, {"alias": ref.alias}, attachments=attachments)
     if found is None:
-        names = list(session.scalars(select(AliasRow.name).order_by(AliasRow.name).limit(21)))
-        known = f"aliases: {name_list(names)}" if names else "no aliases are defined"
+        known = names_hint(session, AliasRow.name, "aliases") or "no aliases are defined"
         raise CheckpointNotFoundError(
             f"no alias {ref.alias!r} ({known}); to name a checkpoint of a run use run@latest, "
             "run@<step>, run@v<version> or run@best:<metric>"

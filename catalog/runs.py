@@ -6,12 +6,12 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ckptstore.catalog.checks import check_json
-from ckptstore.catalog.core import CatalogCore, runs_hint
-from ckptstore.catalog.models import CheckpointRow, ExperimentRow, RunRow, utcnow
 from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session
 
+from ckptstore.catalog.checks import check_json
+from ckptstore.catalog.core import CatalogCore, runs_hint
+from ckptstore.catalog.models import CheckpointRow, ExperimentRow, RunRow, utcnow
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.names import validate_name
 from ckptstore.records import CheckpointState, RunInfo

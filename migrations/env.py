@@ -18,10 +18,10 @@ from __future__ import annotations
 import logging
 
 from alembic import context
-from ckptstore.catalog.engine import WRITE_OPTION, create_catalog_engine, mask_url
-from ckptstore.catalog.models import Base
 from sqlalchemy import Connection, text
 
+from ckptstore.catalog.engine import WRITE_OPTION, create_catalog_engine, mask_url
+from ckptstore.catalog.models import Base
 from ckptstore.errors import ConfigError
 
 logger = logging.getLogger("ckptstore.migrations")

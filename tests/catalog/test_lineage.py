@@ -1,0 +1,115 @@
+"""Lineage through parent_id (one recursive CTE), descendants, edges, reproduction records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import event
+
+from ckptstore.catalog import Catalog
+from ckptstore.errors import CheckpointNotFoundError, InvalidNameError
+from ckptstore.records import CheckpointState
+
+
+def test_lineage_depth_5_across_runs(catalog: Catalog, save) -> None:
+    chain = [save("pretrain", 1000)]
+    for i, run in enumerate(["ft-a", "ft-b", "ft-c", "ft-d", "ft-e"]):
+        chain.append(save(run, 10 * (i + 1), parent_id=chain[-1].id))
+    save("pretrain", 2000)  # a later save of the root run is not an ancestor
+    leaf = chain[-1]
+
+    ancestors = catalog.lineage(leaf.ref)
+    assert [c.id for c in ancestors] == [c.id for c in reversed(chain[:-1])]  # nearest first
+    assert [c.run for c in ancestors] == ["ft-d", "ft-c", "ft-b", "ft-a", "pretrain"]
+    assert catalog.lineage(chain[0].id) == []
+
+    below = catalog.descendants("pretrain@1000")
+    assert [c.id for c in below] == [c.id for c in chain[1:]]
+    assert catalog.descendants(leaf.id) == []
+    assert [c.id for c in catalog.descendants(chain[3].id)] == [chain[4].id, chain[5].id]
+
+
+def test_lineage_is_one_query_whatever_the_depth(catalog: Catalog, save) -> None:
+    chain = [save("r", 0)]
+    for step in range(1, 12):
+        chain.append(save("r", step, parent_id=chain[-1].id))
+    statements: list[str] = []
+
+    def count(conn, cursor, statement, params, context, executemany) -> None:  # type: ignore[no-untyped-def]
+        if statement.lstrip().upper().startswith(("SELECT", "WITH")):
+            statements.append(statement)
+
+    event.listen(catalog.engine, "before_cursor_execute", count)
+    try:
+        assert len(catalog.lineage(chain[-1].id)) == 11
+    finally:
+        event.remove(catalog.engine, "before_cursor_execute", count)
+    # Resolve the ref, walk (one WITH RECURSIVE), load the attachments: 3, not 11+.
+    assert len(statements) == 3, statements
+    assert sum("RECURSIVE" in s.upper() for s in statements) == 1
+
+
+def test_descendants_branch_and_include_every_state(catalog: Catalog, save) -> None:
+    root = save("r", 1)
+    left = save("left", 1, parent_id=root.id)
+    right = save("right", 1, parent_id=root.id)
+    grand = catalog.begin_checkpoint("left", 2, parent_id=left.id)  # PENDING child
+    found = catalog.descendants(root.id)
+    assert [c.id for c in found] == [left.id, right.id, grand.id]
+    assert found[-1].state == CheckpointState.PENDING
+
+
+def test_pruned_ancestors_stay_in_the_lineage(catalog: Catalog, save) -> None:
+    root = save("r", 1)
+    child = save("r", 2, parent_id=root.id)
+    catalog.mark_deleting(root.id)
+    catalog.mark_deleted(root.id)
+    (ancestor,) = catalog.lineage(child.id)
+    assert ancestor.id == root.id and ancestor.state == CheckpointState.DELETED
+
+
+def test_edges(catalog: Catalog, save) -> None:
+    src = save("r", 1)
+    dst = save("converted", 1)
+    other = save("merge", 1)
+    catalog.add_edge(src.id, dst.id, "converted-from")
+    catalog.add_edge(src.id, dst.id, "converted-from")  # idempotent
+    catalog.add_edge("r@v1", "merge@latest", "merged-from")
+    catalog.add_edge(dst.id, other.id, "merged-from")
+    assert catalog.edges(dst.id) == [
+        (src.id, dst.id, "converted-from"),
+        (dst.id, other.id, "merged-from"),
+    ]
+    assert len(catalog.edges(src.id)) == 2
+    with pytest.raises(InvalidNameError, match="edge kind"):
+        catalog.add_edge(src.id, dst.id, "copied-from")
+    with pytest.raises(InvalidNameError, match="itself"):
+        catalog.add_edge(src.id, src.id, "resumed-from")
+    with pytest.raises(CheckpointNotFoundError):
+        catalog.add_edge(src.id, "ghost@latest", "resumed-from")
+
+
+def test_run_record(catalog: Catalog, save) -> None:
+    catalog.ensure_run(
+        "base",
+        experiment="e",
+        config={"lr": 3e-4},
+        code_version="c0ffee",
+        data_version="d1",
+        host="gpu-7",
+    )
+    parent = save("base", 100, metrics={"loss": 1.5})
+    ck = save("base", 200, metrics={"loss": 0.5}, tags=["release"], parent_id=parent.id)
+    catalog.set_replica(ck.id, "warm", uri="s3://bucket/base/x", state="PRESENT", bytes=99)
+    catalog.add_edge(parent.id, ck.id, "resumed-from")
+    record = catalog.run_record("base@200")
+
+    json.dumps(record)  # JSON-ready
+    assert record["run"]["config"] == {"lr": 3e-4}
+    assert record["run"]["code_version"] == "c0ffee" and record["run"]["host"] == "gpu-7"
+    assert record["checkpoint"]["id"] == ck.id and record["checkpoint"]["step"] == 200
+    assert record["parents"] == [{"id": parent.id, "ref": "base@v1", "state": "COMMITTED"}]
+    assert record["metrics"] == {"loss": 0.5} and record["tags"] == ["release"]
+    assert [r["tier"] for r in record["replicas"]] == ["hot", "warm"]
+    assert record["edges"] == [{"src": parent.id, "dst": ck.id, "kind": "resumed-from"}]
