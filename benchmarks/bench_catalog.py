@@ -303,7 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pg-admin-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/test"
     )
+    parser.add_argument(
+        "--quick", action="store_true", help="10,000 checkpoints over 200 runs, chain 200: a smoke run"
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.checkpoints, args.runs, args.chain, args.samples = 10_000, 200, 200, 100
 
     load_before = os.getloadavg()[0]
     table: list[tuple[str, str, float, float, float, float]] = []
