@@ -1,0 +1,86 @@
+"""CLI commands for incremental checkpoints: ``ckpt diff A B`` and ``ckpt compact REF``."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ckptstore.cli.common import open_store
+from ckptstore.cli.output import (
+    LS_COLUMNS,
+    checkpoint_row,
+    console,
+    print_json,
+    print_table,
+)
+
+__all__ = ["compact_cmd", "diff_cmd", "register"]
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def diff_cmd(
+    ctx: typer.Context,
+    a: Annotated[str, typer.Argument(help="First (older) checkpoint reference.")],
+    b: Annotated[str, typer.Argument(help="Second (newer) checkpoint reference.")],
+    all_tensors: Annotated[
+        bool, typer.Option("--all", help="List unchanged tensors too.")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Per tensor: elements and chunks changed between A and B, and the largest change.
+
+    Tensors whose chunks hash the same on both sides are not read. Changes are bit-wise
+    (NaN payloads and -0.0 count); the largest change is over finite differences.
+    """
+    from ckptstore.ops.diff import diff_checkpoints, render_rows
+
+    with open_store(ctx) as store:
+        report = diff_checkpoints(store, a, b)
+    if as_json:
+        print_json(report.to_dict())
+        return
+    summary = report.summary()
+    counts = ", ".join(f"{n} {status}" for status, n in sorted(summary["tensors"].items()))
+    console.print(f"{report.a} -> {report.b}: {counts or 'no tensors'}")
+    console.print(
+        f"elements changed: {summary['elements_changed']:,} of {summary['elements']:,}; "
+        f"chunks changed: {summary['chunks_changed']}; "
+        f"largest change: {summary['max_abs_change']:.3g}"
+        + ("  (lossy checkpoint: includes quantization error)" if report.lossy else "")
+    )
+    rows = render_rows(report, all_tensors=all_tensors)
+    if rows:
+        print_table(
+            ["tensor", "status", "dtype", "shape", "elements changed", "chunks", "max |Δ|"],
+            rows,
+            no_wrap=("status", "dtype", "chunks", "max |Δ|"),
+        )
+
+
+def compact_cmd(
+    ctx: typer.Context,
+    ref: Annotated[str, typer.Argument(help="Checkpoint reference (a delta).")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Rewrite a delta checkpoint as a full one: a new version of the same run and step.
+
+    The new version reads no other checkpoint's chunks (its bases may then be pruned) and
+    gets a converted-from edge from the source. Running it again returns the same version.
+    """
+    from ckptstore.ops.delta import compact_checkpoint
+    from ckptstore.store import _checkpoint_dict
+
+    with open_store(ctx) as store:
+        new = compact_checkpoint(store, ref)
+    if as_json:
+        print_json(_checkpoint_dict(new))
+        return
+    print_table(LS_COLUMNS, [checkpoint_row(new)], no_wrap=("checkpoint", "step", "stored"))
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``diff`` and ``compact`` to the ``ckpt`` command."""
+    app.command("diff")(diff_cmd)
+    app.command("compact")(compact_cmd)
