@@ -1,0 +1,231 @@
+"""The coordinator's commit of a DCP save: index, group documents, manifest, marker.
+
+Runs in ``StorageWriter.finish`` — DCP calls it on the coordinator only, and only after
+every rank's ``write_data`` returned (each rank fsynced its files before returning). The
+order is the format's: group ``zarr.json`` documents → ``manifest.json`` (holding the index,
+so the manifest digest covers it) → directories fsynced → ``COMMITTED`` marker (written
+under a temporary name, then hard-linked: never partial, never overwritten). The caller
+then flips the catalog row to COMMITTED.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ckptstore.errors import CkptError, IntegrityError
+from ckptstore.format import FORMAT_VERSION, Manifest, flatten_state
+from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, ZARR_JSON
+from ckptstore.format.fsio import fsync_dir, storage_error, write_file_durable
+from ckptstore.integrations.dcp_layout import (
+    ARRAY_GROUP,
+    INDEX_KEY,
+    PACK_GROUP,
+    ArrayInfo,
+    BlobItem,
+    DcpIndex,
+    Piece,
+    TensorItem,
+)
+from ckptstore.integrations.dcp_plan import ArraySpec, item_dtype_name
+from ckptstore.integrations.dcp_write import FSYNC_THREADS, Stored
+from ckptstore.integrations.dcp_zarr import group_doc, root_doc
+
+__all__ = ["FILES_KEY", "build_index", "commit_files"]
+
+logger = logging.getLogger(__name__)
+
+#: Key in ``Manifest.extra`` listing every file the checkpoint owns beyond the packed arrays:
+#: ``[relative path, size, crc32c of the body or null]``, chunks first. The format's
+#: ``chunk_files`` / ``verify_checkpoint`` read it (see the hook in the report to the lead).
+FILES_KEY = "files"
+
+
+def _planner_data(raw: Any) -> dict[str, tuple[str | int, ...]] | None:
+    """DCP's flatten mapping if it is the plain ``{fqn: (key, index, ...)}`` kind, else None."""
+    if not isinstance(raw, Mapping):
+        return None
+    out: dict[str, tuple[str | int, ...]] = {}
+    for fqn, parts in raw.items():
+        if not isinstance(fqn, str) or not isinstance(parts, Sequence) or isinstance(parts, str):
+            return None
+        clean: list[str | int] = []
+        for part in parts:
+            if isinstance(part, bool) or not isinstance(part, str | int):
+                return None
+            clean.append(part)
+        out[fqn] = tuple(clean)
+    return out
+
+
+def build_index(
+    metadata: Metadata,
+    results: list[list[WriteResult]],
+    specs: Mapping[str, ArraySpec],
+    codec: str,
+) -> tuple[DcpIndex, list[tuple[str, int]]]:
+    """Assemble the index from DCP's global metadata and every rank's write results.
+
+    Returns:
+        The index, and ``(path, size)`` of every array ``zarr.json`` the ranks wrote.
+
+    Raises:
+        CkptError: If a result is not ours or an item has no result (a bug, or a planner
+            that changed the plan after ``prepare_global_plan``).
+    """
+    arrays: dict[str, ArrayInfo] = {
+        s.path: ArrayInfo(s.path, s.dtype, s.shape, s.chunk_shape, {}) for s in specs.values()
+    }
+    pieces: dict[str, list[Piece]] = {}
+    blobs: dict[str, BlobItem] = {}
+    meta_files: list[tuple[str, int]] = []
+    for rank_results in results:
+        for result in rank_results:
+            stored = result.storage_data
+            if not isinstance(stored, Stored):
+                raise CkptError(
+                    f"write result for {result.index.fqn!r} did not come from ZarrStorageWriter; "
+                    "use the same storage writer on every rank"
+                )
+            if stored.report is not None:
+                for pack in stored.report.packs:
+                    arrays[pack.path] = pack
+                meta_files.extend(stored.report.meta_files)
+            if stored.piece is not None:
+                pieces.setdefault(result.index.fqn, []).append(stored.piece)
+                if stored.piece.origin is not None:
+                    arrays[stored.piece.array].chunks.update(stored.chunks)
+            if stored.blob is not None:
+                blobs[stored.blob.fqn] = stored.blob
+    tensors: dict[str, TensorItem] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            found = sorted(pieces.get(fqn, []), key=lambda p: p.offsets)
+            tensors[fqn] = TensorItem(
+                fqn, item_dtype_name(md.properties.dtype, fqn), tuple(md.size),
+                bool(md.properties.requires_grad), tuple(found),
+            )
+        elif fqn not in blobs:
+            raise CkptError(f"non-tensor item {fqn!r} has no write result; nothing was committed")
+    planner_data = _planner_data(metadata.planner_data)
+    if metadata.planner_data is not None and planner_data is None:
+        logger.warning("the save planner's planner_data is not a flatten mapping; not stored")
+    index = DcpIndex(
+        world_size=len(results),
+        codec=codec,
+        arrays=arrays,
+        tensors=tensors,
+        blobs=blobs,
+        planner_data=planner_data,
+        dcp_version=metadata.version if isinstance(metadata.version, str) else None,
+    )
+    return index, meta_files
+
+
+def _durable(path: Path, data: bytes) -> None:
+    try:
+        write_file_durable(path, data)
+    except OSError as exc:
+        raise storage_error(path, "write", exc) from exc
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fsync_dir(path)
+    except OSError as exc:
+        raise storage_error(path, "fsync directory", exc) from exc
+
+
+def commit_files(
+    directory: Path,
+    *,
+    ckpt_id: str,
+    run: str,
+    step: int,
+    chunk_bytes: int,
+    index: DcpIndex,
+    meta_files: list[tuple[str, int]],
+    fault: Any = None,
+) -> Manifest:
+    """Write the group documents, the manifest and the commit marker.
+
+    Args:
+        directory: The checkpoint directory.
+        ckpt_id: Its id.
+        run: Run name.
+        step: Training step.
+        chunk_bytes: Chunk size target of the save (recorded in the manifest).
+        index: The DCP index.
+        meta_files: Array ``zarr.json`` files the ranks wrote.
+        fault: Called with ``"dcp.manifest_written"`` before the marker (crash tests).
+
+    Returns:
+        The committed manifest.
+
+    Raises:
+        IntegrityError: If the assembled index is inconsistent (a rank's shards missing);
+            nothing is committed.
+        StorageError: On OS errors; nothing is committed.
+    """
+    doc = index.to_json()
+    try:
+        DcpIndex.from_json(doc)  # the reader's checks, before anything is published
+    except IntegrityError as exc:
+        raise IntegrityError(f"refusing to commit checkpoint {ckpt_id}: {exc}") from None
+    groups = {
+        f"{ARRAY_GROUP}/{ZARR_JSON}": group_doc(),
+        f"{PACK_GROUP}/{ZARR_JSON}": group_doc(),
+    }
+    with ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="ckpt-dcp-commit") as pool:
+        list(pool.map(lambda kv: _durable(directory / kv[0], kv[1]), groups.items()))
+        _durable(directory / ZARR_JSON, root_doc(ckpt_id))
+    files: list[list[Any]] = [[p, n, c] for p, n, c in index.files()]
+    files += [[p, n, None] for p, n in sorted(meta_files)]
+    files += [[p, len(d), None] for p, d in groups.items()]
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        id=ckpt_id,
+        run=run,
+        step=step,
+        created_at=datetime.now(UTC).isoformat(),
+        kind="full",
+        base_id=None,
+        codec=index.codec,
+        chunk_bytes=chunk_bytes,
+        arrays={},
+        tensors={},
+        tree=flatten_state({}).tree,
+        logical_bytes=index.logical_bytes,
+        stored_bytes=index.stored_bytes,
+        extra={INDEX_KEY: doc, FILES_KEY: files},
+    )
+    data = manifest.to_json()
+    _durable(directory / MANIFEST_NAME, data)
+    for group in (ARRAY_GROUP, PACK_GROUP):
+        _fsync_dir(directory / group)
+    _fsync_dir(directory)
+    _fsync_dir(directory.parent)
+    if fault is not None:
+        fault("dcp.manifest_written")
+    tmp = directory / f"{COMMIT_NAME}.tmp"
+    final = directory / COMMIT_NAME
+    _durable(tmp, (manifest.digest + "\n").encode("ascii"))
+    try:
+        os.link(tmp, final)
+    except OSError as exc:
+        raise storage_error(final, "create commit marker", exc) from exc
+    try:
+        os.unlink(tmp)
+    except OSError as exc:  # committed already; a stray temp file is harmless
+        logger.warning("cannot remove %s: %s", tmp, exc)
+    _fsync_dir(directory)
+    return manifest
+
