@@ -17,7 +17,9 @@ from ckptstore.hooks.async_save import (
 )
 from ckptstore.hooks.loss_monitor import Anomaly, LossMonitor, spike_reason
 from ckptstore.hooks.manager import CheckpointManager, PruneFn, StateFn
+from ckptstore.hooks.memory_tier import MemoryTier, attach_memory_tier, memory_tier_for
 from ckptstore.hooks.policies import AnyOf, EveryNSeconds, EveryNSteps, OnDemand, SavePolicy
+from ckptstore.hooks.progressive import ProgressiveLoad, load_progressive
 
 __all__ = [
     "Anomaly",
@@ -27,13 +29,18 @@ __all__ = [
     "EveryNSeconds",
     "EveryNSteps",
     "LossMonitor",
+    "MemoryTier",
     "OnDemand",
+    "ProgressiveLoad",
     "PruneFn",
     "SaveHandle",
     "SavePolicy",
     "StagingPool",
     "StateFn",
+    "attach_memory_tier",
     "close_saver",
+    "load_progressive",
+    "memory_tier_for",
     "save_async",
     "saver_for",
     "spike_reason",

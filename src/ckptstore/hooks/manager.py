@@ -36,6 +36,7 @@ from ckptstore.hooks.async_save import SaveHandle, saver_for
 from ckptstore.hooks.policies import AnyOf, EveryNSeconds, EveryNSteps, OnDemand, SavePolicy
 
 if TYPE_CHECKING:
+    from ckptstore.hooks.progressive import ProgressiveLoad
     from ckptstore.records import Checkpoint
     from ckptstore.store import CheckpointStore
 
@@ -195,7 +196,13 @@ class CheckpointManager:
             self._install_sigterm()
 
     # ------------------------------------------------------------------ resume
-    def restore_latest(self, into: Any | None = None) -> Any | None:
+    def restore_latest(
+        self,
+        into: Any | None = None,
+        *,
+        priority: Sequence[str | Sequence[str]] | None = None,
+        on_group: Callable[[int, Any], None] | None = None,
+    ) -> Any | None:
         """Load the newest committed checkpoint of the run.
 
         The next save records it as its parent (lineage: resumed-from), and the step policy
@@ -203,12 +210,17 @@ class CheckpointManager:
 
         Args:
             into: A state of the same structure to fill in place (fastest; no allocations).
+            priority: Load progressively, group by group in this order (fnmatch patterns
+                such as ``["model/*"]``; everything else last); see
+                :func:`ckptstore.hooks.progressive.load_progressive`.
+            on_group: With ``priority``: called on this thread as ``on_group(index, part)``
+                as soon as each group is loaded, before the rest is waited for.
 
         Returns:
             The state, or None when the run has no committed checkpoint yet.
 
         Raises:
-            CheckpointNotFoundError: If the newest checkpoint has no copy on the hot tier.
+            CheckpointNotFoundError: If the newest checkpoint has no copy on any tier.
             IntegrityError: If it is damaged.
         """
         self.wait()
@@ -217,12 +229,52 @@ class CheckpointManager:
         except CheckpointNotFoundError:
             logger.info("run %s has no checkpoint yet: starting fresh", self.run)
             return None
-        state = self.store.load(ck.id, into=into)
+        if priority is None:
+            state = self.store.load(ck.id, into=into)
+        else:
+            from ckptstore.hooks.progressive import load_progressive
+
+            with load_progressive(self.store, ck.id, priority, into=into) as progressive:
+                for index, part in progressive:
+                    if on_group is not None:
+                        on_group(index, part)
+                state = progressive.result()
+        self._resumed(ck)
+        return state
+
+    def restore_latest_progressive(
+        self,
+        priority: Sequence[str | Sequence[str]],
+        into: Any | None = None,
+    ) -> ProgressiveLoad | None:
+        """Start loading the newest checkpoint group by group; return without waiting.
+
+        Args:
+            priority: Groups in load order (fnmatch patterns; everything else last).
+            into: A state of the same structure to fill in place.
+
+        Returns:
+            The :class:`~ckptstore.hooks.progressive.ProgressiveLoad` (``wait(i)`` for a
+            group, ``result()`` for the whole state), or None when the run has no
+            checkpoint yet.
+        """
+        from ckptstore.hooks.progressive import load_progressive
+
+        self.wait()
+        try:
+            ck = self.store.latest(self.run)
+        except CheckpointNotFoundError:
+            logger.info("run %s has no checkpoint yet: starting fresh", self.run)
+            return None
+        progressive = load_progressive(self.store, ck.id, priority, into=into)
+        self._resumed(ck)
+        return progressive
+
+    def _resumed(self, ck: Checkpoint) -> None:
         self.resumed_from = ck
         self._parent_pending = ck.id
         self.policy.saved(ck.step, time.monotonic())
         logger.info("resumed %s from %s (step %s)", self.run, ck.ref, ck.step)
-        return state
 
     # ------------------------------------------------------------------ saving
     def step(

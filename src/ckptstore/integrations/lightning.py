@@ -1,0 +1,480 @@
+"""PyTorch Lightning adapter: a ``CheckpointIO`` plugin that saves into the store, and a
+callback that records metrics with each save.
+
+Usage::
+
+    store = CheckpointStore.open("./ckpt")
+    io = CkptStoreIO(store, run="mnist-a", async_save=True)
+    trainer = Trainer(plugins=[io], callbacks=[ModelCheckpoint(save_top_k=2, ...),
+                                               CkptStoreCallback()])
+    trainer.fit(model, ckpt_path="mnist-a@latest")     # resume from a store reference
+
+How Lightning's file paths map to the store:
+
+* ``save_checkpoint(ckpt, path)`` saves the checkpoint dict as a new version of ``run`` at
+  ``ckpt["global_step"]`` and points an alias named after the path (:func:`alias_for_path`)
+  at it. An aliased checkpoint is never pruned, so the alias is how "Lightning still keeps
+  this file" is recorded. A small JSON pointer file is written at ``path`` (``stubs=True``)
+  so Lightning's own file logic (``ckpt_path="last"``, ``ModelCheckpoint`` bookkeeping) keeps
+  working; it holds the checkpoint id, never tensors.
+* ``remove_checkpoint(path)`` (``ModelCheckpoint`` dropping a checkpoint out of its top-k)
+  removes that alias and the pointer file, and nothing else: **the store's retention decides
+  when the data goes** (``keep_last``, ``keep_best``, pins, other aliases). Removing from
+  Lightning's point of view means "Lightning no longer needs it", not "delete it".
+* ``load_checkpoint(path)`` accepts a pointer file, a path this plugin saved (via its alias),
+  any store reference (``run@latest``, ``run@v3``, ``run@best:val_loss``, an alias, a uuid),
+  or a plain ``torch.save`` ``.ckpt`` file (loaded weights-only).
+
+With ``async_save=True`` the training loop blocks only while the state is staged in host
+memory. Removals are ordered behind the pending save of the same path (Lightning calls
+``remove_checkpoint`` synchronously, which with Lightning's own ``AsyncCheckpointIO`` can
+delete a checkpoint still being written): a removal of a path whose save has not committed
+yet runs right after that save's commit, on the save thread. Use ``async_save`` rather than
+wrapping this plugin in ``AsyncCheckpointIO``.
+
+Checkpoint contents: ``AttributeDict`` (hyper-parameters) is stored as a plain ``dict``;
+anything else that would need pickle is refused with
+:class:`~ckptstore.errors.UnsafeObjectError` naming its key (e.g.
+``hyper_parameters/transform``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.utilities.data import AttributeDict
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.io import CheckpointIO
+
+from ckptstore.errors import CheckpointNotFoundError, CkptError, UnsafeObjectError
+from ckptstore.format import flatten_state
+from ckptstore.hooks.async_save import saver_for
+from ckptstore.names import MAX_NAME_BYTES, validate_metric_name
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from ckptstore.records import Checkpoint
+    from ckptstore.store import CheckpointStore
+
+__all__ = [
+    "HINT_KEY",
+    "CkptStoreCallback",
+    "CkptStoreIO",
+    "alias_for_path",
+    "lightning_state",
+    "read_pointer",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Key :class:`CkptStoreCallback` adds to the checkpoint dict for the plugin (never stored).
+HINT_KEY = "_ckptstore"
+#: Largest pointer file read back (a real checkpoint is much larger and is not JSON).
+_MAX_POINTER_BYTES = 64 * 1024
+_UNSAFE_ALIAS_CHARS = re.compile(r"[^A-Za-z0-9._+=,-]")
+
+
+def alias_for_path(path: str | os.PathLike[str]) -> str:
+    """The alias that marks the checkpoint Lightning saved at ``path`` as kept.
+
+    ``lightning-<hash of the absolute path>-<file name>``, cut to the name length limit. The
+    hash keeps equal file names in different directories apart.
+    """
+    absolute = os.path.abspath(os.fspath(path))
+    digest = hashlib.sha256(absolute.encode("utf-8")).hexdigest()[:12]
+    tail = _UNSAFE_ALIAS_CHARS.sub("_", os.path.basename(absolute)).replace("..", "._")
+    name = f"lightning-{digest}-{tail}"
+    return name.encode("utf-8")[:MAX_NAME_BYTES].decode("ascii", "ignore")
+
+
+def lightning_state(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """The checkpoint dict as the store can hold it: ``AttributeDict`` becomes ``dict``.
+
+    The plugin's hint key is dropped. Everything else is kept as is (and refused by the save
+    if it needs pickle).
+    """
+
+    def clean(obj: Any) -> Any:
+        if isinstance(obj, AttributeDict):
+            return {k: clean(v) for k, v in obj.items()}
+        if type(obj) is dict:
+            return {k: clean(v) for k, v in obj.items()}
+        if type(obj) is OrderedDict:
+            return OrderedDict((k, clean(v)) for k, v in obj.items())
+        if type(obj) is list:
+            return [clean(v) for v in obj]
+        if type(obj) is tuple:
+            return tuple(clean(v) for v in obj)
+        return obj
+
+    return {k: clean(v) for k, v in checkpoint.items() if k != HINT_KEY}
+
+
+def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The contents of a pointer file this plugin wrote, or None if ``path`` is not one."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(_MAX_POINTER_BYTES + 1)
+    except OSError:
+        return None
+    if len(data) > _MAX_POINTER_BYTES or not data.startswith(b"{"):
+        return None
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return None
+    info = doc.get("ckptstore") if isinstance(doc, dict) else None
+    return info if isinstance(info, dict) and isinstance(info.get("id"), str) else None
+
+
+def _metrics(checkpoint: Mapping[str, Any]) -> dict[str, float]:
+    """Numbers to record: the callback's hint, else each ModelCheckpoint's monitored score."""
+    out: dict[str, float] = {}
+    callbacks = checkpoint.get("callbacks")
+    if isinstance(callbacks, Mapping):
+        for cb_state in callbacks.values():
+            if not isinstance(cb_state, Mapping):
+                continue
+            monitor, score = cb_state.get("monitor"), cb_state.get("current_score")
+            if isinstance(monitor, str) and score is not None:
+                _put(out, monitor, score)
+    hint = checkpoint.get(HINT_KEY)
+    if isinstance(hint, Mapping):
+        for name, value in (hint.get("metrics") or {}).items():
+            _put(out, name, value)
+    return out
+
+
+def _put(out: dict[str, float], name: Any, value: Any) -> None:
+    try:
+        number = float(value.item() if isinstance(value, torch.Tensor) else value)
+        validate_metric_name(name)
+    except (TypeError, ValueError, RuntimeError, CkptError):
+        return  # not a scalar, or a name the catalog cannot hold: not recorded
+    if math.isfinite(number):
+        out[str(name)] = number
+
+
+@dataclass
+class _Pending:
+    """One save not yet committed, and the removals of its path waiting for it."""
+
+    done: bool = False
+    deferred: list[str] = field(default_factory=list)
+    handle: Any = None  # the SaveHandle; a failed save never commits, so never runs these
+
+    def settled(self) -> bool:
+        """True once the save committed or failed (removals need not wait any more)."""
+        return self.done or (self.handle is not None and self.handle.done())
+
+
+class CkptStoreIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` that saves checkpoints into a :class:`CheckpointStore`.
+
+    Attributes:
+        store: The store.
+        run: The run checkpoints are saved as.
+        async_save: Stage and save in the background.
+        stubs: Write JSON pointer files at Lightning's paths.
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        run: str,
+        *,
+        async_save: bool = False,
+        tags: tuple[str, ...] = ("lightning",),
+        codec: str | None = None,
+        experiment: str | None = None,
+        stubs: bool = True,
+    ) -> None:
+        """Create the plugin.
+
+        Args:
+            store: An open store (the caller closes it).
+            run: Run name for the saves.
+            async_save: Return from ``save_checkpoint`` once the state is staged in host
+                memory; the save commits on a background thread.
+            tags: Tags of every saved checkpoint.
+            codec: Codec preset (default: the store's).
+            experiment: Experiment the run is filed under.
+            stubs: Write a pointer file at each path Lightning saves to.
+
+        Raises:
+            InvalidNameError: For a bad run name or tag.
+        """
+        super().__init__()
+        self.store = store
+        self.run = store.run(run, **({"experiment": experiment} if experiment else {})).name
+        self.async_save = async_save
+        self.stubs = stubs
+        self._tags = tuple(tags)
+        self._codec = codec
+        self._lock = threading.Lock()
+        self._pending: dict[str, _Pending] = {}
+        self._handles: list[Any] = []
+
+    # ------------------------------------------------------------------ saving
+    def save_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        path: str | os.PathLike[str],
+        storage_options: Any | None = None,
+    ) -> None:
+        """Save Lightning's checkpoint dict as a new version of the run.
+
+        Args:
+            checkpoint: What Lightning built (``state_dict``, optimizer states, loops, ...).
+            path: Where Lightning would have written the file.
+            storage_options: Unused (Lightning passes None).
+
+        Raises:
+            UnsafeObjectError: If the checkpoint holds an object that would need pickle.
+            CkptError: A failure of an earlier background save (raised once).
+        """
+        key = os.path.abspath(os.fspath(path))
+        state = lightning_state(checkpoint)
+        try:
+            flatten_state(state)
+        except UnsafeObjectError as exc:
+            raise UnsafeObjectError(
+                f"{exc}. Lightning put this object in the checkpoint: for hyper-parameters "
+                "call self.save_hyperparameters(ignore=[...]) or store plain values; for "
+                "callback or datamodule state return plain containers from state_dict()"
+            ) from exc
+        step = int(checkpoint.get("global_step", 0))
+        hint = checkpoint.get(HINT_KEY)
+        extra = hint.get("tags", ()) if isinstance(hint, Mapping) else ()
+        tags = tuple(dict.fromkeys((*self._tags, *extra)))
+        kwargs: dict[str, Any] = {"metrics": _metrics(checkpoint) or None, "tags": tags,
+                                  "codec": self._codec}
+        if not self.async_save:
+            ck = self.store.save(self.run, step, state, **kwargs)
+            self._committed(ck, key=key, pending=None)
+            return
+        pending = _Pending()
+        with self._lock:
+            # Registered before submitting, so a removal that comes meanwhile waits for it.
+            self._pending[key] = pending
+        on_commit = functools.partial(self._committed, key=key, pending=pending)
+        try:
+            # Not under the lock: submit may wait for earlier saves, whose commit callbacks
+            # take the lock.
+            handle = saver_for(self.store).submit(self.run, step, state, on_commit=on_commit,
+                                                  **kwargs)
+        except BaseException:
+            self._settle(key, pending)
+            raise
+        with self._lock:
+            pending.handle = handle
+            self._handles = [h for h in self._handles if not h.done()] + [handle]
+
+    def _committed(self, ck: Checkpoint, *, key: str, pending: _Pending | None) -> None:
+        """After a commit: mark the path's checkpoint kept, then run removals queued for it."""
+        with self._lock:
+            try:
+                self.store.alias(ck.id, alias_for_path(key))
+                if self.stubs:
+                    self._write_pointer(key, ck)
+            finally:
+                if pending is not None:
+                    pending.done = True
+                    if self._pending.get(key) is pending:
+                        del self._pending[key]
+                deferred: list[str] = []
+                if pending is not None:
+                    deferred, pending.deferred = pending.deferred, []
+        for path in deferred:
+            self._remove_now(path)
+        logger.debug("lightning checkpoint %s is %s", key, ck.ref)
+
+    def _write_pointer(self, key: str, ck: Checkpoint) -> None:
+        doc = {"ckptstore": {"id": ck.id, "ref": ck.ref, "run": ck.run, "step": ck.step,
+                             "store": str(self.store.settings.root)}}
+        path = Path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+
+    # ------------------------------------------------------------------ removing
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Lightning no longer needs ``path``: drop its alias and pointer file.
+
+        The checkpoint itself stays until the store's retention prunes it. If its save is
+        still pending, the removal runs right after that save commits.
+        """
+        key = os.path.abspath(os.fspath(path))
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is not None and not pending.settled():
+                pending.deferred.append(key)
+                return
+        self._remove_now(key)
+
+    def _settle(self, key: str, pending: _Pending) -> None:
+        """A save that will never commit: run the removals that waited for it now."""
+        with self._lock:
+            pending.done = True
+            if self._pending.get(key) is pending:
+                del self._pending[key]
+            deferred, pending.deferred = pending.deferred, []
+        for path in deferred:
+            self._remove_now(path)
+
+    def _remove_now(self, key: str) -> None:
+        with self._lock:
+            with contextlib.suppress(CheckpointNotFoundError):
+                self.store.catalog.unalias(alias_for_path(key))
+            if read_pointer(key) is not None or not self.stubs:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(key)
+        logger.debug("lightning no longer keeps %s", key)
+
+    # ------------------------------------------------------------------ loading
+    def resolve(self, path: str | os.PathLike[str]) -> str:
+        """The checkpoint id behind a pointer file, a saved path or a store reference.
+
+        Raises:
+            CheckpointNotFoundError: If ``path`` is none of these.
+        """
+        text = os.fspath(path)
+        pointer = read_pointer(text)
+        if pointer is not None:
+            return str(pointer["id"])
+        for ref in (alias_for_path(text), text):
+            with contextlib.suppress(CheckpointNotFoundError, CkptError):
+                return self.store.get(ref).id
+        raise CheckpointNotFoundError(
+            f"{text!r} is not a checkpoint of this store: not a pointer file, not a path "
+            f"this plugin saved, and not a reference such as '{self.run}@latest'; "
+            "list checkpoints with `ckpt list`"
+        )
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        map_location: Any | None = None,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load a checkpoint dict for Lightning (tensors on CPU; Lightning moves them).
+
+        Args:
+            path: A pointer file, a path this plugin saved, a store reference, or a plain
+                ``torch.save`` file (loaded weights-only).
+            map_location: Ignored: tensors load on CPU.
+            weights_only: Ignored: nothing is ever unpickled.
+
+        Raises:
+            CheckpointNotFoundError: If ``path`` names no checkpoint.
+            UnsafeObjectError: If a plain ``.ckpt`` file needs arbitrary unpickling.
+        """
+        text = os.fspath(path)
+        if os.path.isfile(text) and read_pointer(text) is None:
+            from ckptstore.ops.convert_readers import load_pt
+
+            loaded = load_pt(Path(text))
+            if not isinstance(loaded, dict):
+                raise CheckpointNotFoundError(f"{text} does not hold a Lightning checkpoint dict")
+            return loaded
+        self.wait()  # a checkpoint saved a moment ago must be committed first
+        state = self.store.load(self.resolve(text))
+        if not isinstance(state, dict):
+            raise CheckpointNotFoundError(f"{text} does not hold a Lightning checkpoint dict")
+        return state
+
+    # ------------------------------------------------------------------ lifecycle
+    def wait(self) -> None:
+        """Wait for this plugin's background saves (and the removals queued behind them).
+
+        Raises:
+            CkptError: The first background failure not yet reported.
+        """
+        with self._lock:
+            handles, self._handles = self._handles, []
+        try:
+            if handles:
+                saver_for(self.store).wait(handles)
+        finally:
+            with self._lock:
+                failed = [(k, p) for k, p in self._pending.items() if p.settled()]
+            for key, pending in failed:
+                self._settle(key, pending)
+
+    def teardown(self) -> None:
+        """Called by Lightning at the end of ``fit``: wait for pending saves."""
+        self.wait()
+
+
+def _scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            continue
+        _put(out, name, value)
+    return out
+
+
+class CkptStoreCallback(Callback):
+    """Records ``trainer.callback_metrics`` with every checkpoint :class:`CkptStoreIO` saves,
+    and waits for its background saves when training ends or fails.
+
+    Add it next to ``ModelCheckpoint``; it does nothing when the trainer's ``CheckpointIO``
+    is not a :class:`CkptStoreIO`.
+    """
+
+    def __init__(self, *, tags: tuple[str, ...] = ()) -> None:
+        """Create the callback.
+
+        Args:
+            tags: Extra tags for every checkpoint saved while it is attached.
+        """
+        super().__init__()
+        self.tags = tuple(tags)
+
+    @staticmethod
+    def _io(trainer: pl.Trainer) -> CkptStoreIO | None:
+        io = getattr(trainer.strategy, "checkpoint_io", None)
+        return io if isinstance(io, CkptStoreIO) else None
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Attach the current metrics for the plugin (it removes them before saving)."""
+        if self._io(trainer) is not None:
+            checkpoint[HINT_KEY] = {"metrics": _scalar_metrics(trainer.callback_metrics),
+                                    "tags": list(self.tags)}
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Wait for pending saves so ``fit`` returns with every checkpoint committed."""
+        io = self._io(trainer)
+        if io is not None:
+            io.wait()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """Let pending saves finish; their own failures are logged, not raised over
+        ``exception``."""
+        io = self._io(trainer)
+        if io is not None:
+            try:
+                io.wait()
+            except CkptError:
+                logger.exception("a pending checkpoint save failed while training was failing")
