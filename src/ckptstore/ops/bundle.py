@@ -1,0 +1,514 @@
+"""Bundles: one checkpoint as a single tar file, to move between stores and machines.
+
+A bundle holds ``ckptstore-bundle.json`` (what it is: id, run, step, digest, metrics, tags,
+file list) and the checkpoint's own files under ``checkpoint/`` (chunks, Zarr metadata,
+``manifest.json``, ``COMMITTED``, and ``SIGNATURE`` when signed).
+
+Importing treats the tar as hostile. Before anything is written it refuses members with
+absolute paths, ``..``, backslashes or odd names, anything but regular files (links, devices,
+FIFOs), members larger than their kind allows (each chunk exactly the size its manifest
+records), duplicates and unexpected files; it bounds the member count and checks the manifest
+(size, JSON nesting/item counts, digest against ``COMMITTED`` and the header) and, when asked,
+the Ed25519 signature. Files are then written one by one with exclusive, no-follow creates
+(never ``tarfile.extract``), every chunk is re-hashed, the Zarr metadata must be what the
+manifest implies, and only then is the commit marker written and the catalog row committed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import shutil
+import tarfile
+from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
+from typing import IO, TYPE_CHECKING, Any
+
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    ConflictError,
+    IntegrityError,
+    InvalidNameError,
+    StorageError,
+)
+from ckptstore.format import Manifest, chunk_files, read_manifest, verify_checkpoint
+from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
+from ckptstore.format.manifest import manifest_digest
+from ckptstore.format.verify import extra_files
+from ckptstore.names import validate_name
+from ckptstore.ops.signing import SIGNATURE_NAME, SignatureDoc, check_signature, load_public_key
+from ckptstore.records import Checkpoint, CheckpointState
+
+if TYPE_CHECKING:
+    from ckptstore.store import CheckpointStore
+
+__all__ = ["BUNDLE_HEADER", "export_bundle", "import_bundle"]
+
+logger = logging.getLogger(__name__)
+
+#: Name of the header member (always the first one).
+BUNDLE_HEADER = "ckptstore-bundle.json"
+_PREFIX = "checkpoint/"
+_FORMAT = "ckptstore-bundle"
+_VERSION = 1
+_MAX_SMALL = 64 * 1024  # zarr.json, COMMITTED, SIGNATURE
+_MAX_HEADER = 16 * 1024 * 1024
+_DEFAULT_MAX_MEMBERS = 200_000
+# A JSON document costs ~100 bytes of Python objects per value: bound the values before
+# json.loads builds them, so a small hostile manifest cannot take gigabytes.
+_MAX_JSON_ITEMS = 4_000_000
+_COPY_BLOCK = 4 * 1024 * 1024
+
+
+# ---------------------------------------------------------------------- export
+def _tar_add(tar: tarfile.TarFile, name: str, data: IO[bytes], size: int, mtime: int) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mode = 0o644
+    info.mtime = mtime
+    info.type = tarfile.REGTYPE
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    tar.addfile(info, data)
+
+
+def export_bundle(store: CheckpointStore, ref: str, out_tar: str | os.PathLike[str]) -> Path:
+    """Write one committed checkpoint as a bundle (an uncompressed tar).
+
+    An archived checkpoint is restored to the hot tier first. Only full checkpoints can be
+    bundled alone (a delta needs its base; re-save it in full first).
+
+    Args:
+        store: The open store.
+        ref: Checkpoint reference.
+        out_tar: Output path; written atomically (a temp name, then a rename).
+
+    Returns:
+        The bundle's path.
+
+    Raises:
+        CheckpointNotFoundError: If the reference does not resolve.
+        InvalidNameError: If the checkpoint is a delta.
+        IntegrityError: If the hot copy is damaged.
+        StorageError: If the bundle cannot be written.
+    """
+    from ckptstore.ops.restore import ensure_hot
+
+    ck = store.catalog.get(ref)
+    directory = ensure_hot(store, ck)
+    manifest = read_manifest(directory, expected_digest=ck.manifest_digest)
+    if manifest.referenced_checkpoints():
+        raise InvalidNameError(
+            f"checkpoint {ck.ref} is a delta (it reads chunks of "
+            f"{', '.join(sorted(manifest.referenced_checkpoints()))}); a bundle holds one full "
+            "checkpoint: re-save it in full (`ckpt convert REF --codec ...`) and export that"
+        )
+    problems = verify_checkpoint(directory, manifest, deep=False)
+    if problems:
+        raise IntegrityError(f"cannot export {ck.ref}: its hot copy is damaged: "
+                             + "; ".join(problems[:3]) + "; run `ckpt verify` to repair it")
+    files = list(chunk_files(manifest))
+    signature = directory / SIGNATURE_NAME
+    if signature.is_file():
+        files.append(SIGNATURE_NAME)
+    sizes = {rel: (directory / rel).stat().st_size for rel in files}
+    header = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "checkpoint_id": ck.id,
+        "run": ck.run,
+        "step": ck.step,
+        "manifest_digest": ck.manifest_digest,
+        "metrics": dict(ck.metrics),
+        "tags": list(ck.tags),
+        "created_at": ck.created_at.isoformat(),
+        "exported_at": datetime.now(UTC).isoformat(),
+        "files": [{"path": rel, "size": sizes[rel]} for rel in files],
+    }
+    out = Path(out_tar)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    mtime = int(ck.created_at.timestamp())
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+            data = json.dumps(header, sort_keys=True, indent=1).encode()
+            _tar_add(tar, BUNDLE_HEADER, io.BytesIO(data), len(data), mtime)
+            for rel in files:
+                with open(directory / rel, "rb") as fh:
+                    _tar_add(tar, _PREFIX + rel, fh, sizes[rel], mtime)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise StorageError(exc.errno or 5, f"cannot write bundle {out}: {exc.strerror or exc}; "
+                                           "check the path and free space") from exc
+    store.catalog.record_event("exported", checkpoint_id=ck.id,
+                               detail={"bundle": str(out), "files": len(files),
+                                       "signed": SIGNATURE_NAME in files})
+    logger.info("exported %s (%s) to %s: %d files", ck.ref, ck.id, out, len(files))
+    return out
+
+
+# ---------------------------------------------------------------------- import: checks
+def _member_name(info: tarfile.TarInfo) -> str:
+    """The member's path, or InvalidNameError if it could escape or is not one of ours."""
+    name = info.name
+    bad = (
+        not name
+        or name.startswith("/")
+        or "\\" in name
+        or "\x00" in name
+        or any(ord(ch) < 32 for ch in name)
+        or len(name) > 1024
+    )
+    parts = PurePosixPath(name).parts
+    if bad or any(p in ("..", ".", "") for p in name.split("/")) or not parts:
+        raise InvalidNameError(
+            f"bundle member {name!r} has an unsafe path (absolute, '..', backslash or control "
+            "characters); refusing the bundle"
+        )
+    if name != BUNDLE_HEADER and not name.startswith(_PREFIX):
+        raise InvalidNameError(f"bundle member {name!r} is not part of a ckptstore bundle")
+    return name
+
+
+def _check_type(info: tarfile.TarInfo) -> None:
+    if info.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
+        kind = ("link" if info.issym() or info.islnk() else
+                "device" if info.isdev() else "directory" if info.isdir() else
+                "FIFO" if info.isfifo() else f"type {info.type!r}")
+        raise IntegrityError(
+            f"bundle member {info.name!r} is a {kind}; bundles hold regular files only, "
+            "refusing the bundle"
+        )
+    if info.sparse is not None:  # type: ignore[attr-defined]
+        raise IntegrityError(f"bundle member {info.name!r} is a sparse file; refusing it")
+
+
+def _read_member(tar: tarfile.TarFile, info: tarfile.TarInfo, limit: int) -> bytes:
+    if info.size > limit:
+        raise IntegrityError(
+            f"bundle member {info.name!r} is {info.size} bytes, over the {limit} bytes such a "
+            "file may have; refusing the bundle"
+        )
+    handle = tar.extractfile(info)
+    if handle is None:
+        raise IntegrityError(f"bundle member {info.name!r} cannot be read")
+    with handle:
+        data = handle.read(limit + 1)
+    if len(data) != info.size:
+        raise IntegrityError(f"bundle member {info.name!r} is truncated")
+    return data
+
+
+def _bounded_json(data: bytes, what: str) -> Any:
+    items = data.count(b",") + data.count(b"{") + data.count(b"[")
+    if items > _MAX_JSON_ITEMS:
+        raise IntegrityError(
+            f"{what} holds over {_MAX_JSON_ITEMS} JSON values ({items}); refusing to parse it"
+        )
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise IntegrityError(f"{what} is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"{what} is not valid JSON: {exc}") from None
+
+
+def _parse_header(data: bytes) -> dict[str, Any]:
+    header = _bounded_json(data, f"the bundle header {BUNDLE_HEADER}")
+    if not isinstance(header, dict) or (header.get("format"), header.get("version")) != (
+        _FORMAT, _VERSION
+    ):
+        raise IntegrityError(f"{BUNDLE_HEADER} is not a version {_VERSION} ckptstore bundle "
+                             "header; refusing the bundle")
+    for key, kind in (("checkpoint_id", str), ("manifest_digest", str), ("run", str),
+                      ("metrics", dict), ("tags", list)):
+        if not isinstance(header.get(key), kind):
+            raise IntegrityError(f"{BUNDLE_HEADER}: field {key!r} is missing or malformed")
+    return header
+
+
+def _parse_manifest(data: bytes, marker: bytes, header: dict[str, Any]) -> Manifest:
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise IntegrityError("the bundle's manifest is over the size limit")
+    # Checked before parsing: a hostile manifest costs nothing but a hash.
+    digest = manifest_digest(data)
+    if marker.decode("ascii", "replace").strip() != digest:
+        raise IntegrityError(
+            f"the bundle's {COMMIT_NAME} does not hold its manifest's digest {digest}: the "
+            "bundle is damaged or was tampered with"
+        )
+    if header["manifest_digest"] != digest:
+        raise IntegrityError(
+            f"the bundle header names manifest {header['manifest_digest']}, but the manifest "
+            f"has digest {digest}: the bundle was tampered with"
+        )
+    _bounded_json(data, "the bundle's manifest")  # bounds the parse Manifest.from_json does
+    manifest = Manifest.from_json(data)
+    if manifest.id != header["checkpoint_id"]:
+        raise IntegrityError(f"the bundle header names checkpoint {header['checkpoint_id']}, "
+                             f"but the manifest is checkpoint {manifest.id}")
+    if manifest.referenced_checkpoints():
+        raise IntegrityError("the bundle holds a delta checkpoint without its base")
+    return manifest
+
+
+def _size_limits(manifest: Manifest) -> dict[str, int]:
+    """Exact size of every chunk file, and upper bounds for the small files."""
+    limits: dict[str, int] = {}
+    for array in manifest.arrays.values():
+        for chunk in array.chunks:
+            limits[array.chunk_path(chunk.i)] = chunk.nbytes
+    for rel, nbytes, _crc in extra_files(manifest):
+        limits[rel] = nbytes
+    for rel in chunk_files(manifest):
+        limits.setdefault(rel, MAX_MANIFEST_BYTES if rel == MANIFEST_NAME else _MAX_SMALL)
+    limits[SIGNATURE_NAME] = _MAX_SMALL
+    return limits
+
+
+def _scan(tar: tarfile.TarFile, max_members: int) -> dict[str, tarfile.TarInfo]:
+    members: dict[str, tarfile.TarInfo] = {}
+    count = 0
+    while True:
+        info = tar.next()
+        if info is None:
+            return members
+        count += 1
+        if count > max_members:
+            raise IntegrityError(f"the bundle has more than {max_members} members; refusing it")
+        name = _member_name(info)
+        _check_type(info)
+        if name in members:
+            raise IntegrityError(f"bundle member {name!r} appears twice; refusing the bundle")
+        members[name] = info
+
+
+def _precheck_content(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo],
+                      manifest: Manifest) -> None:
+    """Check every chunk's crc32c and the Zarr metadata straight from the tar, before the
+    catalog or the hot tier is touched (one chunk in memory at a time)."""
+    from ckptstore.format.codecs import TRAILER, crc32c_update
+    from ckptstore.ops.doctor import zarr_metadata_problems
+
+    for array in manifest.arrays.values():
+        for chunk in array.chunks:
+            rel = array.chunk_path(chunk.i)
+            data = _read_member(tar, members[_PREFIX + rel], chunk.nbytes)
+            body, trailer = data[: -TRAILER.size], data[-TRAILER.size :]
+            crc = crc32c_update(memoryview(body), 0)
+            if crc != TRAILER.unpack(trailer)[0] or crc != chunk.crc32c:
+                raise IntegrityError(
+                    f"bundle member {_PREFIX + rel} (checkpoint {manifest.id}, tensors "
+                    f"{', '.join(manifest.tensors_in_chunk(array.name, chunk.i)[:3]) or '-'}) "
+                    "fails its crc32c: the bundle is damaged or was tampered with"
+                )
+    docs = {rel: _read_member(tar, info, _MAX_SMALL)
+            for rel, info in ((n[len(_PREFIX):], i) for n, i in members.items())
+            if rel.endswith("zarr.json")}
+    problems = zarr_metadata_problems(docs, manifest)
+    if problems:
+        raise IntegrityError("the bundle's Zarr metadata does not match its manifest: "
+                             + "; ".join(problems[:3]) + "; refusing it")
+
+
+# ---------------------------------------------------------------------- import: writing
+def _write_member(tar: tarfile.TarFile, info: tarfile.TarInfo, target: Path) -> None:
+    """Copy one member to ``target`` with an exclusive, no-follow create, fsynced."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle = tar.extractfile(info)
+    if handle is None:
+        raise IntegrityError(f"bundle member {info.name!r} cannot be read")
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644)
+    try:
+        remaining = info.size
+        with handle:
+            while remaining > 0:
+                block = handle.read(min(_COPY_BLOCK, remaining))
+                if not block:
+                    raise IntegrityError(f"bundle member {info.name!r} is truncated")
+                view = memoryview(block)
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
+                remaining -= len(block)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for dirpath, _dirs, _files in os.walk(directory, topdown=False):
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def import_bundle(
+    store: CheckpointStore,
+    tar_path: str | os.PathLike[str],
+    *,
+    run: str | None = None,
+    require_signature: str | os.PathLike[str] | None = None,
+    max_members: int = _DEFAULT_MAX_MEMBERS,
+) -> Checkpoint:
+    """Register the checkpoint held in a bundle, after checking everything in it.
+
+    The checkpoint keeps its id (so signatures and lineage stay valid); importing a bundle
+    already in the store returns the existing checkpoint.
+
+    Args:
+        store: The open store.
+        tar_path: The bundle (a tar, optionally compressed).
+        run: Run to file it under (default: the run named in the bundle).
+        require_signature: A PEM public key: refuse the bundle unless its signature verifies
+            with that key.
+        max_members: Refuse bundles with more members than this.
+
+    Returns:
+        The COMMITTED checkpoint.
+
+    Raises:
+        InvalidNameError: For an unsafe member path or run name.
+        IntegrityError: For a malformed, oversized, tampered or damaged bundle, or a missing
+            or invalid signature when one is required.
+        ConflictError: If the store has a different checkpoint with the same id.
+        StorageError: If the bundle cannot be read or the hot tier cannot be written.
+    """
+    path = Path(tar_path)
+    public_key = load_public_key(require_signature) if require_signature is not None else None
+    if not path.is_file():
+        raise StorageError(2, f"bundle {path} does not exist or is not a file")
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            return _import(store, tar, path, run, public_key, max_members)
+    except tarfile.TarError as exc:
+        raise IntegrityError(f"{path} is not a valid tar bundle ({exc})") from exc
+    except EOFError as exc:
+        raise IntegrityError(f"{path} is truncated ({exc})") from exc
+
+
+def _import(store: CheckpointStore, tar: tarfile.TarFile, path: Path, run: str | None,
+            public_key: Any, max_members: int) -> Checkpoint:
+    members = _scan(tar, max_members)
+    if BUNDLE_HEADER not in members:
+        raise IntegrityError(f"{path} has no {BUNDLE_HEADER}: it is not a ckptstore bundle")
+    header = _parse_header(_read_member(tar, members[BUNDLE_HEADER], _MAX_HEADER))
+    for rel in (MANIFEST_NAME, COMMIT_NAME):
+        if _PREFIX + rel not in members:
+            raise IntegrityError(f"the bundle has no {rel}; refusing it")
+    manifest_bytes = _read_member(tar, members[_PREFIX + MANIFEST_NAME], MAX_MANIFEST_BYTES)
+    marker = _read_member(tar, members[_PREFIX + COMMIT_NAME], _MAX_SMALL)
+    manifest = _parse_manifest(manifest_bytes, marker, header)
+    limits = _size_limits(manifest)
+    expected = set(chunk_files(manifest))
+    present = {name[len(_PREFIX):] for name in members if name != BUNDLE_HEADER}
+    unexpected = sorted(present - expected - {SIGNATURE_NAME})
+    if unexpected:
+        raise IntegrityError(f"the bundle holds files that are not part of checkpoint "
+                             f"{manifest.id}: {unexpected[:5]}; refusing it")
+    missing = sorted(expected - present)
+    if missing:
+        raise IntegrityError(f"the bundle lacks {len(missing)} files of checkpoint "
+                             f"{manifest.id} (first: {missing[0]}); it is incomplete")
+    exact_sizes = {array.chunk_path(c.i) for array in manifest.arrays.values()
+                   for c in array.chunks} | {rel for rel, _, _ in extra_files(manifest)}
+    for rel in present:
+        info = members[_PREFIX + rel]
+        exact = rel in exact_sizes
+        if (exact and info.size != limits[rel]) or info.size > limits.get(rel, _MAX_SMALL):
+            raise IntegrityError(f"bundle member {info.name!r} is {info.size} bytes, but "
+                                 f"{'exactly' if exact else 'at most'} {limits[rel]} are "
+                                 "allowed; refusing the bundle")
+    signature: SignatureDoc | None = None
+    if SIGNATURE_NAME in present:
+        signature = SignatureDoc.parse(_read_member(tar, members[_PREFIX + SIGNATURE_NAME],
+                                                    _MAX_SMALL))
+    digest = manifest.digest
+    if public_key is not None:
+        if signature is None:
+            raise IntegrityError(f"bundle {path.name} is not signed, and a signature is "
+                                 "required; refusing it")
+        check_signature(signature, manifest.id, digest, public_key)
+
+    _precheck_content(tar, members, manifest)
+    target_run = validate_name(run if run is not None else header["run"])
+    existing = _existing(store, manifest.id, digest)
+    if existing is not None:
+        logger.info("bundle %s is already in the store as %s", path, existing.ref)
+        return existing
+    ck = store.catalog.begin_checkpoint(
+        target_run, manifest.step, ckpt_id=manifest.id, metrics=header["metrics"],
+        tags=tuple(header["tags"]), codec=manifest.codec, kind="full",
+    )
+    directory = store.checkpoint_dir(target_run, ck.id)
+    try:
+        _extract(tar, members, present, directory, store.hot)
+        # Re-hash what landed on disk (blake3 of every decoded chunk, sizes, crc32c).
+        problems = [p for p in verify_checkpoint(directory, manifest, deep=True)
+                    if not p.startswith(f"{COMMIT_NAME}:")]
+        if problems:
+            raise IntegrityError(f"bundle {path.name} is damaged: " + "; ".join(problems[:3]))
+        _write_member(tar, members[_PREFIX + COMMIT_NAME], directory / COMMIT_NAME)
+        _fsync_tree(directory)
+        read_manifest(directory, expected_digest=digest)
+    except BaseException as exc:
+        _abandon(store, ck.id, directory, exc)
+        if isinstance(exc, OSError) and not isinstance(exc, CkptError):
+            raise StorageError(exc.errno or 5, f"importing {path} failed: {exc}") from exc
+        raise
+    committed = store.catalog.commit_checkpoint(
+        ck.id, manifest_digest=digest, logical_bytes=manifest.logical_bytes,
+        stored_bytes=manifest.stored_bytes, uri=str(directory),
+    )
+    store.catalog.record_event(
+        "imported", checkpoint_id=ck.id,
+        detail={"bundle": path.name, "signed": signature is not None,
+                "signature_verified": public_key is not None,
+                "signer": signature.key_fingerprint if signature is not None else None},
+    )
+    logger.info("imported bundle %s as %s (%s)", path, committed.ref, committed.id)
+    return committed
+
+
+def _existing(store: CheckpointStore, ckpt_id: str, digest: str) -> Checkpoint | None:
+    try:
+        found = store.catalog.get_any(ckpt_id)
+    except CheckpointNotFoundError:
+        return None
+    if found.state == CheckpointState.COMMITTED and found.manifest_digest == digest:
+        return found
+    raise ConflictError(
+        f"the store already has checkpoint {ckpt_id} ({found.ref}, {found.state}) with other "
+        "content; refusing to import a different checkpoint under the same id"
+    )
+
+
+def _extract(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], present: set[str],
+             directory: Path, root: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=False)
+    resolved_root = root.resolve()
+    if directory.is_symlink() or resolved_root not in directory.resolve().parents:
+        raise InvalidNameError(f"{directory} is not inside the hot tier {root}; refusing it")
+    for rel in sorted(present - {COMMIT_NAME}):
+        target = directory / rel
+        if resolved_root not in target.parent.resolve().parents:
+            raise InvalidNameError(f"bundle member {rel!r} would land outside {directory}")
+        _write_member(tar, members[_PREFIX + rel], target)
+
+
+def _abandon(store: CheckpointStore, ckpt_id: str, directory: Path, exc: BaseException) -> None:
+    try:
+        store.catalog.fail_checkpoint(ckpt_id, f"bundle import failed: {type(exc).__name__}")
+    except CkptError:  # the catalog may be what failed; gc finishes the job
+        logger.warning("could not mark imported checkpoint %s FAILED", ckpt_id, exc_info=True)
+    if directory.is_dir() and not directory.is_symlink():
+        shutil.rmtree(directory, ignore_errors=True)

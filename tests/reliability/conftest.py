@@ -1,0 +1,173 @@
+"""Fixtures of the reliability suite: fast child processes, S3, PostgreSQL, figures.
+
+* ``procs``: a ``forkserver`` multiprocessing context whose server preloaded torch and
+  ckptstore, so every killed/racing child starts in milliseconds (importing torch costs
+  seconds on the 2-core machine). Children run functions of ``ckpt_reliability_workers``.
+* ``s3``: one moto server for the module; ``pg_url``: a fresh PostgreSQL database per
+  module, dropped afterwards (skipped when the server does not answer, failed when
+  ``CI=true``).
+* ``figures``: records what a test injected and survived into ``$CKPT_RELIABILITY_REPORT``
+  (JSON lines) for ``benchmarks/reliability.py``'s table.
+
+``CKPT_RELIABILITY_FULL=1`` (set by ``make reliability``) turns the sampled cases into the
+full matrix (more seeded random kill points, longer concurrency windows).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import multiprocessing.context
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).parent
+if str(HERE) not in sys.path:
+    # Before the forkserver starts: it hands this sys.path to every child.
+    sys.path.insert(0, str(HERE))
+
+import ckpt_reliability_workers as workers  # noqa: E402
+from ckpt_reliability_checks import PG_ADMIN_URL, require_pg  # noqa: E402
+
+_PRELOAD = [
+    "torch",
+    "numpy",
+    "zarr",
+    "sqlalchemy",
+    "ckptstore.store",
+    "ckptstore.catalog",
+    "ckptstore.ops.archive",
+    "ckptstore.ops.restore",
+    "ckptstore.ops.retention",
+    "ckpt_reliability_workers",
+]
+
+
+@pytest.fixture(scope="session")
+def procs() -> multiprocessing.context.BaseContext:
+    """A multiprocessing context for the suite's child processes (forkserver, preloaded)."""
+    from multiprocessing import forkserver
+
+    ctx = multiprocessing.get_context("forkserver")
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    if getattr(server, "_forkserver_pid", None) is None:
+        ctx.set_forkserver_preload(_PRELOAD)
+        return ctx
+    # Someone started a forkserver without our path: spawn is slower but always works.
+    return multiprocessing.get_context("spawn")
+
+
+@pytest.fixture(scope="session")
+def _catalog_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An embedded catalog already upgraded to the newest schema (copied per test)."""
+    from ckptstore.store import CheckpointStore
+
+    root = tmp_path_factory.mktemp("catalog-template")
+    CheckpointStore.open(root).close()
+    return root / "catalog.db"
+
+
+@pytest.fixture
+def new_root(tmp_path: Path, _catalog_template: Path) -> Callable[[str], Path]:
+    """Make a store directory holding a ready catalog (skips the schema migration, which
+    costs seconds on a loaded 2-core machine)."""
+
+    def make(name: str = "store") -> Path:
+        root = tmp_path / name
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_catalog_template, root / "catalog.db")
+        return root
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[Any]:
+    """A moto S3 server + bucket for the module (tests use distinct prefixes)."""
+    from ckptstore.testing.s3 import MotoS3
+
+    with MotoS3(fail_fast=False) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def pg_url() -> Iterator[str]:
+    """URL of a fresh PostgreSQL database for this module; dropped afterwards."""
+    require_pg()
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = f"ckpt_rel_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    try:
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"
+            ), {"n": name})
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
+        admin.dispose()
+
+
+class Figures:
+    """Collects what one test injected and survived (written as one JSON line)."""
+
+    def __init__(self, test: str) -> None:
+        self.test = test
+        self.data: dict[str, Any] = {}
+
+    def add(self, key: str, value: Any = 1) -> None:
+        """Add ``value`` to counter ``key`` (numbers add up; dicts merge)."""
+        if isinstance(value, dict):
+            target = self.data.setdefault(key, {})
+            for k, v in value.items():
+                target[k] = target.get(k, 0) + v
+        else:
+            self.data[key] = self.data.get(key, 0) + value
+
+    def set(self, key: str, value: Any) -> None:
+        """Set ``key`` to ``value``."""
+        self.data[key] = value
+
+
+@pytest.fixture
+def figures(request: pytest.FixtureRequest) -> Iterator[Figures]:
+    """Per-test figures, appended to ``$CKPT_RELIABILITY_REPORT`` (JSON lines)."""
+    rec = Figures(request.node.nodeid)
+    started = time.monotonic()
+    yield rec
+    path = os.environ.get("CKPT_RELIABILITY_REPORT")
+    if path and rec.data:
+        rec.data["seconds"] = round(time.monotonic() - started, 1)
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"test": rec.test, "figures": rec.data}) + "\n")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Record every test's outcome (passed / failed / xfailed / skipped) for the table."""
+    path = os.environ.get("CKPT_RELIABILITY_REPORT")
+    if not path or not (report.when == "call" or (report.when == "setup" and not report.passed)):
+        return
+    outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
+    reason = getattr(report, "wasxfail", "") or ""
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"test": report.nodeid, "outcome": outcome,
+                             "reason": str(reason)[:300]}) + "\n")
+
+
+@pytest.fixture
+def w() -> Any:
+    """The worker module (state builders, comparisons, child bodies)."""
+    return workers
