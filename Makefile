@@ -13,13 +13,14 @@ help:
 	@echo "make demo    run the main job end to end on the embedded defaults"
 	@echo "make test    lint, type-check and run the whole test suite (starts PostgreSQL if needed)"
 	@echo "make bench   benchmarks side by side with torch.save / safetensors / DCP"
+	@echo "make reliability   the long crash/fault/concurrency suite and its figures"
 
 # torch is installed first and pinned: it is the CPU wheel on this machine's disk; anything
 # unpinned would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev]' torch==2.13.0
 	touch $(STAMP)
 
 services:
@@ -45,6 +46,9 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
+
+reliability: $(STAMP) services
+	CKPT_RELIABILITY_FULL=1 $(BIN)/python benchmarks/reliability.py $(RELIABILITY_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info demo-store bench-out

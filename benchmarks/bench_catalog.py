@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "--pg-admin-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/test"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="10,000 checkpoints over 200 runs, chain 200: a smoke run"
+        "--quick", action="store_true", help="10,000 checkpoints, 200 runs, chain 200 (smoke)"
     )
     args = parser.parse_args(argv)
     if args.quick:

@@ -75,7 +75,8 @@ def archive_flow(
         "failed": failures,
     }
     logger.info(
-        "archive to %s: %d copied, %d task(s) failed", tier, len(summary["archived"]),
+        "archive to %s: %d copied, %d task(s) failed", tier,
+        sum(len(rep.get("archived", [])) for rep in reports),
         len(failures),
     )
     if failures:

@@ -55,7 +55,7 @@ def retention_flow(
     """
     with open_store(store_root, config) as store:
         policy = RetentionPolicy.from_settings(store.settings)
-        overrides = {
+        overrides: dict[str, Any] = {
             "keep_last": keep_last,
             "keep_every": keep_every,
             "keep_best": tuple(keep_best) if keep_best is not None else None,

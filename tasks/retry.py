@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 
 TRANSFER_RETRIES = 2
 # Short first, longer second: throttling and brief connection losses clear within seconds.
-TRANSFER_RETRY_DELAYS = [2, 10]
+TRANSFER_RETRY_DELAYS: list[float] = [2.0, 10.0]
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -56,3 +56,21 @@ def test_bad_config(tmp_path: Path, text: str) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_settings(tmp_path / "nope.toml")
+
+
+def test_delta_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_settings(root=tmp_path).delta == "dedup"
+    assert load_settings(root=tmp_path).keyframe_every == 10
+    cfg = tmp_path / "seed.toml"
+    cfg.write_text('[compression_config]\ntype = "diff"\nthreshold = 1e-4\nquantize = 8\n')
+    assert load_settings(cfg).delta == {"type": "diff", "threshold": 1e-4, "quantize": 8}
+    cfg.write_text('delta = "xor"\nkeyframe_every = 4\n[compression_config]\ntype = "diff"\n')
+    s = load_settings(cfg)
+    assert (s.delta, s.keyframe_every) == ("xor", 4)  # an explicit delta wins over the seed's
+    monkeypatch.setenv("CKPT_DELTA", "false")
+    assert load_settings(cfg).delta is False
+    assert load_settings(cfg, delta={"quantize": 4}).delta == {"quantize": 4}
+    for bad in ('delta = "zip"', "keyframe_every = 0", "[delta]\nquantize = 3"):
+        cfg.write_text(bad)
+        with pytest.raises(ConfigError):
+            load_settings(cfg)

@@ -21,9 +21,15 @@ The config file is TOML. Keys may sit at the top level or under a ``[ckptstore]`
     keep_best = ["val_loss", "min", 3]
     max_age_days = 30
 
+    [delta]                               # default "dedup"; false, "xor" or a table
+    mode = "lossy"                        # 8-bit deltas of optimizer moments, every
+    threshold = 1e-4                      # change below 1e-4 dropped; a full keyframe
+    quantize = 8                          # every keyframe_every (10) saves
+
 The seed-style keys ``save_dir`` (hot), ``archive_dir`` (warm), ``keep_last`` and
-``save_interval`` are accepted at the top level too. Credentials are never read from here:
-S3 uses the environment / AWS credential chain.
+``save_interval`` are accepted at the top level too, and a seed ``[compression_config]``
+table (``type = "diff"``, ``threshold``, ``quantize``) is read as ``delta``. Credentials
+are never read from here: S3 uses the environment / AWS credential chain.
 """
 
 from __future__ import annotations
@@ -69,6 +75,14 @@ class Settings:
         cold_after_days: Archive flow demotes warm replicas older than this to the cold tier.
         schedules: Cron schedules per flow name (``archive``, ``retention``, ``verify``, ``gc``).
         staging_budget_bytes: Host memory allowed for async-save staging.
+        memory_tier_bytes: Shared memory (``/dev/shm``) for the memory tier: the newest
+            checkpoints are also kept there so a restarted process on the same host loads
+            without disk reads. 0 (the default) turns the tier off.
+        memory_tier_dir: Parent directory of the memory tier (default ``/dev/shm/ckptstore``).
+        delta: Default delta mode of saves: ``"dedup"`` (identical chunks referenced),
+            ``False`` (full saves), ``"xor"``, or a table for lossy deltas (see
+            :func:`ckptstore.format.delta.parse_delta`).
+        keyframe_every: xor/lossy deltas: a full keyframe every this many saves.
         source: The config file this came from, if any.
     """
 
@@ -91,6 +105,10 @@ class Settings:
     cold_after_days: float | None = None
     schedules: dict[str, str] = field(default_factory=dict)
     staging_budget_bytes: int = 4 * 1024**3
+    memory_tier_bytes: int = 0
+    memory_tier_dir: str | None = None
+    delta: bool | str | dict[str, Any] = "dedup"
+    keyframe_every: int = 10
     source: Path | None = None
 
     @property
@@ -138,12 +156,16 @@ _ENV: dict[str, str] = {
     "CKPT_KEEP_LAST": "keep_last",
     "CKPT_SAVE_INTERVAL": "save_interval",
     "CKPT_STAGING_BUDGET_BYTES": "staging_budget_bytes",
+    "CKPT_MEMORY_TIER_BYTES": "memory_tier_bytes",
+    "CKPT_MEMORY_TIER_DIR": "memory_tier_dir",
+    "CKPT_DELTA": "delta",
+    "CKPT_KEYFRAME_EVERY": "keyframe_every",
     "CKPT_S3_ENDPOINT_URL": "storage_options.endpoint_url",
 }
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 _INT_FIELDS = {"chunk_bytes", "threads", "keep_last", "keep_every", "save_interval",
-               "staging_budget_bytes"}
+               "staging_budget_bytes", "keyframe_every", "memory_tier_bytes"}
 _FLOAT_FIELDS = {"max_age_days", "cold_after_days"}
 
 
@@ -167,9 +189,11 @@ def _flatten_file(data: dict[str, Any], source: Path) -> dict[str, Any]:
             out["hot"] = value
         elif key == "archive_dir":
             out["warm"] = value
-        elif key in ("compression_config", "delta"):
-            # Read by the delta/quantization layer; kept out of the core Settings.
-            continue
+        elif key == "compression_config":
+            # The seed's name for the delta table; an explicit ``delta`` wins.
+            out.setdefault("delta", value)
+        elif key == "delta":
+            out["delta"] = value
         elif key in _FIELDS and key != "source":
             out[key] = value
         else:
@@ -188,7 +212,9 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             return Path(value).expanduser()
         if name in _INT_FIELDS:
             number = int(value)
-            if number < 0 or (name in ("chunk_bytes", "threads") and number == 0):
+            if number < 0 or (
+                name in ("chunk_bytes", "threads", "keyframe_every") and number == 0
+            ):
                 raise ValueError("must be positive")
             return number
         if name in _FLOAT_FIELDS:
@@ -202,6 +228,8 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             if not isinstance(value, dict):
                 raise ValueError("must be a table")
             return dict(value)
+        if name == "delta":
+            return _delta_value(value)
         if name == "codec" or name == "archive_codec":
             if value not in _CODECS:
                 raise ValueError(f"must be one of {', '.join(_CODECS)}")
@@ -209,6 +237,23 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         return str(value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{origin}: invalid value for {name}: {value!r} ({exc})") from exc
+
+
+def _delta_value(value: Any) -> bool | str | dict[str, Any]:
+    """Validate a ``delta`` setting; environment strings ``true``/``false`` become bools."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "0", "1"):
+        value = value.strip().lower() in ("true", "1")
+    if not isinstance(value, bool | str | dict):
+        raise ValueError("must be a bool, a mode name or a table")
+    # Imported here: the format package pulls in torch, which reading a config must not need.
+    from ckptstore.errors import InvalidNameError
+    from ckptstore.format.delta import parse_delta
+
+    try:
+        parse_delta(value)
+    except InvalidNameError as exc:
+        raise ValueError(str(exc)) from None
+    return dict(value) if isinstance(value, dict) else value
 
 
 def load_settings(config: str | os.PathLike[str] | None = None, **overrides: Any) -> Settings:

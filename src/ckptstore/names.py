@@ -52,6 +52,9 @@ def validate_name(value: object, what: str = "run name") -> str:
     name = _check_common(value, what)
     if ".." in name:
         raise InvalidNameError(f"{what} {name!r} contains '..'; use a plain name")
+    if name.endswith("."):
+        # 'run.' and 'run' are the same directory on some file systems (Windows, SMB).
+        raise InvalidNameError(f"{what} {name!r} ends with '.'; drop the trailing dot")
     if not _NAME_RE.match(name):
         raise InvalidNameError(
             f"{what} {name!r} is not allowed: use letters, digits and . _ + = , - "

@@ -37,8 +37,11 @@ from ckptstore.format import (
     write_checkpoint,
 )
 from ckptstore.hooks.async_save import SaveHandle, close_saver, save_async, wait_async
+from ckptstore.hooks.memory_tier import load_from_memory, memory_replica_here, stage_after_commit
+from ckptstore.integrations.dcp_layout import is_dcp_manifest
 from ckptstore.names import validate_name, validate_tag
 from ckptstore.observability.metrics import Metrics, dedup_bytes
+from ckptstore.ops.delta import LATEST, Latest, plan_save
 from ckptstore.records import (
     Checkpoint,
     CheckpointState,
@@ -49,6 +52,8 @@ from ckptstore.records import (
 )
 
 if TYPE_CHECKING:
+    from ckptstore.hooks.progressive import ProgressiveLoad
+    from ckptstore.integrations.dcp import ZarrStorageReader, ZarrStorageWriter
     from ckptstore.storage import Tier
 
 __all__ = ["CheckpointStore", "GcReport"]
@@ -101,6 +106,9 @@ class CheckpointStore:
         self.settings = settings
         self.catalog = catalog
         self.hot = settings.hot_path
+        # Saves of this process that failed while the catalog was unreachable: gc fails and
+        # removes them (their writer, this process, is alive, so gc would otherwise wait).
+        self._abandoned: set[str] = set()
         self._closed = False
         self._tiers: dict[str, Tier] | None = None
         # Per-store recorder (own Prometheus registry): ~20 µs per observation.
@@ -202,6 +210,10 @@ class CheckpointStore:
         codec: str | None = None,
         experiment: str | None = None,
         progress: Callable[[int], None] | None = None,
+        delta: Any = None,
+        base: str | Latest | None = LATEST,
+        distributed: bool = False,
+        process_group: Any = None,
     ) -> Checkpoint:
         """Save ``state`` as a new version of ``run`` at ``step``; return it once COMMITTED.
 
@@ -215,15 +227,40 @@ class CheckpointStore:
             codec: Codec preset (default from the settings, ``lz4``).
             experiment: Experiment to file the run under (on first save of the run).
             progress: Called with the number of bytes written after each chunk.
+            delta: How the save is encoded against ``base`` (default: the ``delta``
+                setting, ``"dedup"``): ``"dedup"`` writes only the chunks that differ from
+                the base's; ``False`` writes everything; ``"xor"`` also stores changed
+                chunks XOR-encoded against the chain's keyframe (lossless); a table such as
+                ``{"threshold": 1e-4, "quantize": 8}`` stores optimizer moments (or the
+                ``scope`` given) as thresholded, quantized deltas (lossy, recorded). xor and
+                lossy chains write a full keyframe every ``keyframe_every`` saves.
+            base: The checkpoint to encode against: the run's latest committed one by
+                default, a reference, or None for a full save.
+            distributed: Call on every rank of a process group. Sharded states (DTensor,
+                FSDP2, ShardedTensor, top-level ``Stateful`` objects) are saved by every
+                rank through DCP into one checkpoint (``delta``/``base`` do not apply);
+                plain (DDP) states are saved by rank 0 while the others wait. See
+                :func:`ckptstore.integrations.dcp.save_distributed`.
+            process_group: The process group for ``distributed`` (default: the default one).
 
         Returns:
-            The committed :class:`Checkpoint`.
+            The committed :class:`Checkpoint` (on every rank when ``distributed``).
 
         Raises:
-            InvalidNameError: For a bad run name, tag or metric.
+            InvalidNameError: For a bad run name, tag, metric or ``delta`` setting.
+            CheckpointNotFoundError: If an explicit ``base`` does not resolve.
             UnsafeObjectError: If the state holds an object that would need pickle.
             StorageError: If the hot tier fails (disk full, permissions); nothing is committed.
+            CkptError: With ``distributed``, on every rank when any rank failed.
         """
+        if distributed:
+            from ckptstore.integrations.dcp import save_distributed
+
+            extra = {} if delta is None and base is LATEST else {"delta": delta, "base": base}
+            return save_distributed(
+                self, run, step, state, process_group=process_group, metrics=metrics,
+                tags=tags, parent=parent, codec=codec, experiment=experiment, **extra,
+            )
         validate_name(run)
         for tag in tags:
             validate_tag(tag)
@@ -235,13 +272,17 @@ class CheckpointStore:
         parent_id = self.catalog.get(parent).id if parent is not None else None
         if experiment is not None:
             self.catalog.ensure_run(run, experiment=experiment)
+        plan = plan_save(self, run, delta, base)
         ck = self.catalog.begin_checkpoint(
             run,
             step,
             metrics=metrics,
             tags=tuple(tags),
             parent_id=parent_id,
+            kind=plan.kind,
+            base_id=plan.base_id,
             codec=codec,
+            lossy=plan.lossy,
             writer=_writer_id(),
             tier="hot",
             uri="",
@@ -252,6 +293,14 @@ class CheckpointStore:
         with self.metrics.timed("save", run=run, tier="hot", step=step, blocking=True) as timer:
             try:
                 directory.parent.mkdir(parents=True, exist_ok=True)
+                if directory.parent.is_symlink() or directory.parent.resolve().parent != \
+                        self.hot.resolve():
+                    # A run directory replaced by a link would make us write outside the root.
+                    raise StorageError(
+                        f"{directory.parent} is a symlink or lies outside the hot tier "
+                        f"{self.hot}; remove the link (checkpoints are never written through "
+                        "links)"
+                    )
                 manifest = write_checkpoint(
                     directory,
                     state,
@@ -261,6 +310,9 @@ class CheckpointStore:
                     codec=codec,
                     chunk_bytes=self.settings.chunk_bytes,
                     threads=self.settings.threads,
+                    base=plan.base,
+                    delta=plan.spec,
+                    depth=plan.depth,
                     fault_point=lambda phase: fault_point(f"save.{phase}"),
                     progress=progress,
                 )
@@ -269,14 +321,21 @@ class CheckpointStore:
                 if isinstance(exc, OSError) and not isinstance(exc, CkptError):
                     raise StorageError(f"saving {run}@{step} failed: {exc}") from exc
                 raise
-            committed = self.catalog.commit_checkpoint(
-                ck.id,
-                manifest_digest=manifest.digest,
-                logical_bytes=manifest.logical_bytes,
-                stored_bytes=manifest.stored_bytes,
-                tier="hot",
-                uri=str(directory),
-            )
+            try:
+                committed = self.catalog.commit_checkpoint(
+                    ck.id,
+                    manifest_digest=manifest.digest,
+                    logical_bytes=manifest.logical_bytes,
+                    stored_bytes=manifest.stored_bytes,
+                    tier="hot",
+                    uri=str(directory),
+                )
+            except BaseException as exc:
+                # The data is durable but the catalog did not take it. Only delete it once
+                # the row is known to be FAILED: the commit may have landed before the error
+                # (a connection lost after COMMIT), and then the data is the checkpoint.
+                self._abandon(ck.id, directory, exc, data_may_be_committed=True)
+                raise
             timer.add(
                 bytes_logical=manifest.logical_bytes,
                 bytes_stored=manifest.stored_bytes,
@@ -284,9 +343,21 @@ class CheckpointStore:
             )
         fault_point("save.committed")
         logger.info(
-            "saved %s step %s as v%s (%s bytes stored) in %.2fs",
-            run, step, committed.version, manifest.stored_bytes, time.perf_counter() - started,
+            "saved %s step %s as v%s (%s bytes stored, %s) in %.2fs",
+            run, step, committed.version, manifest.stored_bytes,
+            manifest.delta.mode if manifest.delta is not None else "full",
+            time.perf_counter() - started,
         )
+        if manifest.delta is not None and manifest.delta.lossy:
+            logger.info(
+                "%s is lossy: %d values of %s stored approximately, max abs error %g",
+                committed.ref, manifest.delta.lossy_elements, list(manifest.delta.scope),
+                manifest.delta.max_abs_error,
+            )
+        # An extra copy in host shared memory (memory_tier_bytes > 0), only now that the hot
+        # copy is committed; it never fails the save.
+        if stage_after_commit(self, committed, state):
+            committed = self.catalog.get_any(committed.id)
         return committed
 
     def save_async(
@@ -336,6 +407,27 @@ class CheckpointStore:
         """Wait for every pending async save; raise the first failure not yet reported."""
         wait_async(self)
 
+    def dcp_writer(self, run: str, step: int, **kw: Any) -> ZarrStorageWriter:
+        """A ``torch.distributed.checkpoint`` storage writer saving one checkpoint of ``run``.
+
+        Create it on every rank, then ``dcp.save(state, storage_writer=writer)`` (or
+        ``dcp.async_save``); ``kw``: ``metrics``, ``tags``, ``parent``, ``codec``,
+        ``experiment`` (see :class:`ckptstore.integrations.dcp.ZarrStorageWriter`).
+        """
+        from ckptstore.integrations.dcp import ZarrStorageWriter
+
+        return ZarrStorageWriter(self, run, step, **kw)
+
+    def dcp_reader(self, ref: str) -> ZarrStorageReader:
+        """A ``torch.distributed.checkpoint`` storage reader for a checkpoint saved via DCP.
+
+        ``dcp.load(state, storage_reader=store.dcp_reader(ref))`` loads it at any world size
+        and placement; every rank reads only the chunks holding its slices.
+        """
+        from ckptstore.integrations.dcp import dcp_reader
+
+        return dcp_reader(self, ref)
+
     def trigger(
         self, flow_name: str, checkpoint: Checkpoint | None = None, **params: Any
     ) -> None:
@@ -364,12 +456,27 @@ class CheckpointStore:
         trigger_flow(str(self.settings.root), flow_name, params, config=config,
                      idempotency_key=key)
 
-    def _abandon(self, ckpt_id: str, directory: Path, exc: BaseException) -> None:
-        """Mark a failed save FAILED and remove its partial directory (best effort)."""
+    def _abandon(
+        self,
+        ckpt_id: str,
+        directory: Path,
+        exc: BaseException,
+        *,
+        data_may_be_committed: bool = False,
+    ) -> None:
+        """Mark a failed save FAILED and remove its partial directory (best effort).
+
+        When the catalog cannot be told (it may be what failed), the id is remembered and
+        :meth:`gc` finishes the job in this process; other processes' gc does it once this
+        one has exited.
+        """
         try:
             self.catalog.fail_checkpoint(ckpt_id, f"{type(exc).__name__}: {exc}")
         except Exception:  # the catalog may be the thing that failed; gc finishes the job
             logger.warning("could not mark checkpoint %s FAILED", ckpt_id, exc_info=True)
+            self._abandoned.add(ckpt_id)
+            if data_may_be_committed:
+                return
         shutil.rmtree(directory, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
@@ -397,6 +504,7 @@ class CheckpointStore:
         *,
         keys: Sequence[str] | None = None,
         into: Any | None = None,
+        require_signature: str | os.PathLike[str] | None = None,
     ) -> Any:
         """Load a committed checkpoint.
 
@@ -406,34 +514,101 @@ class CheckpointStore:
             keys: fnmatch patterns over tensor/value paths (e.g. ``["model/*"]``); only the
                 chunks holding matching tensors are read.
             into: A state of the same structure whose tensors are filled in place
-                (the fastest restore: no new allocations).
+                (the fastest restore: no new allocations). For a checkpoint saved through
+                DCP: a state dict that may hold DTensors of any world size and placement
+                (under a process group every rank calls it; each reads only its slices).
+            require_signature: A PEM Ed25519 public key: refuse to load unless the
+                checkpoint carries a valid signature by that key (``ckpt sign``). The
+                signature covers the manifest digest, which covers every chunk's hash, so
+                every byte loaded is then vouched for.
 
         Returns:
-            The state, with the same nesting and container types; tensors on CPU.
+            The state, with the same nesting and container types; tensors on CPU (for a
+            checkpoint saved through DCP without ``into``: full tensors, no process group).
 
         Raises:
             CheckpointNotFoundError: If the reference does not resolve.
             IncompleteCheckpointError: If it names a checkpoint that was never committed.
-            IntegrityError: If any chunk or the manifest is damaged or missing.
+            IntegrityError: If any chunk or the manifest is damaged or missing, or (with
+                ``require_signature``) the checkpoint is unsigned, signed by another key or
+                its signature does not match.
         """
         from ckptstore.ops.restore import ensure_hot
 
         ck = self.catalog.get(ref)
-        with self.metrics.timed("load", run=ck.run, tier="hot", step=ck.step,
-                                blocking=True) as timer:
+        if require_signature is not None:
+            from ckptstore.ops.signing import verify_signature
+
+            # Before any tensor is read: nothing unvouched reaches the caller.
+            verify_signature(self, ck.id, require_signature)
+        in_memory = memory_replica_here(ck)
+        with self.metrics.timed("load", run=ck.run, tier="memory" if in_memory else "hot",
+                                step=ck.step, blocking=True) as timer:
+            if in_memory:
+                # This host's shared-memory copy (a restart after a crash): no disk reads.
+                # A vanished or damaged copy is marked so, and the hot tier is used.
+                hit, state = load_from_memory(self, ck, keys=keys, into=into)
+                if hit:
+                    timer.add(bytes_logical=ck.logical_bytes, bytes_stored=ck.logical_bytes)
+                    return state
             # A checkpoint that only S3 holds is restored to the hot tier first (verified).
             directory = ensure_hot(self, ck)
             manifest = read_manifest(directory, expected_digest=ck.manifest_digest)
-            state = read_checkpoint(
-                directory,
-                manifest,
-                keys=keys,
-                into=into,
-                locate=self.locate,
-                threads=self.settings.threads,
-            )
+            if manifest.delta is not None and manifest.delta.lossy:
+                logger.warning(
+                    "loading %s: values of %s are approximate (lossy delta, max abs error "
+                    "%g, mean %g); compact it or save in full where exact values matter",
+                    ck.ref, list(manifest.delta.scope), manifest.delta.max_abs_error,
+                    manifest.delta.mean_abs_error,
+                )
+            if is_dcp_manifest(manifest):
+                from ckptstore.integrations.dcp import load_dcp
+
+                state = load_dcp(self, directory, manifest, keys=keys, into=into,
+                                 threads=self.settings.threads)
+            else:
+                state = read_checkpoint(
+                    directory,
+                    manifest,
+                    keys=keys,
+                    into=into,
+                    locate=self.locate,
+                    threads=self.settings.threads,
+                )
             timer.add(bytes_logical=manifest.logical_bytes, bytes_stored=manifest.stored_bytes)
         return state
+
+    def load_progressive(
+        self,
+        ref: str,
+        order: Sequence[str | Sequence[str]],
+        *,
+        into: Any | None = None,
+        strict: bool = True,
+    ) -> ProgressiveLoad:
+        """Start loading a checkpoint in priority groups; return once the manifest is read.
+
+        Groups complete in ``order`` (fnmatch patterns; everything else last), so training
+        or evaluation can start on the first group while the rest streams in. From the
+        memory tier, the hot tier, or straight from S3 chunk by chunk.
+
+        Args:
+            ref: A checkpoint reference.
+            order: Groups in load order, each a pattern or a list of patterns.
+            into: A live state whose matching tensors are filled in place.
+            strict: Raise if a pattern matches no tensor.
+
+        Returns:
+            A :class:`~ckptstore.hooks.progressive.ProgressiveLoad`: ``wait(i)`` or
+            iteration for groups as they complete, ``result()`` for the whole state.
+
+        Raises:
+            CheckpointNotFoundError: If the reference does not resolve.
+            InvalidNameError: If ``order`` is malformed or a pattern matches nothing.
+        """
+        from ckptstore.hooks.progressive import load_progressive
+
+        return load_progressive(self, ref, order, into=into, strict=strict)
 
     def restore_latest(self, run: str, *, into: Any | None = None) -> Any | None:
         """Load the newest committed checkpoint of ``run``, or None if it has none."""
@@ -448,7 +623,12 @@ class CheckpointStore:
         ck = self.catalog.get(ref)
         directory = self._hot_dir_of(ck)
         manifest = read_manifest(directory, expected_digest=ck.manifest_digest)
-        problems = verify_checkpoint(directory, manifest, locate=self.locate, deep=deep)
+        if is_dcp_manifest(manifest):
+            from ckptstore.integrations.dcp_read import verify_dcp
+
+            problems = verify_dcp(directory, manifest, deep=deep)
+        else:
+            problems = verify_checkpoint(directory, manifest, locate=self.locate, deep=deep)
         self.catalog.record_event(
             "verified",
             checkpoint_id=ck.id,
@@ -549,6 +729,8 @@ class CheckpointStore:
         Returns:
             A :class:`GcReport`.
         """
+        from ckptstore.ops.replicas import acquire_lease
+
         report = GcReport(dry_run=dry_run)
         host = socket.gethostname()
         dead: list[Checkpoint] = []
@@ -556,14 +738,22 @@ class CheckpointStore:
             writer = getattr(ck, "writer", None) or ""
             w_host, _, w_pid = writer.rpartition(":")
             age = time.time() - ck.created_at.timestamp()
-            if w_host == host and w_pid.isdigit():
+            if ck.id in self._abandoned:
+                dead.append(ck)
+            elif w_host == host and w_pid.isdigit():
                 if not _pid_alive(int(w_pid)):
                     dead.append(ck)
             elif age > older_than_s:
                 dead.append(ck)
         known: set[str] = set()
+        unowned: list[Checkpoint] = []
         for ck in self.catalog.list(state=None):
             known.add(ck.id)
+            hot = ck.replica("hot")
+            if ck.state == CheckpointState.COMMITTED and (
+                hot is None or hot.state == ReplicaState.DELETED
+            ):
+                unowned.append(ck)
         for ck in dead:
             report.failed_rows.append(ck.id)
             directory = self.checkpoint_dir(ck.run, ck.id)
@@ -582,6 +772,24 @@ class CheckpointStore:
             report.removed_dirs.append(str(directory))
             if not dry_run:
                 shutil.rmtree(directory, ignore_errors=True)
+        for ck in unowned:
+            # A killed restore's partial copy: no marker, and the catalog records no hot
+            # copy. Taken under the restore lease, so a running restore is never disturbed
+            # (a killed restore's lease names a dead process: taken over, not waited for).
+            directory = self.checkpoint_dir(ck.run, ck.id)
+            if not directory.is_dir() or (directory / "COMMITTED").exists():
+                continue
+            owner = f"gc:{_writer_id()}"
+            if not acquire_lease(self, ck.id, "restore:hot", owner, 600.0):
+                continue
+            try:
+                report.removed_dirs.append(str(directory))
+                if not dry_run:
+                    shutil.rmtree(directory, ignore_errors=True)
+            finally:
+                self.catalog.release_lease(ck.id, "restore:hot", owner)
+        if not dry_run:
+            self._abandoned.difference_update(report.failed_rows)
         if not dry_run and not report.empty:
             self.catalog.record_event(
                 "gc", detail={"removed": len(report.removed_dirs), "failed": report.failed_rows}

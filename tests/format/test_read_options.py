@@ -55,7 +55,8 @@ def test_keys_read_only_the_chunks_they_need(save: Any, opened: list[str]) -> No
     entries = [manifest.tensors["model/enc.w"], manifest.tensors["model/enc.b"]]
     needed = {f"{e.array}/c/{k}" for e in entries for k in range(e.chunk_start, e.chunk_stop)}
     assert {p.split(str(directory) + "/")[1] for p in opened} == needed
-    assert len(opened) < sum(len(a.chunks) for a in manifest.arrays.values()) / 2
+    # (A chunk file may be opened twice: once to hint the read-ahead, once to read it.)
+    assert len(set(opened)) < sum(len(a.chunks) for a in manifest.arrays.values()) / 2
 
 
 def test_key_patterns_select_containers_and_non_tensor_leaves(save: Any) -> None:

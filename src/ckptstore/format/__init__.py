@@ -16,15 +16,18 @@ from __future__ import annotations
 
 from ckptstore.format.codecs import CODEC_PRESETS
 from ckptstore.format.constants import DEFAULT_CHUNK_BYTES, FORMAT_VERSION
+from ckptstore.format.delta import DeltaSpec, parse_delta
 from ckptstore.format.flatten import FlatState, flatten_state, unflatten_state
 from ckptstore.format.manifest import (
     ArrayEntry,
+    BaseChunk,
     BaseRef,
     ChunkEntry,
+    DeltaInfo,
     Manifest,
     TensorEntry,
 )
-from ckptstore.format.reader import iter_tensors, read_checkpoint, read_manifest
+from ckptstore.format.reader import iter_tensors, read_checkpoint, read_manifest, read_tensors
 from ckptstore.format.verify import chunk_files, verify_checkpoint
 from ckptstore.format.writer import PHASES, write_checkpoint
 
@@ -34,16 +37,21 @@ __all__ = [
     "FORMAT_VERSION",
     "PHASES",
     "ArrayEntry",
+    "BaseChunk",
     "BaseRef",
     "ChunkEntry",
+    "DeltaInfo",
+    "DeltaSpec",
     "FlatState",
     "Manifest",
     "TensorEntry",
     "chunk_files",
     "flatten_state",
     "iter_tensors",
+    "parse_delta",
     "read_checkpoint",
     "read_manifest",
+    "read_tensors",
     "unflatten_state",
     "verify_checkpoint",
     "write_checkpoint",

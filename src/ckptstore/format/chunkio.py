@@ -5,12 +5,20 @@
 without an intermediate copy) and verifies the crc32c trailer against both the bytes read
 and the manifest. Any mismatch, missing or truncated file raises
 :class:`~ckptstore.errors.IntegrityError`: a damaged chunk never reads as zeros.
+
+Chunks held by other checkpoints (dedup ``src``, and the base chunk of a delta-encoded chunk)
+are read from the owner's directory by array and index, checked against the size and crc32c
+recorded in *this* checkpoint's manifest. The owner need not be a committed checkpoint any
+more: retention deletes a pruned checkpoint's marker and the chunks nobody reads, and keeps
+the chunk files later checkpoints still reference.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,10 +27,22 @@ from typing import Any
 import numpy as np
 
 from ckptstore.errors import IntegrityError, MissingBaseError, StorageError
-from ckptstore.format.codecs import TRAILER, codec_spec, crc32c_update, decode_into
-from ckptstore.format.constants import COMMIT_NAME
+from ckptstore.format.codecs import (
+    BLOSC_HEADER,
+    TRAILER,
+    codec_spec,
+    crc32c_update,
+    decode_into,
+)
+from ckptstore.format.delta import (
+    decode_payload,
+    dequantize_into,
+    quantized_payload_size,
+    xor_into,
+)
+from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.fsio import fadvise_willneed, preadv_all, storage_error
-from ckptstore.format.manifest import ArrayEntry, ChunkEntry, Manifest
+from ckptstore.format.manifest import ArrayEntry, BaseChunk, ChunkEntry, Manifest
 
 __all__ = ["ByteBuffer", "ChunkReader", "Dest", "Locate"]
 
@@ -63,6 +83,14 @@ class ChunkReader:
         root = self.directory if chunk.src is None else self._base_dir(chunk.src)
         return root / array.chunk_path(chunk.i)
 
+    def base_path(self, array: ArrayEntry, index: int, base: BaseChunk) -> Path:
+        """Absolute path of the base chunk file of delta chunk ``index``.
+
+        Raises:
+            MissingBaseError: If the base's checkpoint cannot be found.
+        """
+        return self._base_dir(base.src) / array.chunk_path(index)
+
     def _base_dir(self, ckpt_id: str) -> Path:
         with self._lock:
             found = self._bases.get(ckpt_id)
@@ -88,10 +116,13 @@ class ChunkReader:
             )
             err.__cause__ = exc
             return err
-        if not (path / COMMIT_NAME).is_file():
+        # No COMMITTED marker is required: a pruned base keeps exactly the chunk files
+        # later checkpoints read, and each is checked against this manifest's size and crc.
+        if not path.is_dir():
             return MissingBaseError(
-                f"checkpoint {me} needs base checkpoint {ckpt_id}, but {path} holds no "
-                "committed checkpoint; restore the base or re-save this checkpoint in full"
+                f"checkpoint {me} needs chunks of checkpoint {ckpt_id}, but its directory "
+                f"{path} does not exist; restore checkpoint {ckpt_id} (or this one from a "
+                "tier that has both)"
             )
         return path
 
@@ -132,23 +163,48 @@ class ChunkReader:
             StorageError: On other OS errors.
         """
         chunk = array.chunks[index]
-        path = self.chunk_path(array, chunk)
+        if chunk.enc != "raw":
+            self._read_delta(array, chunk, dests)
+            return
+        self._read_file(array, chunk, self.chunk_path(array, chunk), chunk.src, dests)
+
+    def _open(self, array: ArrayEntry, index: int, path: Path, owner: str | None) -> int:
         try:
-            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+            # Non-blocking and no final-link following: a FIFO planted as a chunk would
+            # otherwise block the open forever; a link would read outside the checkpoint.
+            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
         except FileNotFoundError as exc:
-            if chunk.src is not None:
+            if owner is not None:
                 raise MissingBaseError(
-                    f"checkpoint {self.manifest.id}: chunk {path} of base checkpoint "
-                    f"{chunk.src} is missing; restore the base checkpoint"
+                    f"checkpoint {self.manifest.id}: chunk {path} of checkpoint {owner} is "
+                    f"missing; restore checkpoint {owner} (or re-save this one in full)"
                 ) from exc
             raise self.damaged(array, index, path, "is missing") from exc
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self.damaged(array, index, path, "is a symlink") from exc
             raise storage_error(path, "open chunk", exc) from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise self.damaged(array, index, path, "is not a regular file")
+        return fd
+
+    def _read_file(
+        self,
+        array: ArrayEntry,
+        chunk: ChunkEntry,
+        path: Path,
+        owner: str | None,
+        dests: Sequence[Dest],
+    ) -> None:
+        """Read one raw-encoded chunk file (``chunk`` carries its expected size and crc)."""
+        fd = self._open(array, chunk.i, path, owner)
         try:
             size = os.fstat(fd).st_size
             if size != chunk.nbytes:
                 raise self.damaged(
-                    array, index, path, f"is {size} bytes, expected {chunk.nbytes} (truncated?)"
+                    array, chunk.i, path,
+                    f"is {size} bytes, expected {chunk.nbytes} (truncated?)",
                 )
             # One hint for the whole file lets the kernel queue all of it at once on a cold
             # cache instead of ramping readahead up while we wait.
@@ -163,6 +219,57 @@ class ChunkReader:
             raise storage_error(path, "read chunk", exc) from exc
         finally:
             os.close(fd)
+
+    def _read_delta(self, array: ArrayEntry, chunk: ChunkEntry, dests: Sequence[Dest]) -> None:
+        """Read a delta-encoded chunk: its base chunk, then the delta applied on top."""
+        base = chunk.base
+        if base is None:  # the manifest parser guarantees a base; guard direct callers
+            raise self.damaged(array, chunk.i, self.directory, "is a delta without a base")
+        raw = array.chunk_nbytes
+        whole = len(dests) == 1 and dests[0][0] == 0 and len(dests[0][1]) == raw
+        # Decode straight into the destination when it is the whole chunk.
+        target = dests[0][1] if whole else self.buffer("delta-target", raw)
+        as_raw = ChunkEntry(chunk.i, base.nbytes, base.crc32c, base.blake3, base.src)
+        self._read_file(array, as_raw, self.base_path(array, chunk.i, base), base.src,
+                        [(0, target)])
+        path = self.chunk_path(array, chunk)
+        frame = self.buffer("frame", chunk.nbytes)
+        fd = self._open(array, chunk.i, path, chunk.src)
+        try:
+            got = preadv_all(fd, [frame], 0)
+        except OSError as exc:
+            raise storage_error(path, "read chunk", exc) from exc
+        finally:
+            os.close(fd)
+        if got != chunk.nbytes:
+            raise self.damaged(array, chunk.i, path,
+                               f"is {got} bytes, expected {chunk.nbytes} (truncated?)")
+        body = frame[: chunk.nbytes - TRAILER.size]
+        crc = crc32c_update(body, 0)
+        stored = TRAILER.unpack(frame[-TRAILER.size :].tobytes())[0]
+        self._check_crc(array, chunk, path, crc, stored)
+        info = dtype_by_name(array.torch_dtype)
+        assert info is not None  # the manifest was validated
+        n = array.chunk_len
+        try:
+            if chunk.enc == "xor":
+                payload = self.buffer("delta-payload", raw)
+                decode_payload(body, payload, raw)
+                xor_into(target, payload, target)
+            else:
+                bits = 8 if chunk.enc == "q8" else 4
+                # The block size is in the payload header; the frame header bounds the size.
+                size = _frame_nbytes(body)
+                if size > quantized_payload_size(n, bits, 2):
+                    raise ValueError(f"payload of {size} bytes is too large for the chunk")
+                payload = self.buffer("delta-payload", size)
+                decode_payload(body, payload, size)
+                dequantize_into(payload, target, info, n, bits)
+        except ValueError as exc:
+            raise self.damaged(array, chunk.i, path, f"does not decode: {exc}") from exc
+        if not whole:
+            for offset, buf in dests:
+                np.copyto(buf, target[offset : offset + len(buf)])
 
     def _check_crc(
         self, array: ArrayEntry, chunk: ChunkEntry, path: Path, crc: int, trailer: int
@@ -232,13 +339,28 @@ class ChunkReader:
                 np.copyto(buf, target[offset : offset + len(buf)])
 
     def prefetch(self, array: ArrayEntry, index: int) -> None:
-        """Hint the kernel to start reading a chunk file; errors are ignored (read reports)."""
+        """Hint the kernel to start reading a chunk's files; errors are ignored (read reports)."""
+        chunk = array.chunks[index]
         try:
-            path = self.chunk_path(array, array.chunks[index])
-            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
-        except (OSError, MissingBaseError):
+            paths = [self.chunk_path(array, chunk)]
+            if chunk.base is not None:
+                paths.append(self.base_path(array, index, chunk.base))
+        except MissingBaseError:
             return
-        try:
-            fadvise_willneed(fd)
-        finally:
-            os.close(fd)
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            try:
+                fadvise_willneed(fd)
+            finally:
+                os.close(fd)
+
+
+def _frame_nbytes(frame: Any) -> int:
+    """Decoded size a Blosc frame announces in its header (0 if it has none)."""
+    view = np.frombuffer(frame, dtype=np.uint8) if not isinstance(frame, np.ndarray) else frame
+    if len(view) < BLOSC_HEADER.size:
+        return 0
+    return int(BLOSC_HEADER.unpack_from(view.data)[4])

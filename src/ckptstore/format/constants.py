@@ -12,6 +12,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "MAX_CHUNK_BYTES",
+    "MAX_JSON_ITEMS",
     "MAX_MANIFEST_BYTES",
     "MAX_TENSORS",
     "MAX_TREE_DEPTH",
@@ -39,5 +40,10 @@ COMMIT_NAME = "COMMITTED"
 #: Limits applied to manifests read from disk: they may be hostile, and parsing must stay
 #: cheap and bounded.
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+#: JSON values (counted as ``,`` + ``{`` + ``[`` bytes) a manifest may hold, checked before
+#: parsing: json.loads costs ~75 bytes of Python objects per value, so a 30 MB manifest of
+#: 10^7 empty objects would otherwise take 750 MB and 10 s before any other check ran.
+#: A real manifest holds ~15 values per tensor: this allows ~160k tensors.
+MAX_JSON_ITEMS = 2_500_000
 MAX_TENSORS = 1_000_000
 MAX_TREE_DEPTH = 64

@@ -12,6 +12,7 @@ import ctypes.util
 import errno
 import logging
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,12 @@ from typing import Any
 from ckptstore.errors import StorageError
 
 __all__ = [
+    "advise_hugepages",
     "create_exclusive",
     "fadvise_willneed",
     "fsync_dir",
     "fsync_path",
+    "populate_write",
     "preadv_all",
     "start_writeback",
     "storage_error",
@@ -55,6 +58,19 @@ def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
 
 
 _sync_file_range = _load_sync_file_range()
+
+def _load_madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        func = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    func.restype = ctypes.c_int
+    return func  # type: ignore[no-any-return]
+
+
+_madvise = _load_madvise() if sys.platform.startswith("linux") else None
 
 
 def storage_error(path: Path | str, action: str, exc: OSError) -> StorageError:
@@ -161,6 +177,40 @@ def fadvise_willneed(fd: int) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
     except (AttributeError, OSError):
         pass
+
+
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 * 1024 * 1024
+_MADV_POPULATE_WRITE = 23
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def advise_hugepages(address: int, nbytes: int) -> None:
+    """Ask for transparent huge pages on the 2 MiB-aligned interior of a fresh allocation.
+
+    Cuts the number of page faults 512-fold where THP is enabled for ``madvise``. Only a
+    hint (a no-op where unsupported); note that with ``defrag=madvise`` the kernel may
+    compact memory synchronously at fault time, which measured slower than 4 KiB faults
+    on a fragmented host, so the reader does not use it by default.
+    """
+    if _madvise is None:
+        return
+    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
+    end = (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    if end > start:
+        _madvise(start, end - start, _MADV_HUGEPAGE)
+
+
+def populate_write(address: int, nbytes: int) -> bool:
+    """Fault in the pages of a fresh allocation in one call, writable.
+
+    ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) does what the first write to each page
+    would, without a trap per page. Returns False where unsupported (nothing happens).
+    """
+    if _madvise is None:
+        return False
+    start = address // _PAGE * _PAGE
+    return _madvise(start, address + nbytes - start, _MADV_POPULATE_WRITE) == 0
 
 
 def fsync_path(path: Path) -> None:

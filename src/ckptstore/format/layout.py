@@ -3,20 +3,34 @@
 Tensors are grouped by dtype into one flat 1-D array per dtype, in flatten order. Each
 array is cut into equal chunks (a regular Zarr grid) whose length is balanced so the padded
 tail of the last chunk wastes fewer than ``n_chunks`` elements.
+
+Two groups get arrays of their own, because chunk dedup and delta encoding work per chunk:
+
+* ``<dtype>_small``: when a dtype spans several chunks, tensors under 1/16 of a chunk
+  (biases, norms, LoRA adapters, step counters) are packed apart from the large ones.
+  Interleaved with large frozen weights, a few changing small tensors would otherwise touch
+  nearly every chunk; packed together they change only their own few chunks.
+* ``<dtype>_lossy``: in lossy delta mode, the floating-point tensors the lossy scope selects,
+  so no chunk mixes approximate and exact values.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ckptstore.format.dtypes import DtypeInfo, dtype_info
+from ckptstore.format.keys import key_matches
 
 __all__ = [
+    "LOSSY_DTYPES",
+    "LOSSY_SUFFIX",
+    "SMALL_DIVISOR",
+    "SMALL_SUFFIX",
     "ArrayPlan",
     "Placement",
     "balanced_chunk_len",
@@ -25,6 +39,14 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: Array name suffixes of the two separately packed groups (see the module docstring).
+SMALL_SUFFIX = "_small"
+LOSSY_SUFFIX = "_lossy"
+#: A tensor is small when it is under ``chunk_bytes / SMALL_DIVISOR`` bytes.
+SMALL_DIVISOR = 16
+#: Dtypes whose values may be stored lossily.
+LOSSY_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 
 def balanced_chunk_len(length: int, itemsize: int, chunk_bytes: int) -> int:
@@ -74,22 +96,29 @@ class ArrayPlan:
     """One packed array.
 
     Attributes:
-        info: Dtype storage description (``info.name`` is the array name).
+        info: Dtype storage description.
         length: Number of elements.
         chunk_len: Elements per chunk.
         members: Placements in packing order.
+        array_name: The array name (default ``info.name``; a suffixed name for a group).
     """
 
     info: DtypeInfo
     length: int = 0
     chunk_len: int = 1
     members: list[Placement] = field(default_factory=list)
+    array_name: str = ""
     _starts: list[int] = field(default_factory=list, repr=False)
 
     @property
     def name(self) -> str:
         """The array name."""
-        return self.info.name
+        return self.array_name or self.info.name
+
+    @property
+    def lossy(self) -> bool:
+        """Whether this array holds the lossy group."""
+        return self.name.endswith(LOSSY_SUFFIX)
 
     @property
     def n_chunks(self) -> int:
@@ -118,26 +147,65 @@ class ArrayPlan:
             pos += 1
 
 
-def plan_layout(tensors: Mapping[str, torch.Tensor], chunk_bytes: int) -> dict[str, ArrayPlan]:
+def _groups(
+    tensors: Mapping[str, torch.Tensor],
+    chunk_bytes: int,
+    lossy_scope: Sequence[str] | None,
+) -> dict[str, tuple[DtypeInfo, str]]:
+    """Tensor key -> (dtype info, array name)."""
+    infos: dict[str, DtypeInfo] = {}
+    totals: dict[str, int] = {}
+    for key, tensor in tensors.items():
+        info = dtype_info(tensor.dtype)
+        if info is None:  # flatten_state refuses these; guard direct callers
+            raise ValueError(f"tensor {key!r} has unsupported dtype {tensor.dtype}")
+        infos[key] = info
+        totals[info.name] = totals.get(info.name, 0) + tensor.numel() * info.itemsize
+    names: dict[str, str] = {}
+    for key, info in infos.items():
+        nbytes = tensors[key].numel() * info.itemsize
+        if lossy_scope and info.name in LOSSY_DTYPES and key_matches(key, lossy_scope):
+            names[key] = info.name + LOSSY_SUFFIX
+        elif nbytes > 0 and nbytes * SMALL_DIVISOR < chunk_bytes < totals[info.name] // 2:
+            names[key] = info.name + SMALL_SUFFIX
+        else:
+            names[key] = info.name
+    # A small group with nothing large beside it is just the dtype's array.
+    plain = set(names.values())
+    for key, name in names.items():
+        if name.endswith(SMALL_SUFFIX) and name[: -len(SMALL_SUFFIX)] not in plain:
+            names[key] = name[: -len(SMALL_SUFFIX)]
+    return {key: (infos[key], names[key]) for key in tensors}
+
+
+def plan_layout(
+    tensors: Mapping[str, torch.Tensor],
+    chunk_bytes: int,
+    *,
+    lossy_scope: Sequence[str] | None = None,
+) -> dict[str, ArrayPlan]:
     """Assign every tensor an array and offset, and pick each array's chunk length.
+
+    The layout depends only on the tensors' keys, dtypes and sizes (and the lossy scope), so
+    saving the same structure again yields the same arrays and chunk boundaries: what chunk
+    dedup and delta encoding rely on.
 
     Args:
         tensors: Tensor key -> tensor, in packing order.
         chunk_bytes: Target chunk size in bytes.
+        lossy_scope: Key patterns of the tensors to pack into the lossy group, if any.
 
     Returns:
         Array name -> plan, in order of first appearance.
     """
     plans: dict[str, ArrayPlan] = {}
-    for key, tensor in tensors.items():
-        info = dtype_info(tensor.dtype)
-        if info is None:  # flatten_state refuses these; guard direct callers
-            raise ValueError(f"tensor {key!r} has unsupported dtype {tensor.dtype}")
-        plan = plans.get(info.name)
+    for key, (info, name) in _groups(tensors, chunk_bytes, lossy_scope).items():
+        tensor = tensors[key]
+        plan = plans.get(name)
         if plan is None:
-            plan = plans[info.name] = ArrayPlan(info)
+            plan = plans[name] = ArrayPlan(info, array_name=name)
         numel = tensor.numel()
-        plan.members.append(Placement(key, info.name, plan.length, numel, tuple(tensor.shape)))
+        plan.members.append(Placement(key, name, plan.length, numel, tuple(tensor.shape)))
         plan._starts.append(plan.length)
         plan.length += numel
     for plan in plans.values():

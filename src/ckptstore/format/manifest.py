@@ -17,7 +17,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -30,6 +30,7 @@ from ckptstore.format.codecs import CODEC_PRESETS
 from ckptstore.format.constants import (
     FORMAT_VERSION,
     MAX_CHUNK_BYTES,
+    MAX_JSON_ITEMS,
     MAX_MANIFEST_BYTES,
     MAX_TENSORS,
     MAX_TREE_DEPTH,
@@ -40,9 +41,12 @@ from ckptstore.format.layout import chunk_span
 from ckptstore.format.tree import validate_tree
 
 __all__ = [
+    "ENCODINGS",
     "ArrayEntry",
+    "BaseChunk",
     "BaseRef",
     "ChunkEntry",
+    "DeltaInfo",
     "Manifest",
     "TensorEntry",
     "is_checkpoint_id",
@@ -59,6 +63,14 @@ _MAX_KEY_CHARS = 65536
 _MAX_RUN_CHARS = 1024
 _MAX_CHUNKS = 10_000_000
 _BLOSC_OVERHEAD = 16 + 4  # frame header + crc trailer
+_MAX_SCOPE = 256
+
+#: How a chunk file encodes its chunk: ``raw`` (the array's codec), or a delta against a
+#: base chunk (``xor``: lossless; ``q8``/``q4``: quantized, lossy). See
+#: :mod:`ckptstore.format.delta`.
+ENCODINGS: tuple[str, ...] = ("raw", "xor", "q8", "q4")
+#: Delta modes recorded in :class:`DeltaInfo`.
+DELTA_MODES: tuple[str, ...] = ("dedup", "xor", "lossy")
 
 
 def is_checkpoint_id(value: object) -> bool:
@@ -77,6 +89,32 @@ def manifest_digest(data: bytes) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class BaseChunk:
+    """The base chunk a delta-encoded chunk is decoded against.
+
+    It is the chunk with the same array name and index in checkpoint ``src``, stored ``raw``
+    with the array's codec. Its size and hashes are recorded here so a reader can check the
+    base file without the base's manifest (which may be gone once the base is pruned).
+
+    Attributes:
+        src: Id of the checkpoint whose directory holds the base chunk file.
+        nbytes: Size of that file, crc trailer included.
+        crc32c: crc32c of its encoded bytes.
+        blake3: Hex blake3 of its unencoded content.
+    """
+
+    src: str
+    nbytes: int
+    crc32c: int
+    blake3: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"src": self.src, "nbytes": self.nbytes, "crc32c": self.crc32c,
+                "blake3": self.blake3}
+
+
+@dataclass(frozen=True, slots=True)
 class ChunkEntry:
     """One chunk of an array.
 
@@ -85,8 +123,11 @@ class ChunkEntry:
         nbytes: Size of the stored file, crc trailer included.
         crc32c: crc32c of the encoded bytes (the value in the trailer).
         blake3: Hex blake3 of the unencoded chunk, padding included: the content hash used
-            for dedup and deep verification.
+            for dedup and deep verification. For a lossy chunk it is the hash of the
+            reconstructed (approximate) content, which is what a load returns.
         src: None when this checkpoint holds the file, else the id of the checkpoint that does.
+        enc: How the file encodes the chunk (one of :data:`ENCODINGS`); ``raw`` is plain Zarr.
+        base: For a delta-encoded chunk, the base chunk it is decoded against; else None.
     """
 
     i: int
@@ -94,15 +135,73 @@ class ChunkEntry:
     crc32c: int
     blake3: str
     src: str | None = None
+    enc: str = "raw"
+    base: BaseChunk | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {
+        """JSON form (``enc``/``base`` only when not raw, so full manifests stay unchanged)."""
+        doc: dict[str, Any] = {
             "i": self.i,
             "nbytes": self.nbytes,
             "crc32c": self.crc32c,
             "blake3": self.blake3,
             "src": self.src,
+        }
+        if self.enc != "raw":
+            doc["enc"] = self.enc
+            doc["base"] = self.base.to_dict() if self.base is not None else None
+        return doc
+
+    def owners(self) -> list[str | None]:
+        """Checkpoints whose chunk files reading this chunk opens (None: this checkpoint)."""
+        return [self.src] if self.base is None else [self.src, self.base.src]
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaInfo:
+    """How a checkpoint was encoded relative to others (the manifest's ``delta`` object).
+
+    Attributes:
+        mode: ``dedup`` (identical chunks referenced), ``xor`` (changed chunks XOR-encoded
+            against the keyframe) or ``lossy`` (as xor, with the tensors in ``scope``
+            quantized).
+        depth: Saves since the keyframe: 0 for a keyframe (or a dedup checkpoint), else the
+            position in the chain whose keyframe is the manifest's ``base_id``.
+        lossy: Whether any chunk holds approximate values.
+        scope: Key patterns of the tensors stored lossily (lossy mode).
+        threshold: Element changes below this absolute value were dropped (lossy mode).
+        quantize: Bits of the quantized deltas (8 or 4), or None.
+        block: Elements per quantization scale.
+        max_abs_error: Largest absolute difference between a stored (reconstructed) value
+            and the value that was saved; 0.0 when lossless.
+        mean_abs_error: Mean absolute error over the lossily stored elements.
+        lossy_elements: Number of elements stored lossily.
+    """
+
+    mode: str
+    depth: int = 0
+    lossy: bool = False
+    scope: tuple[str, ...] = ()
+    threshold: float | None = None
+    quantize: int | None = None
+    block: int | None = None
+    max_abs_error: float = 0.0
+    mean_abs_error: float = 0.0
+    lossy_elements: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {
+            "mode": self.mode,
+            "depth": self.depth,
+            "lossy": self.lossy,
+            "scope": list(self.scope),
+            "threshold": self.threshold,
+            "quantize": self.quantize,
+            "block": self.block,
+            "max_abs_error": self.max_abs_error,
+            "mean_abs_error": self.mean_abs_error,
+            "lossy_elements": self.lossy_elements,
         }
 
 
@@ -210,6 +309,8 @@ class Manifest:
         logical_bytes: Sum of the stored tensors' sizes.
         stored_bytes: Bytes of chunk files this checkpoint physically wrote.
         extra: Free-form JSON metadata from the caller.
+        delta: How it was encoded relative to other checkpoints (None: written without a
+            delta mode; a ``kind == "delta"`` manifest without it is a plain dedup delta).
     """
 
     format_version: int
@@ -227,6 +328,7 @@ class Manifest:
     logical_bytes: int
     stored_bytes: int
     extra: dict[str, Any] = field(default_factory=dict)
+    delta: DeltaInfo | None = None
 
     def to_json(self) -> bytes:
         """Canonical JSON bytes (deterministic: same manifest, same bytes)."""
@@ -247,6 +349,9 @@ class Manifest:
             "stored_bytes": self.stored_bytes,
             "extra": self.extra,
         }
+        if self.delta is not None:
+            # Only when set: manifests written without a delta mode keep their exact bytes.
+            doc["delta"] = self.delta.to_dict()
         return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode(
             "ascii"
         )
@@ -261,8 +366,32 @@ class Manifest:
         return list(self.tensors)
 
     def referenced_checkpoints(self) -> set[str]:
-        """Ids of other checkpoints whose chunk files this one reads."""
-        return {c.src for a in self.arrays.values() for c in a.chunks if c.src is not None}
+        """Ids of other checkpoints whose chunk files this one reads (dedup and delta bases)."""
+        return {
+            owner
+            for a in self.arrays.values()
+            for c in a.chunks
+            for owner in c.owners()
+            if owner is not None
+        }
+
+    def chunk_refs(self) -> list[tuple[str, str, int]]:
+        """Every chunk file a full read opens: ``(owner id, array name, chunk index)``.
+
+        Includes the checkpoint's own files, chunks it references in other checkpoints
+        (``src``) and the base chunks its delta-encoded chunks are decoded against.
+        """
+        refs: dict[tuple[str, str, int], None] = {}
+        for a in self.arrays.values():
+            for c in a.chunks:
+                for owner in c.owners():
+                    refs.setdefault((owner or self.id, a.name, c.i))
+        return list(refs)
+
+    @property
+    def lossy(self) -> bool:
+        """Whether some values are stored approximately (see :attr:`delta`)."""
+        return self.delta is not None and self.delta.lossy
 
     def tensors_in_chunk(self, array: str, index: int) -> list[str]:
         """Keys of the tensors with elements in chunk ``index`` of ``array`` (for messages)."""
@@ -283,6 +412,14 @@ class Manifest:
             raise IntegrityError(
                 f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} byte limit"
             )
+        # Bound the objects json.loads would build before it builds them (a byte count is
+        # an upper bound: a ',' inside a string only makes us stricter).
+        items = data.count(b",") + data.count(b"{") + data.count(b"[")
+        if items > MAX_JSON_ITEMS:
+            raise IntegrityError(
+                f"manifest holds about {items} JSON values, over the {MAX_JSON_ITEMS} limit; "
+                "it is not a ckptstore manifest (or the state has too many tensors)"
+            )
         try:
             doc = json.loads(data, object_pairs_hook=_no_duplicates)
         except RecursionError as exc:
@@ -299,15 +436,18 @@ class Manifest:
 
 @dataclass(frozen=True)
 class BaseRef:
-    """The base checkpoint a new checkpoint deduplicates chunks against.
+    """The base checkpoint a new checkpoint deduplicates chunks (or encodes deltas) against.
 
     Attributes:
         manifest: The base's (committed) manifest.
         directory: The base's directory.
+        locate: Finds the directories of checkpoints the base itself reads chunks from
+            (needed to XOR-encode against a base chunk the base deduplicated).
     """
 
     manifest: Manifest
     directory: Path
+    locate: Callable[[str], Path] | None = None
 
 
 class _Invalid(ValueError):
@@ -370,7 +510,10 @@ _TOP_FIELDS = frozenset(
 
 def _parse(doc: Any) -> Manifest:
     _require(isinstance(doc, dict), "top level must be an object")
-    _require(set(doc) == _TOP_FIELDS, f"fields must be {sorted(_TOP_FIELDS)}")
+    _require(
+        set(doc) - {"delta"} == _TOP_FIELDS,
+        f"fields must be {sorted(_TOP_FIELDS)} (and optionally delta)",
+    )
     version = _int(doc["format_version"], "format_version")
     _require(
         version == FORMAT_VERSION,
@@ -396,14 +539,17 @@ def _parse(doc: Any) -> Manifest:
     chunk_bytes = _int(doc["chunk_bytes"], "chunk_bytes", MIN_CHUNK_BYTES, MAX_CHUNK_BYTES)
     arrays = _parse_arrays(doc["arrays"], chunk_bytes, ckpt_id)
     tensors = _parse_tensors(doc["tensors"], arrays)
-    srcs = {c.src for a in arrays.values() for c in a.chunks if c.src is not None}
+    srcs = {o for a in arrays.values() for c in a.chunks for o in c.owners() if o is not None}
     _require(
         (kind == "delta") == bool(srcs),
         "a delta must reference other checkpoints' chunks and a full checkpoint must not",
     )
+    delta = _parse_delta(doc["delta"]) if doc.get("delta") is not None else None
     extra = doc["extra"]
     _require(isinstance(extra, dict), "extra must be an object")
     _check_depth(extra, "extra", 0)
+    if extra.get("files") is not None:
+        _check_extra_files(extra["files"], arrays)
     try:
         validate_tree(doc["tree"], {k: t.torch_dtype for k, t in tensors.items()})
     except ValueError as exc:
@@ -424,7 +570,82 @@ def _parse(doc: Any) -> Manifest:
         logical_bytes=_int(doc["logical_bytes"], "logical_bytes"),
         stored_bytes=_int(doc["stored_bytes"], "stored_bytes"),
         extra=extra,
+        delta=delta,
     )
+
+
+_DELTA_FIELDS = frozenset(DeltaInfo.__slots__)  # type: ignore[attr-defined]
+
+
+def _float_or_none(value: Any, what: str) -> float | None:
+    if value is None:
+        return None
+    _require(
+        isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+        and value == value and value != float("inf"),
+        f"{what} must be a finite number >= 0 or null",
+    )
+    return float(value)
+
+
+def _parse_delta(raw: Any) -> DeltaInfo:
+    _require(isinstance(raw, dict) and set(raw) == _DELTA_FIELDS, "delta: bad fields")
+    mode = raw["mode"]
+    _require(mode in DELTA_MODES, f"delta.mode must be one of {DELTA_MODES}")
+    _require(isinstance(raw["lossy"], bool), "delta.lossy must be a boolean")
+    scope = raw["scope"]
+    _require(
+        isinstance(scope, list) and len(scope) <= _MAX_SCOPE
+        and all(isinstance(p, str) and len(p) <= _MAX_KEY_CHARS for p in scope),
+        "delta.scope must be a list of key patterns",
+    )
+    quantize = raw["quantize"]
+    _require(quantize in (None, 8, 4) and not isinstance(quantize, bool),
+             "delta.quantize must be 8, 4 or null")
+    block = raw["block"]
+    _require(block is None or (type(block) is int and 2 <= block <= 2**24 and block % 2 == 0),
+             "delta.block must be an even int in [2, 2**24] or null")
+    max_err = _float_or_none(raw["max_abs_error"], "delta.max_abs_error")
+    mean_err = _float_or_none(raw["mean_abs_error"], "delta.mean_abs_error")
+    return DeltaInfo(
+        mode=mode,
+        depth=_int(raw["depth"], "delta.depth", 0, 2**31),
+        lossy=raw["lossy"],
+        scope=tuple(scope),
+        threshold=_float_or_none(raw["threshold"], "delta.threshold"),
+        quantize=quantize,
+        block=block,
+        max_abs_error=max_err or 0.0,
+        mean_abs_error=mean_err or 0.0,
+        lossy_elements=_int(raw["lossy_elements"], "delta.lossy_elements"),
+    )
+
+
+_EXTRA_PATH = re.compile(r"^[A-Za-z0-9._%@~-]{1,255}(?:/[A-Za-z0-9._%@~-]{1,255}){0,15}$")
+_RESERVED = frozenset({"zarr.json", "manifest.json", "COMMITTED", "COMMITTED.tmp"})
+
+
+def _check_extra_files(raw: Any, arrays: dict[str, ArrayEntry]) -> None:
+    """``extra["files"]``: files of other layouts; their paths are used to copy and delete."""
+    _require(isinstance(raw, list) and len(raw) <= _MAX_CHUNKS, "extra.files must be a list")
+    seen: set[str] = set()
+    for entry in raw:
+        _require(isinstance(entry, list) and len(entry) == 3, "extra.files: bad entry")
+        path, nbytes, crc = entry
+        _require(
+            isinstance(path, str)
+            and bool(_EXTRA_PATH.match(path))
+            and not any(part in (".", "..") for part in path.split("/"))
+            and path not in _RESERVED
+            and path.split("/")[0] not in arrays
+            and path not in seen,
+            f"extra.files: path {_short(path)} is not allowed",
+        )
+        seen.add(path)
+        _int(nbytes, f"extra.files {path}: size", 0, 2**40)
+        _require(crc is None or (isinstance(crc, int) and not isinstance(crc, bool)
+                                 and 0 <= crc < 2**32), f"extra.files {path}: bad crc32c")
+        _require(crc is None or nbytes >= 4, f"extra.files {path}: too short for a crc32c")
 
 
 def _check_depth(value: Any, what: str, depth: int) -> None:
@@ -444,6 +665,8 @@ _ARRAY_FIELDS = frozenset(
     {"torch_dtype", "zarr_dtype", "itemsize", "length", "chunk_len", "codec", "chunks"}
 )
 _CHUNK_FIELDS = frozenset({"i", "nbytes", "crc32c", "blake3", "src"})
+_DELTA_CHUNK_FIELDS = _CHUNK_FIELDS | {"enc", "base"}
+_BASE_FIELDS = frozenset({"src", "nbytes", "crc32c", "blake3"})
 
 
 def _parse_arrays(raw: Any, chunk_bytes: int, ckpt_id: str) -> dict[str, ArrayEntry]:
@@ -480,9 +703,8 @@ def _parse_arrays(raw: Any, chunk_bytes: int, ckpt_id: str) -> dict[str, ArrayEn
         )
         total_chunks += n_chunks
         _require(total_chunks <= _MAX_CHUNKS, "too many chunks")
-        max_nbytes = raw_nbytes + 4 if codec == "none" else 2 * raw_nbytes + 1024
         chunks = tuple(
-            _parse_chunk(c, i, where, codec, raw_nbytes, max_nbytes, ckpt_id)
+            _parse_chunk(c, i, where, codec, raw_nbytes, ckpt_id)
             for i, c in enumerate(chunks_raw)
         )
         arrays[name] = ArrayEntry(
@@ -491,25 +713,55 @@ def _parse_arrays(raw: Any, chunk_bytes: int, ckpt_id: str) -> dict[str, ArrayEn
     return arrays
 
 
+def _nbytes_range(codec: str, raw_nbytes: int) -> tuple[int, int]:
+    """Bounds of a stored chunk file's size (a Blosc frame may exceed its input a little)."""
+    if codec == "none":
+        return raw_nbytes + 4, raw_nbytes + 4
+    return _BLOSC_OVERHEAD, 2 * raw_nbytes + 1024
+
+
+def _hex_digest(value: Any, what: str) -> str:
+    _require(isinstance(value, str) and bool(_BLAKE3_HEX.match(value)),
+             f"{what}: blake3 must be 64 hex digits")
+    return str(value)
+
+
 def _parse_chunk(
-    raw: Any, index: int, where: str, codec: str, raw_nbytes: int, max_nbytes: int, ckpt_id: str
+    raw: Any, index: int, where: str, codec: str, raw_nbytes: int, ckpt_id: str
 ) -> ChunkEntry:
-    _require(isinstance(raw, dict) and set(raw) == _CHUNK_FIELDS, f"{where} chunk {index}: fields")
-    _require(raw["i"] == index and type(raw["i"]) is int, f"{where} chunk {index}: wrong index")
-    min_nbytes = raw_nbytes + 4 if codec == "none" else _BLOSC_OVERHEAD
-    nbytes = _int(raw["nbytes"], f"{where} chunk {index}: nbytes", min_nbytes, max_nbytes)
-    crc = _int(raw["crc32c"], f"{where} chunk {index}: crc32c", 0, 2**32 - 1)
-    digest = raw["blake3"]
+    what = f"{where} chunk {index}"
     _require(
-        isinstance(digest, str) and bool(_BLAKE3_HEX.match(digest)),
-        f"{where} chunk {index}: blake3 must be 64 hex digits",
+        isinstance(raw, dict) and (set(raw) == _CHUNK_FIELDS or set(raw) == _DELTA_CHUNK_FIELDS),
+        f"{what}: fields",
     )
+    _require(raw["i"] == index and type(raw["i"]) is int, f"{what}: wrong index")
+    enc = raw.get("enc", "raw")
+    _require((enc in ENCODINGS and enc != "raw") or "enc" not in raw,
+             f"{what}: enc must be one of {ENCODINGS[1:]} when present")
+    # Delta-encoded files are always Blosc frames, whatever the array's codec.
+    lo, hi = _nbytes_range(codec if enc == "raw" else "zstd-1", raw_nbytes)
+    nbytes = _int(raw["nbytes"], f"{what}: nbytes", lo, hi)
+    crc = _int(raw["crc32c"], f"{what}: crc32c", 0, 2**32 - 1)
+    digest = _hex_digest(raw["blake3"], what)
     src = raw["src"]
     _require(
         src is None or (is_checkpoint_id(src) and src != ckpt_id),
-        f"{where} chunk {index}: src must be null or another checkpoint's uuid",
+        f"{what}: src must be null or another checkpoint's uuid",
     )
-    return ChunkEntry(index, nbytes, crc, digest, src)
+    base = None
+    if enc != "raw":
+        b = raw["base"]
+        _require(isinstance(b, dict) and set(b) == _BASE_FIELDS, f"{what}: base: bad fields")
+        _require(is_checkpoint_id(b["src"]) and b["src"] != ckpt_id,
+                 f"{what}: base.src must be another checkpoint's uuid")
+        base_lo, base_hi = _nbytes_range(codec, raw_nbytes)
+        base = BaseChunk(
+            b["src"],
+            _int(b["nbytes"], f"{what}: base.nbytes", base_lo, base_hi),
+            _int(b["crc32c"], f"{what}: base.crc32c", 0, 2**32 - 1),
+            _hex_digest(b["blake3"], f"{what}: base"),
+        )
+    return ChunkEntry(index, nbytes, crc, digest, src, enc, base)
 
 
 _TENSOR_FIELDS = frozenset(

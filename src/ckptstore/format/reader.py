@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import stat
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,20 +32,31 @@ from ckptstore.errors import (
     InvalidNameError,
 )
 from ckptstore.format.chunkio import ByteBuffer, ChunkReader, Dest, Locate
+from ckptstore.format.codecs import codec_spec
 from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.flatten import rebuild_state
-from ckptstore.format.fsio import storage_error
+from ckptstore.format.fsio import populate_write, storage_error
 from ckptstore.format.keys import render_path
 from ckptstore.format.manifest import ArrayEntry, Manifest, TensorEntry, manifest_digest
 from ckptstore.format.tree import iter_tensor_refs, match_into, select_tree
 
-__all__ = ["iter_tensors", "read_checkpoint", "read_manifest"]
+__all__ = ["iter_tensors", "read_checkpoint", "read_manifest", "read_tensors"]
 
 logger = logging.getLogger(__name__)
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+#: Reads of raw chunks are I/O- and page-fault-bound, not CPU-bound: at least this many reader
+#: threads keep the disk queue and the fault path busy even when the caller asks for fewer.
+MIN_READ_THREADS = 4
+#: Chunk files hinted (``POSIX_FADV_WILLNEED``) ahead of the ones being read, so a cold read
+#: keeps the device queue full instead of waiting file by file.
+PREFETCH_AHEAD = 8
+#: Fresh tensors at least this large have their pages faulted in by a helper thread, ahead of
+#: and in parallel with the reads that fill them.
+PREFAULT_MIN_BYTES = 1024 * 1024
 
 
 def read_manifest(directory: Path, expected_digest: str | None = None) -> Manifest:
@@ -65,8 +78,7 @@ def read_manifest(directory: Path, expected_digest: str | None = None) -> Manife
         raise CheckpointNotFoundError(f"no checkpoint directory at {directory}")
     marker = directory / COMMIT_NAME
     try:
-        with open(marker, "rb") as fh:
-            text = fh.read(256)
+        text = _read_regular(marker, 256)
     except FileNotFoundError:
         raise IncompleteCheckpointError(
             f"{directory} has no {COMMIT_NAME} marker: the save that wrote it died or is still "
@@ -92,9 +104,27 @@ def read_manifest(directory: Path, expected_digest: str | None = None) -> Manife
     return Manifest.from_json(data)
 
 
+def _open_regular(path: Path) -> int:
+    """Open a checkpoint file read-only without blocking (FIFO) or following a link."""
+    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IntegrityError(f"{path} is not a regular file; the checkpoint was tampered with")
+    return fd
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    fd = _open_regular(path)
+    try:
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            return fh.read(limit)
+    finally:
+        os.close(fd)
+
+
 def _read_bounded(path: Path) -> bytes:
     try:
-        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+        fd = _open_regular(path)
     except FileNotFoundError:
         raise IntegrityError(f"{path} is missing from a committed checkpoint") from None
     except OSError as exc:
@@ -158,6 +188,47 @@ def _direct(tensor: torch.Tensor) -> bool:
         and not tensor.is_conj()
         and not tensor.is_neg()
     )
+
+
+def _fresh(
+    shape: tuple[int, ...], dtype: torch.dtype, prefault: list[tuple[int, int]] | None = None
+) -> torch.Tensor:
+    """An uninitialised tensor; large ones are queued on ``prefault`` as (address, bytes)."""
+    tensor = torch.empty(shape, dtype=dtype)
+    nbytes = tensor.numel() * tensor.element_size()
+    if prefault is not None and nbytes >= PREFAULT_MIN_BYTES:
+        prefault.append((tensor.data_ptr(), nbytes))
+    return tensor
+
+
+class _Prefaulter:
+    """Faults in fresh tensors' pages on a helper thread while the readers fill them.
+
+    Filling fresh memory is bound by page faults (reference/performance.md: ~2 GB/s); taken
+    one at a time inside each read they serialise with the copy. ``MADV_POPULATE_WRITE``
+    faults a whole range per call, off the readers' path; a page a reader reaches first is
+    simply faulted by the reader. A no-op where the kernel lacks it (Linux < 5.14).
+    """
+
+    def __init__(self, ranges: list[tuple[int, int]]) -> None:
+        self._ranges = ranges
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ckpt-prefault", daemon=True)
+        if ranges:
+            self._thread.start()
+
+    def _run(self) -> None:
+        for address, nbytes in self._ranges:
+            if self._stop.is_set():
+                return
+            if not populate_write(address, nbytes):
+                return
+
+    def close(self) -> None:
+        """Stop and wait: no thread touches the tensors after the load returns."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def _chunk_dests(
@@ -227,6 +298,7 @@ def read_checkpoint(
     arrays_out: dict[str, np.ndarray[Any, Any]] = {}
     copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
     plan: dict[tuple[str, int], list[Dest]] = {}
+    prefault: list[tuple[int, int]] = []
     for key in needed:
         entry = manifest.tensors[key]
         info = dtype_by_name(entry.torch_dtype)
@@ -239,7 +311,7 @@ def read_checkpoint(
             dest = target
             tensors[key] = target
         else:
-            dest = torch.empty(entry.shape, dtype=info.torch_dtype)
+            dest = _fresh(entry.shape, info.torch_dtype, prefault)
             if isinstance(target, torch.Tensor):
                 copy_back.append((target, dest))
                 tensors[key] = target
@@ -249,7 +321,7 @@ def read_checkpoint(
             _chunk_dests(entry, manifest.arrays[entry.array], _writable_bytes(dest), plan)
 
     reader = ChunkReader(Path(directory), manifest, locate)
-    _run_reads(reader, manifest, plan, threads)
+    _run_reads(reader, manifest, plan, threads, prefault)
     if copy_back:
         with torch.no_grad():
             for target, fresh in copy_back:
@@ -265,11 +337,51 @@ def read_checkpoint(
     return state
 
 
+def read_tensors(
+    directory: Path,
+    manifest: Manifest,
+    keys: Sequence[str],
+    *,
+    locate: Locate | None = None,
+    threads: int = 2,
+) -> dict[str, torch.Tensor]:
+    """Read the tensors with exactly these keys into fresh tensors, by key.
+
+    Unlike :func:`read_checkpoint` there is no pattern matching and no state tree: the
+    result is flat, which suits tools that compare or convert tensor by tensor.
+
+    Raises:
+        InvalidNameError: If a key is not a tensor of the checkpoint.
+        IntegrityError: On a damaged chunk, as :func:`read_checkpoint`.
+        MissingBaseError: If a chunk's base checkpoint cannot be found.
+    """
+    unknown = [k for k in keys if k not in manifest.tensors]
+    if unknown:
+        raise InvalidNameError(
+            f"checkpoint {manifest.id} has no tensor {render_path(unknown[0])}"
+            + (f" (and {len(unknown) - 1} more unknown keys)" if len(unknown) > 1 else "")
+        )
+    out: dict[str, torch.Tensor] = {}
+    plan: dict[tuple[str, int], list[Dest]] = {}
+    prefault: list[tuple[int, int]] = []
+    for key in keys:
+        entry = manifest.tensors[key]
+        info = dtype_by_name(entry.torch_dtype)
+        assert info is not None  # the manifest was validated
+        out[key] = dest = _fresh(entry.shape, info.torch_dtype, prefault)
+        if entry.numel:
+            _chunk_dests(entry, manifest.arrays[entry.array], _writable_bytes(dest), plan)
+    reader = ChunkReader(Path(directory), manifest, locate)
+    _run_reads(reader, manifest, plan, threads, prefault)
+    return out
+
+
 def _run_reads(
     reader: ChunkReader,
     manifest: Manifest,
     plan: dict[tuple[str, int], list[Dest]],
     threads: int,
+    prefault: list[tuple[int, int]] | None = None,
 ) -> None:
     jobs = [
         (manifest.arrays[name], index, sorted(dests, key=lambda d: d[0]))
@@ -279,10 +391,39 @@ def _run_reads(
         for array, index, dests in jobs:
             reader.read(array, index, dests)
         return
-    with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-read") as pool:
-        futures: list[Future[None]] = [
-            pool.submit(reader.read, array, index, dests) for array, index, dests in jobs
-        ]
+    prefaulter = _Prefaulter(prefault or [])
+    try:
+        _parallel_reads(reader, jobs, threads)
+    finally:
+        prefaulter.close()
+
+
+def _parallel_reads(
+    reader: ChunkReader, jobs: list[tuple[ArrayEntry, int, list[Dest]]], threads: int
+) -> None:
+    ahead = min(PREFETCH_AHEAD, len(jobs))
+    for array, index, _ in jobs[:ahead]:
+        reader.prefetch(array, index)
+
+    def read(position: int) -> None:
+        # Keep the read-ahead window moving: the file PREFETCH_AHEAD places later starts
+        # loading now, while this one is copied.
+        if position + ahead < len(jobs):
+            later = jobs[position + ahead]
+            reader.prefetch(later[0], later[1])
+        array, index, dests = jobs[position]
+        reader.read(array, index, dests)
+
+    # Raw chunks are read straight into the tensors: I/O- and page-fault-bound work that
+    # more threads overlap. Decoding is CPU-bound and each thread holds two chunk-sized
+    # scratch buffers, so compressed reads keep the caller's thread count.
+    decoding = any(
+        codec_spec(array.codec).compressed or array.chunks[index].enc != "raw"
+        for array, index, _ in jobs
+    )
+    workers = threads if decoding else max(threads, MIN_READ_THREADS)
+    with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-read") as pool:
+        futures: list[Future[None]] = [pool.submit(read, i) for i in range(len(jobs))]
         try:
             for future in futures:
                 future.result()

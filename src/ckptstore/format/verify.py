@@ -4,21 +4,37 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import blake3
 
 from ckptstore.errors import IntegrityError, MissingBaseError, StorageError
 from ckptstore.format.chunkio import ChunkReader, Locate
+from ckptstore.format.codecs import TRAILER, crc32c_update
 from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, ZARR_JSON
 from ckptstore.format.manifest import ArrayEntry, Manifest
 
-__all__ = ["chunk_files", "verify_checkpoint"]
+__all__ = ["EXTRA_FILES_KEY", "chunk_files", "extra_files", "verify_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
 _VERIFY_THREADS = 2
+
+
+#: ``manifest.extra`` key listing files a checkpoint owns outside the packed arrays (written by
+#: other layouts, e.g. ckptstore.integrations.dcp): ``[relative path, size, crc32c or null]``,
+#: data files first. A crc32c means the file ends with the crc32c of the rest (the Zarr crc32c
+#: codec's trailer). Validated by :meth:`Manifest.from_json`.
+EXTRA_FILES_KEY = "files"
+
+
+def extra_files(manifest: Manifest) -> list[tuple[str, int, int | None]]:
+    """``(relative path, size, crc32c or None)`` of the files listed under ``extra["files"]``."""
+    raw = manifest.extra.get(EXTRA_FILES_KEY) or []
+    return [(str(p), int(n), None if c is None else int(c)) for p, n, c in raw]
 
 
 def chunk_files(manifest: Manifest) -> list[str]:
@@ -35,6 +51,7 @@ def chunk_files(manifest: Manifest) -> list[str]:
         for chunk in array.chunks
         if chunk.src is None
     ]
+    files += [path for path, _, _ in extra_files(manifest)]
     files += [f"{name}/{ZARR_JSON}" for name in manifest.arrays]
     files += [ZARR_JSON, MANIFEST_NAME, COMMIT_NAME]
     return files
@@ -82,9 +99,37 @@ def verify_checkpoint(
 
     with ThreadPoolExecutor(_VERIFY_THREADS, thread_name_prefix="ckpt-verify") as pool:
         problems += [p for p in pool.map(check, jobs) if p is not None]
+        checker = partial(_check_extra, directory, deep)
+        problems += [p for p in pool.map(checker, extra_files(manifest)) if p is not None]
     if problems:
         logger.warning("checkpoint %s: %d problems", manifest.id, len(problems))
     return problems
+
+
+def _check_extra(directory: Path, deep: bool, entry: tuple[str, int, int | None]) -> str | None:
+    rel, nbytes, crc = entry
+    path = directory / rel
+    try:
+        if not deep or crc is None:
+            size = os.stat(path).st_size
+            return None if size == nbytes else f"{rel}: is {size} bytes, expected {nbytes}"
+        # Non-blocking, no link following: a planted FIFO must not hang verification.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                return f"{rel}: is not a regular file"
+            data = fh.read(nbytes + 1)
+    except FileNotFoundError:
+        return f"{rel}: missing"
+    except OSError as exc:
+        return f"{rel}: cannot read: {exc}"
+    if len(data) != nbytes:
+        return f"{rel}: is {len(data)} bytes, expected {nbytes}"
+    got = crc32c_update(memoryview(data)[: -TRAILER.size], 0)
+    trailer = TRAILER.unpack(data[-TRAILER.size :])[0]
+    if got != trailer or got != crc:
+        return f"{rel}: crc32c {got:#010x} differs from the recorded {crc:#010x}"
+    return None
 
 
 def _check_chunk(reader: ChunkReader, array: ArrayEntry, index: int, deep: bool) -> str | None:

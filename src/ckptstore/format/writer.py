@@ -13,6 +13,7 @@ nothing here ever removes files, and a failed save never leaves a marker.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -30,7 +31,14 @@ import blake3
 import numpy as np
 import torch
 
-from ckptstore.errors import CkptError, InvalidNameError, UnsafeObjectError
+from ckptstore.errors import (
+    CkptError,
+    IntegrityError,
+    InvalidNameError,
+    StorageError,
+    UnsafeObjectError,
+)
+from ckptstore.format.chunkio import ChunkReader
 from ckptstore.format.codecs import (
     TRAILER,
     CodecSpec,
@@ -47,6 +55,15 @@ from ckptstore.format.constants import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
 )
+from ckptstore.format.delta import (
+    DeltaSpec,
+    QuantResult,
+    encode_payload,
+    payload_codec,
+    quantize_chunk,
+    threshold_chunk,
+    xor_into,
+)
 from ckptstore.format.flatten import flatten_state
 from ckptstore.format.fsio import (
     create_exclusive,
@@ -60,8 +77,10 @@ from ckptstore.format.fsio import (
 from ckptstore.format.layout import ArrayPlan, chunk_span, plan_layout
 from ckptstore.format.manifest import (
     ArrayEntry,
+    BaseChunk,
     BaseRef,
     ChunkEntry,
+    DeltaInfo,
     Manifest,
     TensorEntry,
     is_checkpoint_id,
@@ -83,6 +102,10 @@ _GATHER_ABOVE = 64
 # Uncompressed chunks are hashed and written in pieces that fit in L2 cache.
 _PIECE_BYTES = 1 << 20
 
+# An XOR delta that compresses to more than this fraction of the chunk is not worth its
+# dependency on the base: the chunk is written whole instead.
+_XOR_WORTH = 0.9
+
 
 def write_checkpoint(
     directory: Path,
@@ -95,6 +118,8 @@ def write_checkpoint(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     threads: int = 2,
     base: BaseRef | None = None,
+    delta: DeltaSpec | None = None,
+    depth: int = 0,
     extra: dict[str, Any] | None = None,
     fault_point: Callable[[str], None] | None = None,
     progress: Callable[[int], None] | None = None,
@@ -112,8 +137,15 @@ def write_checkpoint(
         chunk_bytes: Target chunk size in bytes.
         threads: Writer threads (one chunk per task).
         base: Committed checkpoint to deduplicate against: a chunk with the same array,
-            index, chunk length, codec and blake3 as the base's is not written but referenced
-            (``src``). The base, and every checkpoint it references, must outlive this one.
+            index, chunk length, codec and blake3 as the base's (raw) chunk is not written but
+            referenced (``src``). With an xor or lossy ``delta``, the base is the keyframe and
+            changed chunks are stored encoded against its chunks (see
+            :mod:`ckptstore.format.delta`). The chunk files referenced must outlive this
+            checkpoint.
+        delta: The delta mode (None: dedup against ``base`` only, no delta record). A lossy
+            mode packs the tensors its scope selects into ``<dtype>_lossy`` arrays, so its
+            keyframes must be written with the same spec.
+        depth: Position in the keyframe's chain (recorded in the manifest's ``delta``).
         extra: Free JSON metadata stored in the manifest (NaN allowed; keys become str).
         fault_point: Test hook called with each name in :data:`PHASES` as that phase ends.
         progress: Called from the calling thread with the logical bytes of each finished
@@ -129,12 +161,13 @@ def write_checkpoint(
     """
     started = time.perf_counter()
     directory = Path(directory)
-    spec = _check_args(ckpt_id, run, step, codec, chunk_bytes, threads, base)
+    spec = _check_args(ckpt_id, run, step, codec, chunk_bytes, threads, base, depth)
     if sys.byteorder != "little":
         raise CkptError("the checkpoint format stores little-endian bytes; this host is not")
     extra_doc = _normalise_extra(extra)
     flat = flatten_state(state)
-    plans = plan_layout(flat.tensors, chunk_bytes)
+    scope = delta.scope if delta is not None and delta.lossy else None
+    plans = plan_layout(flat.tensors, chunk_bytes, lossy_scope=scope)
     sources = {key: _byte_view(t) for key, t in flat.tensors.items()}
     docs = build_metadata(
         ckpt_id, [(p.name, p.length, p.chunk_len, p.info) for p in plans.values()], spec
@@ -146,7 +179,7 @@ def write_checkpoint(
 
     _make_dirs(directory, plans)
     fault("chunks_started")
-    chunk_writer = _ChunkWriter(directory, spec, sources, plans, base)
+    chunk_writer = _ChunkWriter(directory, spec, sources, plans, base, delta)
     chunks, stored_bytes = chunk_writer.run(threads, progress)
     fault("chunks_written")
 
@@ -167,6 +200,7 @@ def write_checkpoint(
         step=step,
         base=base,
         extra=extra_doc,
+        delta=_delta_info(delta, depth, chunk_writer.errors),
     )
     manifest_bytes = manifest.to_json()
     _durable(directory / MANIFEST_NAME, manifest_bytes)
@@ -200,6 +234,7 @@ def _check_args(
     chunk_bytes: int,
     threads: int,
     base: BaseRef | None,
+    depth: int,
 ) -> CodecSpec:
     if not is_checkpoint_id(ckpt_id):
         raise InvalidNameError(f"checkpoint id {ckpt_id!r} must be a lower-case uuid string")
@@ -215,6 +250,8 @@ def _check_args(
         raise InvalidNameError(f"threads must be a positive int, got {threads!r}")
     if base is not None and base.manifest.id == ckpt_id:
         raise InvalidNameError("a checkpoint cannot be its own base")
+    if not isinstance(depth, int) or depth < 0:
+        raise InvalidNameError(f"depth must be a non-negative int, got {depth!r}")
     try:
         return codec_spec(codec)
     except ValueError as exc:
@@ -309,6 +346,21 @@ class _Written:
     entry: ChunkEntry
     path: Path | None  # None when deduplicated against the base
     logical: int
+    lossy: QuantResult | None = None  # error statistics of a lossily stored chunk
+
+
+@dataclass
+class _Errors:
+    """Error statistics over the lossily stored chunks of one save."""
+
+    max_abs: float = 0.0
+    sum_abs: float = 0.0
+    elements: int = 0
+
+    def add(self, result: QuantResult, elements: int) -> None:
+        self.max_abs = max(self.max_abs, result.max_abs_error)
+        self.sum_abs += result.sum_abs_error
+        self.elements += elements
 
 
 class _ChunkWriter:
@@ -321,6 +373,7 @@ class _ChunkWriter:
         sources: dict[str, np.ndarray[Any, np.dtype[np.uint8]]],
         plans: dict[str, ArrayPlan],
         base: BaseRef | None,
+        delta: DeltaSpec | None = None,
     ) -> None:
         self._directory = directory
         self._spec = spec
@@ -329,12 +382,25 @@ class _ChunkWriter:
         self._local = threading.local()
         self._gather_size = max((p.chunk_nbytes for p in plans.values()), default=0)
         self._base_id = base.manifest.id if base is not None else None
-        self._base: dict[str, tuple[ChunkEntry, ...]] = {}
+        self._base: dict[str, ArrayEntry] = {}
+        self._delta = delta if delta is not None and delta.chained else None
+        self._base_reader = (
+            ChunkReader(base.directory, base.manifest, base.locate)
+            if base is not None and self._delta is not None
+            else None
+        )
+        self._errors_lock = threading.Lock()
+        self.errors = _Errors()
         if base is not None:
             for name, plan in plans.items():
                 old = base.manifest.arrays.get(name)
-                if old is not None and old.chunk_len == plan.chunk_len and old.codec == spec.name:
-                    self._base[name] = old.chunks
+                if (
+                    old is not None
+                    and old.chunk_len == plan.chunk_len
+                    and old.codec == spec.name
+                    and old.torch_dtype == plan.info.name
+                ):
+                    self._base[name] = old
 
     def run(
         self, threads: int, progress: Callable[[int], None] | None
@@ -355,6 +421,8 @@ class _ChunkWriter:
                 for name, future in futures:
                     done = future.result()
                     results[name][done.entry.i] = done.entry
+                    if done.lossy is not None:
+                        self.errors.add(done.lossy, done.lossy.elements)
                     if done.path is not None:
                         written.append(done.path)
                         stored += done.entry.nbytes
@@ -391,7 +459,17 @@ class _ChunkWriter:
         pad = plan.chunk_nbytes - logical
         if pad:
             segments.append(np.zeros(pad, dtype=np.uint8))
-        if len(segments) > 1 and (self._spec.compressed or len(segments) > _GATHER_ABOVE):
+        old_array = self._base.get(plan.name)
+        old = (
+            old_array.chunks[index]
+            if old_array is not None and index < len(old_array.chunks)
+            else None
+        )
+        # Delta encoding needs the base's exact chunk: only raw-encoded ones qualify.
+        encode = self._delta is not None and old is not None and old.enc == "raw"
+        if len(segments) > 1 and (
+            self._spec.compressed or len(segments) > _GATHER_ABOVE or encode
+        ):
             buf = self._buffer("gather", self._gather_size)
             pos = 0
             for seg in segments:
@@ -400,8 +478,6 @@ class _ChunkWriter:
             segments = [buf[:pos]]
 
         path = self._directory / plan.name / "c" / str(index)
-        old_chunks = self._base.get(plan.name)
-        old = old_chunks[index] if old_chunks is not None and index < len(old_chunks) else None
         if old is None and not self._spec.compressed:
             return self._stream_raw(path, index, segments, logical)
 
@@ -409,28 +485,96 @@ class _ChunkWriter:
         for seg in segments:
             hasher.update(seg)
         digest = hasher.hexdigest()
-        if old is not None and old.blake3 == digest:
+        if old is not None and old.enc == "raw" and old.blake3 == digest:
             entry = ChunkEntry(index, old.nbytes, old.crc32c, digest, old.src or self._base_id)
             return _Written(entry, None, logical)
+        if encode:
+            assert old_array is not None and old is not None
+            written = self._write_delta(plan, index, old_array, old, segments[0], digest, path)
+            if written is not None:
+                return _Written(written[0], path, logical, written[1])
 
         payload: list[Any] = segments
         if self._spec.compressed:
             out = self._buffer("encoded", max_encoded_size(self._gather_size))
             payload = [encode_into(self._spec, segments[0], isz, out)]
+        crc, nbytes = self._write_file(path, payload)
+        return _Written(ChunkEntry(index, nbytes, crc, digest, None), path, logical)
+
+    def _write_file(self, path: Path, payload: list[Any]) -> tuple[int, int]:
+        """Write ``payload`` + crc32c trailer to a new file; return (crc, bytes written)."""
         crc = 0
         for part in payload:
             crc = crc32c_update(part, crc)
-        payload.append(TRAILER.pack(crc))
         try:
             fd = create_exclusive(path)
             try:
-                nbytes = writev_all(fd, payload)
+                nbytes = writev_all(fd, [*payload, TRAILER.pack(crc)])
                 start_writeback(fd)
             finally:
                 os.close(fd)
         except OSError as exc:
             raise storage_error(path, "write chunk", exc) from exc
-        return _Written(ChunkEntry(index, nbytes, crc, digest, None), path, logical)
+        return crc, nbytes
+
+    def _write_delta(
+        self,
+        plan: ArrayPlan,
+        index: int,
+        old_array: ArrayEntry,
+        old: ChunkEntry,
+        data: Any,
+        digest: str,
+        path: Path,
+    ) -> tuple[ChunkEntry, QuantResult | None] | None:
+        """Write a chunk encoded against the base's chunk; None: write it raw instead."""
+        spec = self._delta
+        assert spec is not None and self._base_reader is not None
+        raw = plan.chunk_nbytes
+        new = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+        base = self._buffer("base", self._gather_size)[:raw]
+        try:
+            self._base_reader.read(old_array, index, [(0, base)])
+        except (IntegrityError, StorageError) as exc:
+            # MissingBaseError is an IntegrityError. The save must not fail because its
+            # keyframe is damaged: this chunk is simply stored whole.
+            logger.warning("cannot read base chunk %s/%d of %s (%s); writing it whole",
+                           plan.name, index, self._base_id, exc)
+            return None
+        payload_buf = self._buffer("payload", self._gather_size + 64)
+        n = plan.chunk_len
+        real = max(0, min(n, plan.length - index * n))
+        enc, typesize = "xor", plan.info.itemsize
+        lossy: QuantResult | None = None
+        payload: Any = None
+        if plan.lossy and spec.quantize:
+            recon = self._buffer("recon", self._gather_size)
+            lossy = quantize_chunk(
+                new, base, plan.info, n, bits=spec.quantize, block=spec.block,
+                threshold=spec.threshold, payload_out=payload_buf, recon_out=recon,
+            )
+            if lossy is not None:
+                enc, typesize, payload = f"q{spec.quantize}", 1, lossy.payload
+                digest = blake3.blake3(recon[:raw].data).hexdigest()
+        elif plan.lossy and spec.threshold:
+            recon = self._buffer("recon", self._gather_size)
+            lossy = threshold_chunk(new, base, plan.info, n, spec.threshold, recon)
+            new = recon[:raw]
+            digest = blake3.blake3(new.data).hexdigest()
+        if payload is None:
+            payload = payload_buf[:raw]
+            xor_into(new, base, payload)
+        out = self._buffer("encoded", max_encoded_size(self._gather_size + 64))
+        frame = encode_payload(payload, typesize, out, payload_codec(self._spec.name))
+        if lossy is None and len(frame) > _XOR_WORTH * raw:
+            return None
+        crc, nbytes = self._write_file(path, [frame])
+        ref = BaseChunk(old.src or self._base_id or "", old.nbytes, old.crc32c, old.blake3)
+        entry = ChunkEntry(index, nbytes, crc, digest, None, enc, ref)
+        if lossy is not None:
+            # Error statistics count the real elements, not the tail padding (exact zeros).
+            lossy = QuantResult(lossy.payload, lossy.max_abs_error, lossy.sum_abs_error, real)
+        return entry, lossy
 
     def _stream_raw(self, path: Path, index: int, segments: list[Any], logical: int) -> _Written:
         """Write an uncompressed chunk piece by piece, hashing each piece just before.
@@ -482,6 +626,7 @@ def _build_manifest(
     step: int,
     base: BaseRef | None,
     extra: dict[str, Any],
+    delta: DeltaInfo | None = None,
 ) -> Manifest:
     arrays = {
         name: ArrayEntry(
@@ -503,9 +648,21 @@ def _build_manifest(
         chunk_len = plans[place.array].chunk_len
         start, stop = chunk_span(place.offset, place.numel, chunk_len)
         entries[key] = TensorEntry(
-            key, place.array, place.offset, place.numel, place.shape, place.array, start, stop
+            key,
+            place.array,
+            place.offset,
+            place.numel,
+            place.shape,
+            plans[place.array].info.name,
+            start,
+            stop,
         )
-    referenced = any(c.src is not None for a in arrays.values() for c in a.chunks)
+    referenced = any(
+        o is not None for a in arrays.values() for c in a.chunks for o in c.owners()
+    )
+    if delta is not None and not referenced and delta.depth:
+        # Nothing ended up relative to the keyframe: this checkpoint is a keyframe itself.
+        delta = dataclasses.replace(delta, depth=0)
     return Manifest(
         format_version=FORMAT_VERSION,
         id=ckpt_id,
@@ -522,4 +679,27 @@ def _build_manifest(
         logical_bytes=sum(p.length * p.info.itemsize for p in plans.values()),
         stored_bytes=stored_bytes,
         extra=extra,
+        delta=delta,
+    )
+
+
+def _delta_info(
+    spec: DeltaSpec | None,
+    depth: int,
+    errors: _Errors,
+) -> DeltaInfo | None:
+    if spec is None:
+        return None
+    lossy = errors.elements > 0
+    return DeltaInfo(
+        mode=spec.mode,
+        depth=depth if spec.chained else 0,
+        lossy=lossy,
+        scope=spec.scope if spec.lossy else (),
+        threshold=spec.threshold if spec.lossy else None,
+        quantize=spec.quantize if spec.lossy else None,
+        block=spec.block if spec.lossy and spec.quantize else None,
+        max_abs_error=errors.max_abs,
+        mean_abs_error=errors.sum_abs / errors.elements if lossy else 0.0,
+        lossy_elements=errors.elements,
     )

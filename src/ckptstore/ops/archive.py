@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from ckptstore.errors import CkptError, ConfigError
 from ckptstore.ops.replicas import (
+    acquire_lease,
     delete_replica,
     dependents,
     lease_owner,
@@ -87,6 +88,11 @@ def _present(ck: Checkpoint, tier: str) -> bool:
     return replica is not None and replica.state == ReplicaState.PRESENT
 
 
+def _deleting(ck: Checkpoint, tier: str) -> bool:
+    replica = ck.replica(tier)
+    return replica is not None and replica.state == ReplicaState.DELETING
+
+
 def _candidates(
     store: CheckpointStore, *, run: str | None, ref: str | None, src: str, dst: str
 ) -> list[Checkpoint]:
@@ -111,8 +117,7 @@ class _Lease:
 
     def acquire(self) -> bool:
         self._renewed = time.monotonic()
-        return bool(self._store.catalog.acquire_lease(self._id, self._purpose, self._owner,
-                                                      self._ttl))
+        return acquire_lease(self._store, self._id, self._purpose, self._owner, self._ttl)
 
     def touch(self) -> None:
         if time.monotonic() - self._renewed > self._ttl / 3:
@@ -290,7 +295,8 @@ def _run(
 def _remove_source(store: CheckpointStore, ck: Checkpoint, src: Tier, report: ArchiveReport,
                    owner: str) -> None:
     """Delete the source copy once the destination copy is verified and recorded."""
-    if not _present(store.catalog.get_any(ck.id), src.name):
+    current = store.catalog.get_any(ck.id)
+    if not (_present(current, src.name) or _deleting(current, src.name)):
         return
     readers = dependents(store, ck, src.name)
     if readers:
@@ -421,9 +427,12 @@ def demote_checkpoints(
         when = ck.committed_at or ck.created_at
         return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
 
-    # Already on dst but still on src counts too: a crash between copy and delete.
+    # Already on dst but still on src counts too: a crash between copy and delete, and so
+    # does a source copy a crash left DELETING after the destination copy was recorded.
     todo = sorted(
-        (ck for ck in found if _present(ck, src) and age_ref(ck) <= cutoff),
+        (ck for ck in found
+         if (_present(ck, src) or (_deleting(ck, src) and _present(ck, dst)))
+         and age_ref(ck) <= cutoff),
         key=lambda ck: (ck.created_at, ck.version),
     )
     report = ArchiveReport(src=src, tier=dst)

@@ -46,6 +46,7 @@ from ckptstore.errors import CkptError, InvalidNameError
 from ckptstore.format import Manifest, iter_tensors, unflatten_state
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.tree import iter_tensor_refs, select_tree
+from ckptstore.integrations.dcp_layout import is_dcp_manifest
 from ckptstore.ops.convert_dcp_write import TensorFeed, write_dcp
 from ckptstore.ops.convert_dir import DIRECTORY_FORMATS, check_format, convert_directory
 from ckptstore.ops.convert_readers import FORMATS, METADATA_KEY, read_source
@@ -116,6 +117,25 @@ def export_checkpoint(
     ck = store.get(ref)
     manifest = store.manifest(ck.id)
     directory = store.checkpoint_dir(ck.run, ck.id)
+    if is_dcp_manifest(manifest):
+        # Saved through DCP: its tensors are not in the packed arrays; store.load gives the
+        # full (unsharded) state, which pt and dcp can write as it is.
+        if fmt not in ("pt", "dcp"):
+            raise InvalidNameError(
+                f"checkpoint {ck.ref} was saved through torch.distributed.checkpoint; export "
+                f"it as pt or dcp, or load it and save it with store.save to export {fmt}"
+            )
+        state = store.load(ck.id, keys=keys)
+        with staged_output(out, overwrite=overwrite) as tmp:
+            if fmt == "pt":
+                write_pt(state, tmp)
+            else:
+                _save_dcp_folder(state, tmp)
+        store.catalog.record_event(
+            "converted", checkpoint_id=ck.id,
+            detail={"fmt": fmt, "path": str(out.absolute()), "keys": list(keys) if keys else None},
+        )
+        return out
     tree = _selected_tree(manifest, keys)
     with staged_output(out, overwrite=overwrite) as tmp:
         if fmt == "pt":
@@ -150,6 +170,18 @@ def export_checkpoint(
     )
     logger.info("exported %s as %s to %s", ck.ref, fmt, out)
     return out
+
+
+def _save_dcp_folder(state: Any, path: Path) -> None:
+    """Write a full in-memory state as a DCP folder (one process)."""
+    import warnings
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_save(state, storage_writer=FileSystemWriter(str(path)), no_dist=True)
 
 
 def _selected_tree(manifest: Manifest, keys: Sequence[str] | None) -> Any:

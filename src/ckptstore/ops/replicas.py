@@ -4,14 +4,17 @@
 * :func:`manifest_on` / :func:`manifest_of`: a checkpoint's manifest read from a tier and
   checked against the catalog digest (cached: a manifest never changes for a given digest).
 * :func:`referenced_chunks`: which chunk files on a tier other checkpoints still read
-  (dedup), so deleting one checkpoint's copy never breaks another.
-* :func:`delete_replica`: the one safe way to delete a copy.
+  (dedup, and the base chunks of delta-encoded chunks), so deleting one checkpoint's copy
+  never breaks another.
+* :func:`delete_replica`: the one safe way to delete a copy; it also frees the kept chunk
+  files of already deleted checkpoints once nothing reads them any more.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import uuid
@@ -38,7 +41,6 @@ from ckptstore.storage import (
     Tier,
     build_tiers,
     is_not_found,
-    iter_chunks,
 )
 
 if TYPE_CHECKING:
@@ -47,12 +49,15 @@ if TYPE_CHECKING:
 __all__ = [
     "TIER_ORDER",
     "ChunkId",
+    "acquire_lease",
     "delete_replica",
     "dependents",
+    "holder_is_dead",
     "lease_owner",
     "manifest_of",
     "manifest_on",
     "referenced_chunks",
+    "release_chunks",
     "run_resolver",
     "store_tiers",
     "tier_of",
@@ -113,6 +118,46 @@ def tier_of(store: CheckpointStore, name: str) -> Tier:
 def lease_owner(owner: str | None = None) -> str:
     """A lease owner unique to this call (host, pid and a random suffix) unless given."""
     return owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def holder_is_dead(owner: str | None) -> bool:
+    """Whether a lease owner / writer (``host:pid[:tag]``, optionally prefixed, as
+    :func:`lease_owner` makes them) names a process on this host that no longer exists.
+
+    Owners on other hosts are never judged (their leases simply expire).
+    """
+    if not owner:
+        return False
+    host = socket.gethostname()
+    match = re.search(rf"(?:^|:){re.escape(host)}:(\d+)(?::|$)", owner)
+    if match is None:
+        return False
+    try:
+        os.kill(int(match.group(1)), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def acquire_lease(store: CheckpointStore, ckpt_id: str, purpose: str, owner: str,
+                  ttl_s: float) -> bool:
+    """Take a catalog lease; take it over at once when its holder is a dead local process.
+
+    A SIGKILLed flow never releases its lease; without this a rerun on the same host would
+    be skipped (archive) or wait (restore) until the lease expires (up to an hour).
+    """
+    if store.catalog.acquire_lease(ckpt_id, purpose, owner, ttl_s):
+        return True
+    holder = store.catalog.lease_holder(ckpt_id, purpose)
+    if holder is None or not holder_is_dead(holder):
+        return False
+    logger.info("lease %s on %s was held by %s, which is gone; taking it over",
+                purpose, ckpt_id, holder)
+    # Releasing as the dead holder, then one atomic acquire: racing takers get one winner.
+    store.catalog.release_lease(ckpt_id, purpose, holder)
+    return bool(store.catalog.acquire_lease(ckpt_id, purpose, owner, ttl_s))
 
 
 def run_resolver(store: CheckpointStore, ck: Checkpoint) -> Callable[[str], str]:
@@ -235,10 +280,12 @@ def referenced_chunks(
 ) -> set[ChunkId]:
     """Chunks on ``tier`` that checkpoints read from another checkpoint's directory.
 
-    Dedup means a chunk file owned (physically stored) by checkpoint A may be read by B.
+    Dedup means a chunk file owned (physically stored) by checkpoint A may be read by B, and
+    a delta-encoded chunk of B is decoded against A's chunk with the same array and index.
     This collects, from the manifests of every COMMITTED checkpoint with a live replica
-    (PRESENT, COPYING or DAMAGED) on ``tier``, each chunk whose owner is another checkpoint.
-    Deleting A's copy on that tier must keep exactly these of A's chunk files.
+    (PRESENT, COPYING or DAMAGED) on ``tier``, each such chunk whose owner is another
+    checkpoint (:meth:`~ckptstore.format.Manifest.chunk_refs`). Deleting A's copy on that
+    tier must keep exactly these of A's chunk files.
 
     Known gap: a save still in progress (PENDING, no manifest yet) that deduplicates against
     A is not seen; retention keeps the newest checkpoint of each run, which is the base new
@@ -263,11 +310,7 @@ def referenced_chunks(
         if ck.id in skip or replica is None or replica.state not in _LIVE:
             continue
         manifest = manifest_of(store, ck)
-        out.update(
-            (ref.owner, ref.array, ref.index)
-            for ref in iter_chunks(manifest)
-            if ref.owner != ck.id
-        )
+        out.update(ref for ref in manifest.chunk_refs() if ref[0] != ck.id)
     return out
 
 
@@ -278,7 +321,7 @@ def dependents(store: CheckpointStore, ck: Checkpoint, tier: str) -> list[Checkp
         replica = other.replica(tier)
         if other.id == ck.id or replica is None or replica.state not in _LIVE:
             continue
-        if any(ref.owner == ck.id for ref in iter_chunks(manifest_of(store, other))):
+        if ck.id in manifest_of(store, other).referenced_checkpoints():
             out.append(other)
     return out
 
@@ -298,13 +341,16 @@ def delete_replica(
     tier read its chunks → replica DELETING → remove the ``COMMITTED`` marker → remove the
     other files → replica DELETED → event ``replica_deleted``. Safe to rerun after a crash.
 
-    Dedup: a delta reads chunk files from its base's directory, and the format's reader
-    requires that directory to be a committed checkpoint (marker present). So by default a
+    Dedup: other checkpoints may read chunk files from this one's directory. By default a
     copy whose chunks are read by other live copies on the same tier is not deleted
-    (ConflictError naming them): delete or compact the deltas first. With
+    (ConflictError naming them): delete or compact the readers first. With
     ``keep_referenced=True`` the copy is deleted except exactly the chunk files
-    :func:`referenced_chunks` reports (marker first, as always): chunk-level reclamation,
-    for readers that accept a base directory without a marker.
+    :func:`referenced_chunks` reports (marker first, as always): chunk-level reclamation.
+    The format's reader reads such kept chunks without the owner's marker, checking each
+    against the size and crc32c in the reader's own manifest.
+
+    Afterwards, chunk files that checkpoints deleted earlier kept for this copy's sake are
+    freed when no live copy on the tier reads them any more (see :func:`release_chunks`).
 
     Args:
         store: The open store.
@@ -325,6 +371,12 @@ def delete_replica(
         StorageError: If the tier fails; the replica stays DELETING and a rerun finishes.
     """
     ck = store.catalog.get_any(ck.id)
+    if tier == "memory" and tier not in store_tiers(store):
+        # A host-local copy in shared memory (ckptstore.hooks.memory_tier), never a verified
+        # copy and not a storage tier: forget it; its files go here or on its own host.
+        from ckptstore.hooks.memory_tier import drop_memory_copy
+
+        return drop_memory_copy(store, ck, actor=actor)
     target = tier_of(store, tier)
     replica = ck.replica(tier)
     if (
@@ -354,6 +406,8 @@ def delete_replica(
             f"chunk files are read by other checkpoints on {tier} ({readers}); delete or "
             "compact those first"
         )
+    # Read before deleting: which other checkpoints' kept chunks this copy was reading.
+    readers_of = _foreign_owners(store, target, ck)
     store.catalog.set_replica(ck.id, tier, state=ReplicaState.DELETING)
     prefix = target.prefix_for(ck.run, ck.id)
     keep = {target.key_for(ck.run, ck.id, f"{array}/c/{index}") for array, index in keep_ids}
@@ -369,10 +423,73 @@ def delete_replica(
         deleted += target.delete_prefix(prefix)
     target.abort_multipart_uploads(prefix)
     store.catalog.set_replica(ck.id, tier, state=ReplicaState.DELETED, bytes=0)
+    freed = release_chunks(store, tier, readers_of) if readers_of else 0
     store.catalog.record_event(
         "replica_deleted",
         checkpoint_id=ck.id,
         actor=actor,
-        detail={"tier": tier, "files": deleted, "kept_chunks": len(keep)},
+        detail={"tier": tier, "files": deleted, "kept_chunks": len(keep),
+                "freed_chunks": freed},
     )
+    return deleted + freed
+
+
+def _foreign_owners(store: CheckpointStore, target: Tier, ck: Checkpoint) -> set[str]:
+    """Ids of the checkpoints whose chunk files ``ck``'s copy on ``target`` reads."""
+    try:
+        cached = _cache_get(ck.id, ck.manifest_digest)
+        manifest = cached if cached is not None else manifest_on(target, ck)
+    except (CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError, StorageError):
+        # A half-deleted copy has no marker any more; what it read is then found by the
+        # next deletion of a reader, or by `ckpt gc`.
+        return set()
+    return manifest.referenced_checkpoints()
+
+
+def release_chunks(store: CheckpointStore, tier: str, owners: Iterable[str]) -> int:
+    """Delete kept chunk files of ``owners`` on ``tier`` that no live copy reads any more.
+
+    Only owners without a live copy (PRESENT, COPYING or DAMAGED) on the tier are touched:
+    their directory holds nothing but chunk files kept for readers (see
+    :func:`delete_replica`). When the last of them goes, the directory goes too.
+
+    Args:
+        store: The open store.
+        tier: Tier name.
+        owners: Checkpoint ids whose kept chunk files may have lost their last reader.
+
+    Returns:
+        Number of files deleted.
+
+    Raises:
+        StorageError: If the tier fails (what was deleted stays deleted; a rerun finishes).
+    """
+    target = tier_of(store, tier)
+    dead: list[Checkpoint] = []
+    for owner in sorted(set(owners)):
+        try:
+            ck = store.catalog.get_any(owner)
+        except CheckpointNotFoundError:
+            continue
+        replica = ck.replica(tier)
+        if replica is None or replica.state not in _LIVE:
+            dead.append(ck)
+    if not dead:
+        return 0
+    still = referenced_chunks(store, tier)
+    deleted = 0
+    for ck in dead:
+        prefix = target.prefix_for(ck.run, ck.id)
+        keep = {target.key_for(ck.run, ck.id, f"{array}/c/{index}")
+                for owner, array, index in still if owner == ck.id}
+        present = target.list_prefix(prefix)
+        if not present:
+            continue
+        if keep:
+            deleted += target.delete_keys(k for k in present if k not in keep)
+        else:
+            # delete_prefix also removes the emptied folders of a local tier.
+            deleted += target.delete_prefix(prefix)
+        logger.info("%s tier: freed unreferenced chunk files of deleted %s (%s); %d kept",
+                    tier, ck.ref, ck.id, len(keep))
     return deleted

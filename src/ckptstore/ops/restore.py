@@ -26,6 +26,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import Manifest, verify_checkpoint
 from ckptstore.ops.replicas import (
+    acquire_lease,
     delete_replica,
     lease_owner,
     manifest_on,
@@ -255,8 +256,13 @@ def restore_checkpoint(
     actor = lease_owner(owner)
     if to is not None:
         target = LocalTier(to, name="restore-target")
-        return _restore_into(store, ck, target, record=False, threads=threads,
-                             progress=progress, deep=deep, actor=actor)
+        # Reads the source tiers like a hot restore: retention must not delete under it.
+        _lease_against_retention(store, ck, "restore", actor, wait_s)
+        try:
+            return _restore_into(store, store.catalog.get(ck.id), target, record=False,
+                                 threads=threads, progress=progress, deep=deep, actor=actor)
+        finally:
+            store.catalog.release_lease(ck.id, "restore", actor)
     return _restore_hot(store, ck, threads=threads, progress=progress, deep=deep,
                         actor=actor, wait_s=wait_s, depth=0)
 
@@ -275,20 +281,8 @@ def _restore_hot(
     """Restore onto the hot tier under the ``restore:hot`` lease (waiting for another one)."""
     hot = store_tiers(store)["hot"]
     directory = store.checkpoint_dir(ck.run, ck.id)
-    deadline = time.monotonic() + wait_s
-    while True:
-        replica = store.catalog.get_any(ck.id).replica("hot")
-        if replica is not None and replica.state == ReplicaState.PRESENT:
-            return directory
-        if store.catalog.acquire_lease(ck.id, "restore:hot", actor, max(wait_s, 60.0)):
-            break
-        if time.monotonic() > deadline:
-            holder = store.catalog.lease_holder(ck.id, "restore:hot")
-            raise LeaseHeldError(
-                f"another restore of {ck.ref} ({holder}) has not finished after {wait_s:.0f}s; "
-                "retry later"
-            )
-        time.sleep(_POLL_S)
+    if _lease_against_retention(store, ck, "restore:hot", actor, wait_s):
+        return directory
     try:
         current = store.catalog.get_any(ck.id)
         replica = current.replica("hot")
@@ -298,6 +292,55 @@ def _restore_hot(
                              progress=progress, deep=deep, actor=actor, depth=depth)
     finally:
         store.catalog.release_lease(ck.id, "restore:hot", actor)
+
+
+def _lease_against_retention(store: CheckpointStore, ck: Checkpoint, purpose: str, actor: str,
+                             wait_s: float) -> bool:
+    """Take lease ``purpose`` on ``ck`` while no retention run is deleting it.
+
+    Retention takes its ``retention`` lease, then checks everyone else's; we take ours, then
+    check retention's. Whichever order the two run in, one of them sees the other and backs
+    off, so a checkpoint is never deleted while it is being restored. A lease left by a
+    killed process on this host is taken over at once.
+
+    Returns:
+        True (without a lease) when a hot restore is not needed any more: the hot copy is
+        PRESENT.
+
+    Raises:
+        CheckpointNotFoundError: If the checkpoint stopped being COMMITTED (it was pruned).
+        LeaseHeldError: If another restore or a retention run holds on past ``wait_s``.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        current = store.catalog.get_any(ck.id)
+        if current.state != CheckpointState.COMMITTED:
+            raise CheckpointNotFoundError(
+                f"checkpoint {ck.ref} ({ck.id}) was pruned while waiting to restore it (state "
+                f"{current.state}); `ckpt events {ck.id}` shows its history"
+            )
+        replica = current.replica("hot")
+        if purpose == "restore:hot" and replica is not None and \
+                replica.state == ReplicaState.PRESENT:
+            return True
+        blocker = None
+        if acquire_lease(store, ck.id, purpose, actor, max(wait_s, 60.0)):
+            blocker = store.catalog.lease_holder(ck.id, "retention")
+            if blocker is None:
+                # Taken while retention cannot be deleting it: the state is final for now.
+                if store.catalog.get_any(ck.id).state == CheckpointState.COMMITTED:
+                    return False
+                store.catalog.release_lease(ck.id, purpose, actor)
+                continue
+            store.catalog.release_lease(ck.id, purpose, actor)
+        else:
+            blocker = store.catalog.lease_holder(ck.id, purpose)
+        if time.monotonic() > deadline:
+            raise LeaseHeldError(
+                f"{ck.ref} is busy ({blocker}) after {wait_s:.0f}s: another restore or a "
+                "retention run is working on it; retry later"
+            )
+        time.sleep(_POLL_S)
 
 
 def ensure_hot(store: CheckpointStore, ck: Checkpoint) -> Path:

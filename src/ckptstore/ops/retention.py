@@ -705,9 +705,15 @@ def _delete_checkpoint(
     for replica in ck.replicas:
         if replica.state != ReplicaState.DELETED:
             # force: the checkpoint itself is pruned, so its last copy goes too.
-            delete_replica(store, ck, replica.tier, actor=owner, force=True)
-    # A hot directory can exist without a replica row (a crash between mkdir and the row).
-    _remove_local_dir(store.checkpoint_dir(ck.run, ck.id))
+            # keep_referenced: chunk files that kept checkpoints still read (dedup) stay;
+            # delete_replica frees them once their last reader is gone.
+            delete_replica(store, ck, replica.tier, actor=owner, force=True,
+                           keep_referenced=True)
+    if ck.replica("hot") is None:
+        # A hot directory can exist without a replica row (a crash between mkdir and the
+        # row). With a row, delete_replica owns the directory: it may hold chunk files
+        # that other checkpoints read, which must not be removed wholesale.
+        _remove_local_dir(store.checkpoint_dir(ck.run, ck.id))
     store.catalog.mark_deleted(ck.id)
     _record(store, action, owner)
     logger.info("pruned checkpoint %s (%s): %s", action.ref, ck.id, "; ".join(action.reasons))
@@ -718,8 +724,9 @@ def _delete_replica(
 ) -> None:
     from ckptstore.ops.replicas import delete_replica
 
-    # Not forced: delete_replica refuses the last verified copy and copies others still read.
-    delete_replica(store, ck, action.tier, actor=owner)
+    # Not forced: delete_replica refuses the last verified copy. Chunk files other copies on
+    # the tier still read (dedup, delta bases) are kept, the rest goes.
+    delete_replica(store, ck, action.tier, actor=owner, keep_referenced=True)
     _record(store, action, owner)
     logger.info("pruned the %s copy of %s (%s)", action.tier, action.ref, ck.id)
 
