@@ -241,7 +241,7 @@ class CkptstoreMethod(Method):
     def save(self, state: TrainState, step: int) -> None:
         """``store.save`` (catalog row, chunks, manifest, commit marker, all durable)."""
         self._ref = None
-        ck = self._store.save("bench", step, state, codec=self.codec)
+        ck = self._store.save("bench", step, state, codec=self.codec, delta=False)
         self._ref = ck.id
 
     def load(self, variant: str, live: TrainState) -> Any:

@@ -222,6 +222,8 @@ class CheckpointsMixin(RunsMixin):
         tier: str = "hot",
         replica_bytes: int | None = None,
         uri: str | None = None,
+        lossy: bool | None = None,
+        error_bound: float | None = None,
     ) -> Checkpoint:
         """Flip a PENDING checkpoint to COMMITTED once its files are durable.
 
@@ -235,6 +237,9 @@ class CheckpointsMixin(RunsMixin):
             tier: Tier holding the written copy.
             replica_bytes: Bytes of that copy; ``stored_bytes`` by default.
             uri: Where the copy lives, if not given at :meth:`begin_checkpoint`.
+            lossy: Whether the written checkpoint holds approximate values (None: as begun).
+            error_bound: Its measured largest absolute error (None: as begun); it is only
+                known once the chunks are written.
 
         Returns:
             The COMMITTED checkpoint.
@@ -252,6 +257,14 @@ class CheckpointsMixin(RunsMixin):
             stored if replica_bytes is None else _check_bytes(replica_bytes, "replica_bytes")
         )
         tier = check_tier(tier)
+        extra: dict[str, Any] = {}
+        if lossy is not None:
+            extra["lossy"] = bool(lossy)
+        if error_bound is not None:
+            bound = float(error_bound)
+            if not math.isfinite(bound) or bound < 0:
+                raise InvalidNameError(f"error_bound must be a finite number >= 0, got {bound}")
+            extra["error_bound"] = bound
         now = utcnow()
         with self._write() as s:
             transition(
@@ -263,6 +276,7 @@ class CheckpointsMixin(RunsMixin):
                 manifest_digest=digest,
                 logical_bytes=logical,
                 stored_bytes=stored,
+                **extra,
             )
             values: dict[str, Any] = {
                 "checkpoint_id": cid,

@@ -372,6 +372,8 @@ class CheckpointStore:
         codec: str | None = None,
         experiment: str | None = None,
         on_commit: Callable[[Checkpoint], None] | None = None,
+        delta: Any = None,
+        base: str | Latest | None = LATEST,
     ) -> SaveHandle:
         """Like :meth:`save`, but return once the state is staged in host memory.
 
@@ -389,6 +391,8 @@ class CheckpointStore:
             codec: Codec preset.
             experiment: Experiment to file the run under.
             on_commit: Called on the background thread with the committed checkpoint.
+            delta: As for :meth:`save`.
+            base: As for :meth:`save`.
 
         Returns:
             A :class:`~ckptstore.hooks.SaveHandle`; ``.result()`` waits for the commit.
@@ -400,7 +404,7 @@ class CheckpointStore:
         """
         return save_async(
             self, run, step, state, on_commit=on_commit, metrics=metrics, tags=tuple(tags),
-            parent=parent, codec=codec, experiment=experiment,
+            parent=parent, codec=codec, experiment=experiment, delta=delta, base=base,
         )
 
     def wait(self) -> None:
@@ -864,4 +868,5 @@ def manifest_summary(manifest: Manifest) -> dict[str, Any]:
         "chunks": chunks,
         "logical_bytes": manifest.logical_bytes,
         "stored_bytes": manifest.stored_bytes,
+        "delta": manifest.delta.to_dict() if manifest.delta is not None else None,
     }

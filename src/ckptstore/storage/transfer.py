@@ -96,6 +96,10 @@ def iter_chunks(manifest: ManifestLike) -> Iterator[ChunkRef]:
             index = int(position if index is None else index)
             owner = _field(chunk, "src") or manifest.id
             yield ChunkRef(str(owner), name, index, chunk_rel(name, index))
+            # A delta-encoded chunk also needs the base chunk it decodes against.
+            base = _field(chunk, "base")
+            if base is not None:
+                yield ChunkRef(str(_field(base, "src")), name, index, chunk_rel(name, index))
 
 
 def foreign_chunks(manifest: ManifestLike) -> dict[str, list[ChunkRef]]:
@@ -248,6 +252,10 @@ def source_checker(
             owner = str(_field(chunk, "src") or manifest.id)
             expected[key_of(owner, rel)] = (int(_field(chunk, "nbytes")),
                                             int(_field(chunk, "crc32c")))
+            base = _field(chunk, "base")
+            if base is not None:
+                expected[key_of(str(_field(base, "src")), rel)] = (
+                    int(_field(base, "nbytes")), int(_field(base, "crc32c")))
     digest = str(getattr(manifest, "digest", "") or "")
     manifest_key = key_of(manifest.id, MANIFEST_NAME)
     marker_key = key_of(manifest.id, COMMIT_NAME)

@@ -9,7 +9,8 @@
 3. every delta's base chain is COMMITTED (no missing or deleted base);
 4. no PENDING row belongs to a dead writer on this host;
 5. no directory on the hot tier lacks a catalog row, and none belongs to a DELETED checkpoint
-   or to a DELETED hot replica.
+   or to a DELETED hot replica, except one holding only chunk files that live checkpoints
+   still read (dedup and delta bases are tracked per chunk).
 
 Example:
     >>> assert check_invariants(store) == []  # doctest: +SKIP
@@ -143,10 +144,26 @@ def _writer_dead(writer: str | None) -> bool:
     return False
 
 
+def _kept_chunks_only(ck_dir: Path, still: set[tuple[str, str, int]]) -> bool:
+    """Whether a directory holds only chunk files that live checkpoints read."""
+    for path in ck_dir.rglob("*"):
+        if not path.is_file():
+            continue
+        parts = path.relative_to(ck_dir).parts
+        if len(parts) != 3 or parts[1] != "c" or not parts[2].isdigit():
+            return False
+        if (ck_dir.name, parts[0], int(parts[2])) not in still:
+            return False
+    return True
+
+
 def _check_hot_dirs(store: CheckpointStore, by_id: dict[str, Checkpoint]) -> list[str]:
+    from ckptstore.ops.replicas import referenced_chunks
+
     problems: list[str] = []
     if not store.hot.is_dir():
         return problems
+    still = referenced_chunks(store, "hot")
     for run_dir in sorted(store.hot.iterdir()):
         if not run_dir.is_dir() or run_dir.name.startswith("."):
             continue
@@ -156,9 +173,13 @@ def _check_hot_dirs(store: CheckpointStore, by_id: dict[str, Checkpoint]) -> lis
             ck = by_id.get(ck_dir.name)
             if ck is None:
                 problems.append(f"hot directory {ck_dir} has no catalog row")
-            elif ck.state == CheckpointState.DELETED:
+            elif ck.state == CheckpointState.DELETED and not _kept_chunks_only(ck_dir, still):
                 problems.append(f"hot directory {ck_dir} belongs to DELETED checkpoint {ck.ref}")
-            elif (hot := ck.replica("hot")) is not None and hot.state == ReplicaState.DELETED:
+            elif (
+                (hot := ck.replica("hot")) is not None
+                and hot.state == ReplicaState.DELETED
+                and not _kept_chunks_only(ck_dir, still)
+            ):
                 problems.append(f"hot directory {ck_dir} remains after its replica was DELETED")
             elif ck.run != run_dir.name:
                 problems.append(f"hot directory {ck_dir} is filed under the wrong run ({ck.run})")
