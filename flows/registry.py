@@ -22,6 +22,7 @@ FLOWS: dict[str, tuple[str, str]] = {
     "convert": ("ckptstore.flows.convert", "convert_flow"),
     "import": ("ckptstore.flows.convert", "import_flow"),
     "gc": ("ckptstore.flows.gc", "gc_flow"),
+    "compact": ("ckptstore.flows.compact", "compact_flow"),
 }
 
 

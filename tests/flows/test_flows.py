@@ -99,6 +99,21 @@ def test_convert_and_import_flows(flow_store: CheckpointStore, tmp_path: Path) -
     assert loaded["step"] == 7
 
 
+def test_compact_flow_rewrites_a_delta_as_full(flow_store: CheckpointStore) -> None:
+    from ckptstore.flows.compact import compact_flow
+
+    flow_store.save("r", 1, _state(1), delta="xor")
+    delta = flow_store.save("r", 2, _state(2), delta="xor")
+    assert delta.kind == "delta"
+    result = compact_flow(delta.ref, store_root=str(flow_store.settings.root))
+    compacted = flow_store.get(result["compacted"])
+    assert compacted.kind == "full"
+    assert torch.equal(flow_store.load(compacted.id)["model"]["w"],
+                       flow_store.load(delta.id)["model"]["w"])
+    assert compact_flow(delta.ref, store_root=str(flow_store.settings.root))["compacted"] == \
+        compacted.id  # idempotent
+
+
 def test_gc_flow_removes_orphans(flow_store: CheckpointStore) -> None:
     from ckptstore.flows.gc import gc_flow
 
