@@ -42,6 +42,7 @@ from ckptstore.integrations.dcp_layout import is_dcp_manifest
 from ckptstore.names import validate_name, validate_tag
 from ckptstore.observability.metrics import Metrics, dedup_bytes
 from ckptstore.ops.delta import LATEST, Latest, plan_save
+from ckptstore.procs import pid_alive, writer_id
 from ckptstore.records import (
     Checkpoint,
     CheckpointState,
@@ -59,20 +60,6 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointStore", "GcReport"]
 
 logger = logging.getLogger(__name__)
-
-
-def _writer_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass
@@ -283,7 +270,7 @@ class CheckpointStore:
             base_id=plan.base_id,
             codec=codec,
             lossy=plan.lossy,
-            writer=_writer_id(),
+            writer=writer_id(),
             tier="hot",
             uri="",
         )
@@ -745,7 +732,7 @@ class CheckpointStore:
             if ck.id in self._abandoned:
                 dead.append(ck)
             elif w_host == host and w_pid.isdigit():
-                if not _pid_alive(int(w_pid)):
+                if not pid_alive(int(w_pid)):
                     dead.append(ck)
             elif age > older_than_s:
                 dead.append(ck)
@@ -783,7 +770,7 @@ class CheckpointStore:
             directory = self.checkpoint_dir(ck.run, ck.id)
             if not directory.is_dir() or (directory / "COMMITTED").exists():
                 continue
-            owner = f"gc:{_writer_id()}"
+            owner = f"gc:{writer_id()}"
             if not acquire_lease(self, ck.id, "restore:hot", owner, 600.0):
                 continue
             try:

@@ -56,6 +56,7 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, read_checkpoint, read_manifest, write_checkpoint
+from ckptstore.procs import pid_alive
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
 
 if TYPE_CHECKING:
@@ -168,16 +169,6 @@ def _dir_bytes(path: Path) -> int:
             with contextlib.suppress(OSError):  # a concurrent eviction removed it
                 total += os.lstat(os.path.join(dirpath, name)).st_size
     return total
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove_copy(path: Path) -> None:
@@ -461,7 +452,7 @@ class MemoryTier:
             for ck_dir in list(run_dir.iterdir()):
                 if ck_dir.name.startswith(_STAGING_PREFIX):
                     pid = ck_dir.name.rsplit("-", 1)[-1]
-                    if pid.isdigit() and not _pid_alive(int(pid)):
+                    if pid.isdigit() and not pid_alive(int(pid)):
                         shutil.rmtree(ck_dir, ignore_errors=True)
                         removed.append(ck_dir)
                     continue

@@ -41,7 +41,6 @@ import io
 import logging
 import os
 import shutil
-import socket
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -100,6 +99,7 @@ from ckptstore.integrations.dcp_read import (
 from ckptstore.integrations.dcp_stage import StagedSet, pool_for, stage_state
 from ckptstore.integrations.dcp_write import write_rank
 from ckptstore.names import validate_name, validate_tag
+from ckptstore.procs import writer_id
 
 if TYPE_CHECKING:
     from ckptstore.records import Checkpoint
@@ -124,10 +124,6 @@ logger = logging.getLogger(__name__)
 
 #: Shards smaller than this are packed per rank instead of getting an array of their own.
 PACK_BELOW = 1024 * 1024
-
-
-def _writer_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def _dist_on() -> bool:
@@ -267,7 +263,7 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
             tags=self.tags,
             parent_id=parent_id,
             codec=self.codec,
-            writer=_writer_id(),
+            writer=writer_id(),
             tier="hot",
             uri="",
         )

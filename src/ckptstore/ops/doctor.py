@@ -55,6 +55,7 @@ from ckptstore.format.constants import COMMIT_NAME
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.zarrmeta import build_metadata
 from ckptstore.ops.replicas import lease_owner, manifest_on, referenced_chunks, store_tiers
+from ckptstore.procs import pid_alive
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
 from ckptstore.storage import Tier, is_not_found
 from ckptstore.storage.transfer import owned_files
@@ -192,16 +193,6 @@ class DoctorReport:
 
 
 # ---------------------------------------------------------------------- helpers
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def dead_local_owner(owner: str | None, host: str | None = None) -> bool:
     """Whether ``owner`` (``host:pid``, ``host:pid:tag`` or ``prefix:host:pid:tag``) names a
     process on this host that no longer exists. Owners of other hosts are never judged."""
@@ -209,7 +200,7 @@ def dead_local_owner(owner: str | None, host: str | None = None) -> bool:
         return False
     host = host or socket.gethostname()
     match = re.search(rf"(?:^|:){re.escape(host)}:(\d+)(?::|$)", owner)
-    return match is not None and not _pid_alive(int(match.group(1)))
+    return match is not None and not pid_alive(int(match.group(1)))
 
 
 def _live_leases(store: CheckpointStore) -> list[tuple[str, str, str]]:
