@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DtypeInfo", "dtype_by_name", "dtype_info", "supported_dtype_names"]
+__all__ = [
+    "NUMPY_NATIVE_DTYPES",
+    "DtypeInfo",
+    "dtype_by_name",
+    "dtype_info",
+    "supported_dtype_names",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +44,7 @@ class DtypeInfo:
 
 
 # Dtypes with a numpy equivalent holding the same values.
-_NATIVE = (
+NUMPY_NATIVE_DTYPES = (
     "bool",
     "uint8",
     "int8",
@@ -73,7 +79,7 @@ _UINT_BY_WIDTH = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
 
 def _build_table() -> dict[str, DtypeInfo]:
     table: dict[str, DtypeInfo] = {}
-    for name in _NATIVE:
+    for name in NUMPY_NATIVE_DTYPES:
         dt = getattr(torch, name)
         table[name] = DtypeInfo(name, dt, dt.itemsize, name, True)
     for name in _BITS_ONLY:

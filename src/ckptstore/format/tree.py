@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ckptstore.format.constants import MAX_TREE_DEPTH
+from ckptstore.format.dtypes import NUMPY_NATIVE_DTYPES
 from ckptstore.format.keys import join_key, key_matches
 
 __all__ = [
@@ -242,24 +243,7 @@ def _validate_leaf(
         raise ValueError(f"tree {where}: malformed {tag!r} node {_short(node)}")
 
 
-_NUMPY_NATIVE = frozenset(
-    {
-        "bool",
-        "uint8",
-        "int8",
-        "uint16",
-        "int16",
-        "uint32",
-        "int32",
-        "uint64",
-        "int64",
-        "float16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-    }
-)
+_NUMPY_NATIVE = frozenset(NUMPY_NATIVE_DTYPES)
 
 
 def _is_base64(value: str) -> bool:
