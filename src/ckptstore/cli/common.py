@@ -23,7 +23,7 @@ from ckptstore.config import Settings, load_settings
 from ckptstore.errors import InvalidNameError
 from ckptstore.store import CheckpointStore
 
-__all__ = ["State", "open_store", "parse_where", "progress_bar"]
+__all__ = ["State", "open_store", "parse_where", "progress_bar", "spinner"]
 
 
 @dataclass
@@ -91,3 +91,16 @@ def progress_bar(
     with Progress(*columns, transient=True, console=Console(stderr=True)) as progress:
         task = progress.add_task(description, total=total)
         yield lambda n: progress.advance(task, n)
+
+
+@contextmanager
+def spinner(description: str, *, enabled: bool = True) -> Iterator[None]:
+    """A live "working..." line for steps without a byte count (verify, prune).
+
+    Quiet when stderr is not a terminal or ``enabled`` is False (``--json``).
+    """
+    if not enabled or not sys.stderr.isatty():
+        yield
+        return
+    with Console(stderr=True).status(description):
+        yield

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ckptstore.cli.common import open_store, progress_bar
+from ckptstore.cli.common import open_store, progress_bar, spinner
 from ckptstore.cli.output import console, err_console, human_bytes, print_json
 from ckptstore.errors import ConfigError, InvalidNameError
 
@@ -116,7 +116,10 @@ def prune_cmd(
             from dataclasses import replace
 
             policy = replace(policy, **overrides)
-        result = apply_retention(store, run=run, tier=tier, policy=policy, dry_run=dry_run)
+        with spinner("planning retention" if dry_run else "pruning", enabled=not as_json):
+            result = apply_retention(
+                store, run=run, tier=tier, policy=policy, dry_run=dry_run
+            )
     if as_json:
         print_json(_summary(result))
         return
@@ -162,7 +165,7 @@ def verify_cmd(
 
     if ref is None and not all_:
         raise InvalidNameError("give a checkpoint reference or --all")
-    with open_store(ctx) as store:
+    with open_store(ctx) as store, spinner("verifying replicas", enabled=not as_json):
         report = verify_replicas(store, ref=ref, tier=tier, repair=repair)
     if as_json:
         print_json(_summary(report))
