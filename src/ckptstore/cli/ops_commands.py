@@ -158,11 +158,30 @@ def verify_cmd(
     all_: Annotated[bool, typer.Option("--all", help="Every checkpoint.")] = False,
     tier: Annotated[str | None, typer.Option(help="Only replicas on this tier.")] = None,
     repair: Annotated[bool, typer.Option(help="Repair damaged replicas from a good one.")] = True,
+    signature: Annotated[
+        bool, typer.Option("--signature", help="Check REF's Ed25519 signature instead.")
+    ] = False,
+    pubkey: Annotated[
+        Path | None, typer.Option(help="Public key for --signature (PEM).")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Re-hash replicas; mark damaged ones DAMAGED and repair them from another replica."""
+    """Re-hash replicas; mark damaged ones DAMAGED and repair them from another replica.
+
+    With --signature --pubkey P: refuse (exit 1) unless REF is signed by that key and its
+    data still matches the signed manifest digest.
+    """
     from ckptstore.ops.verify import verify_replicas
 
+    if signature:
+        from ckptstore.ops.signing import verify_signature
+
+        if ref is None or pubkey is None:
+            raise InvalidNameError("--signature needs a checkpoint reference and --pubkey PATH")
+        with open_store(ctx) as store:
+            verify_signature(store, ref, pubkey, deep=True)
+        console.print(f"{ref}: signature valid ({pubkey})")
+        return
     if ref is None and not all_:
         raise InvalidNameError("give a checkpoint reference or --all")
     with open_store(ctx) as store, spinner("verifying replicas", enabled=not as_json):
