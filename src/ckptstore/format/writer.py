@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -88,7 +88,7 @@ from ckptstore.format.manifest import (
 )
 from ckptstore.format.zarrmeta import build_metadata
 
-__all__ = ["PHASES", "write_checkpoint"]
+__all__ = ["PHASES", "write_checkpoint", "write_chunk_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -503,19 +503,7 @@ class _ChunkWriter:
 
     def _write_file(self, path: Path, payload: list[Any]) -> tuple[int, int]:
         """Write ``payload`` + crc32c trailer to a new file; return (crc, bytes written)."""
-        crc = 0
-        for part in payload:
-            crc = crc32c_update(part, crc)
-        try:
-            fd = create_exclusive(path)
-            try:
-                nbytes = writev_all(fd, [*payload, TRAILER.pack(crc)])
-                start_writeback(fd)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise storage_error(path, "write chunk", exc) from exc
-        return crc, nbytes
+        return write_chunk_file(path, payload)
 
     def _write_delta(
         self,
@@ -703,3 +691,30 @@ def _delta_info(
         mean_abs_error=errors.sum_abs / errors.elements if lossy else 0.0,
         lossy_elements=errors.elements,
     )
+
+
+def write_chunk_file(path: Path, payload: Sequence[Any]) -> tuple[int, int]:
+    """Write ``payload`` + its crc32c trailer to a new chunk file, starting writeback.
+
+    Shared by every layout that writes Zarr chunks with the crc32c codec (packed arrays here,
+    the DCP backend's N-d arrays), so the trailer and write-once rules are the same everywhere.
+
+    Returns:
+        ``(crc32c, bytes written)``.
+
+    Raises:
+        StorageError: If the file exists or cannot be written.
+    """
+    crc = 0
+    for part in payload:
+        crc = crc32c_update(part, crc)
+    try:
+        fd = create_exclusive(path)
+        try:
+            nbytes = writev_all(fd, [*payload, TRAILER.pack(crc)])
+            start_writeback(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise storage_error(path, "write chunk", exc) from exc
+    return crc, nbytes

@@ -15,7 +15,6 @@ from __future__ import annotations
 import io
 import logging
 import math
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,24 +30,20 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ckptstore.errors import CkptError
 from ckptstore.format.codecs import (
-    TRAILER,
     CodecSpec,
     codec_spec,
-    crc32c_update,
     encode_into,
     max_encoded_size,
 )
 from ckptstore.format.constants import ZARR_JSON
 from ckptstore.format.fsio import (
-    create_exclusive,
     fsync_dir,
     fsync_path,
-    start_writeback,
     storage_error,
     write_file_durable,
-    writev_all,
 )
 from ckptstore.format.layout import ArrayPlan, plan_layout
+from ckptstore.format.writer import write_chunk_file
 from ckptstore.integrations.dcp_layout import (
     ArrayInfo,
     BlobItem,
@@ -179,19 +174,8 @@ class _RankWriter:
                     pos += len(seg)
             out = self.buffer("encoded", max_encoded_size(len(data)))
             payload = [encode_into(self.spec, data, itemsize, out)]
-        crc = 0
-        for part in payload:
-            crc = crc32c_update(part, crc)
         path = self.dir / chunk_file(array, key)
-        try:
-            fd = create_exclusive(path)
-            try:
-                nbytes = writev_all(fd, [*payload, TRAILER.pack(crc)])
-                start_writeback(fd)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise storage_error(path, "write chunk", exc) from exc
+        crc, nbytes = write_chunk_file(path, payload)
         if self.fault is not None:
             self.fault("dcp.chunk_written")
         return _Written(array, key, path, nbytes, crc)
