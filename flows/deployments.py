@@ -1,7 +1,17 @@
-"""Server mode: serve every flow as a deployment, with the configured schedules.
+"""Server mode: every flow as a deployment, with the configured schedules.
 
-``ckpt serve`` calls :func:`serve_all`. It needs a Prefect server (``PREFECT_API_URL``): cron
-schedules and ``run_deployment`` do not work against Prefect's ephemeral in-process server.
+Two ways to run them, both against a Prefect server (``PREFECT_API_URL``; cron schedules and
+``run_deployment`` do not work against Prefect's ephemeral in-process server):
+
+* ``ckpt serve`` → :func:`serve_all`: one long-lived process registers the deployments and
+  runs their flow runs itself.
+* ``ckpt serve --pool NAME`` → :func:`deploy_all`: registers the deployments on a Prefect
+  *process* work pool and returns. Any number of ``prefect worker start --pool NAME`` processes,
+  on any host with ckptstore installed and the same config file, run them (scale-out). The
+  entry points are module paths (``ckptstore.flows.archive.archive_flow``), so no code is
+  uploaded or pulled: a worker imports the installed package. Workers share the catalog
+  (PostgreSQL) and the tiers; catalog leases keep two runs from copying or deleting the same
+  checkpoint.
 """
 
 from __future__ import annotations
@@ -17,9 +27,13 @@ from ckptstore.flows.schedules import IntervalSchedule, parse_schedule
 if TYPE_CHECKING:
     from ckptstore.config import Settings
 
-__all__ = ["build_deployments", "serve_all"]
+__all__ = ["WORK_POOL_TYPE", "build_deployments", "deploy_all", "require_api_url", "serve_all"]
 
 logger = logging.getLogger(__name__)
+
+#: The only pool type :func:`deploy_all` targets: workers run each flow run as a subprocess of
+#: the installed package, which needs no image and no code storage.
+WORK_POOL_TYPE = "process"
 
 
 def _store_parameters(settings: Settings) -> dict[str, Any]:
@@ -94,3 +108,111 @@ def serve_all(settings: Settings, *, name: str = DEPLOYMENT_NAME, limit: int | N
 
     deployments = build_deployments(settings, name=name)
     serve(*deployments, limit=limit, print_starting_message=False)
+
+
+def require_api_url() -> str:
+    """The Prefect API URL in effect (environment or Prefect profile).
+
+    Returns:
+        The URL.
+
+    Raises:
+        ConfigError: If none is set: deployments and work pools only exist on a server.
+    """
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    if not url:
+        raise ConfigError(
+            "PREFECT_API_URL is not set: work-pool deployments need a Prefect server. Start one "
+            "(`prefect server start`) and export PREFECT_API_URL=http://<host>:4200/api "
+            "(or `prefect config set PREFECT_API_URL=...`)"
+        )
+    return str(url)
+
+
+def _ensure_pool(client: Any, pool: str) -> None:
+    """Create the process work pool ``pool`` if missing; refuse a pool of another type."""
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    try:
+        work_pool = client.read_work_pool(pool)
+    except ObjectNotFound:
+        try:
+            # The default template is what `prefect work-pool create --type process` stores.
+            work_pool = client.create_work_pool(
+                WorkPoolCreate(
+                    name=pool,
+                    type=WORK_POOL_TYPE,
+                    base_job_template=ProcessWorker.get_default_base_job_template(),
+                    description="ckptstore flows (created by `ckpt serve --pool`)",
+                )
+            )
+            logger.info("created process work pool %s", pool)
+        except ObjectAlreadyExists:
+            # Another `ckpt serve --pool` (e.g. a second worker host) created it meanwhile.
+            work_pool = client.read_work_pool(pool)
+    if work_pool.type != WORK_POOL_TYPE:
+        raise ConfigError(
+            f"work pool {pool!r} has type {work_pool.type!r}; ckptstore deploys to a "
+            f"{WORK_POOL_TYPE!r} pool (workers import the installed package, no image). Pick "
+            "another pool name or delete that pool"
+        )
+
+
+def deploy_all(
+    settings: Settings,
+    pool: str,
+    *,
+    name: str = DEPLOYMENT_NAME,
+    flows: list[str] | None = None,
+) -> dict[str, str]:
+    """Register every flow's deployment on a Prefect process work pool, then return.
+
+    Same parameters and schedules as :func:`build_deployments`. The pool is created when
+    missing. Running it again updates the deployments in place (idempotent), so every
+    worker host may run it at start-up. Flow runs then wait for
+    ``prefect worker start --pool <pool>`` processes; each runs a flow run in a subprocess
+    that imports ``ckptstore.flows.<module>`` and reads credentials from its environment.
+
+    Args:
+        settings: The store's settings (root, config file, schedules).
+        pool: Work pool name.
+        name: Deployment name (the trigger calls ``ckpt-<flow>/<name>``).
+        flows: Short flow names to deploy (default: all).
+
+    Returns:
+        ``ckpt-<flow>/<name>`` → deployment id, for every deployment registered.
+
+    Raises:
+        ConfigError: If PREFECT_API_URL is not set, the server cannot be reached or refuses
+            a deployment, the pool exists with another type, or a schedule is invalid.
+    """
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.deployments.runner import DeploymentApplyError
+
+    if not pool or not pool.strip():
+        raise ConfigError("work pool name is empty; pass --pool NAME")
+    api_url = require_api_url()
+    deployments = build_deployments(settings, name=name, flows=flows)
+    registered: dict[str, str] = {}
+    try:
+        with get_client(sync_client=True) as client:
+            _ensure_pool(client, pool)
+        for deployment in deployments:
+            deployment_id = deployment.apply(work_pool_name=pool)
+            registered[f"{deployment.flow_name}/{deployment.name}"] = str(deployment_id)
+            logger.info("deployment %s/%s on work pool %s", deployment.flow_name, name, pool)
+    except httpx.TransportError as exc:
+        raise ConfigError(
+            f"cannot reach the Prefect API at {api_url}: {exc}; start the server or fix "
+            "PREFECT_API_URL"
+        ) from exc
+    except (DeploymentApplyError, httpx.HTTPStatusError) as exc:
+        raise ConfigError(
+            f"the Prefect server refused a deployment on work pool {pool!r}: {exc}"
+        ) from exc
+    return registered

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
@@ -22,6 +23,19 @@ def test_compose_services_and_keys() -> None:
     unknown = ckpt_keys - set(_ENV) - {"CKPT_CONFIG"}
     assert not unknown, f"compose uses config keys the code does not read: {unknown}"
     assert "AWS_SECRET_ACCESS_KEY" in env  # credentials come from the environment only
+
+
+def test_compose_worker_serves_a_work_pool() -> None:
+    """The worker registers the flows on a process pool, then polls that same pool."""
+    data = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    worker = data["services"]["prefect-worker"]
+    command = " ".join(worker["command"].split())
+    registered = re.search(r"ckpt serve --pool (\S+)", command)
+    polled = re.search(r"prefect worker start --pool (\S+) --type process", command)
+    assert registered and polled, command
+    assert registered.group(1) == polled.group(1)
+    assert command.index("ckpt serve --pool") < command.index("prefect worker start")
+    assert worker["environment"]["PREFECT_API_URL"].startswith("http://prefect-server:")
 
 
 def test_example_config_parses() -> None:

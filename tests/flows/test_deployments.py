@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +18,13 @@ from ckptstore.errors import ConfigError
 from ckptstore.flows.deployments import build_deployments
 from ckptstore.flows.registry import FLOWS
 from ckptstore.records import CheckpointState
+
+if str(Path(__file__).parent) not in sys.path:
+    # --import-mode=importlib does not put test directories on sys.path.
+    sys.path.insert(0, str(Path(__file__).parent))
+from server_support import prefect_server as start_prefect_server
+from server_support import stop as _stop
+from server_support import wait_http as _wait_http
 
 pytestmark = pytest.mark.prefect
 
@@ -56,65 +60,10 @@ def test_unschedulable_flow_is_refused(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- slow: a real server
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
-    """SIGINT (Prefect's processes ignore SIGTERM for a while), then SIGKILL."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout)
-    except (subprocess.TimeoutExpired, ProcessLookupError):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        proc.wait(10)
-
-
-def _wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes]) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"process exited early with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{url} did not answer within {timeout}s")
-
-
 @pytest.fixture
 def prefect_server(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    port = _free_port()
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_LOGGING_LEVEL": "WARNING",
-    }
-    env.pop("PREFECT_API_URL", None)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-         "--port", str(port)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    try:
-        api = f"http://127.0.0.1:{port}/api"
-        _wait_http(f"{api}/health", 120, server)
-        yield api, {**env, "PREFECT_API_URL": api}
-    finally:
-        _stop(server)
+    with start_prefect_server(tmp_path / "prefect-home") as server:
+        yield server
 
 
 @pytest.mark.slow

@@ -297,13 +297,42 @@ def import_cmd(
     console.print(f"imported {path} as {ck.ref} ({ck.id})")
 
 
-def serve_cmd(ctx: typer.Context) -> None:
-    """Serve every flow as a Prefect deployment with the schedules from the config.
+def serve_cmd(
+    ctx: typer.Context,
+    pool: Annotated[
+        str | None,
+        typer.Option(
+            "--pool",
+            metavar="NAME",
+            help="Register the deployments on this Prefect process work pool (created if "
+            "missing) and exit; then run `prefect worker start --pool NAME` on one or more "
+            "worker hosts. Without --pool, this process serves the flows itself until "
+            "interrupted.",
+        ),
+    ] = None,
+) -> None:
+    """Run every flow as a Prefect deployment with the schedules from the config.
 
-    Needs a Prefect server (PREFECT_API_URL); training hooks then trigger deployments.
+    Needs a Prefect server (PREFECT_API_URL); training hooks then trigger the deployments.
+    Without --pool, this command serves the flows until Ctrl-C. With --pool NAME it registers
+    them on a process work pool and exits: any number of `prefect worker start --pool NAME`
+    processes, on hosts with ckptstore installed, the same config file, the same catalog
+    (PostgreSQL) and access to the tiers, then run them; catalog leases keep workers from
+    copying or deleting a checkpoint twice.
     """
     import os
 
+    if pool is not None:
+        from ckptstore.flows.deployments import deploy_all
+
+        registered = deploy_all(ctx.obj.settings(), pool)
+        for deployment_name in sorted(registered):
+            console.print(f"deployed {deployment_name} on work pool {pool}")
+        console.print(
+            f"start workers on the worker hosts: prefect worker start --pool {pool} "
+            "--type process"
+        )
+        return
     if not os.environ.get("PREFECT_API_URL"):
         err_console.print(
             "warning: PREFECT_API_URL is not set; schedules only fire with a Prefect server "

@@ -1,0 +1,157 @@
+"""Helpers for the tests that run a real ``prefect server start`` (and workers) on 127.0.0.1.
+
+Shared by test_deployments.py and test_scaleout.py. Not a conftest: the tests import it by
+putting this directory on ``sys.path`` (pytest runs with ``--import-mode=importlib``).
+Every process started here gets its own process group, so :func:`stop` ends it with its
+children (a Prefect worker's flow-run subprocesses, the server's services).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+__all__ = [
+    "PG_ADMIN_URL",
+    "create_pg_database",
+    "drop_pg_database",
+    "free_port",
+    "prefect_server",
+    "require_pg",
+    "stop",
+    "wait_http",
+]
+
+PG_HOST, PG_PORT = "127.0.0.1", 5432
+PG_ADMIN_URL = f"postgresql+psycopg://postgres@{PG_HOST}:{PG_PORT}/test"
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
+    """SIGINT the process group (Prefect's processes ignore SIGTERM for a while), then SIGKILL."""
+    if proc.poll() is not None:
+        # The leader is gone; its children may not be (a worker's flow-run subprocesses).
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        pass
+    # Whatever is left of the group (children that outlived the leader) goes now.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes]) -> None:
+    """Poll ``url`` until it answers 200; fail if ``proc`` exits or time runs out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited early with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} did not answer within {timeout}s")
+
+
+@contextlib.contextmanager
+def prefect_server(home: Path, *, startup_s: float = 120) -> Iterator[tuple[str, dict[str, str]]]:
+    """Run ``prefect server start`` on a free loopback port with its own PREFECT_HOME.
+
+    Args:
+        home: PREFECT_HOME of the server (its SQLite database lives there).
+        startup_s: Longest wait for ``/api/health``.
+
+    Yields:
+        ``(api_url, env)``: ``env`` is this process's environment plus that PREFECT_HOME and
+        ``PREFECT_API_URL``, for the subprocesses that talk to the server.
+    """
+    port = free_port()
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+    }
+    env.pop("PREFECT_API_URL", None)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+         "--port", str(port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        api = f"http://127.0.0.1:{port}/api"
+        wait_http(f"{api}/health", startup_s, server)
+        yield api, {**env, "PREFECT_API_URL": api}
+    finally:
+        stop(server)
+
+
+# ------------------------------------------------------------------------------ PostgreSQL
+def require_pg() -> None:
+    """Skip when PostgreSQL does not answer on 127.0.0.1:5432 (fail when ``CI=true``)."""
+    try:
+        with socket.create_connection((PG_HOST, PG_PORT), timeout=1.0):
+            return
+    except OSError:
+        pass
+    message = f"PostgreSQL is not reachable on {PG_HOST}:{PG_PORT}"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{message} (CI=true: the PostgreSQL cases must run)")
+    pytest.skip(message)
+
+
+def create_pg_database(prefix: str = "ckpt_flows") -> str:
+    """Create an empty, uniquely named database; returns its URL (no schema yet)."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    finally:
+        admin.dispose()
+    return str(make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False))
+
+
+def drop_pg_database(url: str) -> None:
+    """Drop a database made by :func:`create_pg_database`, kicking out its sessions."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = make_url(url).database
+    assert name and name.startswith("ckpt_")
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        admin.dispose()
