@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, func, insert, select, update
+from sqlalchemy import CursorResult, func, insert, null, select, update
 from sqlalchemy.orm import Session
 
 from ckptstore.catalog.checks import (
@@ -288,7 +288,11 @@ class CheckpointsMixin(RunsMixin):
                 "updated_at": now,
             }
             stmt = self._insert(ReplicaRow).values(**values)
-            changes = {k: stmt.excluded[k] for k in ("state", "bytes", "verified_at", "updated_at")}
+            changes: dict[str, Any] = {
+                k: stmt.excluded[k] for k in ("state", "bytes", "verified_at", "updated_at")
+            }
+            # The copy just written holds the checkpoint's own manifest (NULL digest).
+            changes["manifest_digest"] = null()
             if uri is not None:
                 changes["uri"] = stmt.excluded.uri
             s.execute(

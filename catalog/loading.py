@@ -157,6 +157,7 @@ def _attachment_query(dialect: str) -> Select[Any]:
         cast(null(), String(16)).label("state"),
         cast(null(), BigInteger()).label("bytes"),
         cast(null(), DateTime(timezone=True)).label("verified_at"),
+        cast(null(), String(128)).label("manifest_digest"),
     ]
     replicas = _per_id(
         dialect,
@@ -168,6 +169,7 @@ def _attachment_query(dialect: str) -> Select[Any]:
             ReplicaRow.state,
             ReplicaRow.bytes,
             ReplicaRow.verified_at,
+            ReplicaRow.manifest_digest,
         ],
         ReplicaRow.checkpoint_id,
     )
@@ -199,14 +201,15 @@ def _attachments(
     dialect = conn.dialect.name
     value = list(ids) if dialect == "postgresql" else json.dumps(list(ids))
     # fetchall + tuple unpacking: Row attribute access by name costs ~1 us per field.
-    for cid, what, name, uri, state, size, verified_at in conn.execute(
+    for cid, what, name, uri, state, size, verified_at, digest in conn.execute(
         _ATTACHMENTS[dialect], {"ids": value}
     ).all():
         if what == "a":
             aliases[cid].append(name)
         else:
             replicas[cid].append(
-                Replica(tier=name, uri=uri, state=state, bytes=size, verified_at=verified_at)
+                Replica(tier=name, uri=uri, state=state, bytes=size, verified_at=verified_at,
+                        manifest_digest=digest)
             )
     for names in aliases.values():
         names.sort()

@@ -268,6 +268,9 @@ class ReplicaRow(Base):
     bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     verified_at: Mapped[datetime | None] = mapped_column()
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
+    # NULL: the copy holds the checkpoint's own manifest (checkpoints.manifest_digest). Set
+    # for a copy whose manifest differs, i.e. one re-encoded with the archive codec.
+    manifest_digest: Mapped[str | None] = mapped_column(String(128))
 
 
 class LineageEdgeRow(Base):

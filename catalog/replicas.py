@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import EllipsisType
 from typing import Any
 
 from sqlalchemy import select
@@ -14,6 +15,15 @@ from ckptstore.errors import CheckpointNotFoundError, InvalidNameError
 from ckptstore.records import Replica, ReplicaState
 
 __all__ = ["ReplicasMixin"]
+
+
+def _check_digest(value: object) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= 128:
+        raise InvalidNameError(
+            f"replica manifest_digest must be a non-empty string of at most 128 characters, "
+            f"got {value!r}"
+        )
+    return value
 
 
 class ReplicasMixin(CatalogCore):
@@ -38,6 +48,7 @@ class ReplicasMixin(CatalogCore):
         state: ReplicaState | str,
         bytes: int | None = None,
         verified: bool = False,
+        manifest_digest: str | EllipsisType | None = ...,
     ) -> Replica:
         """Create or update the checkpoint's replica on ``tier`` (one atomic upsert).
 
@@ -50,6 +61,9 @@ class ReplicasMixin(CatalogCore):
             state: New replica state.
             bytes: Size of the copy.
             verified: Set ``verified_at`` to now (the copy was just checked).
+            manifest_digest: Digest of the manifest the copy holds when it is not the
+                checkpoint's own (a re-encoded copy); None: the checkpoint's own manifest;
+                ``...`` (the default): keep the stored value (None on creation).
 
         Returns:
             The replica as stored.
@@ -67,6 +81,10 @@ class ReplicasMixin(CatalogCore):
             raise InvalidNameError(f"replica bytes must be a non-negative int, got {bytes!r}")
         if uri is not None and not isinstance(uri, str):
             raise InvalidNameError(f"replica uri must be a string, got {type(uri).__name__}")
+        digest = (
+            None if manifest_digest is ... or manifest_digest is None
+            else _check_digest(manifest_digest)
+        )
         now = utcnow()
         with self._write() as s:
             if s.scalar(select(CheckpointRow.id).where(CheckpointRow.id == cid)) is None:
@@ -79,6 +97,7 @@ class ReplicasMixin(CatalogCore):
                 "bytes": bytes or 0,
                 "verified_at": now if verified else None,
                 "updated_at": now,
+                "manifest_digest": digest,
             }
             stmt = self._insert(ReplicaRow).values(**values)
             changes: dict[str, Any] = {
@@ -91,6 +110,8 @@ class ReplicasMixin(CatalogCore):
                 changes["bytes"] = stmt.excluded.bytes
             if verified:
                 changes["verified_at"] = stmt.excluded.verified_at
+            if manifest_digest is not ...:
+                changes["manifest_digest"] = stmt.excluded.manifest_digest
             s.execute(
                 stmt.on_conflict_do_update(index_elements=["checkpoint_id", "tier"], set_=changes)
             )
@@ -101,6 +122,7 @@ class ReplicasMixin(CatalogCore):
                     ReplicaRow.state,
                     ReplicaRow.bytes,
                     ReplicaRow.verified_at,
+                    ReplicaRow.manifest_digest,
                 ).where(ReplicaRow.checkpoint_id == cid, ReplicaRow.tier == tier)
             ).one()
             return Replica(
@@ -109,4 +131,5 @@ class ReplicasMixin(CatalogCore):
                 state=row.state,
                 bytes=row.bytes,
                 verified_at=row.verified_at,
+                manifest_digest=row.manifest_digest,
             )

@@ -10,6 +10,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from ckptstore.errors import ConfigError, StorageError
 from ckptstore.flows.common import collect, open_store
+from ckptstore.ops.reencode import check_codec
 from ckptstore.tasks.archive import archive_task, demote_task
 
 __all__ = ["archive_flow", "demote_flow"]
@@ -42,10 +43,11 @@ def archive_flow(
         ref: Only this checkpoint.
 
     Returns:
-        ``{"tier", "archived": [ids], "bytes", "skipped": {id: why}, "reports", "failed"}``.
+        ``{"tier", "archived": [ids], "bytes", "skipped": {id: why}, "reencode",
+        "reencoded": {id: {"source_bytes", "bytes"}}, "reports", "failed"}``.
 
     Raises:
-        ConfigError: If the tier is not configured.
+        ConfigError: If the tier is not configured or ``reencode`` is not a codec preset.
         StorageError: If some run could not be archived (the others are done).
     """
     with open_store(store_root, config) as store:
@@ -54,6 +56,8 @@ def archive_flow(
                 f"tier {tier!r} is not configured; set it under [tiers] in the config"
             )
         reencode = reencode or store.settings.archive_codec
+        if reencode is not None:
+            check_codec(reencode)  # a typo fails the flow before any task copies anything
         if ref is not None:
             futures = [archive_task.submit(store, ref=ref, tier=tier, reencode=reencode)]
             labels = [ref]
@@ -71,6 +75,8 @@ def archive_flow(
         "archived": [cid for rep in reports for cid in rep.get("archived", [])],
         "bytes": sum(int(rep.get("bytes", 0)) for rep in reports),
         "skipped": {k: v for rep in reports for k, v in rep.get("skipped", {}).items()},
+        "reencode": reencode,
+        "reencoded": {k: v for rep in reports for k, v in rep.get("reencoded", {}).items()},
         "reports": reports,
         "failed": failures,
     }

@@ -42,7 +42,8 @@ def archive_task(
         ref: Only this checkpoint.
         run: Only this run.
         tier: Destination tier.
-        reencode: Codec preset to re-encode with (None keeps the hot one).
+        reencode: Codec preset to re-encode with (None copies as is); see
+            :mod:`ckptstore.ops.reencode`.
 
     Returns:
         The archive report as a dict.

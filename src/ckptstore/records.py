@@ -19,6 +19,7 @@ __all__ = [
     "ReplicaState",
     "RunInfo",
     "UsageRow",
+    "expected_digest",
 ]
 
 
@@ -44,13 +45,26 @@ class ReplicaState(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Replica:
-    """One copy of a checkpoint on one storage tier."""
+    """One copy of a checkpoint on one storage tier.
+
+    Attributes:
+        tier: Tier name.
+        uri: Where the copy lives.
+        state: Its life-cycle state.
+        bytes: Bytes the copy occupies.
+        verified_at: When it was last checked intact.
+        manifest_digest: Digest of the manifest this copy holds when it differs from the
+            checkpoint's own (a copy re-encoded with the archive codec, see
+            :mod:`ckptstore.ops.reencode`); None when the copy holds the checkpoint's own
+            manifest. Use :func:`expected_digest` rather than reading this directly.
+    """
 
     tier: str
     uri: str
     state: ReplicaState
     bytes: int = 0
     verified_at: datetime | None = None
+    manifest_digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +111,19 @@ class Checkpoint:
             if r.tier == tier:
                 return r
         return None
+
+
+def expected_digest(ck: Checkpoint, tier: str) -> str | None:
+    """The manifest digest the copy of ``ck`` on ``tier`` must have.
+
+    The replica's own digest when it holds another manifest (a re-encoded copy), else the
+    checkpoint's. Every read of a manifest from a tier is checked against this value; None
+    only for a checkpoint that was never committed.
+    """
+    replica = ck.replica(tier)
+    if replica is not None and replica.manifest_digest is not None:
+        return replica.manifest_digest
+    return ck.manifest_digest
 
 
 @dataclass(frozen=True)

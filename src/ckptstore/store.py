@@ -50,6 +50,7 @@ from ckptstore.records import (
     ReplicaState,
     RunInfo,
     UsageRow,
+    expected_digest,
 )
 
 if TYPE_CHECKING:
@@ -524,7 +525,7 @@ class CheckpointStore:
                 ``require_signature``) the checkpoint is unsigned, signed by another key or
                 its signature does not match.
         """
-        from ckptstore.ops.restore import ensure_hot
+        from ckptstore.ops.restore import ensure_hot, hot_digest
 
         ck = self.catalog.get(ref)
         if require_signature is not None:
@@ -544,7 +545,8 @@ class CheckpointStore:
                     return state
             # A checkpoint that only S3 holds is restored to the hot tier first (verified).
             directory = ensure_hot(self, ck)
-            manifest = read_manifest(directory, expected_digest=ck.manifest_digest)
+            # The hot copy may be a re-encoded one (restored from the archive codec's copy).
+            manifest = read_manifest(directory, expected_digest=hot_digest(self, ck))
             if manifest.delta is not None and manifest.delta.lossy:
                 logger.warning(
                     "loading %s: values of %s are approximate (lossy delta, max abs error "
@@ -613,7 +615,7 @@ class CheckpointStore:
         """Re-hash a checkpoint on the hot tier; return the problems found ([] when intact)."""
         ck = self.catalog.get(ref)
         directory = self._hot_dir_of(ck)
-        manifest = read_manifest(directory, expected_digest=ck.manifest_digest)
+        manifest = read_manifest(directory, expected_digest=expected_digest(ck, "hot"))
         if is_dcp_manifest(manifest):
             from ckptstore.integrations.dcp_read import verify_dcp
 
@@ -697,7 +699,8 @@ class CheckpointStore:
             "edges": record.get("edges", []),
         }
         try:
-            manifest = read_manifest(self._hot_dir_of(ck), expected_digest=ck.manifest_digest)
+            manifest = read_manifest(self._hot_dir_of(ck),
+                                     expected_digest=expected_digest(ck, "hot"))
         except CkptError as exc:
             info["manifest"] = {"error": str(exc)}
             return info
@@ -829,6 +832,7 @@ def _checkpoint_dict(ck: Checkpoint) -> dict[str, Any]:
                 "state": str(r.state),
                 "bytes": r.bytes,
                 "verified_at": r.verified_at.isoformat() if r.verified_at else None,
+                "manifest_digest": r.manifest_digest,
             }
             for r in ck.replicas
         ],

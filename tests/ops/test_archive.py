@@ -92,11 +92,12 @@ def test_archive_then_load_only_from_s3(tiered_store: CheckpointStore) -> None:
     assert _equal(store.load(ck.ref), state)
 
 
-def test_reencode_is_reported_not_applied(tiered_store: CheckpointStore) -> None:
+def test_reencode_is_applied_and_reported(tiered_store: CheckpointStore) -> None:
+    # Behaviour in depth: tests/ops/test_reencode.py.
     ck = tiered_store.save("run-c", 1, _state(3))
     report = archive_checkpoints(tiered_store, ref=ck.id, reencode="zstd-3")
     assert report.archived == [ck.id]
-    assert report.reencode_ignored == "zstd-3"
+    assert report.reencode == "zstd-3" and list(report.reencoded) == [ck.id]
 
 
 def test_archive_to_unconfigured_tier(store: CheckpointStore) -> None:

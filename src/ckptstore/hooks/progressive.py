@@ -59,7 +59,7 @@ from ckptstore.format.keys import key_matches
 from ckptstore.format.tree import iter_tensor_refs, match_into
 from ckptstore.format.verify import chunk_files
 from ckptstore.hooks.memory_tier import memory_copy
-from ckptstore.records import Checkpoint, ReplicaState
+from ckptstore.records import Checkpoint, ReplicaState, expected_digest
 
 if TYPE_CHECKING:
     from ckptstore.storage import Tier
@@ -342,7 +342,9 @@ class _RemoteSource(_Source):
         )
         # The marker and manifest against the catalog, then every file's size; the chunks'
         # crc32c were all checked while the groups were read.
-        read_manifest(self.directory, expected_digest=self.ck.manifest_digest)
+        # The copy streamed may be one re-encoded with the archive codec (its own digest).
+        digest = expected_digest(self.ck, self.tier.name)
+        read_manifest(self.directory, expected_digest=digest)
         problems = verify_checkpoint(self.directory, self.manifest, locate=self.locate,
                                      deep=False)
         if problems:
@@ -352,7 +354,9 @@ class _RemoteSource(_Source):
             )
         catalog = self.store.catalog
         catalog.set_replica(self.ck.id, "hot", uri=str(self.directory),
-                            state=ReplicaState.PRESENT, bytes=total, verified=True)
+                            state=ReplicaState.PRESENT, bytes=total, verified=True,
+                            manifest_digest=None if digest == self.ck.manifest_digest
+                            else digest)
         catalog.record_event(
             "restored", checkpoint_id=self.ck.id, actor=self.owner,
             detail={"from": self.tier.name, "tier": "hot", "path": str(self.directory),
@@ -550,7 +554,7 @@ def _pick_source(
     store: CheckpointStore, ck: Checkpoint, prefer_memory: bool, threads: int
 ) -> tuple[_Source, Manifest]:
     from ckptstore.ops.replicas import lease_owner, manifest_on, store_tiers, tier_rank
-    from ckptstore.ops.restore import ensure_hot
+    from ckptstore.ops.restore import ensure_hot, hot_digest
 
     if prefer_memory:
         found = memory_copy(store, ck)
@@ -560,7 +564,7 @@ def _pick_source(
     def hot() -> tuple[_Source, Manifest]:
         directory = ensure_hot(store, ck)
         return (_Source("hot", directory, store.locate),
-                read_manifest(directory, expected_digest=ck.manifest_digest))
+                read_manifest(directory, expected_digest=hot_digest(store, ck)))
 
     replica = ck.replica("hot")
     if replica is not None and replica.state == ReplicaState.PRESENT:

@@ -6,6 +6,12 @@ two runs never copy the same checkpoint and a rerun after a crash redoes only wh
 missing (files already on the destination that match are kept). A checkpoint never has zero
 verified copies: the source copy is deleted (demote only) after the destination copy is
 verified and recorded.
+
+Archive may re-encode (``reencode`` / the ``archive_codec`` setting): the copy is then written
+by :mod:`ckptstore.ops.reencode` as a self-contained copy whose chunks use the archive codec,
+with a manifest of its own whose digest the replica row records
+(:attr:`~ckptstore.records.Replica.manifest_digest`). Demote copies whatever the source copy
+is, re-encoded or not, as is, with its digest.
 """
 
 from __future__ import annotations
@@ -18,6 +24,12 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 from ckptstore.errors import CkptError, ConfigError
+from ckptstore.ops.reencode import (
+    ReencodeResult,
+    check_codec,
+    reencode_copy,
+    why_not_reencode,
+)
 from ckptstore.ops.replicas import (
     acquire_lease,
     delete_replica,
@@ -28,7 +40,7 @@ from ckptstore.ops.replicas import (
     run_resolver,
     tier_of,
 )
-from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import COMMIT_NAME, Tier, copy_checkpoint, is_retryable
 from ckptstore.storage.transfer import copy_foreign_chunks
 
@@ -57,7 +69,12 @@ class ArchiveReport:
         skipped: Id -> reason, for checkpoints left alone (lease held, already there, ...).
         failed: Id -> error message.
         bytes: Bytes of the copies made.
-        reencode_ignored: The re-encode codec that was asked for but not applied.
+        reencode: The codec copies were re-encoded with (None: copied as they are).
+        reencoded: Id -> ``{"source_bytes": ..., "bytes": ...}`` for the copies re-encoded:
+            the chunk data's encoded size in the source layout (each chunk once, whichever
+            checkpoint holds it) and in the new copy.
+        not_reencoded: Id -> why a copy was made as is although ``reencode`` was asked
+            (already in that codec; a DCP layout).
     """
 
     src: str
@@ -67,7 +84,9 @@ class ArchiveReport:
     skipped: dict[str, str] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     bytes: int = 0
-    reencode_ignored: str | None = None
+    reencode: str | None = None
+    reencoded: dict[str, dict[str, int]] = field(default_factory=dict)
+    not_reencoded: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -76,11 +95,17 @@ class ArchiveReport:
 
     def summary(self) -> str:
         """One line for logs and error notes."""
-        return (
+        line = (
             f"{self.src} -> {self.tier}: {len(self.archived)} copied ({self.bytes} bytes), "
             f"{len(self.removed)} source copies removed, {len(self.skipped)} skipped, "
             f"{len(self.failed)} failed"
         )
+        if self.reencoded:
+            before = sum(r["source_bytes"] for r in self.reencoded.values())
+            after = sum(r["bytes"] for r in self.reencoded.values())
+            line += (f", {len(self.reencoded)} re-encoded to {self.reencode} "
+                     f"(chunks {before} -> {after} bytes)")
+        return line
 
 
 def _present(ck: Checkpoint, tier: str) -> bool:
@@ -162,31 +187,62 @@ def _copy_one(
     threads: int,
     progress: Progress | None,
     deep: bool,
+    reencode: str | None,
+    report: ArchiveReport,
 ) -> int:
-    """Copy one checkpoint ``src`` → ``dst`` under a held lease and record the replica."""
+    """Copy one checkpoint ``src`` → ``dst`` under a held lease and record the replica.
+
+    With ``reencode`` the copy is re-encoded (unless :func:`why_not_reencode` says it is
+    pointless); otherwise it is byte for byte the source copy, and records the source
+    copy's manifest digest (which is the checkpoint's own unless that copy was re-encoded).
+    """
     uri = dst.uri_for(ck.run, ck.id)
     manifest = manifest_on(src, ck)
     run_of = run_resolver(store, ck)
+    if reencode is not None:
+        why = why_not_reencode(manifest, reencode)
+        if why is not None:
+            report.not_reencoded[ck.id] = why
+            reencode = None
+    src_digest = expected_digest(ck, src.name)
+    same_digest = None if src_digest == ck.manifest_digest else src_digest
 
     def tick(nbytes: int) -> None:
         lease.touch()
         if progress is not None:
             progress(nbytes)
 
-    store.catalog.set_replica(ck.id, dst.name, uri=uri, state=ReplicaState.COPYING)
+    # A re-encode in progress has no digest of its own yet: until it is recorded the copy
+    # counts with the checkpoint's own chunk references, which only keeps more files.
+    store.catalog.set_replica(ck.id, dst.name, uri=uri, state=ReplicaState.COPYING,
+                              manifest_digest=None if reencode else same_digest)
+    result: ReencodeResult | None = None
+    digest: str | None
     try:
-        # Chunks a delta reads from its base go first, into the base's prefix; usually the
-        # base was archived just before (oldest first) and nothing is copied here.
-        copy_foreign_chunks(src, dst, manifest, run_of, threads=threads, progress=tick,
-                            deep=deep)
-        nbytes = copy_checkpoint(src, dst, ck.run, ck.id, manifest, threads=threads,
-                                 progress=tick, deep=deep, run_of=run_of)
+        if reencode is not None:
+            result = reencode_copy(src, dst, ck.run, manifest, reencode, run_of=run_of,
+                                   own_digest=ck.manifest_digest, threads=threads,
+                                   progress=tick, deep=deep)
+            nbytes, digest = result.bytes, result.manifest.digest
+        else:
+            # Chunks a delta reads from its base go first, into the base's prefix; usually
+            # the base was archived just before (oldest first) and nothing is copied here.
+            copy_foreign_chunks(src, dst, manifest, run_of, threads=threads, progress=tick,
+                                deep=deep)
+            nbytes = copy_checkpoint(src, dst, ck.run, ck.id, manifest, threads=threads,
+                                     progress=tick, deep=deep, run_of=run_of)
+            digest = same_digest
     except BaseException:
         _discard_partial(store, dst, ck)
         store.catalog.set_replica(ck.id, dst.name, state=ReplicaState.DELETED, bytes=0)
         raise
+    # Recorded only now, after every file was read back: a copy's digest is never claimed
+    # for files that are not all there.
     store.catalog.set_replica(ck.id, dst.name, uri=uri, state=ReplicaState.PRESENT,
-                              bytes=nbytes, verified=True)
+                              bytes=nbytes, verified=True, manifest_digest=digest)
+    if result is not None:
+        report.reencoded[ck.id] = {"source_bytes": result.source_bytes,
+                                   "bytes": result.chunk_bytes}
     return nbytes
 
 
@@ -204,6 +260,7 @@ def _run(
     lease_ttl_s: float,
     remove_source: bool,
     raise_errors: bool,
+    reencode: str | None = None,
 ) -> ArchiveReport:
     errors: list[BaseException] = []
     visited: set[str] = set()
@@ -236,14 +293,16 @@ def _run(
                             and _present(base, src.name) and not _present(base, dst.name)):
                         process(base_id, depth + 1)
                 nbytes = _copy_one(store, ck, src, dst, lease=lease, threads=threads,
-                                   progress=progress, deep=deep)
+                                   progress=progress, deep=deep, reencode=reencode,
+                                   report=report)
                 report.archived.append(ck.id)
                 report.bytes += nbytes
-                store.catalog.record_event(
-                    verb, checkpoint_id=ck.id, actor=owner,
-                    detail={"from": src.name, "tier": dst.name, "bytes": nbytes,
-                            "uri": dst.uri_for(ck.run, ck.id)},
-                )
+                detail: dict[str, object] = {"from": src.name, "tier": dst.name,
+                                             "bytes": nbytes, "uri": dst.uri_for(ck.run, ck.id)}
+                if ck.id in report.reencoded:
+                    detail["reencoded"] = {"codec": reencode, **report.reencoded[ck.id]}
+                store.catalog.record_event(verb, checkpoint_id=ck.id, actor=owner,
+                                           detail=detail)
                 logger.info("%s %s (%s) to %s: %s bytes", verb, ck.ref, ck.id, dst.name,
                             nbytes)
             elif not remove_source:
@@ -338,8 +397,9 @@ def archive_checkpoints(
         ref: Only this checkpoint.
         tier: Destination tier.
         src: Source tier.
-        reencode: Codec to re-encode with. Not supported yet: the copy keeps the hot codec
-            (recorded in ``report.reencode_ignored`` and logged).
+        reencode: Codec preset to re-encode with (e.g. ``zstd-3``): each copy is written
+            self-contained with that codec, verified, and recorded with its own manifest
+            digest (see :mod:`ckptstore.ops.reencode`). None copies as is.
         owner: Lease owner (default: unique per call).
         progress: Called with the byte count of each file written.
         threads: Parallel transfers per checkpoint.
@@ -351,25 +411,23 @@ def archive_checkpoints(
         The :class:`ArchiveReport`.
 
     Raises:
-        ConfigError: If a tier is not configured or ``tier`` equals ``src``.
+        ConfigError: If a tier is not configured, ``tier`` equals ``src`` or ``reencode``
+            is not a codec preset (raised before anything is copied).
         StorageError: If a tier fails (retryable ones stop the run early); others as they
             come from the copy (IntegrityError, MissingBaseError), with the report attached
             as a note.
     """
     if tier == src:
         raise ConfigError(f"cannot archive from {src!r} to itself; choose another tier")
-    dst_tier, src_tier = tier_of(store, tier), tier_of(store, src)
-    report = ArchiveReport(src=src, tier=tier)
     if reencode is not None:
-        # A re-encoded copy has a different manifest digest than the catalog records, and
-        # the catalog has no per-replica digest yet, so such a copy could not be restored.
-        report.reencode_ignored = reencode
-        logger.warning("re-encoding on archive (%s) is not supported yet; archiving with the "
-                       "codec the checkpoint was saved with", reencode)
+        check_codec(reencode)
+    dst_tier, src_tier = tier_of(store, tier), tier_of(store, src)
+    report = ArchiveReport(src=src, tier=tier, reencode=reencode)
     todo = _candidates(store, run=run, ref=ref, src=src, dst=tier)
     return _run(store, todo, src=src_tier, dst=dst_tier, report=report,
                 owner=lease_owner(owner), threads=threads, progress=progress, deep=deep,
-                lease_ttl_s=lease_ttl_s, remove_source=False, raise_errors=raise_errors)
+                lease_ttl_s=lease_ttl_s, remove_source=False, raise_errors=raise_errors,
+                reencode=reencode)
 
 
 def demote_checkpoints(

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ckptstore.errors import CheckpointNotFoundError, CkptError
 from ckptstore.format import BaseRef, Manifest, read_manifest
 from ckptstore.format.delta import DeltaSpec, parse_delta
-from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 
 if TYPE_CHECKING:
     from ckptstore.store import CheckpointStore
@@ -77,7 +77,8 @@ def _hot_manifest(store: CheckpointStore, ck: Checkpoint) -> tuple[Manifest, Pat
         return None
     directory = store.checkpoint_dir(ck.run, ck.id)
     try:
-        return read_manifest(directory, expected_digest=ck.manifest_digest), directory
+        # A hot copy restored from a re-encoded archive copy has its own manifest digest.
+        return read_manifest(directory, expected_digest=expected_digest(ck, "hot")), directory
     except CkptError as exc:
         logger.warning("cannot use %s (%s) as a base: %s", ck.ref, ck.id, exc)
         return None

@@ -56,7 +56,7 @@ from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.zarrmeta import build_metadata
 from ckptstore.ops.replicas import lease_owner, manifest_on, referenced_chunks, store_tiers
 from ckptstore.procs import pid_alive
-from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import Tier, is_not_found
 from ckptstore.storage.transfer import owned_files
 
@@ -512,7 +512,7 @@ class _Doctor:
                        for r in ck.replicas)
                 else "no other copy exists: restore it from a backup")
         try:
-            manifest = (read_manifest(local, expected_digest=ck.manifest_digest)
+            manifest = (read_manifest(local, expected_digest=expected_digest(ck, tier.name))
                         if local is not None else manifest_on(tier, ck, use_cache=False))
         except (CheckpointNotFoundError, IncompleteCheckpointError) as exc:
             self._find("missing-replica", ck.id,

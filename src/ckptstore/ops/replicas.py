@@ -2,7 +2,9 @@
 
 * :func:`store_tiers` / :func:`tier_of`: the store's configured tiers.
 * :func:`manifest_on` / :func:`manifest_of`: a checkpoint's manifest read from a tier and
-  checked against the catalog digest (cached: a manifest never changes for a given digest).
+  checked against the digest the catalog records for that copy
+  (:func:`~ckptstore.records.expected_digest`: a copy re-encoded with the archive codec has
+  a manifest of its own) (cached: a manifest never changes for a given digest).
 * :func:`referenced_chunks`: which chunk files on a tier other checkpoints still read
   (dedup, and the base chunks of delta-encoded chunks), so deleting one checkpoint's copy
   never breaks another.
@@ -34,7 +36,7 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, read_manifest
-from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import (
     COMMIT_NAME,
     MANIFEST_NAME,
@@ -191,33 +193,37 @@ def _cache_put(ckpt_id: str, digest: str | None, manifest: Manifest) -> None:
             _manifests.popitem(last=False)
 
 
-def manifest_on(tier: Tier, ck: Checkpoint, *, use_cache: bool = True) -> Manifest:
+def manifest_on(tier: Tier, ck: Checkpoint, *, use_cache: bool = True,
+                digest: str | None = None) -> Manifest:
     """Read a checkpoint's manifest from one tier and check it against the catalog.
 
     Args:
         tier: The tier to read from.
-        ck: The catalog record (its ``manifest_digest`` is the expected digest).
+        ck: The catalog record.
         use_cache: Return a cached manifest with the same id and digest if there is one.
+        digest: The expected digest (default: what the catalog records for the copy on
+            ``tier``, :func:`~ckptstore.records.expected_digest`).
 
     Raises:
         IncompleteCheckpointError: If the copy has no ``COMMITTED`` marker.
         IntegrityError: If the manifest is damaged or is not the one the catalog recorded.
         StorageError: If the tier fails.
     """
+    expect = digest if digest is not None else expected_digest(ck, tier.name)
     if use_cache:
-        cached = _cache_get(ck.id, ck.manifest_digest)
+        cached = _cache_get(ck.id, expect)
         if cached is not None:
             return cached
     local = tier.local_dir(ck.run, ck.id)
     if local is not None:
-        manifest = read_manifest(local, expected_digest=ck.manifest_digest)
+        manifest = read_manifest(local, expected_digest=expect)
     else:
-        manifest = _remote_manifest(tier, ck)
-    _cache_put(ck.id, ck.manifest_digest, manifest)
+        manifest = _remote_manifest(tier, ck, expect)
+    _cache_put(ck.id, expect, manifest)
     return manifest
 
 
-def _remote_manifest(tier: Tier, ck: Checkpoint) -> Manifest:
+def _remote_manifest(tier: Tier, ck: Checkpoint, expect: str | None) -> Manifest:
     where = f"{tier.name} copy of {ck.ref} ({ck.id})"
     try:
         marker = tier.get_bytes(tier.key_for(ck.run, ck.id, COMMIT_NAME))
@@ -235,34 +241,49 @@ def _remote_manifest(tier: Tier, ck: Checkpoint) -> Manifest:
             f"the manifest of the {where} has digest {digest}, which its {COMMIT_NAME} marker "
             "does not record: it is damaged; run `ckpt verify` to repair it"
         )
-    if ck.manifest_digest is not None and digest != ck.manifest_digest:
+    if expect is not None and digest != expect:
         raise IntegrityError(
             f"the manifest of the {where} has digest {digest}, but the catalog recorded "
-            f"{ck.manifest_digest}: it is not this checkpoint; run `ckpt verify` to repair it"
+            f"{expect}: it is not this checkpoint; run `ckpt verify` to repair it"
         )
     return Manifest.from_json(data)
 
 
-def manifest_of(store: CheckpointStore, ck: Checkpoint) -> Manifest:
-    """The checkpoint's manifest, from its fastest PRESENT (or COPYING source) replica.
+def manifest_of(store: CheckpointStore, ck: Checkpoint, *, tier: str | None = None) -> Manifest:
+    """The checkpoint's manifest, from its fastest PRESENT replica.
+
+    Args:
+        store: The open store.
+        ck: The checkpoint.
+        tier: Return the manifest of the copy on this tier (which differs from the
+            checkpoint's own when that copy was re-encoded), read from any copy holding the
+            same manifest. Default: the checkpoint's own manifest, or failing that any
+            copy's (every copy holds the same tensors).
 
     Raises:
         CheckpointNotFoundError: If no configured tier holds a readable copy.
     """
-    cached = _cache_get(ck.id, ck.manifest_digest)
+    wanted = expected_digest(ck, tier) if tier is not None else ck.manifest_digest
+    cached = _cache_get(ck.id, wanted)
     if cached is not None:
         return cached
     tiers = store_tiers(store)
     errors: list[str] = []
-    # Archival tiers (GLACIER) last: their manifest objects are readable, their chunks not.
-    for replica in sorted(ck.replicas, key=lambda r: (not tiers[r.tier].readable
-                                                      if r.tier in tiers else True,
-                                                      tier_rank(r.tier))):
-        tier = tiers.get(replica.tier)
-        if tier is None or replica.state != ReplicaState.PRESENT:
+
+    def order(r: Any) -> tuple[bool, bool, int]:
+        # Copies holding the wanted manifest first; archival tiers (GLACIER) last: their
+        # manifest objects are readable, their chunks not.
+        return (expected_digest(ck, r.tier) != wanted,
+                not tiers[r.tier].readable if r.tier in tiers else True, tier_rank(r.tier))
+
+    for replica in sorted(ck.replicas, key=order):
+        source = tiers.get(replica.tier)
+        if source is None or replica.state != ReplicaState.PRESENT:
+            continue
+        if tier is not None and expected_digest(ck, replica.tier) != wanted:
             continue
         try:
-            return manifest_on(tier, ck)
+            return manifest_on(source, ck)
         except (IntegrityError, IncompleteCheckpointError, StorageError) as exc:
             errors.append(f"{replica.tier}: {exc}")
     raise CheckpointNotFoundError(
@@ -270,6 +291,20 @@ def manifest_of(store: CheckpointStore, ck: Checkpoint) -> Manifest:
         + (f" ({'; '.join(errors)})" if errors else "")
         + "; run `ckpt verify` to find and repair damaged copies"
     )
+
+
+def _reads_on(store: CheckpointStore, ck: Checkpoint, tier: str) -> Manifest | None:
+    """The manifest whose chunk references the copy of ``ck`` on ``tier`` follows.
+
+    None for a re-encoded copy: it is self-contained by construction (every chunk its own,
+    raw; see :mod:`ckptstore.ops.reencode`), so it reads no other checkpoint's files. Any
+    other copy follows the checkpoint's own manifest (a COPYING re-encode has no digest
+    recorded yet and so counts with the original's references: the safe side).
+    """
+    replica = ck.replica(tier)
+    if replica is not None and replica.manifest_digest is not None:
+        return None
+    return manifest_of(store, ck, tier=tier)
 
 
 def referenced_chunks(
@@ -309,8 +344,9 @@ def referenced_chunks(
         replica = ck.replica(tier)
         if ck.id in skip or replica is None or replica.state not in _LIVE:
             continue
-        manifest = manifest_of(store, ck)
-        out.update(ref for ref in manifest.chunk_refs() if ref[0] != ck.id)
+        manifest = _reads_on(store, ck, tier)
+        if manifest is not None:
+            out.update(ref for ref in manifest.chunk_refs() if ref[0] != ck.id)
     return out
 
 
@@ -321,7 +357,8 @@ def dependents(store: CheckpointStore, ck: Checkpoint, tier: str) -> list[Checkp
         replica = other.replica(tier)
         if other.id == ck.id or replica is None or replica.state not in _LIVE:
             continue
-        if ck.id in manifest_of(store, other).referenced_checkpoints():
+        manifest = _reads_on(store, other, tier)
+        if manifest is not None and ck.id in manifest.referenced_checkpoints():
             out.append(other)
     return out
 
@@ -437,7 +474,7 @@ def delete_replica(
 def _foreign_owners(store: CheckpointStore, target: Tier, ck: Checkpoint) -> set[str]:
     """Ids of the checkpoints whose chunk files ``ck``'s copy on ``target`` reads."""
     try:
-        cached = _cache_get(ck.id, ck.manifest_digest)
+        cached = _cache_get(ck.id, expected_digest(ck, target.name))
         manifest = cached if cached is not None else manifest_on(target, ck)
     except (CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError, StorageError):
         # A half-deleted copy has no marker any more; what it read is then found by the

@@ -4,6 +4,12 @@ The copy comes from the fastest tier holding a PRESENT replica (hot → warm →
 copy turns out damaged or unreachable the next one is tried. Chunks a delta reads from other
 checkpoints (dedup) are restored into their owners' directories, so the usual ``locate``
 (``<hot>/<run>/<id>``) finds them.
+
+A copy re-encoded with the archive codec (:mod:`ckptstore.ops.reencode`) is restored as it
+is: self-contained, in the archive codec, with its own manifest, whose digest the hot replica
+then records too (:func:`~ckptstore.records.expected_digest`). Decoding it back into the
+original layout is not possible in general (lossy deltas cannot be re-derived from their
+reconstructed values) and not needed: it loads bit-exactly like the original.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from ckptstore.ops.replicas import (
     store_tiers,
     tier_rank,
 )
-from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import (
     COMMIT_NAME,
     LocalTier,
@@ -48,7 +54,7 @@ from ckptstore.storage.transfer import source_checker
 if TYPE_CHECKING:
     from ckptstore.store import CheckpointStore
 
-__all__ = ["delete_replica", "ensure_hot", "restore_checkpoint"]
+__all__ = ["delete_replica", "ensure_hot", "hot_digest", "restore_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +132,9 @@ def _restore_from(
     record: bool,
     actor: str,
     depth: int,
-) -> tuple[Path, int]:
+) -> tuple[Path, int, str | None]:
+    """Restore ``ck`` from ``src``; return its directory, bytes and the copy's own digest
+    (None when the copy holds the checkpoint's manifest)."""
     run_of = run_resolver(store, ck)
     manifest = manifest_on(src, ck)
     # Bases come back whole first: the reader needs each base directory to be a committed
@@ -163,7 +171,8 @@ def _restore_from(
             + "; ".join(problems[:5])
             + f"; run `ckpt verify {ck.ref}` to repair the {src.name} copy"
         )
-    return directory, nbytes
+    digest = expected_digest(ck, src.name)
+    return directory, nbytes, None if digest == ck.manifest_digest else digest
 
 
 def _restore_into(
@@ -189,7 +198,7 @@ def _restore_into(
     failures: list[CkptError] = []
     for src in sources:
         try:
-            directory, nbytes = _restore_from(store, ck, src, target, threads=threads,
+            directory, nbytes, digest = _restore_from(store, ck, src, target, threads=threads,
                                               progress=progress, deep=deep, record=record,
                                               actor=actor, depth=depth)
         except (IntegrityError, IncompleteCheckpointError, StorageError) as exc:
@@ -198,7 +207,8 @@ def _restore_into(
             continue
         if record:
             store.catalog.set_replica(ck.id, target.name, uri=str(directory),
-                                      state=ReplicaState.PRESENT, bytes=nbytes, verified=True)
+                                      state=ReplicaState.PRESENT, bytes=nbytes, verified=True,
+                                      manifest_digest=digest)
         store.catalog.record_event(
             "restored",
             checkpoint_id=ck.id,
@@ -341,6 +351,18 @@ def _lease_against_retention(store: CheckpointStore, ck: Checkpoint, purpose: st
                 "retention run is working on it; retry later"
             )
         time.sleep(_POLL_S)
+
+
+def hot_digest(store: CheckpointStore, ck: Checkpoint) -> str | None:
+    """The digest the hot copy's manifest must have (after :func:`ensure_hot`).
+
+    ``ck`` may predate a restore that just brought a re-encoded copy to the hot tier; the
+    catalog is only asked again in that case.
+    """
+    replica = ck.replica("hot")
+    if replica is None or replica.state != ReplicaState.PRESENT:
+        ck = store.catalog.get_any(ck.id)
+    return expected_digest(ck, "hot")
 
 
 def ensure_hot(store: CheckpointStore, ck: Checkpoint) -> Path:

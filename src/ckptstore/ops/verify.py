@@ -22,6 +22,7 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, verify_checkpoint
+from ckptstore.ops.reencode import REENCODED_FROM, reencode_copy
 from ckptstore.ops.replicas import (
     lease_owner,
     manifest_on,
@@ -29,7 +30,7 @@ from ckptstore.ops.replicas import (
     store_tiers,
     tier_rank,
 )
-from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import (
     MANIFEST_NAME,
     LocalTier,
@@ -120,7 +121,7 @@ def _chunk_entries(manifest: Manifest) -> list[tuple[str, tuple[str, int]]]:
 
 
 def check_replica(store: CheckpointStore, ck: Checkpoint, tier: Tier, *,
-                  deep: bool = True) -> list[str]:
+                  deep: bool = True, digest: str | None = None) -> list[str]:
     """Check one copy of a checkpoint; return its problems (``[]`` when intact).
 
     Args:
@@ -128,6 +129,8 @@ def check_replica(store: CheckpointStore, ck: Checkpoint, tier: Tier, *,
         ck: The checkpoint.
         tier: The tier holding the copy.
         deep: Re-hash every chunk (False: presence and sizes only).
+        digest: The manifest digest the copy must have (default: what the catalog records
+            for it, :func:`~ckptstore.records.expected_digest`).
 
     Raises:
         StorageError: If the tier cannot be reached (not a property of the copy).
@@ -135,7 +138,7 @@ def check_replica(store: CheckpointStore, ck: Checkpoint, tier: Tier, *,
     run_of = run_resolver(store, ck)
     try:
         # The manifest and marker objects are readable even in archival classes.
-        manifest = manifest_on(tier, ck, use_cache=False)
+        manifest = manifest_on(tier, ck, use_cache=False, digest=digest)
     except (IntegrityError, IncompleteCheckpointError) as exc:
         return [f"manifest: {exc}"]
     except StorageError as exc:
@@ -170,6 +173,22 @@ def check_replica(store: CheckpointStore, ck: Checkpoint, tier: Tier, *,
         return problems + verify_checkpoint(directory, manifest, locate=locate_tmp, deep=deep)
 
 
+def _reencoded_codec(store: CheckpointStore, ck: Checkpoint, dst: Tier) -> str | None:
+    """The codec of the re-encoded copy on ``dst`` (None: it is not a re-encoded copy).
+
+    Read from the copy's manifest while that is intact, else the configured archive codec.
+    """
+    if dst.name not in {r.tier for r in ck.replicas if r.manifest_digest is not None}:
+        return None
+    try:
+        manifest = manifest_on(dst, ck, use_cache=True)
+        if REENCODED_FROM in manifest.extra:
+            return manifest.codec
+    except CkptError:
+        pass
+    return store.settings.archive_codec
+
+
 def _repair(
     store: CheckpointStore,
     ck: Checkpoint,
@@ -181,16 +200,24 @@ def _repair(
 ) -> str:
     """Copy ``ck`` onto ``dst`` again from a verified copy; return the donor tier's name.
 
+    A donor holding the same manifest as the damaged copy is copied as is. A re-encoded
+    copy (archive codec) whose donor holds another manifest (the original on hot) is
+    re-encoded again from it: files that are still right are kept, damaged ones rewritten.
+    Otherwise the donor's copy is copied as is and the replica records the donor's digest.
+
     Raises:
         CkptError: If no donor is intact, the lease is held, or the copy fails.
     """
     tiers = store_tiers(store)
+    want = expected_digest(ck, dst.name)
     donors = sorted(
         (tiers[r.tier] for r in ck.replicas
          if r.tier != dst.name and r.state == ReplicaState.PRESENT and r.tier in tiers
          and tiers[r.tier].readable),
-        key=lambda t: tier_rank(t.name),
+        # Same manifest first: the cheapest exact repair.
+        key=lambda t: (expected_digest(ck, t.name) != want, tier_rank(t.name)),
     )
+    codec = _reencoded_codec(store, ck, dst)
     reasons: list[str] = []
     purpose = f"archive:{dst.name}"
     for donor in donors:
@@ -207,16 +234,28 @@ def _repair(
         try:
             manifest = manifest_on(donor, ck)
             run_of = run_resolver(store, ck)
-            copy_foreign_chunks(donor, dst, manifest, run_of, threads=threads, deep=deep)
-            nbytes = copy_checkpoint(donor, dst, ck.run, ck.id, manifest, threads=threads,
-                                     deep=deep, run_of=run_of)
-            after = check_replica(store, ck, dst, deep=deep)
+            donor_digest = expected_digest(ck, donor.name)
+            digest: str | None
+            if codec is not None and donor_digest != want:
+                result = reencode_copy(donor, dst, ck.run, manifest, codec, run_of=run_of,
+                                       own_digest=ck.manifest_digest, threads=threads,
+                                       deep=deep)
+                nbytes, digest = result.bytes, result.manifest.digest
+            else:
+                copy_foreign_chunks(donor, dst, manifest, run_of, threads=threads, deep=deep)
+                nbytes = copy_checkpoint(donor, dst, ck.run, ck.id, manifest,
+                                         threads=threads, deep=deep, run_of=run_of)
+                digest = donor_digest
+            after = check_replica(store, ck, dst, deep=deep, digest=digest)
             if after:
                 raise IntegrityError(
                     f"the {dst.name} copy of {ck.ref} still fails after repair: {after[0]}"
                 )
-            store.catalog.set_replica(ck.id, dst.name, uri=dst.uri_for(ck.run, ck.id),
-                                      state=ReplicaState.PRESENT, bytes=nbytes, verified=True)
+            store.catalog.set_replica(
+                ck.id, dst.name, uri=dst.uri_for(ck.run, ck.id), state=ReplicaState.PRESENT,
+                bytes=nbytes, verified=True,
+                manifest_digest=None if digest == ck.manifest_digest else digest,
+            )
         finally:
             store.catalog.release_lease(ck.id, purpose, owner)
         return donor.name

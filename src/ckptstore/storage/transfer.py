@@ -37,6 +37,7 @@ __all__ = [
     "foreign_chunks",
     "iter_chunks",
     "owned_files",
+    "put_verified",
     "require_foreign_chunks",
     "source_checker",
 ]
@@ -177,30 +178,9 @@ def copy_keys(
                 f"{src.name} tier: {src_key} is damaged ({problem}); not copying it to "
                 f"{dst.name}. Run `ckpt verify` to repair the {src.name} copy from another one"
             )
-        expect = _digest(data, deep)
         present = dst_key in existing if existing is not None else dst.exists(dst_key)
-        if present:
-            if _matches(dst, dst_key, data, expect, deep):
-                logger.debug("%s tier: %s already present and intact", dst.name, dst_key)
-                return len(data)
-            logger.info("%s tier: replacing %s (differs from %s)", dst.name, dst_key, src.name)
-            dst.delete(dst_key)
-        try:
-            dst.put_bytes(dst_key, data)
-        except ConflictError:
-            # Another copier (say, one carrying a base's chunks for a delta) created the
-            # same key a moment ago; identical bytes are fine, anything else is not.
-            if not _matches(dst, dst_key, data, expect, deep):
-                raise
-            return len(data)
-        if not _matches(dst, dst_key, data, expect, deep):
-            raise IntegrityError(
-                f"{dst.name} tier: {dst_key} does not match the source after copying from "
-                f"{src.name} (size or hash differs); the copy is unusable, retry the transfer"
-            )
-        if progress is not None:
-            progress(len(data))
-        return len(data)
+        return put_verified(dst, dst_key, data, deep=deep, present=present,
+                            progress=progress, origin=src.name)
 
     if not pairs:
         return 0
@@ -219,6 +199,65 @@ def copy_keys(
         return sum(f.result() for f in futures)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def put_verified(
+    dst: Tier,
+    key: str,
+    data: bytes,
+    *,
+    deep: bool = False,
+    present: bool | None = None,
+    progress: Progress | None = None,
+    origin: str = "the source",
+) -> int:
+    """Write ``data`` to ``key`` on ``dst`` (write-once) and read it back to compare.
+
+    A file already at ``key`` is kept when it holds exactly ``data`` and replaced when it
+    does not (what a dead attempt left), so reruns redo only what is missing or wrong.
+
+    Args:
+        dst: Destination tier.
+        key: Destination key.
+        data: The bytes the file must hold.
+        deep: Compare blake3 instead of size + crc32c.
+        present: Whether the key exists (None: ask the tier).
+        progress: Called with ``len(data)`` when the file was actually written.
+        origin: Where the bytes came from, for messages.
+
+    Returns:
+        ``len(data)``.
+
+    Raises:
+        StorageError: If the tier fails.
+        IntegrityError: If the file does not read back identical.
+        ConflictError: If another writer creates the key with other bytes at the same moment.
+    """
+    expect = _digest(data, deep)
+    if present is None:
+        present = dst.exists(key)
+    if present:
+        if _matches(dst, key, data, expect, deep):
+            logger.debug("%s tier: %s already present and intact", dst.name, key)
+            return len(data)
+        logger.info("%s tier: replacing %s (differs from %s)", dst.name, key, origin)
+        dst.delete(key)
+    try:
+        dst.put_bytes(key, data)
+    except ConflictError:
+        # Another copier (say, one carrying a base's chunks for a delta) created the same
+        # key a moment ago; identical bytes are fine, anything else is not.
+        if not _matches(dst, key, data, expect, deep):
+            raise
+        return len(data)
+    if not _matches(dst, key, data, expect, deep):
+        raise IntegrityError(
+            f"{dst.name} tier: {key} does not match what was written from {origin} (size or "
+            "hash differs); the copy is unusable, retry the transfer"
+        )
+    if progress is not None:
+        progress(len(data))
+    return len(data)
 
 
 def _matches(dst: Tier, key: str, data: bytes, expect: str, deep: bool) -> bool:

@@ -1,0 +1,350 @@
+"""Re-encode a checkpoint's copy with another codec (the archive codec, e.g. ``zstd-3``).
+
+A re-encoded copy is **self-contained**: every chunk the checkpoint reads — its own, the ones
+it deduplicated against other checkpoints (``src``) and its delta-encoded (xor / q8 / q4)
+chunks, decoded to their exact stored content — is written as a plain ``raw`` chunk with the
+new codec into the copy's own files. Its manifest is the original one with ``codec`` and the
+arrays' codec replaced, every chunk entry ``src=None``, ``enc="raw"``, ``base=None`` with its
+new size and crc32c, ``kind="full"``; the tensors, tree, ids and per-chunk blake3 (a hash of
+the unencoded content) are unchanged, and ``extra["reencoded_from"]`` names the digest of
+the checkpoint's own manifest. That manifest has another digest, which the catalog records
+on the replica (:attr:`ckptstore.records.Replica.manifest_digest`).
+
+**Names.** The copy's arrays are renamed ``<array>__<codec>`` (``float32__zstd3``). Another
+checkpoint archived *without* re-encoding that deduplicated against this one copies the
+chunks it reads into this checkpoint's prefix under their original names
+(:func:`ckptstore.storage.transfer.copy_foreign_chunks`), and on S3 files are write-once:
+distinct names mean those files and ours never collide, and deleting this copy keeps exactly
+the original-layout files others read (:func:`ckptstore.ops.replicas.referenced_chunks`).
+Writer array names are dtype names with at most a ``_small``/``_lossy`` suffix and never
+contain ``__``.
+
+**Order and reruns** are those of a plain copy: chunk files (in parallel, one chunk in memory
+per thread), array and group ``zarr.json``, ``manifest.json``, then the ``COMMITTED`` marker;
+each file is read back from the destination and compared before the next step. Files a dead
+attempt left are kept when they hold exactly the bytes this run produces and replaced
+otherwise (:func:`ckptstore.storage.transfer.put_verified`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+import numpy as np
+
+from ckptstore.errors import ConfigError, IntegrityError, StorageError
+from ckptstore.format import ArrayEntry, ChunkEntry, Manifest, TensorEntry
+from ckptstore.format.chunkio import ChunkReader
+from ckptstore.format.codecs import CODEC_PRESETS, TRAILER, codec_spec, crc32c_update, encode
+from ckptstore.format.constants import ZARR_JSON
+from ckptstore.format.dtypes import dtype_by_name
+from ckptstore.format.verify import EXTRA_FILES_KEY
+from ckptstore.format.zarrmeta import build_metadata
+from ckptstore.storage import COMMIT_NAME, MANIFEST_NAME, LocalTier, Tier, is_not_found
+from ckptstore.storage.transfer import put_verified
+
+__all__ = [
+    "REENCODED_FROM",
+    "ReencodeResult",
+    "check_codec",
+    "reencode_copy",
+    "reencode_name",
+    "why_not_reencode",
+]
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[int], None]
+
+#: ``manifest.extra`` key of a re-encoded copy: the digest of the checkpoint's own manifest.
+REENCODED_FROM = "reencoded_from"
+
+_SEP = "__"
+_MAX_NAME = 64
+
+
+@dataclass(frozen=True)
+class ReencodeResult:
+    """What one re-encoded copy holds.
+
+    Attributes:
+        manifest: The copy's manifest (its ``digest`` goes into the replica row).
+        bytes: Bytes of every file of the copy on the destination.
+        source_bytes: Encoded size of the chunk data in the source layout (each chunk entry
+            counted once, whichever checkpoint holds it): the "before" of ``bytes``' chunks.
+        chunk_bytes: Bytes of the re-encoded chunk files alone: the "after".
+    """
+
+    manifest: Manifest
+    bytes: int
+    source_bytes: int
+    chunk_bytes: int
+
+
+def check_codec(codec: str) -> str:
+    """Return ``codec`` if it is a codec preset.
+
+    Raises:
+        ConfigError: Naming the presets, if it is not one.
+    """
+    if codec not in CODEC_PRESETS:
+        raise ConfigError(
+            f"unknown archive codec {codec!r}; choose one of {', '.join(CODEC_PRESETS)} "
+            "(--reencode, archive_codec in the config, or CKPT_ARCHIVE_CODEC)"
+        )
+    return codec
+
+
+def reencode_name(array: str, codec: str) -> str:
+    """Name of ``array`` in a copy re-encoded with ``codec`` (``float32`` → ``float32__zstd3``).
+
+    A name that is already re-encoded keeps its original stem, so re-encoding a re-encoded
+    copy (repair from another tier) does not stack suffixes.
+    """
+    stem = array.split(_SEP, 1)[0] if _SEP in array else array
+    name = f"{stem}{_SEP}{codec.replace('-', '')}"
+    if len(name) > _MAX_NAME:  # not reachable with writer names; stays a valid identifier
+        tag = hashlib.blake2b(name.encode(), digest_size=6).hexdigest()
+        name = f"{stem[: _MAX_NAME - len(tag) - 3]}{_SEP}r{tag}"
+    return name
+
+
+def why_not_reencode(manifest: Manifest, codec: str) -> str | None:
+    """Why a copy of ``manifest`` is made as is instead of re-encoded (None: re-encode it).
+
+    * Files of another layout (a DCP checkpoint's N-d arrays, ``extra["files"]``): the
+      packed-array re-encoder does not know them.
+    * Already in ``codec`` and self-contained: re-encoding would write the same data.
+    """
+    if manifest.extra.get(EXTRA_FILES_KEY):
+        return "holds files of another layout (DCP); copied as is"
+    if (manifest.codec == codec and all(a.codec == codec for a in manifest.arrays.values())
+            and not manifest.referenced_checkpoints()):
+        return f"already {codec}"
+    return None
+
+
+def _encode_chunk(codec: str, data: np.ndarray, itemsize: int) -> bytes:
+    """One chunk file: the codec's encoding of ``data`` + crc32c trailer (the writer's)."""
+    spec = codec_spec(codec)
+    body = encode(spec, data, itemsize) if spec.compressed else data.tobytes()
+    return body + TRAILER.pack(crc32c_update(body, 0))
+
+
+class _Source:
+    """Reads decoded chunks of one checkpoint copy, from a local or a remote tier.
+
+    A local tier is read in place. A remote one is staged chunk by chunk: the one or two
+    files a chunk needs are downloaded into a temporary directory laid out like a tier, read
+    there with the format's own :class:`~ckptstore.format.chunkio.ChunkReader` (which checks
+    sizes and crc32c against the manifest), and deleted — so memory and disk stay bounded by
+    a chunk per thread.
+    """
+
+    def __init__(self, tier: Tier, manifest: Manifest, run: str,
+                 run_of: Callable[[str], str]) -> None:
+        self.tier, self.manifest, self.run, self.run_of = tier, manifest, run, run_of
+        local = tier.local_dir(run, manifest.id)
+        self._reader: ChunkReader | None = None
+        if local is not None:
+            def locate(ckpt_id: str) -> Path:
+                found = tier.local_dir(run_of(ckpt_id), ckpt_id)
+                assert found is not None  # a local tier has local directories
+                return found
+
+            self._reader = ChunkReader(local, manifest, locate)
+
+    def read(self, array: ArrayEntry, index: int, out: np.ndarray) -> None:
+        if self._reader is not None:
+            self._reader.read(array, index, [(0, out)])
+            return
+        with self._staged(array, index) as reader:
+            reader.read(array, index, [(0, out)])
+
+    @contextmanager
+    def _staged(self, array: ArrayEntry, index: int) -> Iterator[ChunkReader]:
+        chunk = array.chunks[index]
+        owners = {self.manifest.id if o is None else o for o in chunk.owners()}
+        with tempfile.TemporaryDirectory(prefix="ckpt-reencode-") as tmp:
+            scratch = LocalTier(Path(tmp), name=self.tier.name)
+            for owner in owners:
+                key = self.tier.key_for(self.run_of(owner), owner, array.chunk_path(index))
+                try:
+                    self.tier.get_file(key, Path(tmp) / key)
+                except StorageError as exc:
+                    if not is_not_found(exc):
+                        raise
+                    # The reader reports a missing file with checkpoint, tensor and chunk.
+
+            def locate(ckpt_id: str) -> Path:
+                return scratch.local_dir(self.run_of(ckpt_id), ckpt_id)
+
+            directory = scratch.local_dir(self.run, self.manifest.id)
+            for owner in owners:
+                scratch.local_dir(self.run_of(owner), owner).mkdir(parents=True, exist_ok=True)
+            yield ChunkReader(directory, self.manifest, locate)
+
+
+def reencode_copy(
+    src: Tier,
+    dst: Tier,
+    run: str,
+    manifest: Manifest,
+    codec: str,
+    *,
+    run_of: Callable[[str], str],
+    own_digest: str | None = None,
+    threads: int = 4,
+    progress: Progress | None = None,
+    deep: bool = False,
+) -> ReencodeResult:
+    """Write a self-contained copy of a checkpoint onto ``dst``, every chunk in ``codec``.
+
+    Args:
+        src: Tier holding a complete copy (its chunks, and the chunks it reads from other
+            checkpoints in their owners' prefixes).
+        dst: Tier to write to.
+        run: The checkpoint's run.
+        manifest: The source copy's manifest, already checked against the catalog.
+        codec: The codec preset to write with.
+        run_of: Maps checkpoint ids (owners of deduplicated chunks) to run names.
+        own_digest: Digest of the checkpoint's own manifest, recorded in the copy's
+            ``extra["reencoded_from"]`` (default: ``manifest``'s, or what it records).
+        threads: Chunks re-encoded in parallel.
+        progress: Called with the byte count of each file written.
+        deep: Compare blake3 instead of crc32c when reading files back.
+
+    Returns:
+        The :class:`ReencodeResult`; the copy is committed (marker written) on ``dst``.
+
+    Raises:
+        ConfigError: If ``codec`` is unknown or ``src`` cannot be read back (archival class).
+        IntegrityError: If a source chunk is damaged or does not decode to the content the
+            manifest records (MissingBaseError when a deduplicated chunk is gone), or a file
+            does not read back identical from ``dst``.
+        StorageError: If a tier fails. ``dst`` then holds no marker.
+    """
+    check_codec(codec)
+    if not src.readable:
+        raise ConfigError(
+            f"cannot re-encode from the {src.name} tier: its objects are in an archival "
+            "storage class; archive from a readable tier (hot) instead"
+        )
+    ckpt_id = manifest.id
+    origin = own_digest or str(manifest.extra.get(REENCODED_FROM) or manifest.digest)
+    names = {name: reencode_name(name, codec) for name in manifest.arrays}
+    if len(set(names.values())) != len(names):
+        raise IntegrityError(f"checkpoint {ckpt_id}: re-encoded array names collide: {names}")
+    marker = dst.key_for(run, ckpt_id, COMMIT_NAME)
+    # A marker there means a previous attempt (or the copy being repaired) finished: it is
+    # not complete again until this run says so.
+    if dst.exists(marker):
+        dst.delete(marker)
+    existing = set(dst.list_prefix(dst.prefix_for(run, ckpt_id)))
+    source = _Source(src, manifest, run, run_of)
+
+    def one(job: tuple[ArrayEntry, int]) -> tuple[ChunkEntry, int]:
+        array, index = job
+        old = array.chunks[index]
+        content = np.empty(array.chunk_nbytes, dtype=np.uint8)
+        source.read(array, index, content)
+        # The blake3 in the manifest is of the unencoded (reconstructed) chunk: what a load
+        # returns. Checking it here makes the new copy bit-exact by construction.
+        digest = blake3.blake3(content.data).hexdigest()
+        if digest != old.blake3:
+            raise IntegrityError(
+                f"{src.name} copy of checkpoint {ckpt_id}: chunk {array.chunk_path(index)} "
+                f"decodes to blake3 {digest}, the manifest records {old.blake3}; not "
+                f"re-encoding damaged data. Run `ckpt verify` to repair the {src.name} copy"
+            )
+        data = _encode_chunk(codec, content, array.itemsize)
+        rel = f"{names[array.name]}/c/{index}"
+        key = dst.key_for(run, ckpt_id, rel)
+        put_verified(dst, key, data, deep=deep, present=key in existing, progress=progress,
+                     origin=f"re-encoding {src.name}")
+        crc = int.from_bytes(data[-TRAILER.size:], "little")
+        return ChunkEntry(index, len(data), crc, old.blake3), len(data)
+
+    jobs = [(array, chunk.i) for array in manifest.arrays.values() for chunk in array.chunks]
+    results = _parallel(one, jobs, threads)
+    chunks: dict[str, list[ChunkEntry]] = {name: [] for name in manifest.arrays}
+    for (array, _), (entry, _) in zip(jobs, results, strict=True):
+        chunks[array.name].append(entry)
+    chunk_total = sum(n for _, n in results)
+    arrays = {
+        names[name]: dataclasses.replace(a, name=names[name], codec=codec,
+                                         chunks=tuple(chunks[name]))
+        for name, a in manifest.arrays.items()
+    }
+    tensors = {
+        key: TensorEntry(t.key, names[t.array], t.offset, t.numel, t.shape, t.torch_dtype,
+                         t.chunk_start, t.chunk_stop)
+        for key, t in manifest.tensors.items()
+    }
+    new = dataclasses.replace(
+        manifest, kind="full", base_id=None, codec=codec, arrays=arrays, tensors=tensors,
+        stored_bytes=chunk_total, extra={**manifest.extra, REENCODED_FROM: origin},
+    )
+    data = new.to_json()
+    # Our own output goes through the hostile-input parser once: a bug here must fail the
+    # archive, not a restore months later.
+    Manifest.from_json(data)
+    if new.referenced_checkpoints():  # the replica bookkeeping relies on this
+        raise IntegrityError(f"re-encoded copy of {ckpt_id} still references other chunks")
+    total = chunk_total
+    metas = []
+    for a in arrays.values():
+        info = dtype_by_name(a.torch_dtype)
+        assert info is not None  # the manifest was validated
+        metas.append((a.name, a.length, a.chunk_len, info))
+    docs = build_metadata(ckpt_id, metas, codec_spec(codec))
+    # Array documents first, the group's last, as the writer does.
+    for rel in sorted(docs, key=lambda r: (r == ZARR_JSON, r)):
+        key = dst.key_for(run, ckpt_id, rel)
+        total += put_verified(dst, key, docs[rel], deep=deep, present=key in existing,
+                              progress=progress)
+    key = dst.key_for(run, ckpt_id, MANIFEST_NAME)
+    total += put_verified(dst, key, data, deep=deep, present=key in existing,
+                          progress=progress)
+    # Everything above is on dst and read back intact: only now may the copy become visible.
+    total += put_verified(dst, marker, (new.digest + "\n").encode("ascii"), deep=deep,
+                          present=False, progress=progress)
+    source_bytes = sum(c.nbytes for a in manifest.arrays.values() for c in a.chunks)
+    logger.info("re-encoded %s/%s from %s (%s) to %s (%s): chunks %d -> %d bytes",
+                run, ckpt_id, src.name, manifest.codec, dst.name, codec, source_bytes,
+                chunk_total)
+    return ReencodeResult(new, total, source_bytes, chunk_total)
+
+
+def _parallel(
+    fn: Callable[[tuple[ArrayEntry, int]], tuple[ChunkEntry, int]],
+    jobs: list[tuple[ArrayEntry, int]],
+    threads: int,
+) -> list[tuple[ChunkEntry, int]]:
+    """``[fn(job) for job in jobs]`` on ``threads`` threads; the first error cancels the rest."""
+    if threads <= 1 or len(jobs) <= 1:
+        return [fn(job) for job in jobs]
+    pool = ThreadPoolExecutor(max_workers=min(threads, len(jobs)),
+                              thread_name_prefix="ckpt-reencode")
+    try:
+        futures: list[Future[tuple[ChunkEntry, int]]] = [pool.submit(fn, j) for j in jobs]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for fut in done:
+            exc = fut.exception()
+            if exc is not None:
+                # With a tier down every queued chunk would fail slowly: stop now.
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise exc
+        return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
