@@ -531,7 +531,12 @@ class CheckpointStore:
         if require_signature is not None:
             from ckptstore.ops.signing import verify_signature
 
-            # Before any tensor is read: nothing unvouched reaches the caller.
+            # Before any tensor is read: nothing unvouched reaches the caller. A checkpoint
+            # only an archive tier holds is restored first, so the copy that will be read
+            # (possibly re-encoded, with a digest the catalog alone vouches for) is the one
+            # checked against the signed digest.
+            if not memory_replica_here(ck):
+                ensure_hot(self, ck)
             verify_signature(self, ck.id, require_signature)
         in_memory = memory_replica_here(ck)
         with self.metrics.timed("load", run=ck.run, tier="memory" if in_memory else "hot",

@@ -77,6 +77,34 @@ def test_tier_lifecycle_flows_on_s3(tmp_path: Path, s3_config: tuple[Path, Any])
         assert check_invariants(store) == []
 
 
+def test_archive_flow_reencodes_with_the_configured_codec(tmp_path: Path) -> None:
+    """archive_codec from the config: a self-contained zstd-3 warm copy that carries the
+    original manifest, restores and loads bit-exactly, and keeps the store's invariants."""
+    from ckptstore.flows.archive import archive_flow
+    from ckptstore.ops.reencode import ORIGINAL_MANIFEST_NAME
+    from ckptstore.ops.replicas import delete_replica
+
+    config = tmp_path / "ckpt.toml"
+    config.write_text(
+        f'root = "{tmp_path / "store"}"\ncodec = "lz4"\narchive_codec = "zstd-3"\n'
+        f'[tiers]\nwarm = "{tmp_path / "warm"}"\n', encoding="utf-8")
+    state = {"w": torch.arange(4096, dtype=torch.float32) % 7, "step": 1}
+    with CheckpointStore.open(config=config) as store:
+        ck = store.save("r", 1, state)
+    archived = archive_flow(config=str(config))
+    assert archived["archived"] == [ck.id] and archived["reencode"] == "zstd-3"
+    assert set(archived["reencoded"]) == {ck.id}
+    assert (tmp_path / "warm" / "r" / ck.id / ORIGINAL_MANIFEST_NAME).is_file()
+    with CheckpointStore.open(config=config) as store:
+        warm = store.get(ck.id).replica("warm")
+        assert warm is not None and warm.manifest_digest not in (None, ck.manifest_digest)
+        delete_replica(store, store.get(ck.id), "hot")
+        loaded = store.load(ck.id)  # restored from the re-encoded warm copy
+        assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 1
+        assert store.get(ck.id).replica("hot").manifest_digest == warm.manifest_digest  # type: ignore[union-attr]
+        assert check_invariants(store) == []
+
+
 def test_archive_flow_rejects_unconfigured_tier(flow_store: CheckpointStore) -> None:
     from ckptstore.flows.archive import archive_flow
 

@@ -6,6 +6,7 @@ load bit-exactly from the re-encoded copy alone.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,16 +16,24 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, ReplicaState
-from ckptstore.errors import ConfigError, ConflictError
-from ckptstore.format import Manifest
+from ckptstore.errors import ConfigError, ConflictError, IntegrityError
+from ckptstore.format import Manifest, read_manifest
 from ckptstore.format.codecs import BLOSC_HEADER
 from ckptstore.ops.archive import archive_checkpoints, demote_checkpoints
-from ckptstore.ops.reencode import REENCODED_FROM
+from ckptstore.ops.bundle import export_bundle, import_bundle
+from ckptstore.ops.reencode import ORIGINAL_MANIFEST_NAME, REENCODED_FROM, check_same_content
 from ckptstore.ops.replicas import delete_replica, manifest_on, store_tiers
 from ckptstore.ops.restore import restore_checkpoint
+from ckptstore.ops.signing import (
+    SignatureDoc,
+    generate_keypair,
+    sign_checkpoint,
+    verify_signature,
+)
 from ckptstore.ops.verify import verify_replicas
 from ckptstore.records import Checkpoint, expected_digest
-from ckptstore.storage import COMMIT_NAME, Tier
+from ckptstore.storage import COMMIT_NAME, MANIFEST_NAME, Tier
+from ckptstore.testing.invariants import check_invariants
 from ckptstore.testing.s3 import MotoS3
 
 pytestmark = pytest.mark.s3
@@ -43,6 +52,17 @@ def small(tmp_path: Path, s3: MotoS3) -> Iterator[CheckpointStore]:
         cold_storage_class="STANDARD_IA", storage_options=s3.storage_options,
         chunk_bytes=4096, codec="lz4",
     )
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> Iterator[CheckpointStore]:
+    """A store with a local-path warm tier (checked by check_invariants too), lz4 on hot."""
+    opened = CheckpointStore.open(tmp_path / "store", warm=str(tmp_path / "warm"),
+                                  chunk_bytes=4096, codec="lz4")
     try:
         yield opened
     finally:
@@ -315,3 +335,107 @@ def test_reencode_from_a_remote_tier(small: CheckpointStore) -> None:
     for ck, state in zip(cks, states, strict=True):
         assert store.get(ck.id).tiers == ("cold",)
         assert _equal(store.load(ck.id), state)
+
+
+def _reencoded_hot(store: CheckpointStore, ck: Checkpoint) -> Checkpoint:
+    """Archive ``ck`` re-encoded, drop its hot copy and restore: the hot copy is re-encoded."""
+    assert archive_checkpoints(store, tier="warm", reencode="zstd-3").reencoded
+    _drop_hot(store, ck)
+    restore_checkpoint(store, ck.id)
+    now = store.get(ck.id)
+    hot = now.replica("hot")
+    assert hot is not None and hot.manifest_digest not in (None, ck.manifest_digest)
+    return now
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_signature_transfers_to_a_reencoded_hot_copy(local: CheckpointStore,
+                                                     tmp_path: Path) -> None:
+    store = local
+    private, public = generate_keypair(tmp_path / "keys", "alice")
+    state = _state(7)
+    ck = store.save("run", 1, state)
+    hot_dir = store.checkpoint_dir("run", ck.id)
+    original_bytes = (hot_dir / MANIFEST_NAME).read_bytes()
+    sign_checkpoint(store, ck.id, private)
+    now = _reencoded_hot(store, ck)
+    # The original manifest travelled: archive wrote it, restore copied it, byte for byte.
+    assert (tmp_path / "warm" / "run" / ck.id / ORIGINAL_MANIFEST_NAME).read_bytes() \
+        == original_bytes
+    assert (hot_dir / ORIGINAL_MANIFEST_NAME).read_bytes() == original_bytes
+    assert read_manifest(hot_dir).digest == now.replica("hot").manifest_digest  # type: ignore[union-attr]
+
+    # The signature (from the `signed` event: the SIGNATURE file went with the old hot
+    # copy) verifies on the re-encoded copy, deep, and load with a required signature works.
+    verify_signature(store, ck.id, public, deep=True)
+    assert _equal(store.load(ck.id, require_signature=public), state)
+    # Signing the re-encoded copy signs the original digest (the content's identity).
+    doc = SignatureDoc.parse(sign_checkpoint(store, ck.id, private).read_bytes())
+    assert doc.manifest_digest == ck.manifest_digest
+    verify_signature(store, ck.id, public)
+    assert check_invariants(store) == []  # hot and (local) warm are re-encoded copies
+
+    # A tampered original manifest inside the copy is refused everywhere it matters.
+    orig = hot_dir / ORIGINAL_MANIFEST_NAME
+    orig.write_bytes(original_bytes.replace(b'"step":1,', b'"step":2,', 1))
+    assert orig.read_bytes() != original_bytes
+    with pytest.raises(IntegrityError, match=ORIGINAL_MANIFEST_NAME):
+        verify_signature(store, ck.id, public)
+    with pytest.raises(IntegrityError, match=ORIGINAL_MANIFEST_NAME):
+        store.load(ck.id, require_signature=public)
+    assert any(ORIGINAL_MANIFEST_NAME in p for p in check_invariants(store))
+    # A copy without it (made before it travelled) is refused with what to do.
+    orig.unlink()
+    with pytest.raises(IntegrityError, match="re-run `ckpt archive --reencode"):
+        sign_checkpoint(store, ck.id, private)
+    # The scrub sees it and repairs the copy from warm (same re-encoded manifest).
+    report = verify_replicas(store, tier="hot")
+    assert f"{ck.id}@hot" in report.damaged and report.clean
+    assert orig.read_bytes() == original_bytes
+    verify_signature(store, ck.id, public)
+
+    # (3) on its own: same digests but other chunk content, or a moved tensor, is refused.
+    original = Manifest.from_json(original_bytes)
+    copy = read_manifest(hot_dir)
+    check_same_content(original, copy)
+    name, array = next(iter(copy.arrays.items()))
+    chunks = (dataclasses.replace(array.chunks[0], blake3="0" * 64), *array.chunks[1:])
+    forged = dataclasses.replace(copy, arrays={
+        **copy.arrays, name: dataclasses.replace(array, chunks=chunks)})
+    with pytest.raises(IntegrityError, match="other content"):
+        check_same_content(original, forged)
+    key, tensor = next(iter(copy.tensors.items()))
+    moved = dataclasses.replace(copy, tensors={
+        **copy.tensors, key: dataclasses.replace(tensor, offset=tensor.offset + 1)})
+    with pytest.raises(IntegrityError, match="placed differently"):
+        check_same_content(original, moved)
+
+
+def test_bundle_of_a_reencoded_hot_copy_round_trips(local: CheckpointStore,
+                                                    tmp_path: Path) -> None:
+    store = local
+    private, public = generate_keypair(tmp_path / "keys", "alice")
+    state = _state(8)
+    ck = store.save("run", 1, state, metrics={"loss": 0.5})
+    now = _reencoded_hot(store, ck)
+    sign_checkpoint(store, ck.id, private)  # a SIGNATURE file beside the re-encoded copy
+    bundle = export_bundle(store, ck.id, tmp_path / "out" / "ck.tar")
+
+    with CheckpointStore.open(tmp_path / "other") as other:
+        imported = import_bundle(other, bundle, require_signature=public)
+        assert imported.id == ck.id and imported.manifest_digest == ck.manifest_digest
+        hot = imported.replica("hot")
+        assert hot is not None and hot.state == ReplicaState.PRESENT
+        assert hot.manifest_digest == now.replica("hot").manifest_digest  # type: ignore[union-attr]
+        # Bit-exact: every file of the re-encoded copy, the original manifest and signature.
+        src_files = _files(store.checkpoint_dir("run", ck.id))
+        assert ORIGINAL_MANIFEST_NAME in src_files and "SIGNATURE" in src_files
+        assert _files(other.checkpoint_dir("run", ck.id)) == src_files
+        verify_signature(other, ck.id, public, deep=True)
+        assert _equal(other.load(ck.id, require_signature=public), state)
+        assert check_invariants(other) == []
+        assert import_bundle(other, bundle).id == ck.id  # already there: the same row

@@ -57,9 +57,9 @@ from ckptstore.format.flatten import rebuild_state
 from ckptstore.format.fsio import advise_hugepages
 from ckptstore.format.keys import key_matches
 from ckptstore.format.tree import iter_tensor_refs, match_into
-from ckptstore.format.verify import chunk_files
 from ckptstore.hooks.memory_tier import memory_copy
 from ckptstore.records import Checkpoint, ReplicaState, expected_digest
+from ckptstore.storage.transfer import owned_files
 
 if TYPE_CHECKING:
     from ckptstore.storage import Tier
@@ -335,7 +335,8 @@ class _RemoteSource(_Source):
 
     def finish(self) -> None:
         assert self.manifest is not None
-        rest = [rel for rel in chunk_files(self.manifest) if rel != COMMIT_NAME]
+        # owned_files: a re-encoded copy's original manifest comes along (signatures).
+        rest = [rel for rel in owned_files(self.manifest) if rel != COMMIT_NAME]
         total = sum(self._fetch(rel).result() for rel in rest)
         total += self.tier.get_file(
             self.tier.key_for(self.ck.run, self.ck.id, COMMIT_NAME), self.directory / COMMIT_NAME

@@ -4,6 +4,15 @@ A bundle holds ``ckptstore-bundle.json`` (what it is: id, run, step, digest, met
 file list) and the checkpoint's own files under ``checkpoint/`` (chunks, Zarr metadata,
 ``manifest.json``, ``COMMITTED``, and ``SIGNATURE`` when signed).
 
+A hot copy re-encoded with the archive codec (restored from such an archive copy, see
+:mod:`ckptstore.ops.reencode`) is exported as it is, with the original manifest it carries
+(``manifest.orig.json``): the header's ``manifest_digest`` is the checkpoint's own (original)
+digest, the identity signatures sign, and ``copy_digest`` the re-encoded manifest's. The
+importer checks the re-encoded manifest against the marker and ``copy_digest``, the original
+bytes against ``manifest_digest`` (and the signature over it), and that both describe the same
+chunks (:func:`ckptstore.ops.reencode.check_same_content`); the imported checkpoint keeps the
+original digest and its hot replica records the re-encoded one.
+
 Importing treats the tar as hostile. Before anything is written it refuses members with
 absolute paths, ``..``, backslashes or odd names, anything but regular files (links, devices,
 FIFOs), members larger than their kind allows (each chunk exactly the size its manifest
@@ -34,13 +43,20 @@ from ckptstore.errors import (
     InvalidNameError,
     StorageError,
 )
-from ckptstore.format import Manifest, chunk_files, read_manifest, verify_checkpoint
+from ckptstore.format import Manifest, read_manifest, verify_checkpoint
 from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
 from ckptstore.format.manifest import manifest_digest
 from ckptstore.format.verify import extra_files
 from ckptstore.names import validate_name
+from ckptstore.ops.reencode import check_original
 from ckptstore.ops.signing import SIGNATURE_NAME, SignatureDoc, check_signature, load_public_key
-from ckptstore.records import Checkpoint, CheckpointState
+from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.storage.transfer import (
+    ORIGINAL_MANIFEST_NAME,
+    REENCODED_FROM,
+    is_reencoded,
+    owned_files,
+)
 
 if TYPE_CHECKING:
     from ckptstore.store import CheckpointStore
@@ -95,11 +111,15 @@ def export_bundle(store: CheckpointStore, ref: str, out_tar: str | os.PathLike[s
         IntegrityError: If the hot copy is damaged.
         StorageError: If the bundle cannot be written.
     """
-    from ckptstore.ops.restore import ensure_hot
+    from ckptstore.ops.reencode import read_copy_manifest
+    from ckptstore.ops.restore import ensure_hot, hot_digest
 
     ck = store.catalog.get(ref)
     directory = ensure_hot(store, ck)
-    manifest = read_manifest(directory, expected_digest=ck.manifest_digest)
+    if ck.manifest_digest is None:
+        raise IntegrityError(f"checkpoint {ck.ref} has no manifest digest in the catalog")
+    # The hot copy may be a re-encoded one: its original manifest must check out too.
+    manifest = read_copy_manifest(directory, ck.manifest_digest, hot_digest(store, ck))
     if manifest.referenced_checkpoints():
         raise InvalidNameError(
             f"checkpoint {ck.ref} is a delta (it reads chunks of "
@@ -110,7 +130,7 @@ def export_bundle(store: CheckpointStore, ref: str, out_tar: str | os.PathLike[s
     if problems:
         raise IntegrityError(f"cannot export {ck.ref}: its hot copy is damaged: "
                              + "; ".join(problems[:3]) + "; run `ckpt verify` to repair it")
-    files = list(chunk_files(manifest))
+    files = owned_files(manifest)
     signature = directory / SIGNATURE_NAME
     if signature.is_file():
         files.append(SIGNATURE_NAME)
@@ -128,6 +148,8 @@ def export_bundle(store: CheckpointStore, ref: str, out_tar: str | os.PathLike[s
         "exported_at": datetime.now(UTC).isoformat(),
         "files": [{"path": rel, "size": sizes[rel]} for rel in files],
     }
+    if is_reencoded(manifest):
+        header["copy_digest"] = manifest.digest
     out = Path(out_tar)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     mtime = int(ck.created_at.timestamp())
@@ -230,6 +252,8 @@ def _parse_header(data: bytes) -> dict[str, Any]:
                       ("metrics", dict), ("tags", list)):
         if not isinstance(header.get(key), kind):
             raise IntegrityError(f"{BUNDLE_HEADER}: field {key!r} is missing or malformed")
+    if "copy_digest" in header and not isinstance(header["copy_digest"], str):
+        raise IntegrityError(f"{BUNDLE_HEADER}: field 'copy_digest' is malformed")
     return header
 
 
@@ -243,13 +267,23 @@ def _parse_manifest(data: bytes, marker: bytes, header: dict[str, Any]) -> Manif
             f"the bundle's {COMMIT_NAME} does not hold its manifest's digest {digest}: the "
             "bundle is damaged or was tampered with"
         )
-    if header["manifest_digest"] != digest:
+    # A re-encoded copy's digest is the header's copy_digest; manifest_digest is then the
+    # original's, checked against the original manifest bytes by the caller.
+    named = header.get("copy_digest", header["manifest_digest"])
+    if named != digest:
         raise IntegrityError(
-            f"the bundle header names manifest {header['manifest_digest']}, but the manifest "
+            f"the bundle header names manifest {named}, but the manifest "
             f"has digest {digest}: the bundle was tampered with"
         )
     _bounded_json(data, "the bundle's manifest")  # bounds the parse Manifest.from_json does
     manifest = Manifest.from_json(data)
+    if is_reencoded(manifest) != ("copy_digest" in header) or (
+            is_reencoded(manifest)
+            and manifest.extra.get(REENCODED_FROM) != header["manifest_digest"]):
+        raise IntegrityError(
+            "the bundle header and its manifest disagree on whether (and from which "
+            "original) the copy was re-encoded: the bundle was tampered with"
+        )
     if manifest.id != header["checkpoint_id"]:
         raise IntegrityError(f"the bundle header names checkpoint {header['checkpoint_id']}, "
                              f"but the manifest is checkpoint {manifest.id}")
@@ -266,8 +300,9 @@ def _size_limits(manifest: Manifest) -> dict[str, int]:
             limits[array.chunk_path(chunk.i)] = chunk.nbytes
     for rel, nbytes, _crc in extra_files(manifest):
         limits[rel] = nbytes
-    for rel in chunk_files(manifest):
-        limits.setdefault(rel, MAX_MANIFEST_BYTES if rel == MANIFEST_NAME else _MAX_SMALL)
+    for rel in owned_files(manifest):
+        limits.setdefault(rel, MAX_MANIFEST_BYTES
+                          if rel in (MANIFEST_NAME, ORIGINAL_MANIFEST_NAME) else _MAX_SMALL)
     limits[SIGNATURE_NAME] = _MAX_SMALL
     return limits
 
@@ -409,7 +444,7 @@ def _import(store: CheckpointStore, tar: tarfile.TarFile, path: Path, run: str |
     marker = _read_member(tar, members[_PREFIX + COMMIT_NAME], _MAX_SMALL)
     manifest = _parse_manifest(manifest_bytes, marker, header)
     limits = _size_limits(manifest)
-    expected = set(chunk_files(manifest))
+    expected = set(owned_files(manifest))
     present = {name[len(_PREFIX):] for name in members if name != BUNDLE_HEADER}
     unexpected = sorted(present - expected - {SIGNATURE_NAME})
     if unexpected:
@@ -433,21 +468,30 @@ def _import(store: CheckpointStore, tar: tarfile.TarFile, path: Path, run: str |
         signature = SignatureDoc.parse(_read_member(tar, members[_PREFIX + SIGNATURE_NAME],
                                                     _MAX_SMALL))
     digest = manifest.digest
+    # The checkpoint's identity: its original manifest (the copy's own when not re-encoded).
+    original = manifest
+    if is_reencoded(manifest):
+        original = check_original(
+            manifest,
+            _read_member(tar, members[_PREFIX + ORIGINAL_MANIFEST_NAME], MAX_MANIFEST_BYTES),
+            header["manifest_digest"],
+        )
+    own = original.digest
     if public_key is not None:
         if signature is None:
             raise IntegrityError(f"bundle {path.name} is not signed, and a signature is "
                                  "required; refusing it")
-        check_signature(signature, manifest.id, digest, public_key)
+        check_signature(signature, manifest.id, own, public_key)
 
     _precheck_content(tar, members, manifest)
     target_run = validate_name(run if run is not None else header["run"])
-    existing = _existing(store, manifest.id, digest)
+    existing = _existing(store, manifest.id, own)
     if existing is not None:
         logger.info("bundle %s is already in the store as %s", path, existing.ref)
         return existing
     ck = store.catalog.begin_checkpoint(
         target_run, manifest.step, ckpt_id=manifest.id, metrics=header["metrics"],
-        tags=tuple(header["tags"]), codec=manifest.codec, kind="full",
+        tags=tuple(header["tags"]), codec=original.codec, kind="full",
     )
     directory = store.checkpoint_dir(target_run, ck.id)
     try:
@@ -460,15 +504,26 @@ def _import(store: CheckpointStore, tar: tarfile.TarFile, path: Path, run: str |
         _write_member(tar, members[_PREFIX + COMMIT_NAME], directory / COMMIT_NAME)
         _fsync_tree(directory)
         read_manifest(directory, expected_digest=digest)
+        if original is not manifest:
+            # What landed on disk, not only what the tar held, must prove the original.
+            check_original(manifest, (directory / ORIGINAL_MANIFEST_NAME).read_bytes(), own)
     except BaseException as exc:
         _abandon(store, ck.id, directory, exc)
         if isinstance(exc, OSError) and not isinstance(exc, CkptError):
             raise StorageError(exc.errno or 5, f"importing {path} failed: {exc}") from exc
         raise
     committed = store.catalog.commit_checkpoint(
-        ck.id, manifest_digest=digest, logical_bytes=manifest.logical_bytes,
-        stored_bytes=manifest.stored_bytes, uri=str(directory),
+        ck.id, manifest_digest=own, logical_bytes=original.logical_bytes,
+        stored_bytes=original.stored_bytes, replica_bytes=manifest.stored_bytes,
+        uri=str(directory),
     )
+    if original is not manifest:
+        # commit_checkpoint records the checkpoint's own manifest on the hot replica; this
+        # copy holds the re-encoded one. Until this update a reader of the new row gets a
+        # clear digest mismatch (IntegrityError), never wrong data.
+        store.catalog.set_replica(ck.id, "hot", state=ReplicaState.PRESENT,
+                                  manifest_digest=digest)
+        committed = store.catalog.get_any(ck.id)
     store.catalog.record_event(
         "imported", checkpoint_id=ck.id,
         detail={"bundle": path.name, "signed": signature is not None,

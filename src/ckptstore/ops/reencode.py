@@ -10,6 +10,16 @@ the unencoded content) are unchanged, and ``extra["reencoded_from"]`` names the 
 the checkpoint's own manifest. That manifest has another digest, which the catalog records
 on the replica (:attr:`ckptstore.records.Replica.manifest_digest`).
 
+**The original manifest travels with the copy** as ``manifest.orig.json``
+(:data:`ORIGINAL_MANIFEST_NAME`, byte for byte the checkpoint's own ``manifest.json``), so a
+re-encoded copy proves which content it holds without the original layout's files. A reader
+of such a copy (:func:`read_copy_manifest`) checks (1) ``manifest.json`` against the replica's
+digest, (2) the original bytes against the checkpoint's digest (the one signatures sign, see
+:mod:`ckptstore.ops.signing`) and (3) that both describe the same content
+(:func:`check_same_content`: same ids, tree and tensors, and chunk by chunk the same
+unencoded lengths and blake3). A chunk that passes its blake3 in the re-encoded copy is then
+exactly the chunk the original vouches for, so trust in the original transfers to the copy.
+
 **Names.** The copy's arrays are renamed ``<array>__<codec>`` (``float32__zstd3``). Another
 checkpoint archived *without* re-encoding that deduplicated against this one copies the
 chunks it reads into this checkpoint's prefix under their original names
@@ -20,7 +30,8 @@ Writer array names are dtype names with at most a ``_small``/``_lossy`` suffix a
 contain ``__``.
 
 **Order and reruns** are those of a plain copy: chunk files (in parallel, one chunk in memory
-per thread), array and group ``zarr.json``, ``manifest.json``, then the ``COMMITTED`` marker;
+per thread), array and group ``zarr.json``, ``manifest.orig.json``, ``manifest.json``, then the
+``COMMITTED`` marker;
 each file is read back from the destination and compared before the next step. Files a dead
 attempt left are kept when they hold exactly the bytes this run produces and replaced
 otherwise (:func:`ckptstore.storage.transfer.put_verified`).
@@ -31,6 +42,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -42,20 +55,33 @@ import blake3
 import numpy as np
 
 from ckptstore.errors import ConfigError, IntegrityError, StorageError
-from ckptstore.format import ArrayEntry, ChunkEntry, Manifest, TensorEntry
+from ckptstore.format import ArrayEntry, ChunkEntry, Manifest, TensorEntry, read_manifest
 from ckptstore.format.chunkio import ChunkReader
 from ckptstore.format.codecs import CODEC_PRESETS, TRAILER, codec_spec, crc32c_update, encode
-from ckptstore.format.constants import ZARR_JSON
+from ckptstore.format.constants import MAX_MANIFEST_BYTES, ZARR_JSON
 from ckptstore.format.dtypes import dtype_by_name
+from ckptstore.format.manifest import manifest_digest
 from ckptstore.format.verify import EXTRA_FILES_KEY
 from ckptstore.format.zarrmeta import build_metadata
 from ckptstore.storage import COMMIT_NAME, MANIFEST_NAME, LocalTier, Tier, is_not_found
-from ckptstore.storage.transfer import put_verified
+from ckptstore.storage.transfer import (
+    ORIGINAL_MANIFEST_NAME,
+    REENCODED_FROM,
+    is_reencoded,
+    put_verified,
+)
 
 __all__ = [
+    "ORIGINAL_MANIFEST_NAME",
     "REENCODED_FROM",
     "ReencodeResult",
     "check_codec",
+    "check_original",
+    "check_same_content",
+    "is_reencoded",
+    "original_manifest_bytes",
+    "original_problems",
+    "read_copy_manifest",
     "reencode_copy",
     "reencode_name",
     "why_not_reencode",
@@ -64,9 +90,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[int], None]
-
-#: ``manifest.extra`` key of a re-encoded copy: the digest of the checkpoint's own manifest.
-REENCODED_FROM = "reencoded_from"
 
 _SEP = "__"
 _MAX_NAME = 64
@@ -229,8 +252,9 @@ def reencode_copy(
     Raises:
         ConfigError: If ``codec`` is unknown or ``src`` cannot be read back (archival class).
         IntegrityError: If a source chunk is damaged or does not decode to the content the
-            manifest records (MissingBaseError when a deduplicated chunk is gone), or a file
-            does not read back identical from ``dst``.
+            manifest records (MissingBaseError when a deduplicated chunk is gone), the
+            original manifest is missing or does not have the checkpoint's digest, or a
+            file does not read back identical from ``dst``.
         StorageError: If a tier fails. ``dst`` then holds no marker.
     """
     check_codec(codec)
@@ -241,6 +265,10 @@ def reencode_copy(
         )
     ckpt_id = manifest.id
     origin = own_digest or str(manifest.extra.get(REENCODED_FROM) or manifest.digest)
+    # The original manifest is checked before any chunk is written: a copy that cannot
+    # prove what it re-encodes is never started.
+    original_bytes = original_manifest_bytes(src, run, manifest, origin)
+    original = Manifest.from_json(original_bytes)
     names = {name: reencode_name(name, codec) for name in manifest.arrays}
     if len(set(names.values())) != len(names):
         raise IntegrityError(f"checkpoint {ckpt_id}: re-encoded array names collide: {names}")
@@ -300,6 +328,8 @@ def reencode_copy(
     Manifest.from_json(data)
     if new.referenced_checkpoints():  # the replica bookkeeping relies on this
         raise IntegrityError(f"re-encoded copy of {ckpt_id} still references other chunks")
+    # What every later reader checks (signatures transfer through it): check it now.
+    check_same_content(original, new)
     total = chunk_total
     metas = []
     for a in arrays.values():
@@ -312,6 +342,10 @@ def reencode_copy(
         key = dst.key_for(run, ckpt_id, rel)
         total += put_verified(dst, key, docs[rel], deep=deep, present=key in existing,
                               progress=progress)
+    # Before the copy's own manifest: a copy whose manifest is there has its original too.
+    key = dst.key_for(run, ckpt_id, ORIGINAL_MANIFEST_NAME)
+    total += put_verified(dst, key, original_bytes, deep=deep, present=key in existing,
+                          progress=progress)
     key = dst.key_for(run, ckpt_id, MANIFEST_NAME)
     total += put_verified(dst, key, data, deep=deep, present=key in existing,
                           progress=progress)
@@ -323,6 +357,218 @@ def reencode_copy(
                 run, ckpt_id, src.name, manifest.codec, dst.name, codec, source_bytes,
                 chunk_total)
     return ReencodeResult(new, total, source_bytes, chunk_total)
+
+
+def original_manifest_bytes(src: Tier, run: str, manifest: Manifest, digest: str) -> bytes:
+    """The checkpoint's original ``manifest.json`` bytes, as the copy of ``manifest`` on ``src``
+    holds them, checked against ``digest`` (the checkpoint's own manifest digest).
+
+    For a copy in the original layout that is the manifest itself (its canonical bytes); a
+    re-encoded copy holds them in :data:`ORIGINAL_MANIFEST_NAME`.
+
+    Raises:
+        IntegrityError: If they are missing (a copy re-encoded before the original manifest
+            travelled with it) or do not hash to ``digest``.
+        StorageError: If the tier fails.
+    """
+    where = f"the {src.name} copy of checkpoint {manifest.id}"
+    if not is_reencoded(manifest):
+        data = manifest.to_json()
+        if manifest_digest(data) != digest:
+            # Written by something that serializes differently: the file's own bytes.
+            data = src.get_bytes(src.key_for(run, manifest.id, MANIFEST_NAME))
+    else:
+        key = src.key_for(run, manifest.id, ORIGINAL_MANIFEST_NAME)
+        try:
+            if src.size(key) > MAX_MANIFEST_BYTES:
+                raise IntegrityError(f"{where}: {ORIGINAL_MANIFEST_NAME} is over the size "
+                                     "limit of a manifest")
+            data = src.get_bytes(key)
+        except StorageError as exc:
+            if not is_not_found(exc):
+                raise
+            raise _no_original(where) from None
+    got = manifest_digest(data)
+    if got != digest:
+        raise IntegrityError(
+            f"{where}: the original manifest has digest {got}, the checkpoint's is {digest}; "
+            f"not re-encoding it. Run `ckpt verify` to repair the {src.name} copy"
+        )
+    return data
+
+
+def _no_original(where: str) -> IntegrityError:
+    return IntegrityError(
+        f"{where} is re-encoded but holds no {ORIGINAL_MANIFEST_NAME} (it was made before "
+        "re-encoded copies carried the original manifest), so it cannot prove which content "
+        "it holds: delete that copy and re-run `ckpt archive --reencode CODEC` from a copy "
+        "in the original layout"
+    )
+
+
+def check_same_content(original: Manifest, reencoded: Manifest) -> None:
+    """Check that a re-encoded manifest describes exactly the content of the original one.
+
+    Same id, run, step, creation time, tree, chunk size and byte counts; the same tensors in
+    the same order at the same places; every array renamed with
+    :func:`reencode_name`, of the same dtype, length and chunking; and chunk by chunk the
+    same unencoded content hash (blake3), with every re-encoded chunk self-contained.
+    Together with the per-chunk blake3 check of every read, a signature over the original
+    manifest's digest then vouches for every byte read from the re-encoded copy.
+
+    Raises:
+        IntegrityError: Naming the first difference.
+    """
+    def fail(what: str) -> IntegrityError:
+        return IntegrityError(
+            f"the re-encoded manifest of checkpoint {reencoded.id} does not describe the "
+            f"content of its original manifest ({what}); the copy was tampered with or "
+            "damaged: run `ckpt verify` to repair it"
+        )
+
+    if is_reencoded(original):
+        raise fail("the original manifest is itself a re-encoded one")
+    if reencoded.extra.get(REENCODED_FROM) != original.digest:
+        raise fail(f"it names original {reencoded.extra.get(REENCODED_FROM)}, the original "
+                   f"has digest {original.digest}")
+    for name in ("format_version", "id", "run", "step", "created_at", "chunk_bytes",
+                 "logical_bytes", "tree", "delta"):
+        if getattr(original, name) != getattr(reencoded, name):
+            raise fail(f"{name} differs")
+    rest = {k: v for k, v in reencoded.extra.items() if k != REENCODED_FROM}
+    if rest != original.extra:
+        raise fail("extra differs")
+    codec = reencoded.codec
+    if any(a.codec != codec for a in reencoded.arrays.values()):
+        raise fail(f"an array is not in the copy's codec {codec}")
+    names = {name: reencode_name(name, codec) for name in original.arrays}
+    if sorted(names.values()) != sorted(reencoded.arrays):
+        raise fail(f"arrays {sorted(reencoded.arrays)} are not {sorted(names.values())}")
+    for name, old in original.arrays.items():
+        new = reencoded.arrays[names[name]]
+        if (old.torch_dtype, old.zarr_dtype, old.itemsize, old.length, old.chunk_len) != (
+                new.torch_dtype, new.zarr_dtype, new.itemsize, new.length, new.chunk_len):
+            raise fail(f"array {name}: dtype, length or chunking differs")
+        if len(old.chunks) != len(new.chunks):
+            raise fail(f"array {name}: {len(new.chunks)} chunks instead of {len(old.chunks)}")
+        for a, b in zip(old.chunks, new.chunks, strict=True):
+            if a.i != b.i or a.blake3 != b.blake3:
+                raise fail(f"chunk {new.chunk_path(b.i)} has other content than "
+                           f"{old.chunk_path(a.i)}")
+            if b.src is not None or b.base is not None or b.enc != "raw":
+                raise fail(f"chunk {new.chunk_path(b.i)} is not self-contained")
+    if list(original.tensors) != list(reencoded.tensors):
+        raise fail("the tensor keys differ")
+    for key, t in original.tensors.items():
+        u = reencoded.tensors[key]
+        if (u.key, u.array, u.offset, u.numel, u.shape, u.torch_dtype, u.chunk_start,
+                u.chunk_stop) != (t.key, names.get(t.array), t.offset, t.numel, t.shape,
+                                  t.torch_dtype, t.chunk_start, t.chunk_stop):
+            raise fail(f"tensor {key} is placed differently")
+
+
+def check_original(reencoded: Manifest, original_bytes: bytes, own_digest: str) -> Manifest:
+    """Check a re-encoded copy's original manifest bytes; return the original manifest.
+
+    Checks (2) the bytes hash to ``own_digest`` (the checkpoint's digest, which signatures
+    sign) and (3) :func:`check_same_content`.
+
+    Raises:
+        IntegrityError: If either check fails.
+    """
+    got = manifest_digest(original_bytes)
+    if got != own_digest:
+        raise IntegrityError(
+            f"the {ORIGINAL_MANIFEST_NAME} of the re-encoded copy of checkpoint "
+            f"{reencoded.id} has digest {got}, but the checkpoint's manifest digest is "
+            f"{own_digest}: the copy was tampered with or damaged; run `ckpt verify` to "
+            "repair it"
+        )
+    original = Manifest.from_json(original_bytes)
+    check_same_content(original, reencoded)
+    return original
+
+
+def _read_original(directory: Path, ckpt_id: str) -> bytes:
+    """The bytes of ``directory/manifest.orig.json``: bounded, no links, no FIFOs."""
+    path = directory / ORIGINAL_MANIFEST_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise _no_original(f"the copy of checkpoint {ckpt_id} in {directory}") from None
+    except OSError as exc:
+        raise StorageError(exc.errno or 5, f"cannot read {path}: {exc.strerror}") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_MANIFEST_BYTES:
+            raise IntegrityError(f"{path} is not a regular file of at most "
+                                 f"{MAX_MANIFEST_BYTES} bytes; the copy was tampered with")
+        chunks: list[bytes] = []
+        remaining = info.st_size + 1
+        while remaining > 0:
+            block = os.read(fd, min(remaining, 1 << 24))
+            if not block:
+                break
+            chunks.append(block)
+            remaining -= len(block)
+        return b"".join(chunks)
+    except OSError as exc:
+        raise StorageError(exc.errno or 5, f"cannot read {path}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+
+
+def original_problems(directory: Path, manifest: Manifest, own_digest: str | None) -> list[str]:
+    """Problems of a local copy's original manifest (``[]``: fine, or not a re-encoded copy).
+
+    For scrubs: the checks of :func:`check_original` on ``directory``'s
+    :data:`ORIGINAL_MANIFEST_NAME`, as lines instead of an exception.
+    """
+    if not is_reencoded(manifest) or own_digest is None:
+        return []
+    try:
+        check_original(manifest, _read_original(directory, manifest.id), own_digest)
+    except (IntegrityError, StorageError) as exc:
+        return [f"{ORIGINAL_MANIFEST_NAME}: {exc}"]
+    return []
+
+
+def read_copy_manifest(directory: Path, own_digest: str,
+                       copy_digest: str | None = None) -> Manifest:
+    """Read the manifest of a local copy of a checkpoint and check what it vouches for.
+
+    ``copy_digest`` is the digest the catalog records for the copy (a re-encoded replica's
+    own, :func:`ckptstore.records.expected_digest`); None or ``own_digest`` when the copy
+    holds the checkpoint's own manifest. For a re-encoded copy this checks (1) its
+    ``manifest.json`` against ``copy_digest``, (2) its :data:`ORIGINAL_MANIFEST_NAME` against
+    ``own_digest`` and (3) :func:`check_same_content`; otherwise the manifest must have
+    ``own_digest``.
+
+    Args:
+        directory: The checkpoint directory.
+        own_digest: The checkpoint's own manifest digest (the catalog's, the signed one).
+        copy_digest: The copy's manifest digest when it differs.
+
+    Returns:
+        The copy's manifest (the one its files follow).
+
+    Raises:
+        IntegrityError: If any check fails, or a re-encoded copy lacks its original
+            manifest (made before this check existed: re-run the archive).
+        IncompleteCheckpointError, CheckpointNotFoundError, StorageError: As
+            :func:`ckptstore.format.read_manifest`.
+    """
+    manifest = read_manifest(directory, expected_digest=copy_digest or own_digest)
+    if not is_reencoded(manifest):
+        if manifest.digest != own_digest:
+            raise IntegrityError(
+                f"the copy of checkpoint {manifest.id} in {directory} holds manifest "
+                f"{manifest.digest}, which is neither the checkpoint's ({own_digest}) nor a "
+                "re-encoded copy of it; run `ckpt verify` to repair it"
+            )
+        return manifest
+    check_original(manifest, _read_original(directory, manifest.id), own_digest)
+    return manifest
 
 
 def _parallel(

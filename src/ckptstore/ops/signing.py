@@ -7,6 +7,13 @@ signed one. The signature is stored twice: as ``SIGNATURE`` beside ``manifest.js
 hot copy (it travels with bundles), and in a ``signed`` catalog event (so copies restored
 from an archive tier, which carry only the checkpoint's own files, can still be checked).
 
+The signed digest is always the checkpoint's **original** manifest digest (the catalog's
+``manifest_digest``: the identity of the content). A hot copy restored from a copy
+re-encoded with the archive codec has another manifest; it carries the original manifest
+bytes too, and :func:`ckptstore.ops.reencode.read_copy_manifest` checks that they have the
+signed digest and describe the same chunks (same blake3), so the signature covers the
+re-encoded copy as well.
+
 Keys are PEM files: PKCS#8 private keys (unencrypted; keep them with mode 0600) and
 SubjectPublicKeyInfo public keys, as written by :func:`generate_keypair` (``ckpt keygen``).
 Private key material never reaches the catalog, logs or errors; the public key's
@@ -28,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, IntegrityError, StorageError
-from ckptstore.records import Checkpoint, ReplicaState
+from ckptstore.records import Checkpoint, ReplicaState, expected_digest
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (
@@ -36,6 +43,7 @@ if TYPE_CHECKING:
         Ed25519PublicKey,
     )
 
+    from ckptstore.format import Manifest
     from ckptstore.store import CheckpointStore
 
 __all__ = [
@@ -264,6 +272,20 @@ def _hot_dir(store: CheckpointStore, ck: Checkpoint) -> Path | None:
     return store.checkpoint_dir(ck.run, ck.id)
 
 
+def _hot_manifest(directory: Path, ck: Checkpoint) -> Manifest:
+    """The hot copy's manifest, checked to hold the checkpoint's original content.
+
+    The copy may be a re-encoded one (restored from the archive codec's copy): then its own
+    manifest is checked against the replica's digest and its original manifest against the
+    checkpoint's (:func:`ckptstore.ops.reencode.read_copy_manifest`).
+    """
+    from ckptstore.ops.reencode import read_copy_manifest
+
+    if ck.manifest_digest is None:
+        raise IntegrityError(f"checkpoint {ck.ref} has no manifest digest in the catalog")
+    return read_copy_manifest(directory, ck.manifest_digest, expected_digest(ck, "hot"))
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".ckpt-tmp-sig-{os.getpid()}")
     try:
@@ -290,7 +312,9 @@ def sign_checkpoint(
     """Sign a committed checkpoint's id and manifest digest with an Ed25519 key.
 
     The manifest on the hot tier is read and checked against the catalog's digest first,
-    so only content the catalog vouches for is ever signed.
+    so only content the catalog vouches for is ever signed. The signed digest is the
+    checkpoint's own (original) manifest digest, also when the hot copy is a re-encoded one
+    (whose original manifest is checked to match, chunk by chunk).
 
     Args:
         store: The open store.
@@ -307,8 +331,6 @@ def sign_checkpoint(
         ConfigError: If the key cannot be loaded.
         StorageError: If the file cannot be written.
     """
-    from ckptstore.format import read_manifest
-
     key = load_private_key(private_key_path)
     ck = store.catalog.get(ref)
     directory = _hot_dir(store, ck)
@@ -317,8 +339,9 @@ def sign_checkpoint(
             f"checkpoint {ck.ref} ({ck.id}) has no copy on the hot tier to sign; restore it "
             f"first with `ckpt restore {ck.ref}`"
         )
-    manifest = read_manifest(directory, expected_digest=ck.manifest_digest)
-    digest = manifest.digest
+    _hot_manifest(directory, ck)
+    digest = ck.manifest_digest
+    assert digest is not None  # checked by _hot_manifest
     doc = SignatureDoc(
         checkpoint_id=ck.id,
         manifest_digest=digest,
@@ -408,7 +431,8 @@ def verify_signature(
 
     Checks, in order: the signature document (file beside the manifest, else the ``signed``
     event) names this checkpoint and the catalog's manifest digest; the Ed25519 signature
-    verifies; the manifest on the hot tier has that digest; with ``deep``, every chunk
+    verifies; the manifest on the hot tier has that digest (for a re-encoded hot copy: its
+    original manifest has it and describes the same chunks); with ``deep``, every chunk
     matches the manifest's hashes.
 
     Args:
@@ -423,7 +447,7 @@ def verify_signature(
         CheckpointNotFoundError: If the reference does not resolve.
         ConfigError: If the key cannot be loaded.
     """
-    from ckptstore.format import read_manifest, verify_checkpoint
+    from ckptstore.format import verify_checkpoint
 
     public_key = load_public_key(public_key_path)
     ck = store.catalog.get(ref)
@@ -433,7 +457,7 @@ def verify_signature(
     check_signature(doc, ck.id, ck.manifest_digest, public_key)
     directory = _hot_dir(store, ck)
     if directory is not None:
-        manifest = read_manifest(directory, expected_digest=ck.manifest_digest)
+        manifest = _hot_manifest(directory, ck)
         if deep:
             problems = verify_checkpoint(directory, manifest, locate=store.locate, deep=True)
             if problems:

@@ -22,7 +22,7 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, verify_checkpoint
-from ckptstore.ops.reencode import REENCODED_FROM, reencode_copy
+from ckptstore.ops.reencode import REENCODED_FROM, original_problems, reencode_copy
 from ckptstore.ops.replicas import (
     lease_owner,
     manifest_on,
@@ -154,7 +154,8 @@ def check_replica(store: CheckpointStore, ck: Checkpoint, tier: Tier, *,
             assert found is not None
             return found
 
-        return verify_checkpoint(local, manifest, locate=locate, deep=deep)
+        return (verify_checkpoint(local, manifest, locate=locate, deep=deep)
+                + original_problems(local, manifest, ck.manifest_digest))
     with tempfile.TemporaryDirectory(prefix="ckpt-verify-") as tmp:
         root = Path(tmp)
         keys = [tier.key_for(ck.run, ck.id, rel) for rel in owned_files(manifest)]
@@ -170,7 +171,9 @@ def check_replica(store: CheckpointStore, ck: Checkpoint, tier: Tier, *,
         def locate_tmp(ckpt_id: str) -> Path:
             return scratch.local_dir(run_of(ckpt_id), ckpt_id)
 
-        return problems + verify_checkpoint(directory, manifest, locate=locate_tmp, deep=deep)
+        return (problems
+                + verify_checkpoint(directory, manifest, locate=locate_tmp, deep=deep)
+                + original_problems(directory, manifest, ck.manifest_digest))
 
 
 def _reencoded_codec(store: CheckpointStore, ck: Checkpoint, dst: Tier) -> str | None:

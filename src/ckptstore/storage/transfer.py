@@ -28,6 +28,8 @@ from ckptstore.format import chunk_files
 from ckptstore.storage.base import COMMIT_NAME, MANIFEST_NAME, Tier
 
 __all__ = [
+    "ORIGINAL_MANIFEST_NAME",
+    "REENCODED_FROM",
     "ChunkRef",
     "ManifestLike",
     "chunk_rel",
@@ -35,6 +37,7 @@ __all__ = [
     "copy_foreign_chunks",
     "copy_keys",
     "foreign_chunks",
+    "is_reencoded",
     "iter_chunks",
     "owned_files",
     "put_verified",
@@ -45,6 +48,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[int], None]
+
+#: ``manifest.extra`` key of a copy re-encoded with another codec
+#: (:mod:`ckptstore.ops.reencode`): the digest of the checkpoint's own (original) manifest.
+REENCODED_FROM = "reencoded_from"
+#: File of a re-encoded copy holding the checkpoint's original ``manifest.json`` bytes, so
+#: the copy proves which content it re-encodes (signatures sign the original digest).
+ORIGINAL_MANIFEST_NAME = "manifest.orig.json"
 
 
 class ManifestLike(Protocol):
@@ -117,10 +127,20 @@ def owned_files(manifest: ManifestLike) -> list[str]:
 
     Delegates to :func:`ckptstore.format.chunk_files`, the format's authority on which files
     make up a checkpoint, and only reorders so ``manifest.json`` and ``COMMITTED`` come last.
+    A re-encoded copy also owns :data:`ORIGINAL_MANIFEST_NAME` (just before its manifest),
+    so every copy, demotion, restore and repair carries it along.
     """
     files = list(chunk_files(manifest))  # type: ignore[arg-type]
     data = [f for f in files if f not in (MANIFEST_NAME, COMMIT_NAME)]
+    if is_reencoded(manifest):
+        data.append(ORIGINAL_MANIFEST_NAME)
     return [*data, MANIFEST_NAME, COMMIT_NAME]
+
+
+def is_reencoded(manifest: ManifestLike) -> bool:
+    """Whether ``manifest`` is that of a re-encoded copy (it names its original's digest)."""
+    extra = getattr(manifest, "extra", None)
+    return isinstance(extra, Mapping) and bool(extra.get(REENCODED_FROM))
 
 
 def _digest(data: bytes, deep: bool) -> str:
@@ -298,6 +318,9 @@ def source_checker(
     digest = str(getattr(manifest, "digest", "") or "")
     manifest_key = key_of(manifest.id, MANIFEST_NAME)
     marker_key = key_of(manifest.id, COMMIT_NAME)
+    original_key = key_of(manifest.id, ORIGINAL_MANIFEST_NAME)
+    original = (str(getattr(manifest, "extra", {}).get(REENCODED_FROM))
+                if is_reencoded(manifest) else "")
 
     def check(key: str, data: bytes) -> str | None:
         if key in expected:
@@ -315,6 +338,11 @@ def source_checker(
         elif (digest and key == marker_key
               and data.decode("ascii", "replace").strip() != digest):
             return "the marker does not hold the manifest digest"
+        elif original and key == original_key:
+            got_digest = blake3.blake3(data).hexdigest()
+            if got_digest != original:
+                return (f"original manifest digest {got_digest} differs from the "
+                        f"{original} the re-encoded manifest names")
         return None
 
     return check

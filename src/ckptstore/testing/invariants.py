@@ -4,8 +4,9 @@
 
 1. every COMMITTED checkpoint has at least one PRESENT replica;
 2. every PRESENT replica on a local tier (the hot tier, or a local-path warm/cold tier) reads
-   back: the manifest matches the catalog's digest, every chunk matches its hashes, and every
-   tensor decodes;
+   back: the manifest matches the catalog's digest (a re-encoded copy's: the replica's own
+   digest, and its original manifest the checkpoint's, describing the same chunks), every
+   chunk matches its hashes, and every tensor decodes;
 3. every delta's base chain is COMMITTED (no missing or deleted base);
 4. no PENDING row belongs to a dead writer on this host;
 5. no directory on the hot tier lacks a catalog row, and none belongs to a DELETED checkpoint
@@ -25,8 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptstore.errors import CheckpointNotFoundError, CkptError
-from ckptstore.format import iter_tensors, read_manifest, verify_checkpoint
-from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.format import iter_tensors, verify_checkpoint
+from ckptstore.ops.reencode import read_copy_manifest
+from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 
 if TYPE_CHECKING:
     from ckptstore.store import CheckpointStore
@@ -106,7 +108,11 @@ def _check_local_copy(
         return found
 
     try:
-        manifest = read_manifest(directory, expected_digest=ck.manifest_digest)
+        if ck.manifest_digest is None:
+            return ["COMMITTED without a manifest digest"]
+        # A re-encoded copy has its own digest and must prove the checkpoint's original.
+        manifest = read_copy_manifest(directory, ck.manifest_digest,
+                                      expected_digest(ck, tier))
         if not deep:
             return []
         problems = list(verify_checkpoint(directory, manifest, locate=locate, deep=True))
