@@ -83,6 +83,9 @@ class Settings:
             ``False`` (full saves), ``"xor"``, or a table for lossy deltas (see
             :func:`ckptstore.format.delta.parse_delta`).
         keyframe_every: xor/lossy deltas: a full keyframe every this many saves.
+        delta_cache_bytes: xor/lossy deltas: host memory for the latest keyframe's chunks,
+            so a delta save encodes against them without reading the keyframe back (a
+            larger keyframe is cached in part). 0 turns the cache off.
         source: The config file this came from, if any.
     """
 
@@ -109,6 +112,7 @@ class Settings:
     memory_tier_dir: str | None = None
     delta: bool | str | dict[str, Any] = "dedup"
     keyframe_every: int = 10
+    delta_cache_bytes: int = 1024**3
     source: Path | None = None
 
     @property
@@ -160,12 +164,14 @@ _ENV: dict[str, str] = {
     "CKPT_MEMORY_TIER_DIR": "memory_tier_dir",
     "CKPT_DELTA": "delta",
     "CKPT_KEYFRAME_EVERY": "keyframe_every",
+    "CKPT_DELTA_CACHE_BYTES": "delta_cache_bytes",
     "CKPT_S3_ENDPOINT_URL": "storage_options.endpoint_url",
 }
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 _INT_FIELDS = {"chunk_bytes", "threads", "keep_last", "keep_every", "save_interval",
-               "staging_budget_bytes", "keyframe_every", "memory_tier_bytes"}
+               "staging_budget_bytes", "keyframe_every", "memory_tier_bytes",
+               "delta_cache_bytes"}
 _FLOAT_FIELDS = {"max_age_days", "cold_after_days"}
 
 

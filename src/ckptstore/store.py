@@ -29,6 +29,7 @@ from ckptstore.errors import (
 )
 from ckptstore.faults import fault_point
 from ckptstore.format import (
+    KeyframeCache,
     Manifest,
     flatten_state,
     read_checkpoint,
@@ -101,6 +102,11 @@ class CheckpointStore:
         self._tiers: dict[str, Tier] | None = None
         # Per-store recorder (own Prometheus registry): ~20 µs per observation.
         self.metrics = Metrics()
+        # The latest xor/lossy keyframe's chunks, so the deltas after it need not read it
+        # back (allocated only as a keyframe is written).
+        self._keyframe_cache = (
+            KeyframeCache(settings.delta_cache_bytes) if settings.delta_cache_bytes else None
+        )
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -155,6 +161,8 @@ class CheckpointStore:
                     tier.close()
                 self.metrics.close()
                 self.catalog.close()
+                if self._keyframe_cache is not None:
+                    self._keyframe_cache.clear()
 
     @property
     def tiers(self) -> dict[str, Tier]:
@@ -303,6 +311,7 @@ class CheckpointStore:
                     depth=plan.depth,
                     fault_point=lambda phase: fault_point(f"save.{phase}"),
                     progress=progress,
+                    base_cache=self._keyframe_cache,
                 )
             except BaseException as exc:
                 self._abandon(ck.id, directory, exc)

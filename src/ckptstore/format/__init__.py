@@ -14,6 +14,7 @@ which tensor lives where. See DESIGN.md, "The checkpoint format".
 
 from __future__ import annotations
 
+from ckptstore.format.basecache import KeyframeCache
 from ckptstore.format.codecs import CODEC_PRESETS
 from ckptstore.format.constants import DEFAULT_CHUNK_BYTES, FORMAT_VERSION
 from ckptstore.format.delta import DeltaSpec, parse_delta
@@ -43,6 +44,7 @@ __all__ = [
     "DeltaInfo",
     "DeltaSpec",
     "FlatState",
+    "KeyframeCache",
     "Manifest",
     "TensorEntry",
     "chunk_files",

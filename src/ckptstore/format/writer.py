@@ -38,6 +38,7 @@ from ckptstore.errors import (
     StorageError,
     UnsafeObjectError,
 )
+from ckptstore.format.basecache import KeyframeCache
 from ckptstore.format.chunkio import ChunkReader
 from ckptstore.format.codecs import (
     TRAILER,
@@ -123,6 +124,7 @@ def write_checkpoint(
     extra: dict[str, Any] | None = None,
     fault_point: Callable[[str], None] | None = None,
     progress: Callable[[int], None] | None = None,
+    base_cache: KeyframeCache | None = None,
 ) -> Manifest:
     """Write ``state`` as a committed checkpoint in ``directory``.
 
@@ -150,6 +152,9 @@ def write_checkpoint(
         fault_point: Test hook called with each name in :data:`PHASES` as that phase ends.
         progress: Called from the calling thread with the logical bytes of each finished
             chunk.
+        base_cache: Keyframe chunks kept in memory: a keyframe (an xor/lossy ``delta``
+            without ``base``) copies its chunks into it, and a delta against the cached
+            keyframe takes its base chunks from it instead of reading them back.
 
     Returns:
         The committed manifest.
@@ -179,7 +184,8 @@ def write_checkpoint(
 
     _make_dirs(directory, plans)
     fault("chunks_started")
-    chunk_writer = _ChunkWriter(directory, spec, sources, plans, base, delta)
+    chunk_writer = _ChunkWriter(directory, spec, sources, plans, base, delta,
+                                ckpt_id=ckpt_id, cache=base_cache)
     chunks, stored_bytes = chunk_writer.run(threads, progress)
     fault("chunks_written")
 
@@ -374,6 +380,9 @@ class _ChunkWriter:
         plans: dict[str, ArrayPlan],
         base: BaseRef | None,
         delta: DeltaSpec | None = None,
+        *,
+        ckpt_id: str = "",
+        cache: KeyframeCache | None = None,
     ) -> None:
         self._directory = directory
         self._spec = spec
@@ -391,6 +400,16 @@ class _ChunkWriter:
         )
         self._errors_lock = threading.Lock()
         self.errors = _Errors()
+        self._ckpt_id = ckpt_id
+        self._cache = cache
+        # A chained delta mode without a base writes a keyframe: the saves after it will
+        # want its chunks.
+        self._fill_cache = (
+            cache is not None and delta is not None and delta.chained and base is None
+        )
+        if self._fill_cache:
+            assert cache is not None
+            cache.begin(ckpt_id)
         if base is not None:
             for name, plan in plans.items():
                 old = base.manifest.arrays.get(name)
@@ -479,12 +498,19 @@ class _ChunkWriter:
 
         path = self._directory / plan.name / "c" / str(index)
         if old is None and not self._spec.compressed:
-            return self._stream_raw(path, index, segments, logical)
+            streamed = self._stream_raw(path, index, segments, logical)
+            if self._fill_cache:
+                assert self._cache is not None
+                self._cache.put(self._ckpt_id, plan.name, index, segments, streamed.entry.blake3)
+            return streamed
 
         hasher = blake3.blake3()
         for seg in segments:
             hasher.update(seg)
         digest = hasher.hexdigest()
+        if self._fill_cache:
+            assert self._cache is not None
+            self._cache.put(self._ckpt_id, plan.name, index, segments, digest)
         if old is not None and old.enc == "raw" and old.blake3 == digest:
             entry = ChunkEntry(index, old.nbytes, old.crc32c, digest, old.src or self._base_id)
             return _Written(entry, None, logical)
@@ -520,15 +546,23 @@ class _ChunkWriter:
         assert spec is not None and self._base_reader is not None
         raw = plan.chunk_nbytes
         new = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
-        base = self._buffer("base", self._gather_size)[:raw]
-        try:
-            self._base_reader.read(old_array, index, [(0, base)])
-        except (IntegrityError, StorageError) as exc:
-            # MissingBaseError is an IntegrityError. The save must not fail because its
-            # keyframe is damaged: this chunk is simply stored whole.
-            logger.warning("cannot read base chunk %s/%d of %s (%s); writing it whole",
-                           plan.name, index, self._base_id, exc)
-            return None
+        cached = (
+            self._cache.get(self._base_id or "", plan.name, index, old.blake3, raw)
+            if self._cache is not None
+            else None
+        )
+        if cached is not None:
+            base = cached
+        else:
+            base = self._buffer("base", self._gather_size)[:raw]
+            try:
+                self._base_reader.read(old_array, index, [(0, base)])
+            except (IntegrityError, StorageError) as exc:
+                # MissingBaseError is an IntegrityError. The save must not fail because its
+                # keyframe is damaged: this chunk is simply stored whole.
+                logger.warning("cannot read base chunk %s/%d of %s (%s); writing it whole",
+                               plan.name, index, self._base_id, exc)
+                return None
         payload_buf = self._buffer("payload", self._gather_size + 64)
         n = plan.chunk_len
         real = max(0, min(n, plan.length - index * n))
