@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -291,6 +292,19 @@ def _as_tensor(buf: np.ndarray[Any, Any], info: DtypeInfo, n: int) -> torch.Tens
     return torch.from_numpy(buf[: n * info.itemsize]).view(info.torch_dtype)
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A per-thread scratch tensor of at least ``numel`` elements (reused across chunks)."""
+    key = f"{name}:{dtype}"
+    buf: torch.Tensor | None = getattr(_SCRATCH, key, None)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype)
+        setattr(_SCRATCH, key, buf)
+    return buf[:numel]
+
+
 def quantized_payload_size(n: int, bits: int, block: int) -> int:
     """Payload bytes of a quantized chunk of ``n`` elements."""
     blocks = -(-n // block)
@@ -348,16 +362,26 @@ def quantize_chunk(
     new_t = _as_tensor(new, info, n)
     base_t = _as_tensor(base, info, n)
     blocks = -(-n // block)
-    delta = torch.empty(blocks * block, dtype=cd)
+    # Reused per-thread scratch: a fresh multi-MB tensor per chunk costs more in page faults
+    # than the arithmetic below.
+    delta = _scratch("delta", blocks * block, cd)
+    mag = _scratch("mag", blocks * block, cd)
     delta[n:] = 0
     torch.sub(new_t.to(cd), base_t.to(cd), out=delta[:n])
-    if threshold is not None:
-        delta.masked_fill_(delta.abs() < threshold, 0.0)
-    grid = delta.view(blocks, block)
-    amax = grid.abs().amax(dim=1)
+    torch.abs(delta, out=mag)
+    amax = mag.view(blocks, block).amax(dim=1)
     if not bool(torch.isfinite(amax).all()):
         # NaN/inf in either chunk: such deltas cannot be quantized.
         return None
+    if threshold is not None:
+        # Multiplying by a 0/1 mask is ~5x faster than masked_fill_; every value is finite
+        # here, so the product is exactly the kept change or zero.
+        keep = _scratch("keep", blocks * block, cd)
+        delta.mul_(torch.ge(mag, threshold, out=keep))
+        # Dropping small changes leaves a block's largest change alone unless every change
+        # in the block is dropped.
+        amax.masked_fill_(amax < threshold, 0.0)
+    grid = delta.view(blocks, block)
     scales = (amax / qmax).to(torch.float32)
     # A zero scale (or one that underflows float32) keeps the block's codes at 0.
     inv = torch.where(scales > 0, 1.0 / scales.to(cd), torch.zeros((), dtype=cd))
@@ -375,7 +399,9 @@ def quantize_chunk(
     if bool(peak > 0):
         peak = torch.nextafter(peak, torch.tensor(math.inf, dtype=cd))
     worst = float(peak)
-    total = float(diff.sum(dtype=torch.float64))
+    # The sum only feeds the reported mean error: torch's pairwise float32 summation is
+    # accurate enough for that and several times faster than accumulating in float64.
+    total = float(diff.sum())
     size = quantized_payload_size(n, bits, block)
     out = payload_out[:size]
     out[: _HEADER.size] = np.frombuffer(_HEADER.pack(_MAGIC, bits, n, block), dtype=np.uint8)
