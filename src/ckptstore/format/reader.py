@@ -38,7 +38,13 @@ from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.flatten import rebuild_state
 from ckptstore.format.fsio import populate_write, storage_error
 from ckptstore.format.keys import render_path
-from ckptstore.format.manifest import ArrayEntry, Manifest, TensorEntry, manifest_digest
+from ckptstore.format.manifest import (
+    ArrayEntry,
+    Manifest,
+    TensorEntry,
+    manifest_digest,
+    parse_verified,
+)
 from ckptstore.format.tree import iter_tensor_refs, match_into, select_tree
 
 __all__ = ["iter_tensors", "read_checkpoint", "read_manifest", "read_tensors"]
@@ -101,7 +107,7 @@ def read_manifest(directory: Path, expected_digest: str | None = None) -> Manife
             f"{directory / MANIFEST_NAME} has digest {actual}, but {expected_digest} was "
             "expected: this is not the checkpoint the catalog recorded"
         )
-    return Manifest.from_json(data)
+    return parse_verified(data, actual)
 
 
 def _open_regular(path: Path) -> int:

@@ -86,6 +86,7 @@ from ckptstore.format.manifest import (
     TensorEntry,
     is_checkpoint_id,
     manifest_digest,
+    remember_manifest,
 )
 from ckptstore.format.zarrmeta import build_metadata
 
@@ -217,7 +218,10 @@ def write_checkpoint(
     _fsync_dir(directory.parent)
     fault("manifest_written")
 
-    _commit(directory, manifest_digest(manifest_bytes))
+    digest = manifest_digest(manifest_bytes)
+    _commit(directory, digest)
+    # The next save's base lookup and a load of this checkpoint read these same bytes.
+    remember_manifest(manifest, digest)
     logger.info(
         "wrote checkpoint %s (%s step %s): %d tensors, %d logical bytes, %d stored, %.3fs",
         ckpt_id,

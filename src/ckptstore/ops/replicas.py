@@ -36,6 +36,7 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, read_manifest
+from ckptstore.format.manifest import parse_verified
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import (
     COMMIT_NAME,
@@ -246,7 +247,7 @@ def _remote_manifest(tier: Tier, ck: Checkpoint, expect: str | None) -> Manifest
             f"the manifest of the {where} has digest {digest}, but the catalog recorded "
             f"{expect}: it is not this checkpoint; run `ckpt verify` to repair it"
         )
-    return Manifest.from_json(data)
+    return parse_verified(data, digest)
 
 
 def manifest_of(store: CheckpointStore, ck: Checkpoint, *, tier: str | None = None) -> Manifest:
