@@ -415,6 +415,34 @@ def _measure_delta(r: ModeResult, store: Any, ckpt_id: str, state: dict[str, Any
         assert worst == 0.0, (run, mode, worst)
 
 
+def save_time_ab(states: list[dict[str, Any]], root: Path, saves: int) -> dict[str, float]:
+    """Delta save time ÷ full save time, from many saves: the per-run table has only 3.
+
+    Each mode gets its own store and the first state as keyframe (no new keyframe during
+    the test); then, round by round in rotating mode order, every mode saves the same later
+    state (cycling through them), so each round compares the modes on identical work.
+    """
+    from contextlib import ExitStack
+
+    from ckptstore import CheckpointStore
+
+    modes = {m: MODES[m] for m in ("full", "dedup", "xor", "lossy8")}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    with ExitStack() as stack:
+        stores = {m: stack.enter_context(CheckpointStore.open(root / m, keyframe_every=10**6))
+                  for m in modes}
+        for m, store in stores.items():
+            store.save("ab", 0, states[0], delta=modes[m])
+        names = list(modes)
+        for i in range(1, saves + 1):
+            state = states[1 + (i - 1) % (len(states) - 1)]
+            for m in names[i % len(names):] + names[: i % len(names)]:
+                started = time.perf_counter()
+                stores[m].save("ab", i, state, delta=modes[m])
+                times[m].append(time.perf_counter() - started)
+    return {m: _paired(times[m], times["full"]) for m in modes if m != "full"}
+
+
 def _paired(times: list[float], full: list[float]) -> float:
     """Median over states of a mode's time ÷ the full save's time of the same state."""
     return statistics.median(t / f for t, f in zip(times, full, strict=True))
@@ -478,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated runs")
     parser.add_argument("--keyframe-every", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2, help="loads per checkpoint (min)")
+    parser.add_argument("--ab-saves", type=int, default=12,
+                        help="saves per mode in the full run's save-time A/B (0: skip)")
     parser.add_argument("--tmp", default=None, help="scratch directory")
     parser.add_argument("--out", default=str(REPO / "bench-out" / "delta.json"))
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -488,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(2)
     started = time.perf_counter()
     all_results: dict[str, dict[str, ModeResult]] = {}
+    ab: dict[str, float] = {}
     tmp = Path(tempfile.mkdtemp(prefix="bench-delta-", dir=args.tmp))
     try:
         for run in args.runs.split(","):
@@ -497,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("%s: trained %d steps in %.1fs", run, args.steps,
                         time.perf_counter() - t0)
             all_results[run] = measure(run, states, tmp, args.keyframe_every, args.rounds)
-            shutil.rmtree(tmp / "x", ignore_errors=True)
+            if run == "full" and args.ab_saves:
+                ab = save_time_ab(states, tmp / "ab", args.ab_saves)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     state_mb = {run: r["full"].logical[0] / 1e6 for run, r in all_results.items()}
@@ -507,6 +539,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line in report(all_results, args.keyframe_every):
         print(line)
+    if ab:
+        print(f"- save time A/B on the full run ({args.ab_saves} saves per mode, interleaved; "
+              "median of per-round ratios to the full save): "
+              + ", ".join(f"{mode} {ratio:.2f}x" for mode, ratio in ab.items()))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({

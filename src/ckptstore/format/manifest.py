@@ -51,6 +51,7 @@ __all__ = [
     "DeltaInfo",
     "Manifest",
     "TensorEntry",
+    "clear_manifest_cache",
     "is_checkpoint_id",
     "manifest_digest",
     "parse_verified",
@@ -117,6 +118,12 @@ def parse_verified(data: bytes, digest: str) -> Manifest:
     manifest = Manifest.from_json(data)
     remember_manifest(manifest, digest)
     return manifest
+
+
+def clear_manifest_cache() -> None:
+    """Forget every parsed manifest (the next read of each parses it again)."""
+    with _PARSED_LOCK:
+        _PARSED.clear()
 
 
 def remember_manifest(manifest: Manifest, digest: str) -> None:
