@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,6 @@ from ckptstore.records import CheckpointState
 if str(Path(__file__).parent) not in sys.path:
     # --import-mode=importlib does not put test directories on sys.path.
     sys.path.insert(0, str(Path(__file__).parent))
-from server_support import prefect_server as start_prefect_server
 from server_support import stop as _stop
 from server_support import wait_http as _wait_http
 
@@ -61,9 +59,10 @@ def test_unschedulable_flow_is_refused(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------- slow: a real server
 @pytest.fixture
-def prefect_server(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    with start_prefect_server(tmp_path / "prefect-home") as server:
-        yield server
+def prefect_server(
+    real_prefect_server: tuple[str, dict[str, str]],
+) -> tuple[str, dict[str, str]]:
+    return real_prefect_server
 
 
 @pytest.mark.slow

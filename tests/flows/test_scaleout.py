@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import re
 import subprocess
 import sys
@@ -41,7 +42,6 @@ if str(Path(__file__).parent) not in sys.path:
 from server_support import (
     create_pg_database,
     drop_pg_database,
-    prefect_server,
     require_pg,
     stop,
 )
@@ -87,7 +87,9 @@ def _worker_tail(cluster: Cluster, lines: int = 40) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, real_prefect_server: tuple[str, dict[str, str]]
+) -> Iterator[Cluster]:
     require_pg()
     from ckptstore.testing.s3 import MotoS3
 
@@ -120,7 +122,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                     for step in range(count)
                 ]
 
-        api, env = stack.enter_context(prefect_server(tmp / "prefect-home"))
+        api, server_env = real_prefect_server
+        # Built now, not when the (session) server started: MotoS3 just put its credentials
+        # in os.environ, and the workers' flow runs need them.
+        env = {**os.environ, "PREFECT_HOME": server_env["PREFECT_HOME"],
+               "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": api}
         # The operator's step: register every flow on the work pool through the CLI.
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
