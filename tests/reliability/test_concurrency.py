@@ -218,7 +218,9 @@ def test_restore_inside_prune_window(tmp_path: Path, procs: Any, backend: Any, w
     assert checked.wait(60), "retention never reached the deletion"
     restorer = start_child(procs, w.restore_paused, str(root), opts, oldest.id, mid, resume,
                            queue)
-    mid.wait(20)  # the restore is copying (unless it was refused up front)
+    # The restore is copying, refused up front, or waiting for the lease retention holds
+    # (then it never gets to ``mid`` before ``go``): a few seconds tell them apart.
+    mid.wait(6)
     go.set()
     results = {}
     results.update({r[0]: r[1:] for r in [queue.get(timeout=120)]})
