@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import re
+import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +113,7 @@ def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
     try:
         # busy_timeout first: switching to WAL needs a lock another process may hold.
         cur.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
-        cur.execute("PRAGMA journal_mode=WAL")
+        _switch_to_wal(cur)
         # FULL, not NORMAL: a COMMITTED flip must survive a power cut, otherwise a checkpoint
         # whose files were fsynced could revert to PENDING and be garbage-collected. Catalog
         # writes are a handful per checkpoint, so the extra fsync is cheap.
@@ -119,6 +121,24 @@ def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
         cur.execute("PRAGMA foreign_keys=ON")
     finally:
         cur.close()
+
+
+def _switch_to_wal(cur: Any) -> None:
+    """``PRAGMA journal_mode=WAL``, retried while another process holds the database.
+
+    On a brand-new database file, SQLite answers "database is locked" at once, without
+    calling the busy handler, when another connection is switching the journal mode or
+    creating the schema at the same moment: several processes opening one fresh catalog
+    would fail at random. The wait is bounded (~10 s).
+    """
+    for attempt in range(100):
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or attempt == 99:
+                raise
+            time.sleep(0.1)
 
 
 def _sqlite_on_begin(conn: Connection) -> None:

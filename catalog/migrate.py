@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 from alembic import command
@@ -19,7 +20,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from ckptstore.catalog.engine import WRITE_OPTION, create_catalog_engine, mask_url
 from ckptstore.errors import StorageError
@@ -37,6 +38,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: Retries (0.1 s apart) of a schema-revision read that SQLite refuses as locked.
+_LOCKED_RETRIES = 100
 
 #: Where the revisions live, as a package resource (works from a wheel too).
 SCRIPT_LOCATION = "ckptstore.migrations:"
@@ -148,8 +152,18 @@ def current(url: str | URL | Engine) -> str | None:
     """
     engine, own = _with_engine(url)
     try:
-        with engine.connect() as conn:
-            return MigrationContext.configure(conn).get_current_revision()
+        # A brand-new SQLite file that another process is creating the schema in can answer
+        # "database is locked" without waiting (SQLite skips the busy handler there): retry
+        # for a bounded time.
+        for attempt in range(_LOCKED_RETRIES + 1):
+            try:
+                with engine.connect() as conn:
+                    return MigrationContext.configure(conn).get_current_revision()
+            except OperationalError as e:
+                if "locked" not in str(e.orig) or attempt == _LOCKED_RETRIES:
+                    raise
+                time.sleep(0.1)
+        raise AssertionError("unreachable")
     except DBAPIError as e:
         raise StorageError(
             f"cannot read the schema revision of catalog {mask_url(engine.url)}: {e.orig}"
