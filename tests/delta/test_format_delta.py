@@ -24,7 +24,7 @@ from ckptstore.format import (
     verify_checkpoint,
     write_checkpoint,
 )
-from ckptstore.format.layout import plan_layout
+from ckptstore.format.layout import LOSSY_SUFFIX, plan_layout
 
 
 def _write(root: Path, state: Any, **kw: Any) -> tuple[Path, Manifest]:
@@ -107,6 +107,28 @@ def test_threshold_only_drops_small_changes_exactly(tmp_path: Path) -> None:
         assert bits_equal(got[small], old[small])  # dropped: the keyframe's exact value
         assert bits_equal(got[~small], new[~small])  # kept: exact
     assert m.delta is not None and m.delta.max_abs_error < 1e-4
+
+
+@pytest.mark.parametrize("quantize", [8, None])
+def test_lossy_chunk_with_every_change_dropped_references_its_base(
+    tmp_path: Path, quantize: int | None
+) -> None:
+    # A threshold above every moment change leaves the reconstruction equal to the keyframe:
+    # nothing is written for those chunks, yet the error they carry is still recorded.
+    spec = parse_delta({"threshold": 1.0, "quantize": quantize} if quantize else
+                       {"threshold": 1.0})
+    assert spec is not None
+    chain = _chain(tmp_path, spec, steps=1)
+    (_, key, base_state), (d, m, state) = chain
+    lossy = [a for name, a in m.arrays.items() if name.endswith(LOSSY_SUFFIX)]
+    assert lossy and all(c.src == key.id for a in lossy for c in a.chunks)
+    assert m.delta is not None and m.delta.max_abs_error > 0
+    out = flat(read_checkpoint(d, m, locate=_locate(chain)))
+    key_t = "optimizer/state/0/exp_avg"
+    assert bits_equal(out[key_t], flat(base_state)[key_t])
+    err = (out[key_t].double() - flat(state)[key_t].double()).abs().max().item()
+    assert 0 < err <= m.delta.max_abs_error
+    assert verify_checkpoint(d, m, locate=_locate(chain)) == []
 
 
 def test_lossy_chains_do_not_accumulate_error(tmp_path: Path) -> None:

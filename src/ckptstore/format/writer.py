@@ -75,6 +75,7 @@ from ckptstore.format.fsio import (
     write_file_durable,
     writev_all,
 )
+from ckptstore.format.gcpause import without_gc
 from ckptstore.format.layout import ArrayPlan, chunk_span, plan_layout
 from ckptstore.format.manifest import (
     ArrayEntry,
@@ -109,6 +110,7 @@ _PIECE_BYTES = 1 << 20
 _XOR_WORTH = 0.9
 
 
+@without_gc
 def write_checkpoint(
     directory: Path,
     state: Any,
@@ -508,22 +510,32 @@ class _ChunkWriter:
                 self._cache.put(self._ckpt_id, plan.name, index, segments, streamed.entry.blake3)
             return streamed
 
-        hasher = blake3.blake3()
-        for seg in segments:
-            hasher.update(seg)
-        digest = hasher.hexdigest()
-        if self._fill_cache:
-            assert self._cache is not None
-            self._cache.put(self._ckpt_id, plan.name, index, segments, digest)
-        if old is not None and old.enc == "raw" and old.blake3 == digest:
-            entry = ChunkEntry(index, old.nbytes, old.crc32c, digest, old.src or self._base_id)
-            return _Written(entry, None, logical)
+        # A chunk stored lossily is hashed after quantization (its digest is that of what a
+        # load returns); any other chunk first, so an unchanged one is referenced without
+        # reading its base.
+        lossy = encode and plan.lossy and self._delta is not None and bool(
+            self._delta.quantize or self._delta.threshold)
+        digest: str | None = None
+        if not lossy:
+            hasher = blake3.blake3()
+            for seg in segments:
+                hasher.update(seg)
+            digest = hasher.hexdigest()
+            if self._fill_cache:
+                assert self._cache is not None
+                self._cache.put(self._ckpt_id, plan.name, index, segments, digest)
+            if old is not None and old.enc == "raw" and old.blake3 == digest:
+                entry = ChunkEntry(index, old.nbytes, old.crc32c, digest,
+                                   old.src or self._base_id)
+                return _Written(entry, None, logical)
         if encode:
             assert old_array is not None and old is not None
-            written = self._write_delta(plan, index, old_array, old, segments[0], digest, path)
-            if written is not None:
-                return _Written(written[0], path, logical, written[1])
-
+            delta, digest = self._write_delta(plan, index, old_array, old, segments[0], path,
+                                              logical, digest)
+            if delta is not None:
+                return delta
+        if digest is None:
+            digest = blake3.blake3(segments[0]).hexdigest()
         payload: list[Any] = segments
         if self._spec.compressed:
             out = self._buffer("encoded", max_encoded_size(self._gather_size))
@@ -542,10 +554,19 @@ class _ChunkWriter:
         old_array: ArrayEntry,
         old: ChunkEntry,
         data: Any,
-        digest: str,
         path: Path,
-    ) -> tuple[ChunkEntry, QuantResult | None] | None:
-        """Write a chunk encoded against the base's chunk; None: write it raw instead."""
+        logical: int,
+        digest: str | None,
+    ) -> tuple[_Written | None, str | None]:
+        """Store a chunk relative to the base's chunk: as a reference or a delta file.
+
+        Args:
+            digest: The chunk's blake3 when already computed (None: computed here).
+
+        Returns:
+            ``(written, digest)`` when done; ``(None, digest or None)`` when the chunk is to
+            be written whole instead.
+        """
         spec = self._delta
         assert spec is not None and self._base_reader is not None
         raw = plan.chunk_nbytes
@@ -566,7 +587,7 @@ class _ChunkWriter:
                 # keyframe is damaged: this chunk is simply stored whole.
                 logger.warning("cannot read base chunk %s/%d of %s (%s); writing it whole",
                                plan.name, index, self._base_id, exc)
-                return None
+                return None, digest
         payload_buf = self._buffer("payload", self._gather_size + 64)
         n = plan.chunk_len
         real = max(0, min(n, plan.length - index * n))
@@ -581,26 +602,32 @@ class _ChunkWriter:
             )
             if lossy is not None:
                 enc, typesize, payload = f"q{spec.quantize}", 1, lossy.payload
-                digest = blake3.blake3(recon[:raw].data).hexdigest()
+                new = recon[:raw]
         elif plan.lossy and spec.threshold:
             recon = self._buffer("recon", self._gather_size)
             lossy = threshold_chunk(new, base, plan.info, n, spec.threshold, recon)
             new = recon[:raw]
+        if lossy is not None or digest is None:
+            # The digest is that of what a load returns: a lossy chunk's reconstruction.
             digest = blake3.blake3(new.data).hexdigest()
+        if lossy is not None:
+            # Error statistics count the real elements, not the tail padding (exact zeros).
+            lossy = QuantResult(lossy.payload, lossy.max_abs_error, lossy.sum_abs_error, real)
+        if old.blake3 == digest:
+            # Unchanged, or every change of a lossy chunk dropped: reference the base's file.
+            entry = ChunkEntry(index, old.nbytes, old.crc32c, digest, old.src or self._base_id)
+            return _Written(entry, None, logical, lossy), digest
         if payload is None:
             payload = payload_buf[:raw]
             xor_into(new, base, payload)
         out = self._buffer("encoded", max_encoded_size(self._gather_size + 64))
         frame = encode_payload(payload, typesize, out, payload_codec(self._spec.name))
         if lossy is None and len(frame) > _XOR_WORTH * raw:
-            return None
+            return None, digest
         crc, nbytes = self._write_file(path, [frame])
         ref = BaseChunk(old.src or self._base_id or "", old.nbytes, old.crc32c, old.blake3)
         entry = ChunkEntry(index, nbytes, crc, digest, None, enc, ref)
-        if lossy is not None:
-            # Error statistics count the real elements, not the tail padding (exact zeros).
-            lossy = QuantResult(lossy.payload, lossy.max_abs_error, lossy.sum_abs_error, real)
-        return entry, lossy
+        return _Written(entry, path, logical, lossy), digest
 
     def _stream_raw(self, path: Path, index: int, segments: list[Any], logical: int) -> _Written:
         """Write an uncompressed chunk piece by piece, hashing each piece just before.
