@@ -37,6 +37,7 @@ from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.flatten import rebuild_state
 from ckptstore.format.fsio import populate_write, storage_error
+from ckptstore.format.gcpause import without_gc
 from ckptstore.format.keys import render_path
 from ckptstore.format.manifest import (
     ArrayEntry,
@@ -249,6 +250,7 @@ def _chunk_dests(
         plan.setdefault((array.name, k), []).append(((lo - k * array.chunk_len) * isz, dest))
 
 
+@without_gc
 def read_checkpoint(
     directory: Path,
     manifest: Manifest,

@@ -1,0 +1,72 @@
+"""The garbage collector is paused during a save or load and restored exactly afterwards."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore.errors import InvalidNameError
+from ckptstore.format import read_checkpoint, read_manifest, write_checkpoint
+from ckptstore.format.gcpause import gc_paused
+
+
+@pytest.fixture(autouse=True)
+def _restore_gc() -> Iterator[None]:
+    was = gc.isenabled()
+    yield
+    (gc.enable if was else gc.disable)()
+
+
+def test_save_and_load_pause_the_collector_and_restore_it(tmp_path: Path) -> None:
+    seen: list[bool] = []
+    state = {"w": torch.arange(10.0)}
+    gc.enable()
+    ckpt_id = str(uuid.uuid4())
+    write_checkpoint(tmp_path / "c", state, ckpt_id=ckpt_id, run="r", step=0,
+                     progress=lambda _n: seen.append(gc.isenabled()))
+    assert seen and not any(seen)
+    assert gc.isenabled()
+    out = read_checkpoint(tmp_path / "c", read_manifest(tmp_path / "c"))
+    assert torch.equal(out["w"], state["w"]) and gc.isenabled()
+
+
+def test_a_caller_that_disabled_the_collector_keeps_it_disabled() -> None:
+    gc.disable()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+
+
+def test_concurrent_pauses_reenable_only_after_the_last() -> None:
+    gc.enable()
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def other() -> None:
+        with gc_paused():
+            inside.set()
+            leave.wait(5)
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert inside.wait(5)
+    with gc_paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()  # the other thread is still inside
+    leave.set()
+    t.join(5)
+    assert gc.isenabled()
+
+
+def test_an_error_inside_still_restores_the_collector(tmp_path: Path) -> None:
+    gc.enable()
+    with pytest.raises(InvalidNameError):
+        write_checkpoint(tmp_path / "x", {"w": torch.zeros(2)}, ckpt_id="bad id!", run="r",
+                         step=0)
+    assert gc.isenabled()
