@@ -35,6 +35,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -364,6 +365,7 @@ def measure(run: str, states: list[dict[str, Any]], root: Path, keyframe_every: 
             order = names[i % len(names):] + names[: i % len(names)]
             saved = {}
             for mode in order:
+                os.sync()  # each save starts from a quiet disk (see save_time_ab)
                 started = time.perf_counter()
                 saved[mode] = stores[mode].save(run, state["step"], state, delta=MODES[mode])
                 results[mode].save_s.append(time.perf_counter() - started)
@@ -419,8 +421,11 @@ def save_time_ab(states: list[dict[str, Any]], root: Path, saves: int) -> dict[s
     """Delta save time ÷ full save time, from many saves: the per-run table has only 3.
 
     Each mode gets its own store and the first state as keyframe (no new keyframe during
-    the test); then, round by round in rotating mode order, every mode saves the same later
-    state (cycling through them), so each round compares the modes on identical work.
+    the test); then, round by round, every mode saves the same later state (cycling through
+    them), so each round compares the modes on identical work. The order within a round
+    follows a Williams square, so every mode follows every other equally often, and each
+    timed save starts after ``os.sync()``: otherwise the mode that happens to follow the
+    full save (the largest writer) pays for its writeback and looks slower.
     """
     from contextlib import ExitStack
 
@@ -428,19 +433,35 @@ def save_time_ab(states: list[dict[str, Any]], root: Path, saves: int) -> dict[s
 
     modes = {m: MODES[m] for m in ("full", "dedup", "xor", "lossy8")}
     times: dict[str, list[float]] = {m: [] for m in modes}
+    names = list(modes)
+    orders = _williams(len(names))
     with ExitStack() as stack:
         stores = {m: stack.enter_context(CheckpointStore.open(root / m, keyframe_every=10**6))
                   for m in modes}
         for m, store in stores.items():
             store.save("ab", 0, states[0], delta=modes[m])
-        names = list(modes)
         for i in range(1, saves + 1):
             state = states[1 + (i - 1) % (len(states) - 1)]
-            for m in names[i % len(names):] + names[: i % len(names)]:
+            for k in orders[i % len(orders)]:
+                m = names[k]
+                os.sync()
                 started = time.perf_counter()
                 stores[m].save("ab", i, state, delta=modes[m])
                 times[m].append(time.perf_counter() - started)
     return {m: _paired(times[m], times["full"]) for m in modes if m != "full"}
+
+
+def _williams(n: int) -> list[list[int]]:
+    """Orders of ``n`` (even) items in which each item directly follows each other once."""
+    first = [0]
+    lo, hi = 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    return [[(x + r) % n for x in first] for r in range(n)]
 
 
 def _paired(times: list[float], full: list[float]) -> float:
