@@ -13,24 +13,18 @@ Schemas are only ever created through the migrations, never with ``create_all``.
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pg_support import create_pg_database, drop_pg_database, require_pg
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 from ckptstore.catalog import Catalog, migrate
 from ckptstore.records import Checkpoint
-
-PG_HOST, PG_PORT = "127.0.0.1", 5432
-PG_ADMIN_URL = f"postgresql+psycopg://postgres@{PG_HOST}:{PG_PORT}/test"
 
 # Dependents first, so TRUNCATE order never matters even without CASCADE.
 TABLES = (
@@ -45,49 +39,6 @@ TABLES = (
     "runs",
     "experiments",
 )
-
-
-def pg_answers() -> bool:
-    """True when something listens on the PostgreSQL port."""
-    try:
-        with socket.create_connection((PG_HOST, PG_PORT), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
-def require_pg() -> None:
-    """Skip (or fail on CI) when PostgreSQL is not reachable."""
-    if pg_answers():
-        return
-    message = f"PostgreSQL is not reachable on {PG_HOST}:{PG_PORT}"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"{message} (CI=true: the PostgreSQL suite must run)")
-    pytest.skip(message)
-
-
-def create_pg_database(prefix: str = "ckpt_test") -> str:
-    """Create a uniquely named database; returns its URL."""
-    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    finally:
-        admin.dispose()
-    return str(make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False))
-
-
-def drop_pg_database(url: str) -> None:
-    """Drop a database created by :func:`create_pg_database` (kicking out its sessions)."""
-    name = make_url(url).database
-    assert name and name.startswith("ckpt_")
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    finally:
-        admin.dispose()
 
 
 @pytest.fixture(scope="session")

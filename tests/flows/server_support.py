@@ -15,25 +15,15 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 __all__ = [
-    "PG_ADMIN_URL",
-    "create_pg_database",
-    "drop_pg_database",
     "free_port",
     "prefect_server",
-    "require_pg",
     "stop",
     "wait_http",
 ]
-
-PG_HOST, PG_PORT = "127.0.0.1", 5432
-PG_ADMIN_URL = f"postgresql+psycopg://postgres@{PG_HOST}:{PG_PORT}/test"
 
 
 def free_port() -> int:
@@ -111,47 +101,3 @@ def prefect_server(home: Path, *, startup_s: float = 120) -> Iterator[tuple[str,
         yield api, {**env, "PREFECT_API_URL": api}
     finally:
         stop(server)
-
-
-# ------------------------------------------------------------------------------ PostgreSQL
-def require_pg() -> None:
-    """Skip when PostgreSQL does not answer on 127.0.0.1:5432 (fail when ``CI=true``)."""
-    try:
-        with socket.create_connection((PG_HOST, PG_PORT), timeout=1.0):
-            return
-    except OSError:
-        pass
-    message = f"PostgreSQL is not reachable on {PG_HOST}:{PG_PORT}"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"{message} (CI=true: the PostgreSQL cases must run)")
-    pytest.skip(message)
-
-
-def create_pg_database(prefix: str = "ckpt_flows") -> str:
-    """Create an empty, uniquely named database; returns its URL (no schema yet)."""
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
-
-    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    finally:
-        admin.dispose()
-    return str(make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False))
-
-
-def drop_pg_database(url: str) -> None:
-    """Drop a database made by :func:`create_pg_database`, kicking out its sessions."""
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
-
-    name = make_url(url).database
-    assert name and name.startswith("ckpt_")
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    finally:
-        admin.dispose()

@@ -39,12 +39,8 @@ from ckptstore.records import ReplicaState
 if str(Path(__file__).parent) not in sys.path:
     # --import-mode=importlib does not put test directories on sys.path.
     sys.path.insert(0, str(Path(__file__).parent))
-from server_support import (
-    create_pg_database,
-    drop_pg_database,
-    require_pg,
-    stop,
-)
+from pg_support import create_pg_database, drop_pg_database, require_pg
+from server_support import stop
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.postgres, pytest.mark.s3]
 

@@ -22,8 +22,6 @@ Expected = dict[str, tuple[int, int]]
 
 #: ``CKPT_RELIABILITY_FULL=1`` (``make reliability``) runs the full matrix.
 FULL = os.environ.get("CKPT_RELIABILITY_FULL", "") == "1"
-PG_HOST, PG_PORT = "127.0.0.1", 5432
-PG_ADMIN_URL = f"postgresql+psycopg://postgres@{PG_HOST}:{PG_PORT}/test"
 
 
 def start_child(
@@ -44,27 +42,6 @@ def join(proc: Any, timeout: float = 180.0) -> int:
         proc.join(10)
         pytest.fail(f"child {proc.pid} did not finish within {timeout:.0f}s")
     return int(proc.exitcode)
-
-
-def pg_answers() -> bool:
-    """True when something listens on the PostgreSQL port."""
-    try:
-        with socket.create_connection((PG_HOST, PG_PORT), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
-def require_pg() -> None:
-    """Skip (or fail when ``CI=true``) if PostgreSQL is not reachable."""
-    if pg_answers():
-        return
-    message = f"PostgreSQL is not reachable on {PG_HOST}:{PG_PORT}"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"{message} (CI=true: the PostgreSQL cases must run)")
-    pytest.skip(message)
-
-
 
 
 def assert_loads_bit_exact(store: CheckpointStore, expected: Expected) -> None:

@@ -22,7 +22,6 @@ import os
 import shutil
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import ckpt_reliability_workers as workers  # noqa: E402
-from ckpt_reliability_checks import PG_ADMIN_URL, require_pg  # noqa: E402
+from pg_support import create_pg_database, drop_pg_database, require_pg  # noqa: E402
 
 _PRELOAD = [
     "torch",
@@ -102,23 +101,11 @@ def s3() -> Iterator[Any]:
 def pg_url() -> Iterator[str]:
     """URL of a fresh PostgreSQL database for this module; dropped afterwards."""
     require_pg()
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
-
-    name = f"ckpt_rel_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    url = create_pg_database("ckpt_rel")
     try:
         yield url
     finally:
-        with admin.connect() as conn:
-            conn.execute(text(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"
-            ), {"n": name})
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
-        admin.dispose()
+        drop_pg_database(url)
 
 
 class Figures:

@@ -18,7 +18,8 @@ from typing import Any
 import ckpt_reliability_checks as checks
 import pytest
 import torch
-from ckpt_reliability_checks import FULL, PG_ADMIN_URL
+from ckpt_reliability_checks import FULL
+from pg_support import PG_ADMIN_URL
 
 from ckptstore.errors import (
     IncompleteCheckpointError,
