@@ -431,7 +431,7 @@ def save_time_ab(states: list[dict[str, Any]], root: Path, saves: int) -> dict[s
 
     from ckptstore import CheckpointStore
 
-    modes = {m: MODES[m] for m in ("full", "dedup", "xor", "lossy8")}
+    modes = {m: MODES[m] for m in ("full", "dedup", "xor", "lossy8", "lossy4")}
     times: dict[str, list[float]] = {m: [] for m in modes}
     names = list(modes)
     orders = _williams(len(names))
@@ -452,7 +452,8 @@ def save_time_ab(states: list[dict[str, Any]], root: Path, saves: int) -> dict[s
 
 
 def _williams(n: int) -> list[list[int]]:
-    """Orders of ``n`` (even) items in which each item directly follows each other once."""
+    """Orders of ``n`` items in which each item directly follows each other item equally
+    often (once for even ``n``; twice, over the square and its mirror, for odd ``n``)."""
     first = [0]
     lo, hi = 1, n - 1
     while len(first) < n:
@@ -461,7 +462,8 @@ def _williams(n: int) -> list[list[int]]:
         if len(first) < n:
             first.append(hi)
             hi -= 1
-    return [[(x + r) % n for x in first] for r in range(n)]
+    square = [[(x + r) % n for x in first] for r in range(n)]
+    return square if n % 2 == 0 else square + [row[::-1] for row in square]
 
 
 def _paired(times: list[float], full: list[float]) -> float:
@@ -512,8 +514,8 @@ def report(all_results: dict[str, dict[str, ModeResult]], keyframe_every: int) -
         if mode != "full"
     )
     lines.append(
-        f"- delta save time ÷ full save time (worst mode, median over states): {worst_save:.2f} "
-        f"— target ≤ {SAVE_TIME_TARGET}: {'met' if worst_save <= SAVE_TIME_TARGET else 'missed'}"
+        f"- delta save time ÷ full save time, per-run table (worst mode and run, 3 saves "
+        f"each — noisy): {worst_save:.2f}"
     )
     return lines
 
@@ -527,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated runs")
     parser.add_argument("--keyframe-every", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2, help="loads per checkpoint (min)")
-    parser.add_argument("--ab-saves", type=int, default=12,
+    parser.add_argument("--ab-saves", type=int, default=20,
                         help="saves per mode in the full run's save-time A/B (0: skip)")
     parser.add_argument("--tmp", default=None, help="scratch directory")
     parser.add_argument("--out", default=str(REPO / "bench-out" / "delta.json"))
@@ -561,9 +563,14 @@ def main(argv: list[str] | None = None) -> int:
     for line in report(all_results, args.keyframe_every):
         print(line)
     if ab:
-        print(f"- save time A/B on the full run ({args.ab_saves} saves per mode, interleaved; "
+        print(f"- save time A/B on the full run ({args.ab_saves} saves per mode, balanced order, "
               "median of per-round ratios to the full save): "
               + ", ".join(f"{mode} {ratio:.2f}x" for mode, ratio in ab.items()))
+        worst = max(ratio for mode, ratio in ab.items() if mode != "dedup")
+        print(f"- delta save time ÷ full save time (A/B, worst of xor/lossy8/lossy4): "
+              f"{worst:.2f} — target ≤ {SAVE_TIME_TARGET}: "
+              f"{'met' if worst <= SAVE_TIME_TARGET else 'missed'} (dedup, which does a full "
+              "save's work when every chunk changed, is reported but not a delta encoding)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
