@@ -49,30 +49,30 @@ def require_pg() -> None:
 def create_pg_database(prefix: str = "ckpt_test") -> str:
     """Create an empty, uniquely named database (``prefix`` must start with ``ckpt_``);
     returns its URL."""
-    from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 
     assert prefix.startswith("ckpt_")
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    finally:
-        admin.dispose()
+    _admin(f'CREATE DATABASE "{name}"')
     return str(make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False))
 
 
 def drop_pg_database(url: str) -> None:
     """Drop a database made by :func:`create_pg_database`, kicking out its sessions."""
-    from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 
     name = make_url(url).database
     assert name and name.startswith("ckpt_")
+    _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _admin(statement: str) -> None:
+    """Run one statement outside a transaction (CREATE/DROP DATABASE need that)."""
+    from sqlalchemy import create_engine, text
+
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     try:
         with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            conn.execute(text(statement))
     finally:
         admin.dispose()

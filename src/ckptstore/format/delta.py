@@ -318,14 +318,13 @@ def _apply(
     scales: torch.Tensor,
     n: int,
     info: DtypeInfo,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``base + codes * scale`` in the compute dtype, rounded to the array's dtype.
+    out: torch.Tensor,
+) -> None:
+    """``out = base + codes * scale`` in the compute dtype, rounded to the array's dtype.
 
     The writer and the reader both call this, with the same operations in the same order
     (a separate multiply and add, never a fused one), so both get the same bits. ``out``
-    (``n`` elements of the array's dtype, may be ``base`` itself) receives the result when
-    the array's dtype is the compute dtype, saving a copy; otherwise a new tensor is returned.
+    holds ``n`` elements of the array's dtype and may be ``base`` itself.
     """
     cd = _compute_dtype(info)
     # One per-thread working buffer: a fresh one per chunk costs page faults. Copying the
@@ -334,10 +333,11 @@ def _apply(
     work = _scratch("work", codes.numel(), cd)
     work.copy_(codes)
     work.view(scales.numel(), -1).mul_(scales.to(cd).view(-1, 1))
-    if out is not None and info.torch_dtype == cd:
+    if info.torch_dtype == cd:
         # IEEE addition is commutative: this is exactly ``base + deq``.
-        return torch.add(work[:n], base, out=out)
-    return work[:n].add_(base.to(cd)).to(info.torch_dtype)
+        torch.add(work[:n], base, out=out)
+    else:
+        out.copy_(work[:n].add_(base.to(cd)).to(info.torch_dtype))
 
 
 def quantize_chunk(
@@ -422,11 +422,8 @@ def quantize_chunk(
         # code is the low byte, so both nibbles are gathered with contiguous operations.
         pairs = codes.add(8).view(torch.int16)
         torch.from_numpy(out[pos:]).copy_((pairs & 0x0F) | ((pairs >> 4) & 0xF0))
-    recon_bytes = recon_out[: n * info.itemsize]
-    target = torch.from_numpy(recon_bytes).view(info.torch_dtype)
-    recon = _apply(base_t, codes, scales, n, info, out=target)
-    if recon.data_ptr() != target.data_ptr():
-        target.copy_(recon)
+    recon = torch.from_numpy(recon_out[: n * info.itemsize]).view(info.torch_dtype)
+    _apply(base_t, codes, scales, n, info, out=recon)
     # Into the (no longer needed) delta buffer.
     diff = torch.sub(recon.to(cd), new_t.to(cd), out=delta[:n]).abs_()
     peak = diff.max() if n else torch.zeros((), dtype=cd)
@@ -478,9 +475,7 @@ def dequantize_into(
         # The inverse of the packing: low nibble to the low byte of each int16 pair.
         codes = ((wide & 0x0F) | ((wide & 0xF0) << 4)).view(torch.int8) - 8
     base_t = _as_tensor(dest, info, n)
-    recon = _apply(base_t, codes, scales, n, info, out=base_t)
-    if recon.data_ptr() != base_t.data_ptr():
-        base_t.copy_(recon)
+    _apply(base_t, codes, scales, n, info, out=base_t)
 
 
 def threshold_chunk(

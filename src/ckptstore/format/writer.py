@@ -525,9 +525,7 @@ class _ChunkWriter:
                 assert self._cache is not None
                 self._cache.put(self._ckpt_id, plan.name, index, segments, digest)
             if old is not None and old.enc == "raw" and old.blake3 == digest:
-                entry = ChunkEntry(index, old.nbytes, old.crc32c, digest,
-                                   old.src or self._base_id)
-                return _Written(entry, None, logical)
+                return _Written(self._reference(old, digest), None, logical)
         if encode:
             assert old_array is not None and old is not None
             delta, digest = self._write_delta(plan, index, old_array, old, segments[0], path,
@@ -542,6 +540,10 @@ class _ChunkWriter:
             payload = [encode_into(self._spec, segments[0], isz, out)]
         crc, nbytes = self._write_file(path, payload)
         return _Written(ChunkEntry(index, nbytes, crc, digest, None), path, logical)
+
+    def _reference(self, old: ChunkEntry, digest: str) -> ChunkEntry:
+        """An entry that points at the base's (identical) file for this chunk."""
+        return ChunkEntry(old.i, old.nbytes, old.crc32c, digest, old.src or self._base_id)
 
     def _write_file(self, path: Path, payload: list[Any]) -> tuple[int, int]:
         """Write ``payload`` + crc32c trailer to a new file; return (crc, bytes written)."""
@@ -614,9 +616,9 @@ class _ChunkWriter:
             # Error statistics count the real elements, not the tail padding (exact zeros).
             lossy = QuantResult(lossy.payload, lossy.max_abs_error, lossy.sum_abs_error, real)
         if old.blake3 == digest:
-            # Unchanged, or every change of a lossy chunk dropped: reference the base's file.
-            entry = ChunkEntry(index, old.nbytes, old.crc32c, digest, old.src or self._base_id)
-            return _Written(entry, None, logical, lossy), digest
+            # Every change of a lossy chunk dropped (or, with no digest passed in, none made):
+            # reference the base's file.
+            return _Written(self._reference(old, digest), None, logical, lossy), digest
         if payload is None:
             payload = payload_buf[:raw]
             xor_into(new, base, payload)
