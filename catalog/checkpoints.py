@@ -224,6 +224,7 @@ class CheckpointsMixin(RunsMixin):
         uri: str | None = None,
         lossy: bool | None = None,
         error_bound: float | None = None,
+        lossy_scope: Iterable[str] | None = None,
     ) -> Checkpoint:
         """Flip a PENDING checkpoint to COMMITTED once its files are durable.
 
@@ -240,6 +241,7 @@ class CheckpointsMixin(RunsMixin):
             lossy: Whether the written checkpoint holds approximate values (None: as begun).
             error_bound: Its measured largest absolute error (None: as begun); it is only
                 known once the chunks are written.
+            lossy_scope: Key patterns of the tensors stored approximately (None: as begun).
 
         Returns:
             The COMMITTED checkpoint.
@@ -265,6 +267,10 @@ class CheckpointsMixin(RunsMixin):
             if not math.isfinite(bound) or bound < 0:
                 raise InvalidNameError(f"error_bound must be a finite number >= 0, got {bound}")
             extra["error_bound"] = bound
+        if lossy_scope is not None:
+            extra["lossy_scope"] = [
+                _check_short_text(p, "lossy_scope pattern", 300) for p in lossy_scope
+            ]
         now = utcnow()
         with self._write() as s:
             transition(

@@ -203,6 +203,8 @@ class CheckpointRow(Base):
     codec: Mapped[str] = mapped_column(String(64), default="none", server_default="none")
     lossy: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     error_bound: Mapped[float | None] = mapped_column(Float)
+    # Key patterns of the tensors stored approximately (a lossy checkpoint's manifest scope).
+    lossy_scope: Mapped[list[str] | None] = mapped_column(JSON)
     pinned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     writer: Mapped[str | None] = mapped_column(String(300), index=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())

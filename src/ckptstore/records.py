@@ -90,6 +90,7 @@ class Checkpoint:
     manifest_digest: str | None = None
     lossy: bool = False
     error_bound: float | None = None
+    lossy_scope: tuple[str, ...] = ()  # key patterns of the approximately stored tensors
     pinned: bool = False
     aliases: tuple[str, ...] = ()
     replicas: tuple[Replica, ...] = ()

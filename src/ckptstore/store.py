@@ -42,7 +42,7 @@ from ckptstore.hooks.memory_tier import load_from_memory, memory_replica_here, s
 from ckptstore.integrations.dcp_layout import is_dcp_manifest
 from ckptstore.names import validate_name, validate_tag
 from ckptstore.observability.metrics import Metrics, dedup_bytes
-from ckptstore.ops.delta import LATEST, Latest, plan_save
+from ckptstore.ops.delta import LATEST, Latest, lossy_record, plan_save
 from ckptstore.procs import pid_alive, writer_id
 from ckptstore.records import (
     Checkpoint,
@@ -326,6 +326,7 @@ class CheckpointStore:
                     stored_bytes=manifest.stored_bytes,
                     tier="hot",
                     uri=str(directory),
+                    **lossy_record(manifest),
                 )
             except BaseException as exc:
                 # The data is durable but the catalog did not take it. Only delete it once
@@ -838,6 +839,7 @@ def _checkpoint_dict(ck: Checkpoint) -> dict[str, Any]:
         "manifest_digest": ck.manifest_digest,
         "lossy": ck.lossy,
         "error_bound": ck.error_bound,
+        "lossy_scope": list(ck.lossy_scope),
         "pinned": ck.pinned,
         "aliases": list(ck.aliases),
         "replicas": [

@@ -11,6 +11,7 @@ import torch
 from delta_helpers import flat, make_state, states_equal, train_step
 
 from ckptstore import CheckpointStore
+from ckptstore.cli.app import main
 from ckptstore.config import load_settings
 from ckptstore.errors import (
     CheckpointNotFoundError,
@@ -18,6 +19,7 @@ from ckptstore.errors import (
     InvalidNameError,
     MissingBaseError,
 )
+from ckptstore.format.delta import DEFAULT_LOSSY_SCOPE
 from ckptstore.ops.delta import compact_checkpoint
 from ckptstore.ops.diff import diff_checkpoints
 
@@ -101,7 +103,8 @@ def test_chain_restarts_on_mode_change_or_missing_keyframe(store: CheckpointStor
 
 
 def test_lossy_is_recorded_and_reported(store: CheckpointStore,
-                                        caplog: pytest.LogCaptureFixture) -> None:
+                                        caplog: pytest.LogCaptureFixture,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
     spec = {"threshold": 1e-8, "quantize": 8}
     state = make_state()
     key = store.save("run", 0, state, delta=spec)
@@ -122,7 +125,36 @@ def test_lossy_is_recorded_and_reported(store: CheckpointStore,
             assert err <= bound
         else:
             assert err == 0.0
-    assert store.show(ck.id)["checkpoint"]["lossy"] is True
+    # The catalog holds the measured bound and the scope, not only a flag.
+    record = store.get(ck.id)
+    assert record.error_bound == bound
+    assert record.lossy_scope == manifest.delta.scope == DEFAULT_LOSSY_SCOPE
+    shown = store.show(ck.id)["checkpoint"]
+    assert shown["lossy"] is True and shown["error_bound"] == bound
+    assert shown["lossy_scope"] == list(DEFAULT_LOSSY_SCOPE)
+    assert (store.get(key.id).error_bound, store.get(key.id).lossy_scope) == (None, ())
+    root = str(store.settings.root)
+    capsys.readouterr()
+    assert main(["--store", root, "show", ck.ref]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"max abs error {bound}" in text and "*exp_avg_sq" in text
+
+
+def test_a_lossy_save_with_nothing_approximate_is_not_recorded_lossy(
+    store: CheckpointStore,
+) -> None:
+    # Every moment chunk holds a NaN, so every one is stored exactly: the plan was lossy,
+    # the checkpoint is not, and the catalog says what was written.
+    spec = {"quantize": 8}
+    state = make_state()
+    store.save("run", 0, state, delta=spec)
+    new = train_step(state, seed=1)
+    for moments in new["optimizer"]["state"].values():
+        for name in ("exp_avg", "exp_avg_sq"):
+            moments[name].view(-1)[::512] = float("nan")
+    ck = store.save("run", 1, new, delta=spec)
+    assert (ck.lossy, ck.error_bound, ck.lossy_scope) == (False, None, ())
+    assert states_equal(store.load(ck.id), new)
 
 
 def test_compact_makes_a_self_contained_version(store: CheckpointStore) -> None:

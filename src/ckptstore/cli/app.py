@@ -160,7 +160,8 @@ def show_cmd(
         ("tags", ", ".join(ck["tags"]) or "-"),
         ("pinned / aliases", f"{ck['pinned']} / {', '.join(ck['aliases']) or '-'}"),
         ("replicas", ", ".join(f"{r['tier']}:{r['state']}" for r in ck["replicas"]) or "-"),
-        ("lossy", f"yes, max abs error {ck['error_bound']}" if ck["lossy"] else "no"),
+        ("lossy", f"yes, max abs error {ck['error_bound']} in {', '.join(ck['lossy_scope'])}"
+                  if ck["lossy"] else "no"),
     ]
     if "error" in man:
         rows.append(("manifest", f"unreadable: {man['error']}"))

@@ -48,6 +48,7 @@ from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_
 from ckptstore.format.manifest import manifest_digest
 from ckptstore.format.verify import extra_files
 from ckptstore.names import validate_name
+from ckptstore.ops.delta import lossy_record
 from ckptstore.ops.reencode import check_original
 from ckptstore.ops.signing import SIGNATURE_NAME, SignatureDoc, check_signature, load_public_key
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
@@ -515,7 +516,7 @@ def _import(store: CheckpointStore, tar: tarfile.TarFile, path: Path, run: str |
     committed = store.catalog.commit_checkpoint(
         ck.id, manifest_digest=own, logical_bytes=original.logical_bytes,
         stored_bytes=original.stored_bytes, replica_bytes=manifest.stored_bytes,
-        uri=str(directory),
+        uri=str(directory), **lossy_record(original),
     )
     if original is not manifest:
         # commit_checkpoint records the checkpoint's own manifest on the hot replica; this

@@ -32,9 +32,21 @@ from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expecte
 if TYPE_CHECKING:
     from ckptstore.store import CheckpointStore
 
-__all__ = ["LATEST", "Latest", "SavePlan", "compact_checkpoint", "plan_save"]
+__all__ = ["LATEST", "Latest", "SavePlan", "compact_checkpoint", "lossy_record", "plan_save"]
 
 logger = logging.getLogger(__name__)
+
+
+def lossy_record(manifest: Manifest) -> dict[str, Any]:
+    """The catalog's record of how approximate a written checkpoint is (commit arguments).
+
+    Taken from the manifest at commit, not from the plan: only the writer knows the measured
+    error, and a lossy save whose chunks all had to be stored exactly is not lossy at all.
+    """
+    info = manifest.delta
+    if info is None or not info.lossy:
+        return {"lossy": False}
+    return {"lossy": True, "error_bound": info.max_abs_error, "lossy_scope": info.scope}
 
 
 class Latest(enum.Enum):
