@@ -140,6 +140,25 @@ def test_lossy_is_recorded_and_reported(store: CheckpointStore,
     assert f"max abs error {bound}" in text and "*exp_avg_sq" in text
 
 
+def test_weights_are_lossy_only_when_named(store: CheckpointStore) -> None:
+    spec = {"quantize": 8, "scope": ["model/*.weight"]}
+    state = make_state()
+    store.save("run", 0, state, delta=spec)
+    new = train_step(state, seed=1)
+    ck = store.save("run", 1, new, delta=spec)
+    assert ck.lossy and ck.lossy_scope == ("model/*.weight",) and ck.error_bound is not None
+    out, want = flat(store.load(ck.id)), flat(new)
+    approximate = set()
+    for key_name, tensor in want.items():
+        err = float((out[key_name] - tensor).abs().max())
+        assert err <= ck.error_bound
+        if err:
+            approximate.add(key_name)
+    # The named weights moved by quantization; biases and the moments stayed exact.
+    assert approximate and all(k.startswith("model/") and k.endswith(".weight")
+                               for k in approximate)
+
+
 def test_a_lossy_save_with_nothing_approximate_is_not_recorded_lossy(
     store: CheckpointStore,
 ) -> None:
