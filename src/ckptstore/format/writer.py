@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -108,32 +108,6 @@ _PIECE_BYTES = 1 << 20
 # An XOR delta that compresses to more than this fraction of the chunk is not worth its
 # dependency on the base: the chunk is written whole instead.
 _XOR_WORTH = 0.9
-
-# Writer threads live across saves, so their per-thread buffers (and the quantizer's scratch
-# in format.delta) are allocated once per process, not once per save: fresh threads made
-# every save page-fault 30-80 MiB of zeroed buffers in again, a cost a delta save (more
-# buffers) paid more than a full one. One pool per thread count.
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-_BUFFERS = threading.local()
-
-
-def _writer_pool(threads: int) -> ThreadPoolExecutor:
-    with _POOLS_LOCK:
-        pool = _POOLS.get(threads)
-        if pool is None:
-            pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="ckpt-write")
-        return pool
-
-
-def _forget_pools() -> None:
-    # A forked child has none of the parent's threads: its pools would never run a task.
-    global _POOLS_LOCK
-    _POOLS.clear()
-    _POOLS_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pools)
 
 
 @without_gc
@@ -420,6 +394,7 @@ class _ChunkWriter:
         self._spec = spec
         self._sources = sources
         self._plans = plans
+        self._local = threading.local()
         self._gather_size = max((p.chunk_nbytes for p in plans.values()), default=0)
         self._base_id = base.manifest.id if base is not None else None
         self._base: dict[str, ArrayEntry] = {}
@@ -461,45 +436,43 @@ class _ChunkWriter:
         }
         written: list[Path] = []
         stored = 0
-        pool = _writer_pool(threads)
-        futures: list[tuple[str, Future[_Written]]] = [
-            (name, pool.submit(self._write_chunk, plan, i))
-            for name, plan in self._plans.items()
-            for i in range(plan.n_chunks)
-        ]
-        try:
-            for name, future in futures:
-                done = future.result()
-                results[name][done.entry.i] = done.entry
-                if done.lossy is not None:
-                    self.errors.add(done.lossy, done.lossy.elements)
-                if done.path is not None:
-                    written.append(done.path)
-                    stored += done.entry.nbytes
-                if progress is not None:
-                    progress(done.logical)
-            # Writeback of every file is already under way; these mostly just wait.
-            for _ in pool.map(_fsync_chunk, written):
-                pass
-        except BaseException:
-            # Stop queued chunks and wait for running ones, so no write happens after we
-            # return (the caller then removes the directory).
-            for _, future in futures:
-                future.cancel()
-            wait([f for _, f in futures])
-            raise
+        with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-write") as pool:
+            futures: list[tuple[str, Future[_Written]]] = [
+                (name, pool.submit(self._write_chunk, plan, i))
+                for name, plan in self._plans.items()
+                for i in range(plan.n_chunks)
+            ]
+            try:
+                for name, future in futures:
+                    done = future.result()
+                    results[name][done.entry.i] = done.entry
+                    if done.lossy is not None:
+                        self.errors.add(done.lossy, done.lossy.elements)
+                    if done.path is not None:
+                        written.append(done.path)
+                        stored += done.entry.nbytes
+                    if progress is not None:
+                        progress(done.logical)
+                # Writeback of every file is already under way; these mostly just wait.
+                for _ in pool.map(_fsync_chunk, written):
+                    pass
+            except BaseException:
+                # Stop queued chunks; running ones finish before the pool closes, so no write
+                # happens after we return.
+                for _, future in futures:
+                    future.cancel()
+                raise
         entries = {name: [e for e in chunks if e is not None] for name, chunks in results.items()}
         return entries, stored
 
-    @staticmethod
-    def _buffer(name: str, size: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        # Per-thread buffers, reused for every chunk of every save: fresh 8 MiB allocations
-        # per chunk would page-fault at ~2 GB/s, slower than compressing.
-        buf: np.ndarray[Any, np.dtype[np.uint8]] | None = getattr(_BUFFERS, name, None)
-        if buf is None or buf.nbytes < size:
+    def _buffer(self, name: str, size: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        # Per-thread buffers, reused for every chunk: fresh 8 MiB allocations per chunk
+        # would page-fault at ~2 GB/s, slower than compressing.
+        buf: np.ndarray[Any, np.dtype[np.uint8]] | None = getattr(self._local, name, None)
+        if buf is None:
             buf = np.empty(size, dtype=np.uint8)
-            setattr(_BUFFERS, name, buf)
-        return buf[:size]
+            setattr(self._local, name, buf)
+        return buf
 
     def _write_chunk(self, plan: ArrayPlan, index: int) -> _Written:
         isz = plan.info.itemsize
