@@ -36,6 +36,7 @@ browser:
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	bash scripts/typecheck.sh
+	bash scripts/lint-imports.sh
 
 test: $(STAMP) services browser lint
 	@if docker compose version >/dev/null 2>&1; then docker compose config -q && echo "docker-compose.yml: valid"; else echo "docker compose not installed: docker-compose.yml checked by tests/test_compose.py only"; fi

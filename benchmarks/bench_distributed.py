@@ -8,7 +8,7 @@ the checkpoint was fsynced and dropped from the page cache):
 
 * ``dcp``: ``FileSystemWriter(thread_count=2, sync_files=True)`` / ``FileSystemReader``;
 * ``ckptstore-lz4`` / ``ckptstore-none``: ``save_distributed`` (= ``store.save(...,
-  distributed=True)``: DCP with :class:`~ckptstore.integrations.dcp.ZarrStorageWriter`,
+  distributed=True)``: DCP with :class:`~ckptstore.ops.dcp.ZarrStorageWriter`,
   catalog row included) and ``load_dcp(..., into=state)`` (= ``store.load(ref, into=state)``)
   with 2 writer/reader threads per rank (the store's default);
 * ``<method>@N`` (``--methods``): the same with N threads per rank (DCP: ``thread_count``).
@@ -113,19 +113,19 @@ def _dcp_load(state: Any, path: Path) -> None:
 
 
 def _ours_save(store: Any, state: Any, step: int, codec: str, holder: dict[str, Any]) -> None:
-    from ckptstore.integrations.dcp import save_distributed
+    from ckptstore.ops.dcp import save_distributed
 
     holder["ck"] = save_distributed(store, "bench", step, state, codec=codec)
 
 
 def _ours_load(store: Any, state: Any, holder: dict[str, Any]) -> None:
     from ckptstore.format import read_manifest
-    from ckptstore.integrations.dcp import load_dcp
+    from ckptstore.ops.dcp import load_dcp
 
     ck = holder["ck"]
     directory = store.checkpoint_dir(ck.run, ck.id)
     manifest = read_manifest(directory, expected_digest=ck.manifest_digest)
-    load_dcp(store, directory, manifest, into=state, threads=store.settings.threads)
+    load_dcp(directory, manifest, into=state, threads=store.settings.threads)
 
 
 def worker(args: argparse.Namespace) -> None:

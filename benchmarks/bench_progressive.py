@@ -48,7 +48,7 @@ import torch
 
 from benchmarks.harness import can_evict, evict, fmt_bytes, fmt_summary, release_free_memory
 from benchmarks.state import build_state, fingerprint, state_bytes
-from ckptstore.hooks.progressive import load_progressive
+from ckptstore.ops.progressive import load_progressive
 from ckptstore.store import CheckpointStore
 
 REPO = Path(__file__).resolve().parent.parent

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptstore.errors import ConfigError
+from ckptstore.deltaspec import parse_delta
+from ckptstore.errors import ConfigError, InvalidNameError
 
 __all__ = ["Settings", "load_settings"]
 
@@ -251,10 +252,6 @@ def _delta_value(value: Any) -> bool | str | dict[str, Any]:
         value = value.strip().lower() in ("true", "1")
     if not isinstance(value, bool | str | dict):
         raise ValueError("must be a bool, a mode name or a table")
-    # Imported here: the format package pulls in torch, which reading a config must not need.
-    from ckptstore.errors import InvalidNameError
-    from ckptstore.format.delta import parse_delta
-
     try:
         parse_delta(value)
     except InvalidNameError as exc:

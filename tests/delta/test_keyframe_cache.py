@@ -42,8 +42,8 @@ def test_cached_and_uncached_saves_store_the_same_bytes(tmp_path: Path, delta: A
     cached, ids_c, states = _chain(tmp_path / "cached", delta, cache_bytes=1 << 30)
     plain, ids_p, _ = _chain(tmp_path / "plain", delta, cache_bytes=0)
     try:
-        assert cached._keyframe_cache is not None and plain._keyframe_cache is None
-        assert cached._keyframe_cache.ckpt_id == ids_c[0]
+        assert cached.keyframe_cache is not None and plain.keyframe_cache is None
+        assert cached.keyframe_cache.ckpt_id == ids_c[0]
         for a, b in zip(ids_c, ids_p, strict=True):
             assert _chunks(cached, a) == _chunks(plain, b)
         assert any(enc != "raw" for *_, enc, _ in _chunks(cached, ids_c[-1]))
@@ -82,7 +82,7 @@ def test_a_delta_uses_the_cache_instead_of_the_keyframe_on_disk(
 def test_a_small_budget_caches_part_of_the_keyframe(tmp_path: Path) -> None:
     store, ids, states = _chain(tmp_path / "s", "xor", cache_bytes=3 * CHUNK)
     try:
-        cache = store._keyframe_cache
+        cache = store.keyframe_cache
         assert cache is not None and 0 < cache.used_bytes <= 3 * CHUNK
         for ckpt_id, state in zip(ids, states, strict=True):
             assert states_equal(store.load(ckpt_id), state)
@@ -92,7 +92,7 @@ def test_a_small_budget_caches_part_of_the_keyframe(tmp_path: Path) -> None:
 
 def test_dedup_saves_leave_the_cache_alone_and_close_releases_it(tmp_path: Path) -> None:
     store, ids, _ = _chain(tmp_path / "s", "xor", cache_bytes=1 << 30, saves=2)
-    cache = store._keyframe_cache
+    cache = store.keyframe_cache
     assert cache is not None
     store.save("r", 10, make_state(7))  # the default mode, dedup: no keyframe
     assert cache.ckpt_id == ids[0]
@@ -124,4 +124,4 @@ def test_cache_budget_setting_is_validated(tmp_path: Path, monkeypatch: pytest.M
         CheckpointStore.open(tmp_path / "s")
     monkeypatch.setenv("CKPT_DELTA_CACHE_BYTES", "0")
     with CheckpointStore.open(tmp_path / "s") as store:
-        assert store.settings.delta_cache_bytes == 0 and store._keyframe_cache is None
+        assert store.settings.delta_cache_bytes == 0 and store.keyframe_cache is None

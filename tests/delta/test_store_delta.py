@@ -20,7 +20,7 @@ from ckptstore.errors import (
     MissingBaseError,
 )
 from ckptstore.format.delta import DEFAULT_LOSSY_SCOPE
-from ckptstore.ops.delta import compact_checkpoint
+from ckptstore.ops.compact import compact_checkpoint
 from ckptstore.ops.diff import diff_checkpoints
 
 
@@ -116,7 +116,7 @@ def test_lossy_is_recorded_and_reported(store: CheckpointStore,
     assert manifest.lossy and manifest.delta is not None
     bound = manifest.delta.max_abs_error
     assert 0 < bound < 1e-4
-    with caplog.at_level(logging.WARNING, logger="ckptstore.store"):
+    with caplog.at_level(logging.WARNING, logger="ckptstore.ops.load"):
         out = flat(store.load(ck.id))
     assert any("approximate" in r.getMessage() for r in caplog.records)
     for key_name, tensor in flat(new).items():

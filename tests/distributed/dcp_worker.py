@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from ckptstore import CheckpointStore
 from ckptstore.errors import CkptError
-from ckptstore.integrations.dcp import dcp_writer, load_dcp, save_distributed
+from ckptstore.ops.dcp import dcp_writer, load_dcp, save_distributed
 
 warnings.filterwarnings("ignore")
 
@@ -160,7 +160,7 @@ def scenario_save(store: CheckpointStore, out: Path, rank: int, ws: int) -> dict
     report["ddp"] = save_distributed(store, "ddp", 1, ddp).id
 
     # One rank raises mid-save: every rank must get an error, nothing may be committed.
-    from ckptstore.integrations.dcp import ZarrStorageWriter
+    from ckptstore.ops.dcp import ZarrStorageWriter
 
     failing = ZarrStorageWriter(store, "dt", 3)
     try:
@@ -193,7 +193,7 @@ def scenario_load(store: CheckpointStore, out: Path, rank: int, ws: int) -> dict
         from ckptstore.format import read_manifest
 
         manifest = read_manifest(directory, expected_digest=ck.manifest_digest)
-        result: dict[str, Any] = load_dcp(store, directory, manifest, into=into)
+        result: dict[str, Any] = load_dcp(directory, manifest, into=into)
         return result
 
     for name, placement in (("shard0", Shard(0)), ("shard1", Shard(1))):

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ckptstore.errors import CkptError, IntegrityError, UnsafeObjectError
-from ckptstore.integrations.dcp_layout import (
+from ckptstore.format.dcp.layout import (
     ArrayInfo,
     DcpIndex,
     Piece,
@@ -33,7 +33,7 @@ from ckptstore.integrations.dcp_layout import (
     grid_pitch,
     refine_chunk_shape,
 )
-from ckptstore.integrations.dcp_plan import assign_slots
+from ckptstore.format.dcp.plan import assign_slots
 
 
 @pytest.mark.parametrize(
@@ -143,7 +143,7 @@ def _index() -> DcpIndex:
         Piece((0, 0), (2, 3), "dcp/w", (0, 0), None), Piece((2, 0), (2, 3), "dcp/w", (0, 0), None),
     ))
     b = TensorItem("b", "bfloat16", (6,), True, (Piece((0,), (6,), pack.path, None, 0),))
-    from ckptstore.integrations.dcp_layout import BlobItem
+    from ckptstore.format.dcp.layout import BlobItem
 
     return DcpIndex(
         world_size=2, codec="none",

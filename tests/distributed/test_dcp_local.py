@@ -24,7 +24,7 @@ from ckptstore.errors import (
     UnsafeObjectError,
 )
 from ckptstore.format import read_manifest
-from ckptstore.integrations.dcp import (
+from ckptstore.ops.dcp import (
     ZarrStorageReader,
     ZarrStorageWriter,
     dcp_reader,
@@ -34,7 +34,7 @@ from ckptstore.integrations.dcp import (
     save_distributed,
     verify_dcp,
 )
-from ckptstore.integrations.dcp_stage import pool_for
+from ckptstore.ops.dcp_stage import pool_for
 from ckptstore.records import CheckpointState
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -96,7 +96,7 @@ def test_round_trip_full_and_into(store: CheckpointStore, codec: str) -> None:
     assert is_dcp_manifest(manifest)
     assert verify_dcp(directory, manifest) == []
 
-    full = load_dcp(store, directory, manifest)
+    full = load_dcp(directory, manifest)
     for key, value in state["model"].items():
         assert _equal(full["model"][key], value), key
     assert full["meta"] == state["meta"]
@@ -106,17 +106,17 @@ def test_round_trip_full_and_into(store: CheckpointStore, codec: str) -> None:
         "meta": {"step": 0, "lr": [], "name": ""},
     }
     into["model"]["strided"] = torch.zeros(40, 30)[:, ::3]  # a non-contiguous target
-    load_dcp(store, directory, manifest, into=into)
+    load_dcp(directory, manifest, into=into)
     for key, value in state["model"].items():
         assert _equal(into["model"][key], value), key
     assert into["meta"] == state["meta"]
 
-    part = load_dcp(store, directory, manifest, keys=["model/big", "meta.step"])
+    part = load_dcp(directory, manifest, keys=["model/big", "meta.step"])
     assert set(part) == {"model", "meta"} and set(part["model"]) == {"big"}
     with pytest.raises(InvalidNameError, match="match nothing"):
-        load_dcp(store, directory, manifest, keys=["nope/*"])
+        load_dcp(directory, manifest, keys=["nope/*"])
     with pytest.raises(InvalidNameError, match="cannot be combined"):
-        load_dcp(store, directory, manifest, keys=["model/*"], into=into)
+        load_dcp(directory, manifest, keys=["model/*"], into=into)
 
 
 def test_layout_is_plain_zarr(store: CheckpointStore) -> None:
@@ -149,11 +149,11 @@ def test_damage_is_detected_never_zeros(store: CheckpointStore) -> None:
     problems = verify_dcp(directory, manifest)
     assert len(problems) == 1 and "c.1.0" in problems[0]
     with pytest.raises(IntegrityError, match=r"model\.big.*crc32c"):
-        load_dcp(store, directory, manifest)
+        load_dcp(directory, manifest)
     chunk.unlink()
     assert verify_dcp(directory, manifest, deep=False) == ["dcp/model.big/c.1.0: missing"]
     with pytest.raises(IntegrityError, match="is missing"):
-        load_dcp(store, directory, manifest, into={"model": {"big": torch.zeros(300, 200)}})
+        load_dcp(directory, manifest, into={"model": {"big": torch.zeros(300, 200)}})
 
 
 def test_rank_failure_commits_nothing_and_previous_loads(store: CheckpointStore) -> None:
@@ -181,7 +181,7 @@ def test_rank_failure_commits_nothing_and_previous_loads(store: CheckpointStore)
         _ = writer.checkpoint
     assert store.latest("r").id == good.id
     directory, manifest = _open(store, good.id)
-    assert load_dcp(store, directory, manifest)["meta"]["step"] == 7
+    assert load_dcp(directory, manifest)["meta"]["step"] == 7
 
 
 def test_writer_rejects_what_it_cannot_do(store: CheckpointStore) -> None:
@@ -212,9 +212,9 @@ def test_non_tensor_items_never_unpickle_arbitrary_objects(store: CheckpointStor
     ck = _save(store, "r", 1, {"w": torch.ones(3), "obj": _Opaque()})
     directory, manifest = _open(store, ck.id)
     with pytest.raises(UnsafeObjectError, match="'obj'"):
-        load_dcp(store, directory, manifest)
+        load_dcp(directory, manifest)
     with pytest.raises(UnsafeObjectError, match="'obj'"):
-        load_dcp(store, directory, manifest, into={"w": torch.zeros(3), "obj": None})
+        load_dcp(directory, manifest, into={"w": torch.zeros(3), "obj": None})
     # The bytes are DCP's own torch.save output, untouched: DCP's planner loads them.
     target: dict[str, Any] = {"w": torch.zeros(3), "obj": None}
     with warnings.catch_warnings():
@@ -238,7 +238,7 @@ def test_async_save_stages_into_reused_bounded_buffers(tmp_path: Path) -> None:
             future.result(timeout=60)
             ids.append(writer.checkpoint.id)
             directory, manifest = _open(store, ids[-1])
-            assert _equal(load_dcp(store, directory, manifest)["w"], expected)
+            assert _equal(load_dcp(directory, manifest)["w"], expected)
             expected += 1.0
         pool = pool_for(store)
         assert pool.allocations == 2  # buffers of the first save were reused
@@ -266,7 +266,7 @@ def test_save_distributed_without_process_group(store: CheckpointStore) -> None:
     sharded = save_distributed(store, "p", 2, {"app": App()})  # a Stateful goes through DCP
     directory, manifest = _open(store, sharded.id)
     assert is_dcp_manifest(manifest)
-    assert torch.equal(load_dcp(store, directory, manifest)["app"]["w"], torch.arange(4.0))
+    assert torch.equal(load_dcp(directory, manifest)["app"]["w"], torch.arange(4.0))
     reader = dcp_reader(store, sharded.id)
     app = App()
     app.w = torch.zeros(4)
@@ -323,7 +323,7 @@ def test_index_sizes_stay_small(store: CheckpointStore) -> None:
     directory, manifest = _open(store, ck.id)
     files = [p for p in directory.rglob("*") if p.is_file()]
     assert len(files) < 12
-    full = load_dcp(store, directory, manifest)
+    full = load_dcp(directory, manifest)
     assert all(torch.equal(full[f"p{i}"], state[f"p{i}"]) for i in range(200))
 
 
@@ -351,7 +351,7 @@ def test_archive_restore_round_trip_copies_the_dcp_layout(tmp_path: Path) -> Non
         restore_checkpoint(store, ck.id)
         directory, manifest = _open(store, ck.id)
         assert verify_dcp(directory, manifest) == []
-        full = load_dcp(store, directory, manifest)
+        full = load_dcp(directory, manifest)
         assert _equal(full["model"]["big"], state["model"]["big"])
         # The format's own verify sees the DCP files too (shallow and deep).
         from ckptstore.format import verify_checkpoint

@@ -27,7 +27,7 @@ import torch
 from ckptstore import CheckpointStore
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.format import read_manifest
-from ckptstore.integrations.dcp import is_dcp_manifest, load_dcp, verify_dcp
+from ckptstore.ops.dcp import is_dcp_manifest, load_dcp, verify_dcp
 from ckptstore.records import CheckpointState
 
 pytestmark = pytest.mark.slow
@@ -159,7 +159,7 @@ def test_plain_load_returns_full_tensors(saved: tuple[Path, Path]) -> None:
         for key in ("dt", "fsdp"):
             ck = store.get(ids[key])
             directory = store.checkpoint_dir(ck.run, ck.id)
-            state = load_dcp(store, directory, read_manifest(directory))
+            state = load_dcp(directory, read_manifest(directory))
             assert worker._same(state, ref[key]) == []
         ddp = store.load(ids["ddp"])
         assert worker._same(ddp, ref["ddp"]) == []
@@ -199,6 +199,6 @@ def test_killed_rank_fails_the_other_fast_and_commits_nothing(tmp_path: Path) ->
         assert not store.checkpoint_dir("kill", failed[0].id).exists()
         first = store.get(report["first"])
         directory = store.checkpoint_dir("kill", first.id)
-        state = load_dcp(store, directory, read_manifest(directory))
+        state = load_dcp(directory, read_manifest(directory))
         assert state["meta"] == {"step": 5, "names": ["a", "b"]}
         assert state["w"]["big"].shape == (1201, 300)

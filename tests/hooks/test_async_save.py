@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckptstore.errors import CkptError, ConfigError, StorageError, UnsafeObjectError
-from ckptstore.hooks.async_save import AsyncSaver, SaveHandle, close_saver, save_async, saver_for
+from ckptstore.ops.async_save import AsyncSaver, SaveHandle, close_saver, save_async, saver_for
 from ckptstore.records import CheckpointState
 from ckptstore.store import CheckpointStore
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ckptstore.config import Settings
-from ckptstore.hooks.memory_tier import (
+from ckptstore.ops.memory import (
     MEMORY_TIER,
     MemoryLocation,
     attach_memory_tier,
@@ -109,7 +109,7 @@ def test_restarted_process_loads_from_memory_without_any_hot_chunk(
         f"""
         import os, signal, sys, torch
         from ckptstore.store import CheckpointStore
-        from ckptstore.hooks.memory_tier import (
+        from ckptstore.ops.memory import (
             attach_memory_tier, load_from_memory, stage_after_commit)
         store = CheckpointStore.open({str(root)!r})
         attach_memory_tier(store, 256 * 2**20, root={str(shm_root)!r})

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from ckptstore.errors import InvalidNameError, StorageError
-from ckptstore.hooks.memory_tier import attach_memory_tier, stage_after_commit
-from ckptstore.hooks.progressive import load_progressive, plan_groups
 from ckptstore.ops.archive import archive_checkpoints
+from ckptstore.ops.memory import attach_memory_tier, stage_after_commit
+from ckptstore.ops.progressive import load_progressive, plan_groups
 from ckptstore.ops.replicas import delete_replica
 from ckptstore.records import ReplicaState
 from ckptstore.store import CheckpointStore

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ckptstore.errors import CkptError, ConfigError
-from ckptstore.hooks.async_save import BufferKey, StagingPool
+from ckptstore.ops.staging import BufferKey, StagingPool
 
 F32 = torch.float32
 

@@ -14,8 +14,9 @@ from typing import Any
 import ckpt_reliability_checks as checks
 import pytest
 
+from ckptstore.identity import owner_is_dead
 from ckptstore.ops.archive import archive_checkpoints
-from ckptstore.ops.doctor import dead_local_owner, doctor
+from ckptstore.ops.doctor import doctor
 from ckptstore.ops.replicas import tier_of
 from ckptstore.ops.verify import verify_replicas
 from ckptstore.records import CheckpointState, ReplicaState
@@ -118,9 +119,9 @@ def test_dead_writer_and_dead_lease(store: Any, w: Any) -> None:
     store.checkpoint_dir("r", pending.id).mkdir(parents=True)
     assert store.catalog.acquire_lease(ck.id, "archive:warm", f"{host}:{dead}:abc", 3600)
     assert store.catalog.acquire_lease(ck.id, "retention", f"{host}:{os.getpid()}:me", 3600)
-    assert dead_local_owner(f"retention:{host}:{dead}:x")
-    assert not dead_local_owner(f"{host}:{os.getpid()}")
-    assert not dead_local_owner(f"other-host:{dead}:x")
+    assert owner_is_dead(f"retention:{host}:{dead}:x")
+    assert not owner_is_dead(f"{host}:{os.getpid()}")
+    assert not owner_is_dead(f"other-host:{dead}:x")
     report = doctor(store, fix=True, grace_s=0)
     assert _kinds(report) == ["dead-lease", "dead-pending"]
     assert store.catalog.get_any(pending.id).state == CheckpointState.FAILED

@@ -122,9 +122,9 @@ def ls_cmd(
 
 
 def _ck_json(ck: Any) -> dict[str, Any]:
-    from ckptstore.store import _checkpoint_dict
+    from ckptstore.ops.show import checkpoint_dict
 
-    return _checkpoint_dict(ck)
+    return checkpoint_dict(ck)
 
 
 @app.command("show")

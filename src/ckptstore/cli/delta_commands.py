@@ -69,13 +69,13 @@ def compact_cmd(
     The new version reads no other checkpoint's chunks (its bases may then be pruned) and
     gets a converted-from edge from the source. Running it again returns the same version.
     """
-    from ckptstore.ops.delta import compact_checkpoint
-    from ckptstore.store import _checkpoint_dict
+    from ckptstore.ops.compact import compact_checkpoint
+    from ckptstore.ops.show import checkpoint_dict
 
     with open_store(ctx) as store:
         new = compact_checkpoint(store, ref)
     if as_json:
-        print_json(_checkpoint_dict(new))
+        print_json(checkpoint_dict(new))
         return
     print_table(LS_COLUMNS, [checkpoint_row(new)], no_wrap=("checkpoint", "step", "stored"))
 

@@ -25,7 +25,7 @@ _VERIFY_THREADS = 2
 
 
 #: ``manifest.extra`` key listing files a checkpoint owns outside the packed arrays (written by
-#: other layouts, e.g. ckptstore.integrations.dcp): ``[relative path, size, crc32c or null]``,
+#: other layouts, e.g. ckptstore.ops.dcp): ``[relative path, size, crc32c or null]``,
 #: data files first. A crc32c means the file ends with the crc32c of the rest (the Zarr crc32c
 #: codec's trailer). Validated by :meth:`Manifest.from_json`.
 EXTRA_FILES_KEY = "files"

@@ -1,25 +1,27 @@
-"""Training integration: async saves, save policies, CheckpointManager and LossMonitor.
+"""Training-loop side: CheckpointManager, LossMonitor and save policies.
 
-Nothing here imports Prefect: archive flows are triggered through the store's ``trigger``
-hook when it has one.
+The async saver, the memory tier and progressive restore are operations of the store
+(:mod:`ckptstore.ops`); they are re-exported here because a training script reaches for them
+together with the manager. Nothing here imports Prefect: archive flows are started through
+``store.trigger``.
 """
 
 from __future__ import annotations
 
-from ckptstore.hooks.async_save import (
+from ckptstore.hooks.loss_monitor import Anomaly, LossMonitor, spike_reason
+from ckptstore.hooks.manager import CheckpointManager, PruneFn, StateFn
+from ckptstore.hooks.policies import AnyOf, EveryNSeconds, EveryNSteps, OnDemand, SavePolicy
+from ckptstore.ops.async_save import (
     AsyncSaver,
     SaveHandle,
-    StagingPool,
     close_saver,
     save_async,
     saver_for,
     wait_async,
 )
-from ckptstore.hooks.loss_monitor import Anomaly, LossMonitor, spike_reason
-from ckptstore.hooks.manager import CheckpointManager, PruneFn, StateFn
-from ckptstore.hooks.memory_tier import MemoryTier, attach_memory_tier, memory_tier_for
-from ckptstore.hooks.policies import AnyOf, EveryNSeconds, EveryNSteps, OnDemand, SavePolicy
-from ckptstore.hooks.progressive import ProgressiveLoad, load_progressive
+from ckptstore.ops.memory import MemoryTier, attach_memory_tier, memory_tier_for
+from ckptstore.ops.progressive import ProgressiveLoad, load_progressive
+from ckptstore.ops.staging import StagingPool
 
 __all__ = [
     "Anomaly",

@@ -27,8 +27,8 @@ import numpy as np
 from ckptstore.errors import CkptError, ConfigError
 
 if TYPE_CHECKING:
-    from ckptstore.hooks.async_save import SaveHandle
     from ckptstore.hooks.manager import CheckpointManager, StateFn
+    from ckptstore.ops.async_save import SaveHandle
     from ckptstore.records import Checkpoint
     from ckptstore.store import CheckpointStore
 

@@ -32,11 +32,11 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError
-from ckptstore.hooks.async_save import SaveHandle, saver_for
 from ckptstore.hooks.policies import AnyOf, EveryNSeconds, EveryNSteps, OnDemand, SavePolicy
+from ckptstore.ops.async_save import SaveHandle, saver_for
 
 if TYPE_CHECKING:
-    from ckptstore.hooks.progressive import ProgressiveLoad
+    from ckptstore.ops.progressive import ProgressiveLoad
     from ckptstore.records import Checkpoint
     from ckptstore.store import CheckpointStore
 
@@ -212,7 +212,7 @@ class CheckpointManager:
             into: A state of the same structure to fill in place (fastest; no allocations).
             priority: Load progressively, group by group in this order (fnmatch patterns
                 such as ``["model/*"]``; everything else last); see
-                :func:`ckptstore.hooks.progressive.load_progressive`.
+                :func:`ckptstore.ops.progressive.load_progressive`.
             on_group: With ``priority``: called on this thread as ``on_group(index, part)``
                 as soon as each group is loaded, before the rest is waited for.
 
@@ -232,7 +232,7 @@ class CheckpointManager:
         if priority is None:
             state = self.store.load(ck.id, into=into)
         else:
-            from ckptstore.hooks.progressive import load_progressive
+            from ckptstore.ops.progressive import load_progressive
 
             with load_progressive(self.store, ck.id, priority, into=into) as progressive:
                 for index, part in progressive:
@@ -254,11 +254,11 @@ class CheckpointManager:
             into: A state of the same structure to fill in place.
 
         Returns:
-            The :class:`~ckptstore.hooks.progressive.ProgressiveLoad` (``wait(i)`` for a
+            The :class:`~ckptstore.ops.progressive.ProgressiveLoad` (``wait(i)`` for a
             group, ``result()`` for the whole state), or None when the run has no
             checkpoint yet.
         """
-        from ckptstore.hooks.progressive import load_progressive
+        from ckptstore.ops.progressive import load_progressive
 
         self.wait()
         try:
@@ -399,14 +399,10 @@ class CheckpointManager:
             except Exception:
                 logger.exception("on_commit hook %r failed for %s", hook, ck.ref)
         if self._archive:
-            trigger = getattr(self.store, "trigger", None)
-            if callable(trigger):
-                try:
-                    trigger("archive", ck)
-                except Exception:
-                    logger.exception("could not trigger archiving of %s", ck.ref)
-            else:
-                logger.debug("store has no flow trigger: %s is not archived now", ck.ref)
+            try:
+                self.store.trigger("archive", ck)
+            except Exception:
+                logger.exception("could not trigger archiving of %s", ck.ref)
 
     # ------------------------------------------------------------------ waiting
     def wait(self) -> None:

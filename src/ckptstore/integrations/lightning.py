@@ -62,8 +62,8 @@ from lightning.pytorch.plugins.io import CheckpointIO
 
 from ckptstore.errors import CheckpointNotFoundError, CkptError, UnsafeObjectError
 from ckptstore.format import flatten_state
-from ckptstore.hooks.async_save import saver_for
 from ckptstore.names import MAX_NAME_BYTES, validate_metric_name
+from ckptstore.ops.async_save import saver_for
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

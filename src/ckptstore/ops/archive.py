@@ -21,9 +21,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
 
+from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, ConfigError
+from ckptstore.ops.leases import acquire_lease, lease_owner
 from ckptstore.ops.reencode import (
     ReencodeResult,
     check_codec,
@@ -31,10 +32,8 @@ from ckptstore.ops.reencode import (
     why_not_reencode,
 )
 from ckptstore.ops.replicas import (
-    acquire_lease,
     delete_replica,
     dependents,
-    lease_owner,
     manifest_on,
     referenced_chunks,
     run_resolver,
@@ -43,9 +42,6 @@ from ckptstore.ops.replicas import (
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import COMMIT_NAME, Tier, copy_checkpoint, is_retryable
 from ckptstore.storage.transfer import copy_foreign_chunks
-
-if TYPE_CHECKING:
-    from ckptstore.store import CheckpointStore
 
 __all__ = ["ArchiveReport", "archive_checkpoints", "demote_checkpoints"]
 
@@ -119,7 +115,7 @@ def _deleting(ck: Checkpoint, tier: str) -> bool:
 
 
 def _candidates(
-    store: CheckpointStore, *, run: str | None, ref: str | None, src: str, dst: str
+    store: StoreCore, *, run: str | None, ref: str | None, src: str, dst: str
 ) -> list[Checkpoint]:
     """COMMITTED checkpoints on ``src`` and not on ``dst``, oldest first (bases first)."""
     if ref is not None:
@@ -134,7 +130,7 @@ def _candidates(
 class _Lease:
     """A catalog lease that renews itself while the work it guards makes progress."""
 
-    def __init__(self, store: CheckpointStore, ckpt_id: str, purpose: str, owner: str,
+    def __init__(self, store: StoreCore, ckpt_id: str, purpose: str, owner: str,
                  ttl_s: float) -> None:
         self._store, self._id, self._purpose = store, ckpt_id, purpose
         self._owner, self._ttl = owner, ttl_s
@@ -156,7 +152,7 @@ class _Lease:
                            exc_info=True)
 
 
-def _discard_partial(store: CheckpointStore, dst: Tier, ck: Checkpoint) -> None:
+def _discard_partial(store: StoreCore, dst: Tier, ck: Checkpoint) -> None:
     """Remove what a failed copy left on ``dst`` (marker first); best effort.
 
     Chunk files other checkpoints on ``dst`` read (dedup) are kept. If the tier is down this
@@ -178,7 +174,7 @@ def _discard_partial(store: CheckpointStore, dst: Tier, ck: Checkpoint) -> None:
 
 
 def _copy_one(
-    store: CheckpointStore,
+    store: StoreCore,
     ck: Checkpoint,
     src: Tier,
     dst: Tier,
@@ -247,7 +243,7 @@ def _copy_one(
 
 
 def _run(
-    store: CheckpointStore,
+    store: StoreCore,
     todo: list[Checkpoint],
     *,
     src: Tier,
@@ -351,7 +347,7 @@ def _run(
     return report
 
 
-def _remove_source(store: CheckpointStore, ck: Checkpoint, src: Tier, report: ArchiveReport,
+def _remove_source(store: StoreCore, ck: Checkpoint, src: Tier, report: ArchiveReport,
                    owner: str) -> None:
     """Delete the source copy once the destination copy is verified and recorded."""
     current = store.catalog.get_any(ck.id)
@@ -369,7 +365,7 @@ def _remove_source(store: CheckpointStore, ck: Checkpoint, src: Tier, report: Ar
 
 
 def archive_checkpoints(
-    store: CheckpointStore,
+    store: StoreCore,
     *,
     run: str | None = None,
     ref: str | None = None,
@@ -431,7 +427,7 @@ def archive_checkpoints(
 
 
 def demote_checkpoints(
-    store: CheckpointStore,
+    store: StoreCore,
     *,
     older_than_days: float,
     src: str = "warm",

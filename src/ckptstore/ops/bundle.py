@@ -33,8 +33,9 @@ import shutil
 import tarfile
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
+from ckptstore.core import StoreCore
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptError,
@@ -58,9 +59,6 @@ from ckptstore.storage.transfer import (
     is_reencoded,
     owned_files,
 )
-
-if TYPE_CHECKING:
-    from ckptstore.store import CheckpointStore
 
 __all__ = ["BUNDLE_HEADER", "export_bundle", "import_bundle"]
 
@@ -92,7 +90,7 @@ def _tar_add(tar: tarfile.TarFile, name: str, data: IO[bytes], size: int, mtime:
     tar.addfile(info, data)
 
 
-def export_bundle(store: CheckpointStore, ref: str, out_tar: str | os.PathLike[str]) -> Path:
+def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str]) -> Path:
     """Write one committed checkpoint as a bundle (an uncompressed tar).
 
     An archived checkpoint is restored to the hot tier first. Only full checkpoints can be
@@ -389,7 +387,7 @@ def _fsync_tree(directory: Path) -> None:
 
 
 def import_bundle(
-    store: CheckpointStore,
+    store: StoreCore,
     tar_path: str | os.PathLike[str],
     *,
     run: str | None = None,
@@ -432,7 +430,7 @@ def import_bundle(
         raise IntegrityError(f"{path} is truncated ({exc})") from exc
 
 
-def _import(store: CheckpointStore, tar: tarfile.TarFile, path: Path, run: str | None,
+def _import(store: StoreCore, tar: tarfile.TarFile, path: Path, run: str | None,
             public_key: Any, max_members: int) -> Checkpoint:
     members = _scan(tar, max_members)
     if BUNDLE_HEADER not in members:
@@ -535,7 +533,7 @@ def _import(store: CheckpointStore, tar: tarfile.TarFile, path: Path, run: str |
     return committed
 
 
-def _existing(store: CheckpointStore, ckpt_id: str, digest: str) -> Checkpoint | None:
+def _existing(store: StoreCore, ckpt_id: str, digest: str) -> Checkpoint | None:
     try:
         found = store.catalog.get_any(ckpt_id)
     except CheckpointNotFoundError:
@@ -561,7 +559,7 @@ def _extract(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], present:
         _write_member(tar, members[_PREFIX + rel], target)
 
 
-def _abandon(store: CheckpointStore, ckpt_id: str, directory: Path, exc: BaseException) -> None:
+def _abandon(store: StoreCore, ckpt_id: str, directory: Path, exc: BaseException) -> None:
     try:
         store.catalog.fail_checkpoint(ckpt_id, f"bundle import failed: {type(exc).__name__}")
     except CkptError:  # the catalog may be what failed; gc finishes the job

@@ -38,24 +38,25 @@ import os
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, InvalidNameError
 from ckptstore.format import Manifest, iter_tensors, unflatten_state
+from ckptstore.format.dcp.layout import is_dcp_manifest
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.tree import iter_tensor_refs, select_tree
-from ckptstore.integrations.dcp_layout import is_dcp_manifest
 from ckptstore.ops.convert_dcp_write import TensorFeed, write_dcp
 from ckptstore.ops.convert_dir import DIRECTORY_FORMATS, check_format, convert_directory
 from ckptstore.ops.convert_readers import FORMATS, METADATA_KEY, read_source
 from ckptstore.ops.convert_safetensors import TensorSpec, hf_name_map
 from ckptstore.ops.convert_writers import staged_output, write_hf, write_pt, write_safetensors
+from ckptstore.ops.load import load_checkpoint
+from ckptstore.ops.replicas import manifest_of
+from ckptstore.ops.save import save_checkpoint
 from ckptstore.records import Checkpoint
-
-if TYPE_CHECKING:
-    from ckptstore.store import CheckpointStore
 
 __all__ = [
     "DIRECTORY_FORMATS",
@@ -73,7 +74,7 @@ _DEFAULT_SHARD_BYTES = 5 * 2**30
 
 # --------------------------------------------------------------------------- export
 def export_checkpoint(
-    store: CheckpointStore,
+    store: StoreCore,
     ref: str,
     fmt: str,
     out: str | os.PathLike[str],
@@ -114,8 +115,8 @@ def export_checkpoint(
     """
     fmt = check_format(fmt)
     out = Path(out)
-    ck = store.get(ref)
-    manifest = store.manifest(ck.id)
+    ck = store.catalog.get(ref)
+    manifest = manifest_of(store, ck)
     directory = store.checkpoint_dir(ck.run, ck.id)
     if is_dcp_manifest(manifest):
         # Saved through DCP: its tensors are not in the packed arrays; store.load gives the
@@ -125,7 +126,7 @@ def export_checkpoint(
                 f"checkpoint {ck.ref} was saved through torch.distributed.checkpoint; export "
                 f"it as pt or dcp, or load it and save it with store.save to export {fmt}"
             )
-        state = store.load(ck.id, keys=keys)
+        state = load_checkpoint(store, ck.id, keys=keys)
         with staged_output(out, overwrite=overwrite) as tmp:
             if fmt == "pt":
                 write_pt(state, tmp)
@@ -139,7 +140,7 @@ def export_checkpoint(
     tree = _selected_tree(manifest, keys)
     with staged_output(out, overwrite=overwrite) as tmp:
         if fmt == "pt":
-            write_pt(store.load(ck.id, keys=keys), tmp)
+            write_pt(load_checkpoint(store, ck.id, keys=keys), tmp)
         elif fmt == "safetensors":
             part = _restrict(manifest, _referenced(tree))
             doc = {"version": 1, "tree": tree, "checkpoint": {"id": ck.id, "ref": ck.ref}}
@@ -223,7 +224,7 @@ def _specs(manifest: Manifest, names: dict[str, str]) -> list[TensorSpec]:
 
 
 def _stream(
-    store: CheckpointStore, directory: Path, manifest: Manifest
+    store: StoreCore, directory: Path, manifest: Manifest
 ) -> Iterator[tuple[str, torch.Tensor]]:
     def locate(ckpt_id: str) -> Path:
         other = store.catalog.get_any(ckpt_id)
@@ -241,7 +242,7 @@ def _hf_names(manifest: Manifest, keys: Sequence[str] | None, tree: Any) -> dict
     return names
 
 
-def _run_config(store: CheckpointStore, ck: Checkpoint) -> dict[str, Any] | None:
+def _run_config(store: StoreCore, ck: Checkpoint) -> dict[str, Any] | None:
     try:
         config = store.catalog.get_run(ck.run).config
     except CkptError:
@@ -250,7 +251,7 @@ def _run_config(store: CheckpointStore, ck: Checkpoint) -> dict[str, Any] | None
 
 
 def _export_dcp(
-    store: CheckpointStore,
+    store: StoreCore,
     directory: Path,
     manifest: Manifest,
     tree: Any,
@@ -304,7 +305,7 @@ def _iteration_order(manifest: Manifest) -> list[str]:
 
 # --------------------------------------------------------------------------- import
 def import_checkpoint(
-    store: CheckpointStore,
+    store: StoreCore,
     path: str | os.PathLike[str],
     *,
     run: str,
@@ -345,7 +346,7 @@ def import_checkpoint(
     source_path = Path(path)
     source = read_source(source_path, check_format(fmt) if fmt else None)
     if source.config is not None:
-        info = store.run(run, config=source.config)
+        info = store.catalog.ensure_run(run, config=source.config)
         if info.config != source.config:
             logger.warning(
                 "run %s already has a config; the config.json of %s was not applied",
@@ -353,7 +354,8 @@ def import_checkpoint(
             )
     # hf weights go under "model", so that exporting as hf again gives the same names.
     state = {"model": source.state} if source.fmt == "hf" else source.state
-    ck = store.save(run, step, state, metrics=metrics, tags=tags, parent=parent, codec=codec)
+    ck = save_checkpoint(store, run, step, state, metrics=metrics, tags=tags, parent=parent,
+                         codec=codec)
     store.catalog.record_event(
         "imported",
         checkpoint_id=ck.id,
@@ -363,7 +365,7 @@ def import_checkpoint(
     return ck
 
 
-def convert_checkpoint(store: CheckpointStore, ref: str, *, codec: str) -> Checkpoint:
+def convert_checkpoint(store: StoreCore, ref: str, *, codec: str) -> Checkpoint:
     """Rewrite a checkpoint with another codec, as a new version of the same run and step.
 
     The new checkpoint keeps the metrics, tags and parent of the source and gets a
@@ -385,7 +387,7 @@ def convert_checkpoint(store: CheckpointStore, ref: str, *, codec: str) -> Check
         IntegrityError: If the source is damaged.
         ConfigError: If ``codec`` is not a known preset (raised by the save).
     """
-    src = store.get(ref)
+    src = store.catalog.get(ref)
     if src.codec == codec:
         logger.info("%s is already encoded with %s; nothing to do", src.ref, codec)
         return src
@@ -393,8 +395,9 @@ def convert_checkpoint(store: CheckpointStore, ref: str, *, codec: str) -> Check
     if done is not None:
         logger.info("%s was already re-encoded with %s as %s", src.ref, codec, done.ref)
         return done
-    state = store.load(src.id)
-    new = store.save(
+    state = load_checkpoint(store, src.id)
+    new = save_checkpoint(
+        store,
         src.run,
         src.step,
         state,
@@ -412,13 +415,13 @@ def convert_checkpoint(store: CheckpointStore, ref: str, *, codec: str) -> Check
     return new
 
 
-def _converted_to(store: CheckpointStore, src: Checkpoint, codec: str) -> Checkpoint | None:
+def _converted_to(store: StoreCore, src: Checkpoint, codec: str) -> Checkpoint | None:
     """An earlier committed re-encoding of ``src`` with ``codec``, if any."""
     for edge_src, edge_dst, kind in store.catalog.edges(src.id):
         if edge_src != src.id or kind != "converted-from":
             continue
         try:
-            candidate = store.get(edge_dst)
+            candidate = store.catalog.get(edge_dst)
         except CkptError:  # deleted or never committed
             continue
         if candidate.codec == codec:

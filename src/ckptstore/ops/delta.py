@@ -12,8 +12,7 @@ writer deduplicates or encodes against, and into what the catalog records:
   first save, another mode or lossy scope, keyframe gone). The catalog records the keyframe
   as the delta's base, so retention keeps it while a delta of its chain is kept.
 
-:func:`compact_checkpoint` rewrites any checkpoint as a self-contained full one (a new
-version of the same run and step, with a ``converted-from`` edge from the source).
+:func:`ckptstore.ops.compact.compact_checkpoint` turns a delta back into a full checkpoint.
 """
 
 from __future__ import annotations
@@ -22,17 +21,15 @@ import enum
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ckptstore.core import StoreCore
 from ckptstore.errors import CheckpointNotFoundError, CkptError
 from ckptstore.format import BaseRef, Manifest, read_manifest
 from ckptstore.format.delta import DeltaSpec, parse_delta
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 
-if TYPE_CHECKING:
-    from ckptstore.store import CheckpointStore
-
-__all__ = ["LATEST", "Latest", "SavePlan", "compact_checkpoint", "lossy_record", "plan_save"]
+__all__ = ["LATEST", "Latest", "SavePlan", "lossy_record", "plan_save"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +77,7 @@ class SavePlan:
     lossy: bool = False
 
 
-def _hot_manifest(store: CheckpointStore, ck: Checkpoint) -> tuple[Manifest, Path] | None:
+def _hot_manifest(store: StoreCore, ck: Checkpoint) -> tuple[Manifest, Path] | None:
     """The checkpoint's manifest and directory on the hot tier, or None if unusable."""
     replica = ck.replica("hot")
     if ck.state != CheckpointState.COMMITTED or replica is None or (
@@ -97,7 +94,7 @@ def _hot_manifest(store: CheckpointStore, ck: Checkpoint) -> tuple[Manifest, Pat
 
 
 def plan_save(
-    store: CheckpointStore,
+    store: StoreCore,
     run: str,
     delta: Any,
     base: str | Latest | None,
@@ -161,7 +158,7 @@ def plan_save(
 
 
 def _keyframe_of(
-    store: CheckpointStore, ck: Checkpoint, manifest: Manifest, spec: DeltaSpec
+    store: StoreCore, ck: Checkpoint, manifest: Manifest, spec: DeltaSpec
 ) -> tuple[Checkpoint, Manifest, Path, int] | None:
     """The keyframe a new chained save continues from, with the new save's depth."""
     info = manifest.delta
@@ -184,77 +181,3 @@ def _keyframe_of(
     if found is None:
         return None
     return key_ck, found[0], found[1], info.depth + 1
-
-
-def compact_checkpoint(store: CheckpointStore, ref: str) -> Checkpoint:
-    """Rewrite a checkpoint as a full, self-contained one: a new version, same run and step.
-
-    The new version keeps the source's metrics, tags and parent, and gets a
-    ``converted-from`` edge from it; it reads no chunk of any other checkpoint, so the
-    source and its bases can then be pruned. Idempotent: a source already compacted returns
-    the existing compacted version, and a full source (that references no other checkpoint)
-    is returned as is. Lossy values stay as they were stored (compaction cannot restore
-    what a lossy save dropped): the ``compacted`` event records the source's error bound.
-
-    Args:
-        store: The open store.
-        ref: The checkpoint to compact.
-
-    Returns:
-        The compacted (or already self-contained) checkpoint.
-
-    Raises:
-        CheckpointNotFoundError: If ``ref`` does not resolve.
-        MissingBaseError: If a chunk the source needs is gone (nothing is written).
-        IntegrityError: If the source is damaged.
-    """
-    src = store.get(ref)
-    manifest = store.manifest(src.id)
-    if not manifest.referenced_checkpoints():
-        logger.info("%s references no other checkpoint; nothing to compact", src.ref)
-        return src
-    done = _compacted(store, src)
-    if done is not None:
-        logger.info("%s was already compacted as %s", src.ref, done.ref)
-        return done
-    # Loading first means a missing base fails here, before anything is written.
-    state = store.load(src.id)
-    new = store.save(
-        src.run,
-        src.step,
-        state,
-        metrics=dict(src.metrics),
-        tags=src.tags,
-        parent=src.parent_id,
-        codec=src.codec,
-        delta=False,
-        base=None,
-    )
-    del state
-    store.catalog.add_edge(src.id, new.id, "converted-from")
-    detail: dict[str, Any] = {"from": src.id, "kind": manifest.kind}
-    if manifest.delta is not None and manifest.delta.lossy:
-        detail.update(lossy=True, max_abs_error=manifest.delta.max_abs_error)
-        logger.warning("%s holds lossy values (max abs error %g); %s keeps them as stored",
-                       src.ref, manifest.delta.max_abs_error, new.ref)
-    store.catalog.record_event("compacted", checkpoint_id=new.id, detail=detail)
-    logger.info("compacted %s (%s) as %s", src.ref, manifest.kind, new.ref)
-    return new
-
-
-def _compacted(store: CheckpointStore, src: Checkpoint) -> Checkpoint | None:
-    for a, b, kind in store.catalog.edges(src.id):
-        if a != src.id or kind != "converted-from":
-            continue
-        try:
-            target = store.catalog.get_any(b)
-        except CheckpointNotFoundError:
-            continue
-        if target.state != CheckpointState.COMMITTED or target.codec != src.codec:
-            continue
-        try:
-            if not store.manifest(target.id).referenced_checkpoints():
-                return target
-        except CkptError:
-            continue
-    return None

@@ -13,16 +13,15 @@ import logging
 import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from ckptstore.core import StoreCore
 from ckptstore.format import Manifest, TensorEntry, read_tensors
 from ckptstore.format.keys import render_path
+from ckptstore.ops.replicas import manifest_of
 from ckptstore.ops.restore import ensure_hot
-
-if TYPE_CHECKING:
-    from ckptstore.store import CheckpointStore
 
 __all__ = ["DiffReport", "TensorDiff", "diff_checkpoints"]
 
@@ -179,7 +178,7 @@ def _compare(a: torch.Tensor, b: torch.Tensor, entry: TensorEntry, chunk_len: in
 
 
 def diff_checkpoints(
-    store: CheckpointStore, a: str, b: str, *, batch_bytes: int = DEFAULT_BATCH_BYTES
+    store: StoreCore, a: str, b: str, *, batch_bytes: int = DEFAULT_BATCH_BYTES
 ) -> DiffReport:
     """Compare checkpoint ``a`` (older) with ``b`` (newer), tensor by tensor.
 
@@ -197,8 +196,8 @@ def diff_checkpoints(
         MissingBaseError: If a chunk either side needs is gone.
         IntegrityError: If either side is damaged.
     """
-    ca, cb = store.get(a), store.get(b)
-    ma, mb = store.manifest(ca.id), store.manifest(cb.id)
+    ca, cb = store.catalog.get(a), store.catalog.get(b)
+    ma, mb = manifest_of(store, ca), manifest_of(store, cb)
     report = DiffReport(a=f"{ca.ref} ({ca.id})", b=f"{cb.ref} ({cb.id})",
                         lossy=ma.lossy or mb.lossy)
     rows: dict[str, TensorDiff | None] = {}

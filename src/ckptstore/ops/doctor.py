@@ -34,14 +34,14 @@ import logging
 import os
 import re
 import shutil
-import socket
 import stat
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ckptstore.core import StoreCore
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptError,
@@ -54,21 +54,19 @@ from ckptstore.format.codecs import codec_spec
 from ckptstore.format.constants import COMMIT_NAME
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.zarrmeta import build_metadata
-from ckptstore.ops.replicas import lease_owner, manifest_on, referenced_chunks, store_tiers
-from ckptstore.procs import pid_alive
+from ckptstore.identity import host, owner_is_dead
+from ckptstore.ops.gc import DEFAULT_PENDING_GRACE_S, HotDir, classify_hot_dir, writer_is_dead
+from ckptstore.ops.leases import lease_owner
+from ckptstore.ops.replicas import manifest_on, referenced_chunks, store_tiers
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import Tier, is_not_found
 from ckptstore.storage.transfer import owned_files
-
-if TYPE_CHECKING:
-    from ckptstore.store import CheckpointStore
 
 __all__ = [
     "FINDING_KINDS",
     "DoctorReport",
     "Finding",
     "check_zarr_metadata",
-    "dead_local_owner",
     "doctor",
     "read_all",
     "zarr_metadata_problems",
@@ -193,17 +191,7 @@ class DoctorReport:
 
 
 # ---------------------------------------------------------------------- helpers
-def dead_local_owner(owner: str | None, host: str | None = None) -> bool:
-    """Whether ``owner`` (``host:pid``, ``host:pid:tag`` or ``prefix:host:pid:tag``) names a
-    process on this host that no longer exists. Owners of other hosts are never judged."""
-    if not owner:
-        return False
-    host = host or socket.gethostname()
-    match = re.search(rf"(?:^|:){re.escape(host)}:(\d+)(?::|$)", owner)
-    return match is not None and not pid_alive(int(match.group(1)))
-
-
-def _live_leases(store: CheckpointStore) -> list[tuple[str, str, str]]:
+def _live_leases(store: StoreCore) -> list[tuple[str, str, str]]:
     """``(checkpoint id, purpose, owner)`` of every unexpired lease."""
     listing = getattr(store.catalog, "leases", None)
     if callable(listing):
@@ -375,7 +363,7 @@ def _rewrite_metadata(directory: Path, manifest: Manifest) -> None:
 class _Doctor:
     """One doctor run (keeps the report and the catalog snapshot together)."""
 
-    def __init__(self, store: CheckpointStore, *, fix: bool, deep: bool, grace_s: float,
+    def __init__(self, store: StoreCore, *, fix: bool, deep: bool, grace_s: float,
                  tiers: Iterable[str] | None) -> None:
         self.store = store
         self.fix = fix
@@ -386,7 +374,7 @@ class _Doctor:
         all_tiers = store_tiers(store)
         wanted = set(tiers) if tiers is not None else set(all_tiers)
         self.tiers: dict[str, Tier] = {n: t for n, t in all_tiers.items() if n in wanted}
-        self.host = socket.gethostname()
+        self.host = host()
 
     # -- bookkeeping ------------------------------------------------------------------
     def _count(self, what: str, n: int = 1) -> None:
@@ -425,7 +413,7 @@ class _Doctor:
     def leases(self) -> None:
         for ckpt_id, purpose, owner in _live_leases(self.store):
             self._count("leases")
-            if not dead_local_owner(owner, self.host):
+            if not owner_is_dead(owner, on_host=self.host):
                 continue
 
             def release(ckpt_id: str = ckpt_id, purpose: str = purpose,
@@ -438,7 +426,9 @@ class _Doctor:
 
     def pending(self, everything: list[Checkpoint]) -> None:
         for ck in everything:
-            if ck.state != CheckpointState.PENDING or not dead_local_owner(ck.writer, self.host):
+            if ck.state != CheckpointState.PENDING or not writer_is_dead(
+                self.store, ck, older_than_s=DEFAULT_PENDING_GRACE_S
+            ):
                 continue
             directory = self.store.checkpoint_dir(ck.run, ck.id)
 
@@ -613,45 +603,35 @@ class _Doctor:
                 self._hot_dir(ck_dir, by_id.get(ck_dir.name))
 
     def _hot_dir(self, ck_dir: Path, ck: Checkpoint | None) -> None:
-        marked = (ck_dir / COMMIT_NAME).is_file()
+        kind = classify_hot_dir(ck_dir, ck)
         remove = self._remover(ck_dir)
-        if ck is None:
-            if marked:
-                self._find("orphan-data", str(ck_dir),
-                           "a committed checkpoint directory with no catalog row (from another "
-                           "catalog?): import it (`ckpt import-bundle`) or delete it by hand",
-                           tier="hot")
-            else:
-                self._find("orphan-data", str(ck_dir),
-                           "an unfinished directory with no catalog row", tier="hot",
-                           repair=remove if _older_than(ck_dir, self.grace_s) else None)
-            return
-        replica = ck.replica("hot")
-        if ck.state == CheckpointState.PENDING:
-            return  # a live save (dead ones were handled above)
-        if ck.state in (CheckpointState.FAILED, CheckpointState.DELETED):
+        if kind is HotDir.ORPHAN_COMMITTED:
+            self._find("orphan-data", str(ck_dir),
+                       "a committed checkpoint directory with no catalog row (from another "
+                       "catalog?): import it (`ckpt import-bundle`) or delete it by hand",
+                       tier="hot")
+        elif kind is HotDir.ORPHAN_UNFINISHED:
+            self._find("orphan-data", str(ck_dir),
+                       "an unfinished directory with no catalog row", tier="hot",
+                       repair=remove if _older_than(ck_dir, self.grace_s) else None)
+        elif ck is None or kind in (HotDir.SAVING, HotDir.RECORDED):
+            return  # a live save (dead ones were handled above), or the recorded copy
+        elif kind is HotDir.LEFTOVER:
             self._find("orphan-data", str(ck_dir),
                        f"left behind by {ck.ref}, which is {ck.state}", tier="hot",
                        repair=remove)
-            return
-        if replica is not None and replica.state in (
-            ReplicaState.PRESENT, ReplicaState.DAMAGED, ReplicaState.DELETING,
-            ReplicaState.COPYING,
-        ):
-            return
-        # COMMITTED (or DELETING) with no hot copy on record: a killed restore's leftovers.
-        if marked and ck.state == CheckpointState.COMMITTED:
+        elif kind is HotDir.UNRECORDED:
             self._find("orphan-data", str(ck_dir),
                        f"a complete-looking copy of {ck.ref} the catalog does not record (a "
                        "restore was killed after its last file): adopted if it verifies, "
                        "removed if not", tier="hot",
                        repair=self._with_lease(ck.id, "restore:hot",
                                                self._adopter(ck, self.tiers["hot"])))
-            return
-        why = ("left by an interrupted prune" if ck.state == CheckpointState.DELETING
-               else "a partial copy: a restore was killed")
-        self._find("orphan-data", str(ck_dir), f"{why} ({ck.ref})", tier="hot",
-                   repair=self._with_lease(ck.id, "restore:hot", remove))
+        else:
+            why = ("left by an interrupted prune" if ck.state == CheckpointState.DELETING
+                   else "a partial copy: a restore was killed")
+            self._find("orphan-data", str(ck_dir), f"{why} ({ck.ref})", tier="hot",
+                       repair=self._with_lease(ck.id, "restore:hot", remove))
 
     def _adopter(self, ck: Checkpoint, tier: Tier) -> Any:
         """Record an unrecorded, marked copy as PRESENT if it verifies in full, else drop it.
@@ -774,7 +754,7 @@ class _Doctor:
 
 
 def doctor(
-    store: CheckpointStore,
+    store: StoreCore,
     *,
     fix: bool = False,
     deep: bool = False,

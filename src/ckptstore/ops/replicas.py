@@ -15,21 +15,16 @@
 from __future__ import annotations
 
 import logging
-import os
-import re
-import socket
 import threading
-import uuid
-import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import blake3
 
+from ckptstore.core import StoreCore
 from ckptstore.errors import (
     CheckpointNotFoundError,
-    ConfigError,
     ConflictError,
     IncompleteCheckpointError,
     IntegrityError,
@@ -42,21 +37,14 @@ from ckptstore.storage import (
     COMMIT_NAME,
     MANIFEST_NAME,
     Tier,
-    build_tiers,
     is_not_found,
 )
-
-if TYPE_CHECKING:
-    from ckptstore.store import CheckpointStore
 
 __all__ = [
     "TIER_ORDER",
     "ChunkId",
-    "acquire_lease",
     "delete_replica",
     "dependents",
-    "holder_is_dead",
-    "lease_owner",
     "manifest_of",
     "manifest_on",
     "referenced_chunks",
@@ -78,8 +66,6 @@ ChunkId = tuple[str, str, int]
 # Replica states whose copy is (or is becoming) usable, so its chunk references count.
 _LIVE = frozenset({ReplicaState.PRESENT, ReplicaState.COPYING, ReplicaState.DAMAGED})
 
-_tier_cache: weakref.WeakKeyDictionary[Any, dict[str, Tier]] = weakref.WeakKeyDictionary()
-_tier_lock = threading.Lock()
 _manifests: OrderedDict[tuple[str, str], Manifest] = OrderedDict()
 _manifest_lock = threading.Lock()
 _MANIFEST_CACHE = 512
@@ -90,80 +76,21 @@ def tier_rank(name: str) -> int:
     return TIER_ORDER.index(name) if name in TIER_ORDER else len(TIER_ORDER)
 
 
-def store_tiers(store: CheckpointStore) -> dict[str, Tier]:
-    """The store's tiers by name (``store.tiers`` when the store has it, else built once)."""
-    existing = getattr(store, "tiers", None)
-    if isinstance(existing, Mapping):
-        return dict(existing)
-    with _tier_lock:
-        tiers = _tier_cache.get(store)
-        if tiers is None:
-            tiers = build_tiers(store.settings)
-            _tier_cache[store] = tiers
-        return tiers
+def store_tiers(core: StoreCore) -> dict[str, Tier]:
+    """The store's tiers by name (see :attr:`~ckptstore.core.StoreCore.tiers`)."""
+    return dict(core.tiers)
 
 
-def tier_of(store: CheckpointStore, name: str) -> Tier:
-    """The tier called ``name``.
+def tier_of(core: StoreCore, name: str) -> Tier:
+    """The tier called ``name`` (see :meth:`~ckptstore.core.StoreCore.tier`).
 
     Raises:
         ConfigError: If the store has no such tier configured.
     """
-    tiers = store_tiers(store)
-    if name not in tiers:
-        raise ConfigError(
-            f"tier {name!r} is not configured (configured: {', '.join(sorted(tiers))}); "
-            "set it under [tiers] in the config or CKPT_WARM/CKPT_COLD"
-        )
-    return tiers[name]
+    return core.tier(name)
 
 
-def lease_owner(owner: str | None = None) -> str:
-    """A lease owner unique to this call (host, pid and a random suffix) unless given."""
-    return owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
-def holder_is_dead(owner: str | None) -> bool:
-    """Whether a lease owner / writer (``host:pid[:tag]``, optionally prefixed, as
-    :func:`lease_owner` makes them) names a process on this host that no longer exists.
-
-    Owners on other hosts are never judged (their leases simply expire).
-    """
-    if not owner:
-        return False
-    host = socket.gethostname()
-    match = re.search(rf"(?:^|:){re.escape(host)}:(\d+)(?::|$)", owner)
-    if match is None:
-        return False
-    try:
-        os.kill(int(match.group(1)), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-def acquire_lease(store: CheckpointStore, ckpt_id: str, purpose: str, owner: str,
-                  ttl_s: float) -> bool:
-    """Take a catalog lease; take it over at once when its holder is a dead local process.
-
-    A SIGKILLed flow never releases its lease; without this a rerun on the same host would
-    be skipped (archive) or wait (restore) until the lease expires (up to an hour).
-    """
-    if store.catalog.acquire_lease(ckpt_id, purpose, owner, ttl_s):
-        return True
-    holder = store.catalog.lease_holder(ckpt_id, purpose)
-    if holder is None or not holder_is_dead(holder):
-        return False
-    logger.info("lease %s on %s was held by %s, which is gone; taking it over",
-                purpose, ckpt_id, holder)
-    # Releasing as the dead holder, then one atomic acquire: racing takers get one winner.
-    store.catalog.release_lease(ckpt_id, purpose, holder)
-    return bool(store.catalog.acquire_lease(ckpt_id, purpose, owner, ttl_s))
-
-
-def run_resolver(store: CheckpointStore, ck: Checkpoint) -> Callable[[str], str]:
+def run_resolver(store: StoreCore, ck: Checkpoint) -> Callable[[str], str]:
     """Map checkpoint ids to run names (for chunks owned by other checkpoints), cached."""
     known = {ck.id: ck.run}
 
@@ -250,7 +177,7 @@ def _remote_manifest(tier: Tier, ck: Checkpoint, expect: str | None) -> Manifest
     return parse_verified(data, digest)
 
 
-def manifest_of(store: CheckpointStore, ck: Checkpoint, *, tier: str | None = None) -> Manifest:
+def manifest_of(store: StoreCore, ck: Checkpoint, *, tier: str | None = None) -> Manifest:
     """The checkpoint's manifest, from its fastest PRESENT replica.
 
     Args:
@@ -294,7 +221,7 @@ def manifest_of(store: CheckpointStore, ck: Checkpoint, *, tier: str | None = No
     )
 
 
-def _reads_on(store: CheckpointStore, ck: Checkpoint, tier: str) -> Manifest | None:
+def _reads_on(store: StoreCore, ck: Checkpoint, tier: str) -> Manifest | None:
     """The manifest whose chunk references the copy of ``ck`` on ``tier`` follows.
 
     None for a re-encoded copy: it is self-contained by construction (every chunk its own,
@@ -309,7 +236,7 @@ def _reads_on(store: CheckpointStore, ck: Checkpoint, tier: str) -> Manifest | N
 
 
 def referenced_chunks(
-    store: CheckpointStore,
+    store: StoreCore,
     tier: str,
     *,
     exclude: Iterable[str] = (),
@@ -351,7 +278,7 @@ def referenced_chunks(
     return out
 
 
-def dependents(store: CheckpointStore, ck: Checkpoint, tier: str) -> list[Checkpoint]:
+def dependents(store: StoreCore, ck: Checkpoint, tier: str) -> list[Checkpoint]:
     """Live checkpoints on ``tier`` that read chunk files ``ck`` holds there (dedup)."""
     out = []
     for other in store.catalog.list(state=CheckpointState.COMMITTED, order_by="created_at"):
@@ -365,7 +292,7 @@ def dependents(store: CheckpointStore, ck: Checkpoint, tier: str) -> list[Checkp
 
 
 def delete_replica(
-    store: CheckpointStore,
+    store: StoreCore,
     ck: Checkpoint,
     tier: str,
     *,
@@ -410,9 +337,9 @@ def delete_replica(
     """
     ck = store.catalog.get_any(ck.id)
     if tier == "memory" and tier not in store_tiers(store):
-        # A host-local copy in shared memory (ckptstore.hooks.memory_tier), never a verified
+        # A host-local copy in shared memory (ckptstore.ops.memory), never a verified
         # copy and not a storage tier: forget it; its files go here or on its own host.
-        from ckptstore.hooks.memory_tier import drop_memory_copy
+        from ckptstore.ops.memory import drop_memory_copy
 
         return drop_memory_copy(store, ck, actor=actor)
     target = tier_of(store, tier)
@@ -472,7 +399,7 @@ def delete_replica(
     return deleted + freed
 
 
-def _foreign_owners(store: CheckpointStore, target: Tier, ck: Checkpoint) -> set[str]:
+def _foreign_owners(store: StoreCore, target: Tier, ck: Checkpoint) -> set[str]:
     """Ids of the checkpoints whose chunk files ``ck``'s copy on ``target`` reads."""
     try:
         cached = _cache_get(ck.id, expected_digest(ck, target.name))
@@ -484,7 +411,7 @@ def _foreign_owners(store: CheckpointStore, target: Tier, ck: Checkpoint) -> set
     return manifest.referenced_checkpoints()
 
 
-def release_chunks(store: CheckpointStore, tier: str, owners: Iterable[str]) -> int:
+def release_chunks(store: StoreCore, tier: str, owners: Iterable[str]) -> int:
     """Delete kept chunk files of ``owners`` on ``tier`` that no live copy reads any more.
 
     Only owners without a live copy (PRESENT, COPYING or DAMAGED) on the tier are touched:

@@ -19,8 +19,8 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from ckptstore.core import StoreCore
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptError,
@@ -31,10 +31,9 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, verify_checkpoint
+from ckptstore.ops.leases import acquire_lease, lease_owner
 from ckptstore.ops.replicas import (
-    acquire_lease,
     delete_replica,
-    lease_owner,
     manifest_on,
     run_resolver,
     store_tiers,
@@ -51,9 +50,6 @@ from ckptstore.storage import (
 )
 from ckptstore.storage.transfer import source_checker
 
-if TYPE_CHECKING:
-    from ckptstore.store import CheckpointStore
-
 __all__ = ["delete_replica", "ensure_hot", "hot_digest", "restore_checkpoint"]
 
 logger = logging.getLogger(__name__)
@@ -63,7 +59,7 @@ Progress = Callable[[int], None]
 _POLL_S = 0.2
 
 
-def _sources(store: CheckpointStore, ck: Checkpoint, exclude: str | None) -> list[Tier]:
+def _sources(store: StoreCore, ck: Checkpoint, exclude: str | None) -> list[Tier]:
     tiers = store_tiers(store)
     found = [
         tiers[r.tier]
@@ -79,7 +75,7 @@ def _key_of(tier: Tier, run_of: Callable[[str], str]) -> Callable[[str, str], st
 
 
 def _restore_foreign(
-    store: CheckpointStore,
+    store: StoreCore,
     ck: Checkpoint,
     manifest: Manifest,
     first: Tier,
@@ -121,7 +117,7 @@ def _restore_foreign(
 
 
 def _restore_from(
-    store: CheckpointStore,
+    store: StoreCore,
     ck: Checkpoint,
     src: Tier,
     target: Tier,
@@ -176,7 +172,7 @@ def _restore_from(
 
 
 def _restore_into(
-    store: CheckpointStore,
+    store: StoreCore,
     ck: Checkpoint,
     target: Tier,
     *,
@@ -225,7 +221,7 @@ def _restore_into(
 
 
 def restore_checkpoint(
-    store: CheckpointStore,
+    store: StoreCore,
     ref: str,
     *,
     to: str | os.PathLike[str] | None = None,
@@ -278,7 +274,7 @@ def restore_checkpoint(
 
 
 def _restore_hot(
-    store: CheckpointStore,
+    store: StoreCore,
     ck: Checkpoint,
     *,
     threads: int,
@@ -304,7 +300,7 @@ def _restore_hot(
         store.catalog.release_lease(ck.id, "restore:hot", actor)
 
 
-def _lease_against_retention(store: CheckpointStore, ck: Checkpoint, purpose: str, actor: str,
+def _lease_against_retention(store: StoreCore, ck: Checkpoint, purpose: str, actor: str,
                              wait_s: float) -> bool:
     """Take lease ``purpose`` on ``ck`` while no retention run is deleting it.
 
@@ -353,7 +349,7 @@ def _lease_against_retention(store: CheckpointStore, ck: Checkpoint, purpose: st
         time.sleep(_POLL_S)
 
 
-def hot_digest(store: CheckpointStore, ck: Checkpoint) -> str | None:
+def hot_digest(store: StoreCore, ck: Checkpoint) -> str | None:
     """The digest the hot copy's manifest must have (after :func:`ensure_hot`).
 
     ``ck`` may predate a restore that just brought a re-encoded copy to the hot tier; the
@@ -365,7 +361,7 @@ def hot_digest(store: CheckpointStore, ck: Checkpoint) -> str | None:
     return expected_digest(ck, "hot")
 
 
-def ensure_hot(store: CheckpointStore, ck: Checkpoint) -> Path:
+def ensure_hot(store: StoreCore, ck: Checkpoint) -> Path:
     """The checkpoint's hot directory, restoring it first when only other tiers hold it.
 
     This is what makes ``store.load`` of an archived checkpoint transparent.

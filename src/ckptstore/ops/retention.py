@@ -38,14 +38,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ckptstore.core import StoreCore
 from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError, StorageError
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
 from ckptstore.retention import REASON_LEASED, CandidateInfo, Decision, RetentionPolicy
-
-if TYPE_CHECKING:
-    from ckptstore.store import CheckpointStore
 
 __all__ = [
     "LEASE_PURPOSES",
@@ -259,7 +257,7 @@ class RetentionReport:
 
 # ---------------------------------------------------------------------- planning
 def plan_retention(
-    store: CheckpointStore,
+    store: StoreCore,
     policy: RetentionPolicy | None = None,
     *,
     run: str | None = None,
@@ -351,7 +349,7 @@ def plan_retention(
     return plan
 
 
-def _configured_tiers(store: CheckpointStore, tier: str) -> dict[str, str]:
+def _configured_tiers(store: StoreCore, tier: str) -> dict[str, str]:
     tiers = store.settings.tier_urls()
     if tier not in TIER_ORDER:
         raise ConfigError(f"unknown tier {tier!r}; use one of {', '.join(TIER_ORDER)}")
@@ -368,7 +366,7 @@ def _next_tier(tier: str, tiers: dict[str, str]) -> str | None:
     return next((t for t in later if t in tiers), None)
 
 
-def _list(store: CheckpointStore, state: CheckpointState | None) -> list[Checkpoint]:
+def _list(store: StoreCore, state: CheckpointState | None) -> list[Checkpoint]:
     return list(store.catalog.list(state=state, limit=None))
 
 
@@ -389,7 +387,7 @@ def _candidate(ck: Checkpoint, leased: bool, required_by: tuple[str, ...] = ()) 
 
 
 def _decide_with_leases(
-    store: CheckpointStore,
+    store: StoreCore,
     policy: RetentionPolicy,
     committed: Sequence[Checkpoint],
     pending: Sequence[Checkpoint],
@@ -433,7 +431,7 @@ def _decide_with_leases(
     return decisions  # unreachable in practice: each round checks at least one new id
 
 
-def _lease_holder(store: CheckpointStore, ckpt_id: str, *, ignore: str | None = None) -> str | None:
+def _lease_holder(store: StoreCore, ckpt_id: str, *, ignore: str | None = None) -> str | None:
     """``purpose:owner`` of a live lease on the checkpoint held by anyone but ``ignore``."""
     listing = getattr(store.catalog, "leases", None)
     if callable(listing):
@@ -601,7 +599,7 @@ def _newest_first(by_id: dict[str, Checkpoint]) -> Any:
 
 # ---------------------------------------------------------------------- applying
 def apply_plan(
-    store: CheckpointStore,
+    store: StoreCore,
     plan: RetentionPlan,
     *,
     owner: str | None = None,
@@ -651,7 +649,7 @@ def apply_plan(
 
 
 def _precheck(
-    store: CheckpointStore, action: PlannedAction, owner: str
+    store: StoreCore, action: PlannedAction, owner: str
 ) -> tuple[Checkpoint | None, str | None]:
     """The checkpoint, and why ``action`` must not run any more (None when it still holds)."""
     try:
@@ -662,7 +660,7 @@ def _precheck(
 
 
 def _why_not(
-    store: CheckpointStore, action: PlannedAction, owner: str, ck: Checkpoint
+    store: StoreCore, action: PlannedAction, owner: str, ck: Checkpoint
 ) -> str | None:
     holder = _lease_holder(store, ck.id, ignore=owner)
     if holder is not None:
@@ -695,7 +693,7 @@ def _why_not(
 
 
 def _delete_checkpoint(
-    store: CheckpointStore, action: PlannedAction, owner: str, ck: Checkpoint
+    store: StoreCore, action: PlannedAction, owner: str, ck: Checkpoint
 ) -> None:
     from ckptstore.ops.replicas import delete_replica
 
@@ -720,7 +718,7 @@ def _delete_checkpoint(
 
 
 def _delete_replica(
-    store: CheckpointStore, action: PlannedAction, owner: str, ck: Checkpoint
+    store: StoreCore, action: PlannedAction, owner: str, ck: Checkpoint
 ) -> None:
     from ckptstore.ops.replicas import delete_replica
 
@@ -731,7 +729,7 @@ def _delete_replica(
     logger.info("pruned the %s copy of %s (%s)", action.tier, action.ref, ck.id)
 
 
-def _record(store: CheckpointStore, action: PlannedAction, owner: str) -> None:
+def _record(store: StoreCore, action: PlannedAction, owner: str) -> None:
     store.catalog.record_event(
         "pruned",
         checkpoint_id=action.checkpoint_id,
@@ -761,7 +759,7 @@ def _remove_local_dir(path: Path) -> None:
 
 
 def apply_retention(
-    store: CheckpointStore,
+    store: StoreCore,
     *,
     run: str | None = None,
     tier: str = "hot",

@@ -34,6 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptstore.core import StoreCore
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, IntegrityError, StorageError
 from ckptstore.records import Checkpoint, ReplicaState, expected_digest
 
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
     )
 
     from ckptstore.format import Manifest
-    from ckptstore.store import CheckpointStore
 
 __all__ = [
     "SIGNATURE_NAME",
@@ -265,7 +265,7 @@ def generate_keypair(out_dir: str | os.PathLike[str], name: str = "ckpt-signing"
 
 
 # ---------------------------------------------------------------------- sign / verify
-def _hot_dir(store: CheckpointStore, ck: Checkpoint) -> Path | None:
+def _hot_dir(store: StoreCore, ck: Checkpoint) -> Path | None:
     replica = ck.replica("hot")
     if replica is None or replica.state != ReplicaState.PRESENT:
         return None
@@ -307,7 +307,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def sign_checkpoint(
-    store: CheckpointStore, ref: str, private_key_path: str | os.PathLike[str]
+    store: StoreCore, ref: str, private_key_path: str | os.PathLike[str]
 ) -> Path:
     """Sign a committed checkpoint's id and manifest digest with an Ed25519 key.
 
@@ -356,7 +356,7 @@ def sign_checkpoint(
     return path
 
 
-def _find_signature(store: CheckpointStore, ck: Checkpoint, fingerprint: str) -> SignatureDoc:
+def _find_signature(store: StoreCore, ck: Checkpoint, fingerprint: str) -> SignatureDoc:
     """The checkpoint's signature by the key ``fingerprint``: the file, else the events."""
     directory = _hot_dir(store, ck)
     found: SignatureDoc | None = None
@@ -421,7 +421,7 @@ def check_signature(doc: SignatureDoc, ckpt_id: str, manifest_digest: str,
 
 
 def verify_signature(
-    store: CheckpointStore,
+    store: StoreCore,
     ref: str,
     public_key_path: str | os.PathLike[str],
     *,

@@ -12,8 +12,8 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from ckptstore.core import StoreCore
 from ckptstore.errors import (
     CkptError,
     IncompleteCheckpointError,
@@ -22,9 +22,9 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, verify_checkpoint
+from ckptstore.ops.leases import lease_owner
 from ckptstore.ops.reencode import REENCODED_FROM, original_problems, reencode_copy
 from ckptstore.ops.replicas import (
-    lease_owner,
     manifest_on,
     run_resolver,
     store_tiers,
@@ -40,9 +40,6 @@ from ckptstore.storage import (
     is_not_found,
 )
 from ckptstore.storage.transfer import copy_foreign_chunks, iter_chunks, owned_files
-
-if TYPE_CHECKING:
-    from ckptstore.store import CheckpointStore
 
 __all__ = ["VerifyReport", "check_replica", "verify_replicas"]
 
@@ -120,7 +117,7 @@ def _chunk_entries(manifest: Manifest) -> list[tuple[str, tuple[str, int]]]:
     return out
 
 
-def check_replica(store: CheckpointStore, ck: Checkpoint, tier: Tier, *,
+def check_replica(store: StoreCore, ck: Checkpoint, tier: Tier, *,
                   deep: bool = True, digest: str | None = None) -> list[str]:
     """Check one copy of a checkpoint; return its problems (``[]`` when intact).
 
@@ -176,7 +173,7 @@ def check_replica(store: CheckpointStore, ck: Checkpoint, tier: Tier, *,
                 + original_problems(directory, manifest, ck.manifest_digest))
 
 
-def _reencoded_codec(store: CheckpointStore, ck: Checkpoint, dst: Tier) -> str | None:
+def _reencoded_codec(store: StoreCore, ck: Checkpoint, dst: Tier) -> str | None:
     """The codec of the re-encoded copy on ``dst`` (None: it is not a re-encoded copy).
 
     Read from the copy's manifest while that is intact, else the configured archive codec.
@@ -193,7 +190,7 @@ def _reencoded_codec(store: CheckpointStore, ck: Checkpoint, dst: Tier) -> str |
 
 
 def _repair(
-    store: CheckpointStore,
+    store: StoreCore,
     ck: Checkpoint,
     dst: Tier,
     *,
@@ -269,7 +266,7 @@ def _repair(
 
 
 def verify_replicas(
-    store: CheckpointStore,
+    store: StoreCore,
     *,
     ref: str | None = None,
     tier: str | None = None,

@@ -23,22 +23,19 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from ckptstore.core import StoreCore
 from ckptstore.errors import CheckpointNotFoundError, CkptError
 from ckptstore.format import iter_tensors, verify_checkpoint
 from ckptstore.ops.reencode import read_copy_manifest
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
-
-if TYPE_CHECKING:
-    from ckptstore.store import CheckpointStore
 
 __all__ = ["check_invariants"]
 
 logger = logging.getLogger(__name__)
 
 
-def check_invariants(store: CheckpointStore, *, deep: bool = True) -> list[str]:
+def check_invariants(store: StoreCore, *, deep: bool = True) -> list[str]:
     """Check the store-wide invariants.
 
     Args:
@@ -63,7 +60,7 @@ def check_invariants(store: CheckpointStore, *, deep: bool = True) -> list[str]:
 
 
 def _check_committed(
-    store: CheckpointStore, ck: Checkpoint, by_id: dict[str, Checkpoint], *, deep: bool
+    store: StoreCore, ck: Checkpoint, by_id: dict[str, Checkpoint], *, deep: bool
 ) -> list[str]:
     problems: list[str] = []
     name = f"{ck.ref} ({ck.id})"
@@ -97,7 +94,7 @@ def _check_committed(
 
 
 def _check_local_copy(
-    store: CheckpointStore, ck: Checkpoint, directory: Path, tier: str, *, deep: bool
+    store: StoreCore, ck: Checkpoint, directory: Path, tier: str, *, deep: bool
 ) -> list[str]:
     def locate(ckpt_id: str) -> Path:
         other = store.catalog.get_any(ckpt_id)
@@ -125,7 +122,7 @@ def _check_local_copy(
         return [f"{type(exc).__name__}: {exc}"]
 
 
-def _local_dir(store: CheckpointStore, ck: Checkpoint, tier: str, uri: str) -> Path | None:
+def _local_dir(store: StoreCore, ck: Checkpoint, tier: str, uri: str) -> Path | None:
     if tier == "hot":
         return store.checkpoint_dir(ck.run, ck.id)
     if uri.startswith("file://"):
@@ -163,7 +160,7 @@ def _kept_chunks_only(ck_dir: Path, still: set[tuple[str, str, int]]) -> bool:
     return True
 
 
-def _check_hot_dirs(store: CheckpointStore, by_id: dict[str, Checkpoint]) -> list[str]:
+def _check_hot_dirs(store: StoreCore, by_id: dict[str, Checkpoint]) -> list[str]:
     from ckptstore.ops.replicas import referenced_chunks
 
     problems: list[str] = []

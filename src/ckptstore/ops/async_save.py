@@ -33,7 +33,6 @@ import sys
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -41,18 +40,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ckptstore.core import StoreCore, StoreService
 from ckptstore.errors import CkptError, ConfigError
 from ckptstore.format import flatten_state
 from ckptstore.observability.metrics import off_training_path
+from ckptstore.ops.save import save_checkpoint
+from ckptstore.ops.staging import BufferKey, StagingPool, key_nbytes
 
 if TYPE_CHECKING:
     from ckptstore.records import Checkpoint
-    from ckptstore.store import CheckpointStore
 
 __all__ = [
     "AsyncSaver",
     "SaveHandle",
-    "StagingPool",
     "close_saver",
     "save_async",
     "saver_for",
@@ -61,176 +61,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Pool key of one staging buffer: (key path, shape, dtype, pinned).
-BufferKey = tuple[str, tuple[int, ...], torch.dtype, bool]
-
 #: Niceness added to the background save thread by default (see :class:`AsyncSaver`).
 DEFAULT_NICE = 10
-
-#: Attribute under which a store keeps its lazily created saver (see :func:`saver_for`).
-_STORE_ATTR = "_async_saver"
-
-
-class StagingPool:
-    """Host buffers for staging, reused across saves, bounded by a byte budget.
-
-    Lifecycle: :meth:`acquire` reserves the bytes of one staging set (waiting while the
-    budget is taken by unfinished saves) and hands out one buffer per key, reusing idle ones;
-    :meth:`release` returns the set once its save finished. Idle buffers stay in the pool for
-    the next save and are evicted (least recently used first) only when a new allocation
-    would push the pool over the budget.
-
-    Thread-safe.
-
-    Attributes:
-        budget_bytes: Most bytes the pool may hold (in use and idle together).
-    """
-
-    def __init__(self, budget_bytes: int) -> None:
-        """Create an empty pool.
-
-        Args:
-            budget_bytes: Most bytes the pool may hold.
-
-        Raises:
-            ConfigError: If the budget is not a positive int.
-        """
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-            raise ConfigError(
-                f"staging_budget_bytes must be a positive int, got {budget_bytes!r}; "
-                "set it to a few times the size of the training state"
-            )
-        self.budget_bytes = budget_bytes
-        self._cond = threading.Condition()
-        self._idle: OrderedDict[BufferKey, list[torch.Tensor]] = OrderedDict()
-        self._idle_bytes = 0
-        self._in_use_bytes = 0
-        self._allocated = 0  # buffers created over the pool's life (reuse shows as no growth)
-
-    @property
-    def in_use_bytes(self) -> int:
-        """Bytes reserved by staging sets whose saves have not finished."""
-        with self._cond:
-            return self._in_use_bytes
-
-    @property
-    def idle_bytes(self) -> int:
-        """Bytes of idle buffers kept for reuse."""
-        with self._cond:
-            return self._idle_bytes
-
-    @property
-    def allocations(self) -> int:
-        """Number of buffers allocated so far (constant once a state's buffers are reused)."""
-        with self._cond:
-            return self._allocated
-
-    def acquire(
-        self,
-        keys: Sequence[BufferKey],
-        *,
-        should_stop: Callable[[], bool] | None = None,
-    ) -> list[torch.Tensor]:
-        """Reserve and return one buffer per key, waiting while the budget is in use.
-
-        Args:
-            keys: The buffers wanted, in order.
-            should_stop: Polled while waiting; when it returns True the wait ends with a
-                CkptError (the saver uses it to stop waiting once it is closed).
-
-        Returns:
-            Buffers matching ``keys`` (contents undefined), in the same order.
-
-        Raises:
-            ConfigError: If the set alone is larger than the budget.
-            CkptError: If ``should_stop`` ended the wait.
-        """
-        sizes = [_key_nbytes(key) for key in keys]
-        total = sum(sizes)
-        if total > self.budget_bytes:
-            raise ConfigError(
-                f"staging this state needs {total} bytes of host memory but "
-                f"staging_budget_bytes is {self.budget_bytes}; raise staging_budget_bytes "
-                "(CKPT_STAGING_BUDGET_BYTES) to at least the state size, or save synchronously"
-            )
-        out: list[torch.Tensor | None] = []
-        missing: list[int] = []
-        with self._cond:
-            waited = False
-            while self._in_use_bytes + total > self.budget_bytes:
-                if should_stop is not None and should_stop():
-                    raise CkptError("the async saver was closed while waiting for staging memory")
-                if not waited:
-                    logger.info(
-                        "staging %s bytes waits for earlier saves (%s of %s bytes in use)",
-                        total, self._in_use_bytes, self.budget_bytes,
-                    )
-                    waited = True
-                # Bounded wait so should_stop is polled even if no release ever comes.
-                self._cond.wait(timeout=0.5)
-            self._in_use_bytes += total
-            for i, key in enumerate(keys):
-                idle = self._idle.get(key)
-                if idle:
-                    out.append(idle.pop())
-                    self._idle_bytes -= sizes[i]
-                    if not idle:
-                        del self._idle[key]
-                else:
-                    out.append(None)
-                    missing.append(i)
-            # Make room for the new buffers by dropping idle ones nobody asked for this time.
-            while self._idle and self._in_use_bytes + self._idle_bytes > self.budget_bytes:
-                key, idle = next(iter(self._idle.items()))
-                idle.pop()
-                self._idle_bytes -= _key_nbytes(key)
-                if not idle:
-                    del self._idle[key]
-            self._allocated += len(missing)
-        # Allocation happens outside the lock: the bytes are already reserved, and pinned
-        # allocations can take milliseconds.
-        for i in missing:
-            _, shape, dtype, pinned = keys[i]
-            out[i] = torch.empty(shape, dtype=dtype, pin_memory=pinned)
-        return [buf for buf in out if buf is not None]
-
-    def release(self, keys: Sequence[BufferKey], buffers: Sequence[torch.Tensor]) -> None:
-        """Return a staging set to the pool and wake waiting ``acquire`` calls.
-
-        Args:
-            keys: The keys the set was acquired with.
-            buffers: The buffers returned by :meth:`acquire`.
-        """
-        with self._cond:
-            for key, buf in zip(keys, buffers, strict=True):
-                self._idle.setdefault(key, []).append(buf)
-                self._idle.move_to_end(key)
-                self._idle_bytes += _key_nbytes(key)
-            self._in_use_bytes -= sum(_key_nbytes(key) for key in keys)
-            # A release may leave the pool over budget only if buffers were dropped for size
-            # elsewhere; trim idle buffers so the bound always holds.
-            while self._idle and self._in_use_bytes + self._idle_bytes > self.budget_bytes:
-                key, idle = next(iter(self._idle.items()))
-                idle.pop()
-                self._idle_bytes -= _key_nbytes(key)
-                if not idle:
-                    del self._idle[key]
-            self._cond.notify_all()
-
-    def clear(self) -> None:
-        """Drop every idle buffer (buffers in use are returned normally later)."""
-        with self._cond:
-            self._idle.clear()
-            self._idle_bytes = 0
-
-
-def _key_nbytes(key: BufferKey) -> int:
-    _, shape, dtype, _ = key
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    return numel * dtype.itemsize
-
 
 # --------------------------------------------------------------------------- staging
 @dataclass
@@ -430,7 +262,7 @@ class _Job:
 
 
 # --------------------------------------------------------------------------- the saver
-class AsyncSaver:
+class AsyncSaver(StoreService):
     """Save states in the background after staging them into reused host buffers.
 
     Lifecycle: ``submit`` (any number of times) → ``wait`` (optional, raises the first
@@ -448,7 +280,7 @@ class AsyncSaver:
 
     def __init__(
         self,
-        store: CheckpointStore,
+        store: StoreCore,
         *,
         staging_budget_bytes: int,
         nice: int = DEFAULT_NICE,
@@ -500,7 +332,7 @@ class AsyncSaver:
             on_commit: Called on the background thread with the committed checkpoint, before
                 the handle completes (post-commit work such as pinning or pruning); its
                 errors are logged, not raised.
-            **save_kwargs: Passed to :meth:`CheckpointStore.save` (``metrics``, ``tags``,
+            **save_kwargs: Passed to :meth:`StoreCore.save` (``metrics``, ``tags``,
                 ``parent``, ``codec``, ``experiment``, ``progress``).
 
         Returns:
@@ -537,7 +369,7 @@ class AsyncSaver:
             raise
         future: Future[Checkpoint] = Future()
         handle = SaveHandle(run, step, future)
-        handle.staged_bytes = sum(_key_nbytes(key) for key in plan.keys)
+        handle.staged_bytes = sum(key_nbytes(key) for key in plan.keys)
         handle.waited_s = acquired - started
         handle.blocked_s = time.perf_counter() - started
         self.store.metrics.observe_blocked("save", handle.blocked_s, run=run, step=step)
@@ -650,7 +482,7 @@ class AsyncSaver:
         try:
             # The background write does not block training; submit() reported what did.
             with off_training_path():
-                ck = self.store.save(job.run, job.step, job.state, **job.save_kwargs)
+                ck = save_checkpoint(self.store, job.run, job.step, job.state, **job.save_kwargs)
         except BaseException as exc:  # every failure must reach the caller, not kill the thread
             job.state = None
             self.pool.release(job.keys, job.buffers)
@@ -715,7 +547,7 @@ def _drain_at_exit() -> None:
 
 
 # --------------------------------------------------------------------------- store helpers
-def saver_for(store: CheckpointStore) -> AsyncSaver:
+def saver_for(store: StoreCore) -> AsyncSaver:
     """The store's async saver, created on first use with the store's staging budget.
 
     Args:
@@ -724,16 +556,16 @@ def saver_for(store: CheckpointStore) -> AsyncSaver:
     Returns:
         The saver kept on the store (one per store).
     """
-    saver = getattr(store, _STORE_ATTR, None)
+    saver = store.saver
     if isinstance(saver, AsyncSaver) and not saver.closed:
         return saver
     saver = AsyncSaver(store, staging_budget_bytes=store.settings.staging_budget_bytes)
-    setattr(store, _STORE_ATTR, saver)
+    store.saver = saver
     return saver
 
 
 def save_async(
-    store: CheckpointStore,
+    store: StoreCore,
     run: str,
     step: int,
     state: Any,
@@ -749,7 +581,7 @@ def save_async(
         step: Training step.
         state: The training state; may be changed as soon as this returns.
         on_commit: Post-commit callback, run on the background thread.
-        **save_kwargs: Passed to :meth:`CheckpointStore.save`.
+        **save_kwargs: Passed to :meth:`StoreCore.save`.
 
     Returns:
         A handle on the pending save.
@@ -761,24 +593,23 @@ def save_async(
     return saver_for(store).submit(run, step, state, on_commit=on_commit, **save_kwargs)
 
 
-def wait_async(store: CheckpointStore) -> None:
+def wait_async(store: StoreCore) -> None:
     """Wait for the store's pending async saves (no-op if it never saved asynchronously).
 
     Raises:
         CkptError: The first failure not yet reported.
     """
-    saver = getattr(store, _STORE_ATTR, None)
+    saver = store.saver
     if isinstance(saver, AsyncSaver):
         saver.wait()
 
 
-def close_saver(store: CheckpointStore) -> None:
+def close_saver(store: StoreCore) -> None:
     """Wait for and close the store's async saver; call before closing the catalog.
 
     Raises:
         CkptError: The first failure not yet reported.
     """
-    saver = getattr(store, _STORE_ATTR, None)
-    if isinstance(saver, AsyncSaver):
-        setattr(store, _STORE_ATTR, None)
+    saver, store.saver = store.saver, None
+    if saver is not None:
         saver.close()

@@ -1,6 +1,6 @@
 """Geometry and names of the DCP layout inside a checkpoint directory.
 
-A checkpoint saved through :class:`~ckptstore.integrations.dcp.ZarrStorageWriter` is one Zarr
+A checkpoint saved through :class:`~ckptstore.ops.dcp.ZarrStorageWriter` is one Zarr
 v3 group like every ckptstore checkpoint (``zarr.json``, ``manifest.json``, ``COMMITTED``),
 but its tensors are not in the packed per-dtype arrays. Instead::
 

@@ -36,15 +36,7 @@ from ckptstore.format.codecs import (
     max_encoded_size,
 )
 from ckptstore.format.constants import ZARR_JSON
-from ckptstore.format.fsio import (
-    fsync_dir,
-    fsync_path,
-    storage_error,
-    write_file_durable,
-)
-from ckptstore.format.layout import ArrayPlan, plan_layout
-from ckptstore.format.writer import write_chunk_file
-from ckptstore.integrations.dcp_layout import (
+from ckptstore.format.dcp.layout import (
     ArrayInfo,
     BlobItem,
     Piece,
@@ -53,8 +45,16 @@ from ckptstore.integrations.dcp_layout import (
     chunks_of_piece,
     pack_path,
 )
-from ckptstore.integrations.dcp_plan import ArraySpec, RankTask, Slot
-from ckptstore.integrations.dcp_zarr import array_doc
+from ckptstore.format.dcp.plan import ArraySpec, RankTask, Slot
+from ckptstore.format.dcp.zarrdocs import array_doc
+from ckptstore.format.fsio import (
+    fsync_dir,
+    fsync_path,
+    storage_error,
+    write_file_durable,
+)
+from ckptstore.format.layout import ArrayPlan, plan_layout
+from ckptstore.format.writer import write_chunk_file
 
 __all__ = ["FSYNC_THREADS", "RankReport", "Stored", "write_rank"]
 

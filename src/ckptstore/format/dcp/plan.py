@@ -27,13 +27,13 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from ckptstore.errors import CkptError, UnsafeObjectError
-from ckptstore.format.dtypes import dtype_info
-from ckptstore.integrations.dcp_layout import (
+from ckptstore.format.dcp.layout import (
     Box,
     array_path,
     grid_pitch,
     refine_chunk_shape,
 )
+from ckptstore.format.dtypes import dtype_info
 
 __all__ = ["ArraySpec", "RankTask", "Slot", "SlotKey", "assign_slots", "item_dtype_name"]
 

@@ -24,8 +24,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ckptstore.errors import CkptError, IntegrityError
 from ckptstore.format import FORMAT_VERSION, Manifest, flatten_state
 from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, ZARR_JSON
-from ckptstore.format.fsio import fsync_dir, storage_error, write_file_durable
-from ckptstore.integrations.dcp_layout import (
+from ckptstore.format.dcp.layout import (
     ARRAY_GROUP,
     INDEX_KEY,
     PACK_GROUP,
@@ -35,9 +34,10 @@ from ckptstore.integrations.dcp_layout import (
     Piece,
     TensorItem,
 )
-from ckptstore.integrations.dcp_plan import ArraySpec, item_dtype_name
-from ckptstore.integrations.dcp_write import FSYNC_THREADS, Stored
-from ckptstore.integrations.dcp_zarr import group_doc, root_doc
+from ckptstore.format.dcp.plan import ArraySpec, item_dtype_name
+from ckptstore.format.dcp.write import FSYNC_THREADS, Stored
+from ckptstore.format.dcp.zarrdocs import group_doc, root_doc
+from ckptstore.format.fsio import fsync_dir, storage_error, write_file_durable
 
 __all__ = ["FILES_KEY", "build_index", "commit_files"]
 

@@ -8,7 +8,7 @@ rest streams in, then take the whole state with ``result()``.
 
 Where the bytes come from, fastest first:
 
-* the checkpoint's memory copy on this host (:mod:`ckptstore.hooks.memory_tier`);
+* the checkpoint's memory copy on this host (:mod:`ckptstore.ops.memory`);
 * its hot copy;
 * a remote tier (S3): the manifest is fetched, then the chunk files each group needs are
   downloaded into the hot directory in priority order by a prefetch pool, so group *n* + 1
@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, IntegrityError, InvalidNameError
 from ckptstore.format import Manifest, read_checkpoint, read_manifest, verify_checkpoint
 from ckptstore.format.chunkio import Locate
@@ -57,13 +58,12 @@ from ckptstore.format.flatten import rebuild_state
 from ckptstore.format.fsio import advise_hugepages
 from ckptstore.format.keys import key_matches
 from ckptstore.format.tree import iter_tensor_refs, match_into
-from ckptstore.hooks.memory_tier import memory_copy
+from ckptstore.ops.memory import memory_copy
 from ckptstore.records import Checkpoint, ReplicaState, expected_digest
 from ckptstore.storage.transfer import owned_files
 
 if TYPE_CHECKING:
     from ckptstore.storage import Tier
-    from ckptstore.store import CheckpointStore
 
 __all__ = ["GroupPlan", "Order", "ProgressiveLoad", "load_progressive", "plan_groups"]
 
@@ -276,7 +276,7 @@ class _RemoteSource(_Source):
 
     def __init__(
         self,
-        store: CheckpointStore,
+        store: StoreCore,
         ck: Checkpoint,
         tier: Tier,
         owner: str,
@@ -552,9 +552,10 @@ class ProgressiveLoad:
 
 # ---------------------------------------------------------------------- entry point
 def _pick_source(
-    store: CheckpointStore, ck: Checkpoint, prefer_memory: bool, threads: int
+    store: StoreCore, ck: Checkpoint, prefer_memory: bool, threads: int
 ) -> tuple[_Source, Manifest]:
-    from ckptstore.ops.replicas import lease_owner, manifest_on, store_tiers, tier_rank
+    from ckptstore.ops.leases import lease_owner
+    from ckptstore.ops.replicas import manifest_on, store_tiers, tier_rank
     from ckptstore.ops.restore import ensure_hot, hot_digest
 
     if prefer_memory:
@@ -595,7 +596,7 @@ def _pick_source(
 
 
 def load_progressive(
-    store: CheckpointStore,
+    store: StoreCore,
     ref: str,
     order: Order,
     *,

@@ -4,7 +4,7 @@
 saves the copy on a background thread. DCP's default stager allocates a fresh copy every
 time and has no memory bound. Our writer stages instead (it implements DCP's
 ``AsyncStager``): every plain tensor and every DTensor's *local* shard is copied into a
-buffer from the store's :class:`~ckptstore.hooks.async_save.StagingPool`, reused across
+buffer from the store's :class:`~ckptstore.ops.async_save.StagingPool`, reused across
 saves and bounded by ``staging_budget_bytes``: when earlier saves still hold the budget,
 staging waits for them instead of allocating more. DTensors are rebuilt around the staged
 local tensor with the same mesh and placements, so DCP plans exactly the same shards.
@@ -17,15 +17,13 @@ import logging
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from ckptstore.hooks.async_save import BufferKey, StagingPool
-
-if TYPE_CHECKING:
-    from ckptstore.store import CheckpointStore
+from ckptstore.core import StoreCore
+from ckptstore.ops.staging import BufferKey, StagingPool
 
 __all__ = ["StagedSet", "pool_for", "stage_state"]
 
@@ -34,7 +32,7 @@ logger = logging.getLogger(__name__)
 _POOLS: weakref.WeakKeyDictionary[Any, StagingPool] = weakref.WeakKeyDictionary()
 
 
-def pool_for(store: CheckpointStore) -> StagingPool:
+def pool_for(store: StoreCore) -> StagingPool:
     """The store's staging pool for DCP saves (created on first use)."""
     pool = _POOLS.get(store)
     if pool is None:

@@ -24,7 +24,7 @@ Rules that keep this safe:
   staging directories of dead processes are swept before each staging.
 
 Example:
-    >>> store = CheckpointStore.open("./ckpt", memory_tier_bytes=8 * 2**30)  # doctest: +SKIP
+    >>> store = StoreCore.open("./ckpt", memory_tier_bytes=8 * 2**30)  # doctest: +SKIP
     >>> ck = store.save("run-a", 100, state)          # hot commit, then the memory copy
     >>> # ... the process is killed; a new one on the same host:
     >>> state = store.load("run-a@latest")            # read from /dev/shm, no disk access
@@ -39,14 +39,14 @@ import hashlib
 import logging
 import os
 import shutil
-import socket
 import time
 import urllib.parse
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ckptstore.core import StoreCore, StoreService
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptError,
@@ -56,11 +56,8 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, read_checkpoint, read_manifest, write_checkpoint
-from ckptstore.procs import pid_alive
+from ckptstore.identity import host, pid_alive
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
-
-if TYPE_CHECKING:
-    from ckptstore.store import CheckpointStore
 
 __all__ = [
     "DEFAULT_MEMORY_ROOT",
@@ -93,12 +90,9 @@ _LOCK_NAME = ".lock"
 _COMMIT_NAME = "COMMITTED"
 # Free space kept on the shared-memory file system for everyone else (other jobs use it too).
 _FREE_MARGIN_BYTES = 64 * 1024**2
-# Attribute under which a store keeps its memory tier (None: looked up, found off).
-_STORE_ATTR = "_memory_tier"
-_UNSET = object()
 
 
-def store_id(store: CheckpointStore) -> str:
+def store_id(store: StoreCore) -> str:
     """A short id of the store, the same in every process that opens it.
 
     Derived from the catalog URL (checkpoint ids are unique per catalog); hashed, so a
@@ -178,7 +172,7 @@ def _remove_copy(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-class MemoryTier:
+class MemoryTier(StoreService):
     """This store's copies in host shared memory: staging, budget, eviction, sweeping.
 
     Thread- and process-safe: staging, eviction and sweeping hold an exclusive ``flock`` on
@@ -194,7 +188,7 @@ class MemoryTier:
 
     def __init__(
         self,
-        store: CheckpointStore,
+        store: StoreCore,
         budget_bytes: int,
         *,
         root: str | os.PathLike[str] | None = None,
@@ -219,7 +213,7 @@ class MemoryTier:
         self.budget_bytes = budget_bytes
         self.base = Path(root) if root is not None else DEFAULT_MEMORY_ROOT
         self.root = self.base / store_id(store)
-        self.host = socket.gethostname()
+        self.host = host()
 
     # ------------------------------------------------------------------ paths
     def path_for(self, run: str, ckpt_id: str) -> Path:
@@ -482,6 +476,9 @@ class MemoryTier:
             and location.path == ck_dir
         )
 
+    def close(self) -> None:
+        """Nothing to release: copies outlive the process on purpose (a restart reads them)."""
+
     def evict(self, ckpt_ids: Sequence[str] | None = None) -> int:
         """Evict some copies (all when ``ckpt_ids`` is None); return how many went."""
         count = 0
@@ -495,7 +492,7 @@ class MemoryTier:
 
 # ---------------------------------------------------------------------- store wiring
 def attach_memory_tier(
-    store: CheckpointStore,
+    store: StoreCore,
     budget_bytes: int,
     *,
     root: str | os.PathLike[str] | None = None,
@@ -514,28 +511,29 @@ def attach_memory_tier(
         ConfigError: If the budget is not a positive int.
     """
     tier = MemoryTier(store, budget_bytes, root=root)
-    setattr(store, _STORE_ATTR, tier)
+    store.memory_tier = tier
+    store.memory_tier_resolved = True
     return tier
 
 
-def detach_memory_tier(store: CheckpointStore) -> None:
+def detach_memory_tier(store: StoreCore) -> None:
     """Turn the memory tier off for this store object (existing copies stay usable)."""
-    setattr(store, _STORE_ATTR, None)
+    store.memory_tier = None
+    store.memory_tier_resolved = True
 
 
-def memory_tier_for(store: CheckpointStore) -> MemoryTier | None:
+def memory_tier_for(store: StoreCore) -> MemoryTier | None:
     """The store's memory tier: attached, or from ``memory_tier_bytes``; None when off."""
-    tier = getattr(store, _STORE_ATTR, _UNSET)
-    if tier is _UNSET:
-        budget = int(getattr(store.settings, "memory_tier_bytes", 0) or 0)
-        root = getattr(store.settings, "memory_tier_dir", None)
-        tier = MemoryTier(store, budget, root=root) if budget > 0 else None
-        setattr(store, _STORE_ATTR, tier)
-    assert tier is None or isinstance(tier, MemoryTier)
-    return tier
+    if not store.memory_tier_resolved:
+        budget = int(store.settings.memory_tier_bytes or 0)
+        root = store.settings.memory_tier_dir
+        store.memory_tier = MemoryTier(store, budget, root=root) if budget > 0 else None
+        store.memory_tier_resolved = True
+    tier = store.memory_tier
+    return tier if isinstance(tier, MemoryTier) else None
 
 
-def stage_after_commit(store: CheckpointStore, ck: Checkpoint, state: Any) -> bool:
+def stage_after_commit(store: StoreCore, ck: Checkpoint, state: Any) -> bool:
     """Stage a just-committed checkpoint in the memory tier, if the store has one.
 
     Never raises: the hot save is committed, and a memory copy is only a speed-up.
@@ -559,10 +557,10 @@ def memory_replica_here(ck: Checkpoint) -> bool:
     if replica is None or replica.state != ReplicaState.PRESENT:
         return False
     location = parse_memory_uri(replica.uri)
-    return location is not None and location.host == socket.gethostname()
+    return location is not None and location.host == host()
 
 
-def drop_memory_copy(store: CheckpointStore, ck: Checkpoint, *, actor: str | None = None) -> int:
+def drop_memory_copy(store: StoreCore, ck: Checkpoint, *, actor: str | None = None) -> int:
     """Delete a checkpoint's memory copy: the replica becomes DELETED, then its files go.
 
     This is what deleting the ``memory`` replica means (retention pruning a checkpoint, a
@@ -583,10 +581,10 @@ def drop_memory_copy(store: CheckpointStore, ck: Checkpoint, *, actor: str | Non
     location = parse_memory_uri(replica.uri)
     tier = memory_tier_for(store)
     base = tier.base if tier is not None else Path(
-        getattr(store.settings, "memory_tier_dir", None) or DEFAULT_MEMORY_ROOT)
+        store.settings.memory_tier_dir or DEFAULT_MEMORY_ROOT)
     files = 0
     # Only ever delete where this store keeps copies: the URI came from the catalog.
-    if (location is not None and location.host == socket.gethostname()
+    if (location is not None and location.host == host()
             and location.path == base / store_id(store) / current.run / current.id):
         files = sum(len(names) for _d, _s, names in os.walk(location.path))
         _remove_copy(location.path)
@@ -595,7 +593,7 @@ def drop_memory_copy(store: CheckpointStore, ck: Checkpoint, *, actor: str | Non
     return files
 
 
-def _forget(store: CheckpointStore, ck: Checkpoint, location: MemoryLocation,
+def _forget(store: StoreCore, ck: Checkpoint, location: MemoryLocation,
             state: ReplicaState, why: str) -> None:
     """Mark a memory replica unusable (if still the one we read) and drop our own files."""
     logger.info("memory copy of %s at %s %s: using another tier", ck.ref, location.path, why)
@@ -615,7 +613,7 @@ def _forget(store: CheckpointStore, ck: Checkpoint, location: MemoryLocation,
         _remove_copy(location.path)
 
 
-def memory_copy(store: CheckpointStore, ck: Checkpoint) -> tuple[Path, Manifest] | None:
+def memory_copy(store: StoreCore, ck: Checkpoint) -> tuple[Path, Manifest] | None:
     """The checkpoint's usable memory copy on this host, with its checked manifest.
 
     Costs nothing when the catalog lists no PRESENT memory replica on this host. A copy that
@@ -648,7 +646,7 @@ def memory_copy(store: CheckpointStore, ck: Checkpoint) -> tuple[Path, Manifest]
 
 
 def load_from_memory(
-    store: CheckpointStore,
+    store: StoreCore,
     ck: Checkpoint,
     *,
     keys: Sequence[str] | None = None,
@@ -659,8 +657,8 @@ def load_from_memory(
     Args:
         store: The open store.
         ck: The committed checkpoint.
-        keys: fnmatch patterns, as :meth:`CheckpointStore.load`.
-        into: A live state to fill in place, as :meth:`CheckpointStore.load`.
+        keys: fnmatch patterns, as :meth:`StoreCore.load`.
+        into: A live state to fill in place, as :meth:`StoreCore.load`.
 
     Returns:
         ``(True, state)`` when loaded from shared memory, ``(False, None)`` when the caller

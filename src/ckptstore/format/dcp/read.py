@@ -41,10 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 from ckptstore.errors import IntegrityError, InvalidNameError, StorageError, UnsafeObjectError
 from ckptstore.format.codecs import TRAILER, codec_spec, crc32c_update, decode_into
 from ckptstore.format.constants import ZARR_JSON
-from ckptstore.format.fsio import fadvise_willneed, preadv_all, storage_error
-from ckptstore.format.keys import escape_component, key_matches
-from ckptstore.format.manifest import Manifest
-from ckptstore.integrations.dcp_layout import (
+from ckptstore.format.dcp.layout import (
     INDEX_KEY,
     ArrayInfo,
     BlobItem,
@@ -56,6 +53,9 @@ from ckptstore.integrations.dcp_layout import (
     chunks_of_piece,
     is_dcp_manifest,
 )
+from ckptstore.format.fsio import fadvise_willneed, preadv_all, storage_error
+from ckptstore.format.keys import escape_component, key_matches
+from ckptstore.format.manifest import Manifest
 
 __all__ = [
     "BoxLoc",

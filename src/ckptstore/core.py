@@ -1,0 +1,277 @@
+"""StoreCore: the state every operation works on, and nothing else.
+
+A core holds what one open store *is*: its settings, its catalog, its tiers, its metrics
+recorder, and the per-store helpers that operations share (the keyframe cache, the async
+saver, the memory tier, the flow launcher). Operations in :mod:`ckptstore.ops` take a core as
+their first argument; :class:`~ckptstore.store.CheckpointStore` is a core plus thin methods
+that call them, so any store can be passed wherever a core is expected.
+
+Call order: construct (or :meth:`StoreCore.open`) → operations, from any thread → :meth:`close`
+once. ``close`` closes the per-store services first (the async saver waits for pending
+saves, which still need the catalog), then the tiers, the metrics and the catalog.
+
+The core knows its helpers only through the small interfaces defined here
+(:class:`StoreService`, :class:`FlowLauncher`), so it sits below the operations that
+implement them. Flows are reached through the ``ckptstore.launchers`` entry point, which keeps
+Prefect (and the flows package) out of every process that never triggers a flow.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib.metadata
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Self
+
+from ckptstore.catalog import Catalog
+from ckptstore.config import Settings, load_settings
+from ckptstore.errors import CheckpointNotFoundError, ConfigError, StorageError
+from ckptstore.format import KeyframeCache
+from ckptstore.names import validate_name
+from ckptstore.observability.metrics import Metrics
+from ckptstore.records import Checkpoint, ReplicaState
+from ckptstore.storage import Tier, build_tiers
+
+__all__ = ["LAUNCHER_GROUP", "FlowLauncher", "StoreCore", "StoreService"]
+
+logger = logging.getLogger(__name__)
+
+#: Entry-point group naming the :class:`FlowLauncher` that ``trigger`` uses.
+LAUNCHER_GROUP = "ckptstore.launchers"
+
+
+class StoreService(abc.ABC):
+    """A helper that lives as long as its store (the async saver, the memory tier).
+
+    Call order: the operation that first needs it creates it and puts it in its slot on the
+    core → operations use it → :meth:`StoreCore.close` calls :meth:`close` exactly once.
+    """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Finish pending work and release resources; may raise the first unreported error."""
+
+
+class FlowLauncher(abc.ABC):
+    """Starts a background flow without waiting for it.
+
+    Call order: :meth:`launch` any number of times, from any thread. Implementations enqueue
+    and return at once (an embedded worker, or ``run_deployment(..., timeout=0)``).
+    """
+
+    @abc.abstractmethod
+    def launch(
+        self,
+        flow_name: str,
+        params: Mapping[str, Any],
+        *,
+        store_root: str,
+        config: str | None,
+        idempotency_key: str | None,
+    ) -> None:
+        """Enqueue one run of flow ``flow_name`` with ``params`` (plain values only).
+
+        Args:
+            flow_name: Short flow name (``archive``, ``retention``, ...).
+            params: Flow parameters; never credentials.
+            store_root: The store directory the flow reopens the store from.
+            config: The store's config file, if any.
+            idempotency_key: Runs with the same key are started once.
+
+        Raises:
+            ConfigError: For an unknown flow.
+        """
+
+
+class StoreCore:
+    """Settings, catalog, tiers, metrics and per-store services of one open store.
+
+    Attributes:
+        settings: The resolved configuration.
+        catalog: The open SQL catalog.
+        hot: Root directory of the hot tier.
+        metrics: The store's metrics recorder (own Prometheus registry).
+        keyframe_cache: The latest xor/lossy keyframe's chunks (None when
+            ``delta_cache_bytes`` is 0), so delta saves need not read it back.
+        abandoned: Ids of this process's saves that failed while the catalog could not be
+            told; ``gc`` fails and removes them.
+        saver: The async saver, created by the first ``save_async``.
+        memory_tier: The shared-memory tier when enabled (see
+            :func:`ckptstore.ops.memory.memory_tier_for`).
+        memory_tier_resolved: Whether :attr:`memory_tier` was already looked up from the
+            settings (None then means "off").
+    """
+
+    def __init__(self, settings: Settings, catalog: Catalog) -> None:
+        """Wrap an already opened catalog; prefer :meth:`open`."""
+        self.settings = settings
+        self.catalog = catalog
+        self.hot = settings.hot_path
+        self.metrics = Metrics()
+        self.keyframe_cache = (
+            KeyframeCache(settings.delta_cache_bytes) if settings.delta_cache_bytes else None
+        )
+        self.abandoned: set[str] = set()
+        self.saver: StoreService | None = None
+        self.memory_tier: StoreService | None = None
+        self.memory_tier_resolved = False
+        self._launcher: FlowLauncher | None = None
+        self._tiers: dict[str, Tier] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ life cycle
+    @classmethod
+    def open(
+        cls,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        config: str | os.PathLike[str] | None = None,
+        catalog_url: str | None = None,
+        **overrides: Any,
+    ) -> Self:
+        """Open (and on first use create) a store.
+
+        Args:
+            root: Store directory; holds ``catalog.db`` and ``hot/`` by default.
+            config: A TOML config file (default ``$CKPT_CONFIG``).
+            catalog_url: Catalog URL (default ``$CKPT_CATALOG_URL`` or the embedded SQLite).
+            **overrides: Any other :class:`~ckptstore.config.Settings` field.
+
+        Returns:
+            An instance of the class it is called on. The catalog schema is upgraded to the
+            newest revision.
+
+        Raises:
+            ConfigError: If the configuration is invalid.
+            StorageError: If the hot tier cannot be created.
+        """
+        settings = load_settings(config, root=root, catalog_url=catalog_url, **overrides)
+        try:
+            settings.root.mkdir(parents=True, exist_ok=True)
+            settings.hot_path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(
+                f"cannot create the store directory {settings.hot_path}: {exc.strerror}; "
+                "check the path and its permissions"
+            ) from exc
+        catalog = Catalog(settings.resolved_catalog_url, upgrade=True)
+        return cls(settings, catalog)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._closed
+
+    def close(self) -> None:
+        """Close the services (waiting for pending async saves), tiers, metrics and catalog.
+
+        Raises:
+            CkptError: The first async save failure not yet reported (the store is closed
+                anyway).
+        """
+        if self._closed:
+            return
+        try:
+            saver, self.saver = self.saver, None
+            if saver is not None:
+                saver.close()
+        finally:
+            self._closed = True
+            memory, self.memory_tier = self.memory_tier, None
+            if memory is not None:
+                memory.close()
+            for tier in (self._tiers or {}).values():
+                tier.close()
+            self.metrics.close()
+            self.catalog.close()
+            if self.keyframe_cache is not None:
+                self.keyframe_cache.clear()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ tiers
+    @property
+    def tiers(self) -> dict[str, Tier]:
+        """Configured storage tiers by name: ``hot`` always, ``warm``/``cold`` if set.
+
+        Built once per store, on first use, and closed by :meth:`close`.
+
+        Raises:
+            ConfigError: If a tier URL or the storage options are invalid.
+        """
+        if self._tiers is None:
+            self._tiers = build_tiers(self.settings)
+        return self._tiers
+
+    def tier(self, name: str) -> Tier:
+        """The tier called ``name``.
+
+        Raises:
+            ConfigError: If the store has no such tier configured.
+        """
+        tiers = self.tiers
+        if name not in tiers:
+            raise ConfigError(
+                f"tier {name!r} is not configured (configured: {', '.join(sorted(tiers))}); "
+                "set it under [tiers] in the config or CKPT_WARM/CKPT_COLD"
+            )
+        return tiers[name]
+
+    # ------------------------------------------------------------------ paths
+    def checkpoint_dir(self, run: str, ckpt_id: str) -> Path:
+        """Directory of a checkpoint on the hot tier."""
+        return self.hot / validate_name(run) / ckpt_id
+
+    def locate(self, ckpt_id: str) -> Path:
+        """Hot directory of any catalogued checkpoint (used for chunks a delta references)."""
+        ck = self.catalog.get_any(ckpt_id)
+        return self.checkpoint_dir(ck.run, ck.id)
+
+    def hot_dir_of(self, ck: Checkpoint) -> Path:
+        """The hot directory of a checkpoint whose hot copy the catalog lists as PRESENT.
+
+        Raises:
+            CheckpointNotFoundError: If the hot tier holds no usable copy.
+        """
+        replica = ck.replica("hot")
+        if replica is None or replica.state != ReplicaState.PRESENT:
+            where = ", ".join(f"{r.tier}:{r.state}" for r in ck.replicas) or "nowhere"
+            raise CheckpointNotFoundError(
+                f"checkpoint {ck.ref} ({ck.id}) has no copy on the hot tier (replicas: {where}); "
+                f"restore it first with `ckpt restore {ck.ref}`"
+            )
+        return self.checkpoint_dir(ck.run, ck.id)
+
+    # ------------------------------------------------------------------ flows
+    def launcher(self) -> FlowLauncher:
+        """The flow launcher, loaded once from the ``ckptstore.launchers`` entry point.
+
+        Raises:
+            ConfigError: If no launcher is installed or it cannot be loaded.
+        """
+        if self._launcher is None:
+            found = importlib.metadata.entry_points(group=LAUNCHER_GROUP, name="default")
+            if not found:
+                raise ConfigError(
+                    "no flow launcher is installed (entry point group "
+                    f"{LAUNCHER_GROUP!r}); reinstall ckptstore with the [flows] extra"
+                )
+            try:
+                factory = next(iter(found)).load()
+            except ImportError as exc:
+                raise ConfigError(
+                    f"the flow launcher cannot be loaded ({exc}); install the [flows] extra: "
+                    "pip install 'ckptstore[flows]'"
+                ) from exc
+            launcher = factory()
+            if not isinstance(launcher, FlowLauncher):
+                raise ConfigError(f"entry point {LAUNCHER_GROUP}:default is not a FlowLauncher")
+            self._launcher = launcher
+        return self._launcher

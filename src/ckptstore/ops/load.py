@@ -1,0 +1,126 @@
+"""Loading a committed checkpoint: from this host's memory tier, else the hot tier.
+
+The dispatch, in order: resolve the reference (only COMMITTED checkpoints) → with
+``require_signature``, check the signature before any tensor is read → this host's
+shared-memory copy if the catalog lists one → otherwise the hot copy, restored first from the
+fastest tier holding a verified copy when the hot tier has none → the reader of the copy's
+layout (the regular packed layout, or the one of a checkpoint saved through DCP).
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from ckptstore.core import StoreCore
+from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.format import Manifest, read_checkpoint, read_manifest, verify_checkpoint
+from ckptstore.format.dcp import is_dcp_manifest, verify_dcp
+from ckptstore.ops.dcp import load_dcp
+from ckptstore.ops.memory import load_from_memory, memory_replica_here
+from ckptstore.ops.replicas import manifest_of
+from ckptstore.ops.restore import ensure_hot, hot_digest
+from ckptstore.ops.signing import verify_signature
+from ckptstore.records import expected_digest
+
+__all__ = ["load_checkpoint", "read_any_manifest", "restore_latest", "verify_hot"]
+
+logger = logging.getLogger(__name__)
+
+
+def load_checkpoint(
+    core: StoreCore,
+    ref: str,
+    *,
+    keys: Sequence[str] | None = None,
+    into: Any | None = None,
+    require_signature: str | os.PathLike[str] | None = None,
+) -> Any:
+    """Load a committed checkpoint; see :meth:`ckptstore.store.CheckpointStore.load`.
+
+    Raises:
+        CheckpointNotFoundError: If the reference does not resolve.
+        IncompleteCheckpointError: If it names a checkpoint that was never committed.
+        IntegrityError: If any chunk or the manifest is damaged or missing, or the signature
+            that ``require_signature`` asks for is missing or wrong.
+    """
+    ck = core.catalog.get(ref)
+    if require_signature is not None:
+        # Before any tensor is read: nothing unvouched reaches the caller. A checkpoint only
+        # an archive tier holds is restored first, so the copy that will be read (possibly
+        # re-encoded, with a digest the catalog alone vouches for) is the one checked
+        # against the signed digest.
+        if not memory_replica_here(ck):
+            ensure_hot(core, ck)
+        verify_signature(core, ck.id, require_signature)
+    in_memory = memory_replica_here(ck)
+    with core.metrics.timed("load", run=ck.run, tier="memory" if in_memory else "hot",
+                            step=ck.step, blocking=True) as timer:
+        if in_memory:
+            # This host's shared-memory copy (a restart after a crash): no disk reads. A
+            # vanished or damaged copy is marked so, and the hot tier is used.
+            hit, state = load_from_memory(core, ck, keys=keys, into=into)
+            if hit:
+                timer.add(bytes_logical=ck.logical_bytes, bytes_stored=ck.logical_bytes)
+                return state
+        # A checkpoint that only S3 holds is restored to the hot tier first (verified).
+        directory = ensure_hot(core, ck)
+        # The hot copy may be a re-encoded one (restored from the archive codec's copy).
+        manifest = read_manifest(directory, expected_digest=hot_digest(core, ck))
+        if manifest.delta is not None and manifest.delta.lossy:
+            logger.warning(
+                "loading %s: values of %s are approximate (lossy delta, max abs error %g, "
+                "mean %g); compact it or save in full where exact values matter",
+                ck.ref, list(manifest.delta.scope), manifest.delta.max_abs_error,
+                manifest.delta.mean_abs_error,
+            )
+        if is_dcp_manifest(manifest):
+            state = load_dcp(directory, manifest, keys=keys, into=into,
+                             threads=core.settings.threads)
+        else:
+            state = read_checkpoint(
+                directory, manifest, keys=keys, into=into, locate=core.locate,
+                threads=core.settings.threads,
+            )
+        timer.add(bytes_logical=manifest.logical_bytes, bytes_stored=manifest.stored_bytes)
+    return state
+
+
+def read_any_manifest(core: StoreCore, ref: str) -> Manifest:
+    """Read and verify the manifest of a committed checkpoint (no tensor data).
+
+    From the fastest copy that holds it: no need to restore tensors to read the index.
+    """
+    return manifest_of(core, core.catalog.get(ref))
+
+
+def restore_latest(core: StoreCore, run: str, *, into: Any | None = None) -> Any | None:
+    """Load the newest committed checkpoint of ``run``, or None if it has none."""
+    try:
+        ck = core.catalog.latest(run)
+    except CheckpointNotFoundError:
+        return None
+    return load_checkpoint(core, ck.id, into=into)
+
+
+def verify_hot(core: StoreCore, ref: str, *, deep: bool = True) -> builtins.list[str]:
+    """Re-hash a checkpoint's hot copy; return the problems found (``[]`` when intact).
+
+    The result is recorded as a ``verified`` event.
+    """
+    ck = core.catalog.get(ref)
+    directory = core.hot_dir_of(ck)
+    manifest = read_manifest(directory, expected_digest=expected_digest(ck, "hot"))
+    if is_dcp_manifest(manifest):
+        problems = verify_dcp(directory, manifest, deep=deep)
+    else:
+        problems = verify_checkpoint(directory, manifest, locate=core.locate, deep=deep)
+    core.catalog.record_event(
+        "verified",
+        checkpoint_id=ck.id,
+        detail={"tier": "hot", "ok": not problems, "problems": problems[:20]},
+    )
+    return problems

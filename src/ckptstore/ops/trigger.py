@@ -1,0 +1,51 @@
+"""Starting background flows from a store, without waiting and without importing Prefect.
+
+The launcher itself (an embedded worker, or ``run_deployment`` on a Prefect server) is found
+through the core (:meth:`ckptstore.core.StoreCore.launcher`); this module only decides the
+flow's parameters and its idempotency key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptstore.core import StoreCore
+from ckptstore.records import Checkpoint
+
+__all__ = ["trigger_flow"]
+
+
+def trigger_flow(
+    core: StoreCore, flow_name: str, checkpoint: Checkpoint | None = None, **params: Any
+) -> None:
+    """Start a background flow (``archive``, ``retention``, ``verify``, ...); never waits.
+
+    Without a Prefect server the flow runs on this process's one embedded background worker
+    (started on first use); with ``PREFECT_API_URL`` set it becomes a ``run_deployment`` of
+    the deployment ``ckpt serve`` serves. The flow reopens the store from its root and config
+    file, so settings given only as ``open()`` arguments do not reach it.
+
+    Args:
+        core: The open store.
+        flow_name: Short flow name.
+        checkpoint: The checkpoint the flow is about (passed as ``ref``; as ``run`` for
+            retention).
+        **params: Other flow parameters (plain values, never credentials).
+
+    Raises:
+        ConfigError: For an unknown flow, or when no launcher can be loaded.
+    """
+    key = None
+    if checkpoint is not None:
+        if flow_name == "retention":
+            params.setdefault("run", checkpoint.run)
+        else:
+            params.setdefault("ref", checkpoint.id)
+        key = f"{flow_name}:{checkpoint.id}"
+    elif "ref" in params:
+        key = f"{flow_name}:{params['ref']}"
+    config = str(core.settings.source) if core.settings.source else None
+    core.launcher().launch(
+        flow_name, params, store_root=str(core.settings.root), config=config,
+        idempotency_key=key,
+    )
