@@ -35,7 +35,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,7 +45,14 @@ from ckptstore.errors import CkptError, ConfigError
 from ckptstore.format import flatten_state
 from ckptstore.observability.metrics import off_training_path
 from ckptstore.ops.save import save_checkpoint
-from ckptstore.ops.staging import BufferKey, StagingPool, key_nbytes
+from ckptstore.ops.staging import (
+    BufferKey,
+    StagingPool,
+    copy_into_buffers,
+    key_nbytes,
+    plan_staging,
+    rebuild_staged,
+)
 
 if TYPE_CHECKING:
     from ckptstore.records import Checkpoint
@@ -63,136 +70,6 @@ logger = logging.getLogger(__name__)
 
 #: Niceness added to the background save thread by default (see :class:`AsyncSaver`).
 DEFAULT_NICE = 10
-
-# --------------------------------------------------------------------------- staging
-@dataclass
-class _Plan:
-    """Where every tensor of a state goes.
-
-    Attributes:
-        keys: One buffer key per distinct tensor.
-        sources: The tensor each buffer is filled from.
-        slots: For every stageable tensor occurrence, in walk order, its buffer index.
-            Occurrences of one tensor (or of one exact view, as tied weights are in a
-            ``state_dict``) share a slot, so the format still stores them once.
-    """
-
-    keys: list[BufferKey] = field(default_factory=list)
-    sources: list[torch.Tensor] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    by_alias: dict[tuple[Any, ...], int] = field(default_factory=dict)
-
-
-def _plan(obj: Any, path: str, plan: _Plan) -> None:
-    """Collect the tensors of ``obj`` that get staging buffers."""
-    if isinstance(obj, torch.Tensor):
-        if _stageable(obj):
-            alias = _alias_key(obj)
-            slot = plan.by_alias.get(alias)
-            if slot is None:
-                slot = len(plan.keys)
-                pinned = obj.device.type == "cuda" and torch.cuda.is_available()
-                plan.keys.append((path, tuple(obj.shape), obj.dtype, pinned))
-                plan.sources.append(obj)
-                plan.by_alias[alias] = slot
-            plan.slots.append(slot)
-        return
-    if isinstance(obj, Mapping):
-        for key, value in obj.items():
-            _plan(value, f"{path}/{key}" if path else str(key), plan)
-    elif isinstance(obj, list | tuple) and not isinstance(obj, torch.Size):
-        for i, value in enumerate(obj):
-            _plan(value, f"{path}/{i}" if path else str(i), plan)
-
-
-def _alias_key(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """Identity of a tensor's values: same memory, offset, shape, strides, dtype, device."""
-    if tensor.numel() == 0:
-        return ("id", id(tensor))
-    return (
-        tensor.untyped_storage().data_ptr(),
-        tensor.storage_offset(),
-        tuple(tensor.shape),
-        tensor.stride(),
-        tensor.dtype,
-        tensor.device,
-    )
-
-
-def _stageable(tensor: torch.Tensor) -> bool:
-    # Plain strided tensors (parameters included) get pool buffers; sparse, quantized, meta
-    # and subclass tensors are cloned instead so the format layer sees them as they were.
-    return (
-        tensor.layout == torch.strided
-        and not tensor.is_quantized
-        and tensor.device.type != "meta"
-        and type(tensor) in (torch.Tensor, torch.nn.Parameter)
-    )
-
-
-def _rebuild(obj: Any, buffers: Sequence[torch.Tensor], slots: Iterable[int]) -> Any:
-    """Copy ``obj``'s structure, placing the staged buffers where its tensors were.
-
-    ``slots`` gives, in the order :func:`_plan` visited the tensors, the index of each one's
-    buffer. Non-tensor leaves are deep-copied, so later mutation by the caller cannot reach
-    them.
-    """
-    it = (buffers[slot] for slot in slots)
-
-    def walk(node: Any) -> Any:
-        if isinstance(node, torch.Tensor):
-            if _stageable(node):
-                return next(it)
-            return node.detach().clone()
-        if isinstance(node, Mapping):
-            items = [(key, walk(value)) for key, value in node.items()]
-            if type(node) is dict:
-                return dict(items)
-            # Keep the mapping's own type (OrderedDict, or a subclass the format will name in
-            # its error) so an async save accepts and refuses exactly what a sync save does.
-            try:
-                rebuilt: Any = copy.copy(node)
-                rebuilt.clear()
-                rebuilt.update(items)
-            except (AttributeError, TypeError):
-                rebuilt = dict(items)
-            return rebuilt
-        if isinstance(node, torch.Size):
-            return node
-        if isinstance(node, tuple):
-            values = [walk(value) for value in node]
-            if hasattr(node, "_fields"):  # namedtuple
-                return type(node)(*values)
-            return tuple(values) if type(node) is tuple else type(node)(values)
-        if isinstance(node, list):
-            items_list = [walk(value) for value in node]
-            if type(node) is list:
-                return items_list
-            try:
-                return type(node)(items_list)
-            except TypeError:
-                return items_list
-        return copy.deepcopy(node)
-
-    return walk(obj)
-
-
-def _copy_into(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
-    """Copy every source tensor into its buffer; return once the bytes are on the host."""
-    devices: set[torch.device] = set()
-    with torch.no_grad():
-        for buf, src in zip(buffers, sources, strict=True):
-            if src.device.type == "cuda":
-                # Non-blocking device-to-pinned copies overlap; one sync per device below.
-                buf.copy_(src.detach(), non_blocking=True)
-                devices.add(src.device)
-            else:
-                buf.copy_(src.detach())
-    for device in devices:
-        # The caller may change the tensors as soon as submit returns, possibly from another
-        # stream, so the host copy must be complete before then.
-        torch.cuda.synchronize(device)
-
 
 # --------------------------------------------------------------------------- handles
 class SaveHandle:
@@ -354,15 +231,14 @@ class AsyncSaver(StoreService):
         # Refuse pickle-only objects here, like a synchronous save, instead of deep-copying
         # them and failing later in the background (a walk of the tree: ~1 ms for 600 tensors).
         flatten_state(state)
-        plan = _Plan()
-        _plan(state, "", plan)
+        plan = plan_staging(state)
         buffers = self.pool.acquire(plan.keys, should_stop=lambda: self._closed)
         acquired = time.perf_counter()
         try:
             # An earlier save may have failed while we waited: report it before this one.
             self._raise_unreported()
-            _copy_into(buffers, plan.sources)
-            staged = _rebuild(state, buffers, plan.slots)
+            copy_into_buffers(buffers, plan.sources)
+            staged = rebuild_staged(state, buffers, plan.slots)
             kwargs = _copy_kwargs(save_kwargs)
         except BaseException:
             self.pool.release(plan.keys, buffers)

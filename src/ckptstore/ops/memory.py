@@ -32,17 +32,12 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import time
-import urllib.parse
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +51,18 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, read_checkpoint, read_manifest, write_checkpoint
-from ckptstore.identity import host, pid_alive
+from ckptstore.format.constants import COMMIT_NAME
+from ckptstore.identity import host
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.storage.shm import (
+    DEFAULT_MEMORY_ROOT,
+    MemoryCopy,
+    MemoryLocation,
+    SharedMemoryArea,
+    dir_bytes,
+    parse_memory_uri,
+    remove_copy,
+)
 
 __all__ = [
     "DEFAULT_MEMORY_ROOT",
@@ -81,13 +86,6 @@ logger = logging.getLogger(__name__)
 
 #: Tier name of memory replicas in the catalog.
 MEMORY_TIER = "memory"
-#: Where stores keep their memory tiers unless ``memory_tier_dir`` says otherwise.
-DEFAULT_MEMORY_ROOT = Path("/dev/shm/ckptstore")
-
-_SCHEME = "shm"
-_STAGING_PREFIX = ".staging-"
-_LOCK_NAME = ".lock"
-_COMMIT_NAME = "COMMITTED"
 # Free space kept on the shared-memory file system for everyone else (other jobs use it too).
 _FREE_MARGIN_BYTES = 64 * 1024**2
 
@@ -100,76 +98,6 @@ def store_id(store: StoreCore) -> str:
     """
     url = store.settings.resolved_catalog_url
     return hashlib.sha256(url.encode("utf-8")).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class MemoryLocation:
-    """Where a memory replica lives, parsed from its catalog URI.
-
-    Attributes:
-        host: Host name of the machine whose shared memory holds the copy.
-        path: The copy's directory on that host.
-        digest: blake3 digest of the copy's own ``manifest.json``.
-    """
-
-    host: str
-    path: Path
-    digest: str
-
-    def uri(self) -> str:
-        """The catalog URI: ``shm://<host><path>?digest=<digest>``."""
-        return urllib.parse.urlunsplit(
-            (_SCHEME, self.host, urllib.parse.quote(str(self.path)), f"digest={self.digest}", "")
-        )
-
-
-def parse_memory_uri(uri: str) -> MemoryLocation | None:
-    """Parse a memory replica URI; None when it is not one (or is malformed)."""
-    try:
-        parts = urllib.parse.urlsplit(uri)
-    except ValueError:
-        return None
-    if parts.scheme != _SCHEME or not parts.netloc or not parts.path.startswith("/"):
-        return None
-    digest = urllib.parse.parse_qs(parts.query).get("digest", [""])[0]
-    if len(digest) != 64:
-        return None
-    return MemoryLocation(parts.netloc, Path(urllib.parse.unquote(parts.path)), digest)
-
-
-@dataclass(frozen=True)
-class MemoryCopy:
-    """One committed copy in this store's memory tier.
-
-    Attributes:
-        checkpoint_id: The checkpoint.
-        run: Its run.
-        path: Its directory.
-        bytes: Bytes it occupies.
-        staged_at: When it was staged (the commit marker's mtime, epoch seconds).
-    """
-
-    checkpoint_id: str
-    run: str
-    path: Path
-    bytes: int
-    staged_at: float
-
-
-def _dir_bytes(path: Path) -> int:
-    total = 0
-    for dirpath, _dirs, names in os.walk(path):
-        for name in names:
-            with contextlib.suppress(OSError):  # a concurrent eviction removed it
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-    return total
-
-
-def _remove_copy(path: Path) -> None:
-    """Delete a copy: the commit marker first, so a half-deleted copy is never loaded."""
-    with contextlib.suppress(FileNotFoundError):
-        (path / _COMMIT_NAME).unlink()
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class MemoryTier(StoreService):
@@ -211,82 +139,33 @@ class MemoryTier(StoreService):
             )
         self.store = store
         self.budget_bytes = budget_bytes
-        self.base = Path(root) if root is not None else DEFAULT_MEMORY_ROOT
-        self.root = self.base / store_id(store)
+        self.area = SharedMemoryArea(
+            Path(root) if root is not None else DEFAULT_MEMORY_ROOT, store_id(store)
+        )
+        self.base = self.area.base
+        self.root = self.area.root
         self.host = host()
 
-    # ------------------------------------------------------------------ paths
+    # ------------------------------------------------------------------ the area
     def path_for(self, run: str, ckpt_id: str) -> Path:
         """Directory of a checkpoint's copy in this tier."""
-        return self.root / run / ckpt_id
+        return self.area.path_for(run, ckpt_id)
 
     def owns(self, path: Path) -> bool:
         """Whether ``path`` is a checkpoint directory inside this tier (safe to delete)."""
-        try:
-            rel = Path(os.path.abspath(path)).relative_to(os.path.abspath(self.root))
-        except ValueError:
-            return False
-        return len(rel.parts) == 2 and not any(p.startswith(".") for p in rel.parts)
+        return self.area.owns(path)
 
-    def _ensure_root(self) -> None:
-        try:
-            if not self.base.exists():
-                self.base.mkdir(parents=True, exist_ok=True)
-                # Shared by every user's stores, like /tmp: sticky and world-writable.
-                with contextlib.suppress(OSError):
-                    self.base.chmod(0o1777)
-            self.root.mkdir(mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise StorageError(
-                exc.errno or errno.EIO,
-                f"cannot create the memory tier directory {self.root}: {exc.strerror}; "
-                "check that the shared-memory file system is mounted and writable, or set "
-                "memory_tier_dir",
-            ) from exc
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        self._ensure_root()
-        fd = os.open(self.root / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # closing releases the lock
-
-    # ------------------------------------------------------------------ inventory
     def copies(self) -> list[MemoryCopy]:
         """Committed copies in this tier, oldest first."""
-        found: list[MemoryCopy] = []
-        if not self.root.is_dir():
-            return found
-        for run_dir in self.root.iterdir():
-            if not run_dir.is_dir() or run_dir.name.startswith("."):
-                continue
-            for ck_dir in run_dir.iterdir():
-                if ck_dir.name.startswith("."):
-                    continue
-                try:
-                    staged_at = (ck_dir / _COMMIT_NAME).stat().st_mtime
-                except OSError:
-                    continue
-                found.append(
-                    MemoryCopy(ck_dir.name, run_dir.name, ck_dir, _dir_bytes(ck_dir), staged_at)
-                )
-        found.sort(key=lambda c: (c.staged_at, c.checkpoint_id))
-        return found
+        return self.area.copies()
 
     def usage(self) -> int:
         """Bytes the tier occupies now (copies and unfinished staging directories)."""
-        return _dir_bytes(self.root) if self.root.is_dir() else 0
+        return self.area.usage()
 
     def free_bytes(self) -> int | None:
         """Free space on the shared-memory file system, or None if unknown."""
-        try:
-            st = os.statvfs(self.root if self.root.exists() else self.base.parent)
-        except OSError:
-            return None
-        return st.f_bavail * st.f_frsize
+        return self.area.free_bytes()
 
     # ------------------------------------------------------------------ staging
     def stage(self, ck: Checkpoint, state: Any) -> Path | None:
@@ -322,12 +201,12 @@ class MemoryTier(StoreService):
                 ck.ref, need, self.budget_bytes,
             )
             return None
-        with self._locked():
+        with self.area.locked():
             self._sweep_locked()
             if not self._make_room_locked(need, keep=ck.id):
                 return None
             final = self.path_for(ck.run, ck.id)
-            staging = final.parent / f"{_STAGING_PREFIX}{ck.id}-{os.getpid()}"
+            staging = self.area.staging_path(ck.run, ck.id)
             shutil.rmtree(staging, ignore_errors=True)
             try:
                 final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -337,12 +216,12 @@ class MemoryTier(StoreService):
                 )
                 self._check_same_content(ck, manifest)
                 if final.exists():
-                    _remove_copy(final)
+                    remove_copy(final)
                 os.rename(staging, final)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
-            size = _dir_bytes(final)
+            size = dir_bytes(final)
             if size > need:  # the estimate was short: make room for what was really written
                 self._make_room_locked(size - need, keep=ck.id)
             location = MemoryLocation(self.host, final, manifest.digest)
@@ -352,7 +231,7 @@ class MemoryTier(StoreService):
                     bytes=size,
                 )
             except BaseException:
-                _remove_copy(final)
+                remove_copy(final)
                 raise
         logger.info(
             "staged %s in the memory tier (%d bytes) in %.2fs",
@@ -412,7 +291,7 @@ class MemoryTier(StoreService):
     def _evict_copy(self, copy: MemoryCopy) -> None:
         # The catalog first: from here on no loader picks this copy.
         self._drop_replica(copy.checkpoint_id, copy.path, ReplicaState.DELETED)
-        _remove_copy(copy.path)
+        remove_copy(copy.path)
 
     def _drop_replica(self, ckpt_id: str, path: Path, state: ReplicaState) -> None:
         try:
@@ -433,29 +312,19 @@ class MemoryTier(StoreService):
         Returns:
             The directories removed.
         """
-        with self._locked():
+        with self.area.locked():
             return self._sweep_locked()
 
     def _sweep_locked(self) -> list[Path]:
         removed: list[Path] = []
-        if not self.root.is_dir():
-            return removed
-        for run_dir in list(self.root.iterdir()):
-            if not run_dir.is_dir() or run_dir.name.startswith("."):
-                continue
-            for ck_dir in list(run_dir.iterdir()):
-                if ck_dir.name.startswith(_STAGING_PREFIX):
-                    pid = ck_dir.name.rsplit("-", 1)[-1]
-                    if pid.isdigit() and not pid_alive(int(pid)):
-                        shutil.rmtree(ck_dir, ignore_errors=True)
-                        removed.append(ck_dir)
-                    continue
-                if ck_dir.name.startswith(".") or self._wanted(ck_dir):
-                    continue
-                _remove_copy(ck_dir)
+        for ck_dir, dead_staging in self.area.entries():
+            if dead_staging:
+                shutil.rmtree(ck_dir, ignore_errors=True)
                 removed.append(ck_dir)
-            with contextlib.suppress(OSError):
-                run_dir.rmdir()  # only succeeds when empty
+            elif not self._wanted(ck_dir):
+                remove_copy(ck_dir)
+                removed.append(ck_dir)
+        self.area.prune_empty_runs()
         if removed:
             logger.info("memory tier: swept %d stale directories", len(removed))
         return removed
@@ -482,7 +351,7 @@ class MemoryTier(StoreService):
     def evict(self, ckpt_ids: Sequence[str] | None = None) -> int:
         """Evict some copies (all when ``ckpt_ids`` is None); return how many went."""
         count = 0
-        with self._locked():
+        with self.area.locked():
             for copy in self.copies():
                 if ckpt_ids is None or copy.checkpoint_id in ckpt_ids:
                     self._evict_copy(copy)
@@ -587,7 +456,7 @@ def drop_memory_copy(store: StoreCore, ck: Checkpoint, *, actor: str | None = No
     if (location is not None and location.host == host()
             and location.path == base / store_id(store) / current.run / current.id):
         files = sum(len(names) for _d, _s, names in os.walk(location.path))
-        _remove_copy(location.path)
+        remove_copy(location.path)
     store.catalog.record_event("replica_deleted", checkpoint_id=ck.id, actor=actor,
                                detail={"tier": MEMORY_TIER, "files": files, "kept_chunks": 0})
     return files
@@ -610,7 +479,7 @@ def _forget(store: StoreCore, ck: Checkpoint, location: MemoryLocation,
     tier = memory_tier_for(store)
     # Only ever delete inside our own tier: the path came from the catalog.
     if tier is not None and tier.owns(location.path):
-        _remove_copy(location.path)
+        remove_copy(location.path)
 
 
 def memory_copy(store: StoreCore, ck: Checkpoint) -> tuple[Path, Manifest] | None:
@@ -676,7 +545,7 @@ def load_from_memory(
         state = read_checkpoint(path, manifest, keys=keys, into=into,
                                 threads=store.settings.threads)
     except (IntegrityError, StorageError) as exc:
-        gone = not (path / _COMMIT_NAME).exists()
+        gone = not (path / COMMIT_NAME).exists()
         replica = ck.replica(MEMORY_TIER)
         location = parse_memory_uri(replica.uri) if replica is not None else None
         if location is not None:
