@@ -342,12 +342,12 @@ class CkptStoreCallback(TrainerCallback):
         self.saved.append(ck)
         logger.info("ingested %s as %s", folder, ck.ref)
         if self.archive:
-            trigger = getattr(self.store, "trigger", None)
-            if callable(trigger):
-                try:
-                    trigger("archive", ck)
-                except Exception:
-                    logger.exception("could not trigger archiving of %s", ck.ref)
+            try:
+                self.store.trigger("archive", ck)
+            except Exception:
+                # The checkpoint is committed; a flow that cannot start must not fail the
+                # ingest (archiving can still run later: `ckpt archive` or its schedule).
+                logger.exception("could not trigger archiving of %s", ck.ref)
         if self.delete_folder:
             shutil.rmtree(folder, ignore_errors=True)
         return ck

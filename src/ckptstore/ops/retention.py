@@ -46,7 +46,6 @@ from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
 from ckptstore.retention import REASON_LEASED, CandidateInfo, Decision, RetentionPolicy
 
 __all__ = [
-    "LEASE_PURPOSES",
     "TIER_ORDER",
     "ActionKind",
     "PlannedAction",
@@ -62,13 +61,6 @@ logger = logging.getLogger(__name__)
 
 #: Tiers from fastest to slowest; a copy moves down this list, never skipping a configured tier.
 TIER_ORDER: tuple[str, ...] = ("hot", "warm", "cold")
-
-#: Lease purposes other flows take on a checkpoint; any live one makes retention skip it. The
-#: operations qualify some by tier (``archive:warm``, ``restore:hot``).
-LEASE_PURPOSES: tuple[str, ...] = (
-    *(f"{verb}:{tier}" for verb in ("archive", "restore") for tier in TIER_ORDER),
-    "archive", "restore", "verify", "convert", "demote", "save", "prune", "retention",
-)
 
 #: Lease purpose and time-to-live used while deleting one checkpoint's copy.
 RETENTION_PURPOSE = "retention"
@@ -422,30 +414,33 @@ def _decide_with_leases(
         ]
         if not newly:
             return decisions
-        for cid in newly:
-            checked.add(cid)
-            if _lease_holder(store, cid) is not None:
-                leased.add(cid)
-        if not leased.intersection(newly):
+        checked.update(newly)
+        now_leased = set(_leased(store, newly))
+        leased |= now_leased
+        if not now_leased:
             return decisions
     return decisions  # unreachable in practice: each round checks at least one new id
 
 
 def _lease_holder(store: StoreCore, ckpt_id: str, *, ignore: str | None = None) -> str | None:
     """``purpose:owner`` of a live lease on the checkpoint held by anyone but ``ignore``."""
-    listing = getattr(store.catalog, "leases", None)
-    if callable(listing):
-        # One query when the catalog can list a checkpoint's live leases (any purpose).
-        for lease in listing(ckpt_id):
-            purpose, owner = lease[1], lease[2]
-            if owner != ignore:
-                return f"{purpose}:{owner}"
-        return None
-    for purpose in LEASE_PURPOSES:
-        holder = store.catalog.lease_holder(ckpt_id, purpose)
-        if holder is not None and holder != ignore:
-            return f"{purpose}:{holder}"
-    return None
+    held = _leased(store, [ckpt_id], ignore=ignore)
+    return held.get(ckpt_id)
+
+
+def _leased(
+    store: StoreCore, ckpt_ids: Iterable[str], *, ignore: str | None = None
+) -> dict[str, str]:
+    """``{checkpoint id: "purpose:owner"}`` for those of ``ckpt_ids`` under a live lease.
+
+    Any purpose counts: a lease means another flow works on the checkpoint now. Leases owned
+    by ``ignore`` (this retention run) do not count.
+    """
+    held: dict[str, str] = {}
+    for lease in store.catalog.leases(checkpoint_ids=ckpt_ids):
+        if lease.owner != ignore:
+            held.setdefault(lease.checkpoint_id, f"{lease.purpose}:{lease.owner}")
+    return held
 
 
 def _later_present(ck: Checkpoint, tier: str) -> bool:
