@@ -42,11 +42,10 @@ from typing import Any
 
 from ckptstore.core import StoreCore
 from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError, StorageError
-from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.records import TIER_ORDER, Checkpoint, CheckpointState, ReplicaState
 from ckptstore.retention import REASON_LEASED, CandidateInfo, Decision, RetentionPolicy
 
 __all__ = [
-    "TIER_ORDER",
     "ActionKind",
     "PlannedAction",
     "PlannedKeep",
@@ -58,9 +57,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Tiers from fastest to slowest; a copy moves down this list, never skipping a configured tier.
-TIER_ORDER: tuple[str, ...] = ("hot", "warm", "cold")
 
 #: Lease purpose and time-to-live used while deleting one checkpoint's copy.
 RETENTION_PURPOSE = "retention"
