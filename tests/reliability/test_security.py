@@ -117,7 +117,7 @@ def test_pickle_in_foreign_formats_never_runs(new_root: Any, procs: Any, w: Any,
             figures.add("bad_inputs")
 
 
-_ALLOWED_UNPICKLERS = {"convert_dcp.py"}  # restricted: find_class allows DCP metadata only
+_ALLOWED_UNPICKLERS = {"dcp_read.py"}  # restricted: find_class allows DCP metadata only
 
 
 def test_no_code_path_can_unpickle() -> None:

@@ -254,7 +254,9 @@ def convert_cmd(
     if input_dir is not None:
         if output_dir is None:
             raise InvalidNameError("--input-dir needs --output-dir")
-        outputs = convert.convert_directory(input_dir, output_dir, fmt)
+        from ckptstore.convert.directory import convert_directory
+
+        outputs = convert_directory(input_dir, output_dir, fmt)
         for path in outputs:
             console.print(f"wrote {path}")
         return

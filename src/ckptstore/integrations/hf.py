@@ -49,9 +49,9 @@ import numpy as np
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from ckptstore.convert.readers import CONFIG_NAME, load_pt, read_hf
 from ckptstore.errors import CkptError, ConflictError, StorageError, UnsafeObjectError
 from ckptstore.names import validate_metric_name
-from ckptstore.ops.convert_readers import CONFIG_NAME, load_pt, read_hf
 
 if TYPE_CHECKING:
     from ckptstore.records import Checkpoint
