@@ -375,7 +375,7 @@ def test_credentials_never_leak(new_root: Any, s3: Any, tmp_path: Path, w: Any,
                                 figures: Any) -> None:
     from ckptstore.ops.archive import archive_checkpoints
     from ckptstore.ops.restore import restore_checkpoint
-    from ckptstore.testing.faults import FaultyProxy
+    from ckptstore.testing.fault_injection import FaultyProxy
 
     key_id = "AKIA" + uuid.uuid4().hex[:16].upper()
     secret = "SECRET" + uuid.uuid4().hex
