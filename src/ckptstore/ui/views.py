@@ -431,22 +431,14 @@ def tiers_view(store: CheckpointStore, links: Links, *, scan: bool = False) -> d
     Returns:
         ``{"usage", "tiers", "tiers_error", "scan"}``.
     """
-    from ckptstore.observability.tiers import tier_status
-    from ckptstore.storage import build_tiers
+    from ckptstore.observability.tiers import tier_statuses
 
     usage = store.usage()
-    statuses = []
-    tiers_error = None
+    tiers_error: str | None = None
     try:
-        tiers = build_tiers(store.settings)
+        statuses = tier_statuses(store.settings, usage, listing=scan)
     except CkptError as exc:
-        tiers, tiers_error = {}, str(exc)
-    try:
-        for tier in tiers.values():
-            statuses.append(tier_status(tier, usage, listing=scan))
-    finally:
-        for tier in tiers.values():
-            tier.close()
+        statuses, tiers_error = [], str(exc)
     return {
         "usage": [
             {"row": r, "href": links.run(r.run)} for r in usage
