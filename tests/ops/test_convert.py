@@ -414,7 +414,7 @@ def test_convert_checkpoint_to_another_codec(store: CheckpointStore) -> None:
 
 
 # --------------------------------------------------------------------------- directories
-def test_convert_directory_seed_form(tmp_path: Path) -> None:
+def test_convert_directory_without_a_store(tmp_path: Path) -> None:
     src = tmp_path / "in"
     src.mkdir()
     state = training_state()

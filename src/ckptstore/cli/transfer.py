@@ -241,7 +241,8 @@ def convert_cmd(
 
     safetensors, hf and dcp stream one tensor at a time (memory stays bounded); pt needs the
     whole state in memory because torch.save does.
-    Seed form: `ckpt convert --input-dir D --output-dir O --format pytorch`.
+    Without a store, convert every checkpoint file in a folder:
+    `ckpt convert --input-dir D --output-dir O --format pytorch`.
     """
     from ckptstore.ops import convert
 
