@@ -43,7 +43,7 @@ import torch
 from ckptstore.core import StoreCore, StoreService
 from ckptstore.errors import CkptError, ConfigError
 from ckptstore.format import flatten_state
-from ckptstore.observability.metrics import off_training_path
+from ckptstore.observability.timing import off_training_path
 from ckptstore.ops.save import save_checkpoint
 from ckptstore.ops.staging import BufferKey, StagingPool, key_nbytes
 
