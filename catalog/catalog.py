@@ -36,11 +36,12 @@ class Catalog(
           :meth:`pending_by_writer`;
         * queries: :meth:`get`, :meth:`latest`, :meth:`best`, :meth:`list`, :meth:`usage`;
         * lineage: :meth:`lineage`, :meth:`descendants`, :meth:`add_edge`, :meth:`edges`,
-          :meth:`run_record`;
+          :meth:`edges_among`, :meth:`run_record`;
         * labels: :meth:`alias`, :meth:`unalias`, :meth:`pin`, :meth:`unpin`,
           :meth:`is_protected`;
         * replicas: :meth:`replicas`, :meth:`set_replica`;
-        * leases: :meth:`acquire_lease`, :meth:`release_lease`, :meth:`lease_holder`;
+        * leases: :meth:`acquire_lease`, :meth:`release_lease`, :meth:`lease_holder`,
+          :meth:`leases`;
         * audit log: :meth:`record_event`, :meth:`events`.
 
     Args:

@@ -13,7 +13,7 @@ import getpass
 import logging
 import os
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from types import TracebackType
@@ -25,13 +25,21 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptstore.catalog import migrate
+from ckptstore.catalog.checks import check_checkpoint_id
 from ckptstore.catalog.engine import WRITE_OPTION, create_catalog_engine, mask_url
 from ckptstore.catalog.models import Base, EventRow, RunRow, utcnow
-from ckptstore.errors import CheckpointNotFoundError, ConfigError, StorageError
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    InvalidNameError,
+    StorageError,
+)
 from ckptstore.refs import Ref, parse_ref
 
 __all__ = [
+    "MAX_BOUND_IDS",
     "CatalogCore",
+    "checkpoint_id_batches",
     "default_actor",
     "default_writer",
     "name_list",
@@ -40,6 +48,24 @@ __all__ = [
 ]
 
 logger = logging.getLogger("ckptstore.catalog")
+
+#: Most ids bound in one ``IN (...)`` list. Both backends cap the parameters of one statement
+#: (SQLite 32,766, PostgreSQL 65,535); methods taking id sets query in batches of this size,
+#: so the sets a caller can pass have no limit and the usual sizes still cost one query.
+MAX_BOUND_IDS = 5000
+
+
+def checkpoint_id_batches(ids: Iterable[object]) -> list[list[str]]:
+    """Validated, de-duplicated checkpoint ids in sorted batches of :data:`MAX_BOUND_IDS`.
+
+    Raises:
+        InvalidNameError: If ``ids`` is a bare string or holds something that is not a uuid.
+    """
+    if isinstance(ids, str | bytes):
+        # A lone id would otherwise be read as a sequence of characters.
+        raise InvalidNameError("pass checkpoint ids as a list or set, not a single string")
+    wanted = sorted({check_checkpoint_id(i) for i in ids})
+    return [wanted[i : i + MAX_BOUND_IDS] for i in range(0, len(wanted), MAX_BOUND_IDS)]
 
 
 def default_writer() -> str:

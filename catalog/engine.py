@@ -1,10 +1,10 @@
 """Engine creation for the catalog: SQLite pragmas, write locking, PostgreSQL driver choice.
 
-SQLite (the embedded default) needs care under several writer processes (see
-``reference/ecosystem.md`` §7 item 4): pysqlite's own transaction handling does not ``BEGIN``
-before a ``SELECT``, so a read-modify-write (allocating the next version) silently loses
-updates, and a deferred transaction that read a stale snapshot fails with "database is locked"
-the moment it writes, whatever ``busy_timeout`` says. The recipe used here:
+SQLite (the embedded default) needs care under several writer processes: pysqlite's own
+transaction handling does not ``BEGIN`` before a ``SELECT``, so a read-modify-write
+(allocating the next version) silently loses updates, and a deferred transaction that read a
+stale snapshot fails with "database is locked" the moment it writes, whatever
+``busy_timeout`` says. The recipe used here:
 
 * take transaction control away from pysqlite (``isolation_level = None``) and emit ``BEGIN``
   ourselves from the engine's ``begin`` event;

@@ -16,15 +16,17 @@ well above the expected skew.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any, cast
 
 from sqlalchemy import CursorResult, delete, or_, select
 
 from ckptstore.catalog.checks import check_checkpoint_id, check_positive
-from ckptstore.catalog.core import CatalogCore
+from ckptstore.catalog.core import CatalogCore, checkpoint_id_batches
 from ckptstore.catalog.models import CheckpointRow, LeaseRow, utcnow
 from ckptstore.errors import CheckpointNotFoundError, InvalidNameError
+from ckptstore.records import Lease
 
 __all__ = ["LeasesMixin"]
 
@@ -94,6 +96,52 @@ class LeasesMixin(CatalogCore):
                 ),
             )
             return bool(result.rowcount)
+
+    def leases(
+        self,
+        *,
+        checkpoint_ids: Iterable[str] | None = None,
+        purpose: str | None = None,
+        include_expired: bool = False,
+    ) -> list[Lease]:
+        """The leases held now, optionally only on some checkpoints or for one purpose.
+
+        Args:
+            checkpoint_ids: Only leases on these checkpoints (any number; an empty collection
+                gives an empty list). None: on every checkpoint.
+            purpose: Only leases for this purpose (``retention``, ``archive:warm``...).
+            include_expired: Also return leases past their expiry that nobody has taken over
+                or released yet.
+
+        Returns:
+            The leases, ordered by checkpoint id, then purpose.
+
+        Raises:
+            InvalidNameError: If an id is not a uuid or ``purpose`` is not a valid purpose.
+        """
+        L = LeaseRow
+        stmt = select(L.checkpoint_id, L.purpose, L.owner, L.expires_at)
+        if purpose is not None:
+            stmt = stmt.where(L.purpose == _check_text(purpose, "lease purpose", 64))
+        if not include_expired:
+            stmt = stmt.where(L.expires_at > utcnow())
+        if checkpoint_ids is None:
+            statements = [stmt]
+        else:
+            statements = [
+                stmt.where(L.checkpoint_id.in_(batch))
+                for batch in checkpoint_id_batches(checkpoint_ids)
+            ]
+        with self._read() as s:
+            found = [
+                Lease(checkpoint_id=cid, purpose=p, owner=owner, expires_at=expires)
+                for statement in statements
+                for cid, p, owner, expires in s.execute(statement)
+            ]
+        # Sorted here, not in SQL: PostgreSQL's collation may order text unlike SQLite's, and
+        # batches are queried one after another.
+        found.sort(key=lambda lease: (lease.checkpoint_id, lease.purpose))
+        return found
 
     def lease_holder(self, ckpt_id: str, purpose: str) -> str | None:
         """Owner of the unexpired lease on the checkpoint for ``purpose``, or None."""

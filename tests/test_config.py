@@ -29,8 +29,8 @@ def test_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_settings().threads == 3
 
 
-def test_seed_style_keys(tmp_path: Path) -> None:
-    cfg = tmp_path / "seed.toml"
+def test_deepspeed_style_keys(tmp_path: Path) -> None:
+    cfg = tmp_path / "deepspeed-style.toml"
     cfg.write_text(
         'save_dir = "hotdir"\narchive_dir = "s3://b/p"\nkeep_last = 2\nsave_interval = 500\n'
         '[compression_config]\ntype = "diff"\nthreshold = 1e-4\nquantize = 8\n'
@@ -61,12 +61,12 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_delta_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_settings(root=tmp_path).delta == "dedup"
     assert load_settings(root=tmp_path).keyframe_every == 10
-    cfg = tmp_path / "seed.toml"
+    cfg = tmp_path / "deepspeed-style.toml"
     cfg.write_text('[compression_config]\ntype = "diff"\nthreshold = 1e-4\nquantize = 8\n')
     assert load_settings(cfg).delta == {"type": "diff", "threshold": 1e-4, "quantize": 8}
     cfg.write_text('delta = "xor"\nkeyframe_every = 4\n[compression_config]\ntype = "diff"\n')
     s = load_settings(cfg)
-    assert (s.delta, s.keyframe_every) == ("xor", 4)  # an explicit delta wins over the seed's
+    assert (s.delta, s.keyframe_every) == ("xor", 4)  # an explicit delta wins
     monkeypatch.setenv("CKPT_DELTA", "false")
     assert load_settings(cfg).delta is False
     assert load_settings(cfg, delta={"quantize": 4}).delta == {"quantize": 4}

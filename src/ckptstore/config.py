@@ -26,8 +26,8 @@ The config file is TOML. Keys may sit at the top level or under a ``[ckptstore]`
     threshold = 1e-4                      # change below 1e-4 dropped; a full keyframe
     quantize = 8                          # every keyframe_every (10) saves
 
-The seed-style keys ``save_dir`` (hot), ``archive_dir`` (warm), ``keep_last`` and
-``save_interval`` are accepted at the top level too, and a seed ``[compression_config]``
+DeepSpeed-style config keys are accepted at the top level too: ``save_dir`` (hot),
+``archive_dir`` (warm), ``keep_last`` and ``save_interval``, and a ``[compression_config]``
 table (``type = "diff"``, ``threshold``, ``quantize``) is read as ``delta``. Credentials
 are never read from here: S3 uses the environment / AWS credential chain.
 """
@@ -177,7 +177,7 @@ _FLOAT_FIELDS = {"max_age_days", "cold_after_days"}
 
 
 def _flatten_file(data: dict[str, Any], source: Path) -> dict[str, Any]:
-    """Map the file's sections and seed-style aliases onto Settings field names."""
+    """Map the file's sections and DeepSpeed-style keys onto Settings field names."""
     if "ckptstore" in data and isinstance(data["ckptstore"], dict):
         data = {**data, **data.pop("ckptstore")}
     out: dict[str, Any] = {}
@@ -197,7 +197,7 @@ def _flatten_file(data: dict[str, Any], source: Path) -> dict[str, Any]:
         elif key == "archive_dir":
             out["warm"] = value
         elif key == "compression_config":
-            # The seed's name for the delta table; an explicit ``delta`` wins.
+            # The DeepSpeed-style name of the delta table; an explicit ``delta`` wins.
             out.setdefault("delta", value)
         elif key == "delta":
             out["delta"] = value

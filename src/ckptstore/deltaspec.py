@@ -100,10 +100,10 @@ def parse_delta(value: Any) -> DeltaSpec | None:
     """Turn the ``delta`` argument or setting into a :class:`DeltaSpec` (None: full saves).
 
     Accepted: ``False``/``None``/``"none"``/``"full"`` (no dedup), ``True``/``"dedup"``,
-    ``"xor"``, ``"lossy"`` (8-bit, default scope), or a mapping with ``mode`` (or the seed
-    config's ``type``: ``"diff"`` means lossy when ``threshold`` or ``quantize`` is given,
-    else xor), ``threshold``, ``quantize`` (8 or 4), ``scope`` (list of key patterns),
-    ``block`` and ``keyframe_every``.
+    ``"xor"``, ``"lossy"`` (8-bit, default scope), or a mapping with ``mode`` (or, from a
+    DeepSpeed-style ``[compression_config]`` table, ``type``: ``"diff"`` means lossy when
+    ``threshold`` or ``quantize`` is given, else xor), ``threshold``, ``quantize`` (8 or 4),
+    ``scope`` (list of key patterns), ``block`` and ``keyframe_every``.
 
     Raises:
         InvalidNameError: On an unknown mode, key or out-of-range value.

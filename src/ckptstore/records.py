@@ -12,15 +12,22 @@ from datetime import datetime
 from typing import Any
 
 __all__ = [
+    "TIER_ORDER",
     "Checkpoint",
     "CheckpointState",
     "Event",
+    "Lease",
     "Replica",
     "ReplicaState",
     "RunInfo",
     "UsageRow",
     "expected_digest",
 ]
+
+
+#: The standard tiers from fastest to slowest. A copy moves down this list (archive, demote,
+#: retention) and restore reads from the first tier holding a good copy.
+TIER_ORDER: tuple[str, ...] = ("hot", "warm", "cold")
 
 
 class CheckpointState(enum.StrEnum):
@@ -152,6 +159,23 @@ class Event:
     actor: str | None = None
     detail: dict[str, Any] = field(default_factory=dict)
     run: str | None = None
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A flow's time-limited claim on a checkpoint for one purpose.
+
+    Attributes:
+        checkpoint_id: The leased checkpoint.
+        purpose: What the lease is for (``retention``, ``archive:warm``, ``restore:hot``...).
+        owner: Who holds it (``host:pid:...`` of the holding process, or a flow run id).
+        expires_at: When it lapses unless its owner renews it (UTC).
+    """
+
+    checkpoint_id: str
+    purpose: str
+    owner: str
+    expires_at: datetime
 
 
 @dataclass(frozen=True)

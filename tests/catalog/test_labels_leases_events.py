@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from datetime import UTC, datetime
 
 import pytest
 
 from ckptstore.catalog import Catalog
 from ckptstore.errors import CheckpointNotFoundError, InvalidNameError
-from ckptstore.records import ReplicaState
+from ckptstore.records import Lease, ReplicaState
 
 
 def test_alias_moves_and_resolves(catalog: Catalog, save) -> None:
@@ -111,6 +112,54 @@ def test_lease_arguments(catalog: Catalog, save) -> None:
         catalog.acquire_lease(ck.id, "archive", "me", 0)
     with pytest.raises(InvalidNameError):
         catalog.acquire_lease(ck.id, "", "me", 10)
+
+
+def test_leases_listing(catalog: Catalog, save) -> None:
+    a, b, c = save("r", 1), save("r", 2), save("r", 3)
+    assert catalog.leases() == []
+    assert catalog.acquire_lease(a.id, "archive:warm", "flow-A", 60)
+    assert catalog.acquire_lease(a.id, "retention", "flow-B", 60)
+    assert catalog.acquire_lease(b.id, "retention", "flow-B", 60)
+    assert catalog.acquire_lease(c.id, "restore:hot", "flow-C", 0.3)
+    every = catalog.leases()
+    assert all(isinstance(lease, Lease) for lease in every)
+    by_key = {(lease.checkpoint_id, lease.purpose): lease.owner for lease in every}
+    assert by_key == {
+        (a.id, "archive:warm"): "flow-A",
+        (a.id, "retention"): "flow-B",
+        (b.id, "retention"): "flow-B",
+        (c.id, "restore:hot"): "flow-C",
+    }
+    assert [(x.checkpoint_id, x.purpose) for x in every] == sorted(by_key)
+    assert all(x.expires_at > datetime.now(UTC) for x in every)
+    on_a = catalog.leases(checkpoint_ids=[a.id])
+    assert [(x.purpose, x.owner) for x in on_a] == [
+        ("archive:warm", "flow-A"), ("retention", "flow-B")
+    ]
+    retention = catalog.leases(purpose="retention")
+    assert sorted(x.checkpoint_id for x in retention) == sorted([a.id, b.id])
+    assert [x.owner for x in catalog.leases(checkpoint_ids={b.id, c.id}, purpose="retention")] \
+        == ["flow-B"]
+    assert catalog.leases(checkpoint_ids=[]) == []
+    assert catalog.leases(checkpoint_ids=[str(uuid.uuid4())]) == []
+
+    time.sleep(0.4)
+    assert catalog.leases(checkpoint_ids=[c.id]) == []  # expired: not held any more
+    (stale,) = catalog.leases(checkpoint_ids=[c.id], include_expired=True)
+    assert (stale.purpose, stale.owner) == ("restore:hot", "flow-C")
+    assert stale.expires_at <= datetime.now(UTC)
+    assert catalog.release_lease(a.id, "retention", "flow-B")
+    assert [x.purpose for x in catalog.leases(checkpoint_ids=[a.id])] == ["archive:warm"]
+
+
+def test_leases_listing_arguments(catalog: Catalog, save) -> None:
+    ck = save("r", 1)
+    with pytest.raises(InvalidNameError, match="not a uuid"):
+        catalog.leases(checkpoint_ids=["r@latest"])
+    with pytest.raises(InvalidNameError, match="single string"):
+        catalog.leases(checkpoint_ids=ck.id)
+    with pytest.raises(InvalidNameError, match="lease purpose"):
+        catalog.leases(purpose="")
 
 
 def test_events(catalog: Catalog, save) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import uuid
 
 import pytest
 from sqlalchemy import event
@@ -88,6 +90,68 @@ def test_edges(catalog: Catalog, save) -> None:
         catalog.add_edge(src.id, src.id, "resumed-from")
     with pytest.raises(CheckpointNotFoundError):
         catalog.add_edge(src.id, "ghost@latest", "resumed-from")
+
+
+def test_edges_among_keeps_edges_with_both_ends_in_the_set(catalog: Catalog, save) -> None:
+    a, b, c, d = (save(run, 1) for run in ("a", "b", "c", "d"))
+    catalog.add_edge(a.id, b.id, "converted-from")
+    catalog.add_edge(b.id, c.id, "merged-from")
+    catalog.add_edge(a.id, d.id, "fine-tuned-from")
+    catalog.mark_deleting(d.id)
+    catalog.mark_deleted(d.id)  # edges outlive pruning
+    assert catalog.edges_among([a.id, b.id, c.id, d.id]) == [
+        (a.id, b.id, "converted-from"),
+        (b.id, c.id, "merged-from"),
+        (a.id, d.id, "fine-tuned-from"),
+    ]
+    assert catalog.edges_among({b.id, c.id}) == [(b.id, c.id, "merged-from")]
+    assert catalog.edges_among([a.id, c.id]) == []  # a -> b -> c: b is outside the set
+    assert catalog.edges_among([a.id.upper(), b.id]) == [(a.id, b.id, "converted-from")]
+    assert catalog.edges_among([]) == []
+    assert catalog.edges_among([str(uuid.uuid4())]) == []
+
+
+def test_edges_among_is_one_query(catalog: Catalog, save) -> None:
+    cks = [save("r", step) for step in range(6)]
+    for src, dst in itertools.pairwise(cks):
+        catalog.add_edge(src.id, dst.id, "converted-from")
+    statements: list[str] = []
+
+    def count(conn, cursor, statement, params, context, executemany) -> None:  # type: ignore[no-untyped-def]
+        if statement.lstrip().upper().startswith("SELECT"):
+            statements.append(statement)
+
+    event.listen(catalog.engine, "before_cursor_execute", count)
+    try:
+        assert len(catalog.edges_among(ck.id for ck in cks)) == 5
+    finally:
+        event.remove(catalog.engine, "before_cursor_execute", count)
+    assert len(statements) == 1, statements
+
+
+def test_edges_among_beyond_one_statement(
+    catalog: Catalog, save, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ckptstore.catalog.core as catalog_core
+
+    cks = [save("r", step) for step in range(5)]
+    catalog.add_edge(cks[0].id, cks[4].id, "merged-from")
+    catalog.add_edge(cks[1].id, cks[2].id, "converted-from")
+    # Ids fill several statements: an edge between two batches is still found.
+    monkeypatch.setattr(catalog_core, "MAX_BOUND_IDS", 2)
+    assert sorted(catalog.edges_among(ck.id for ck in cks)) == sorted([
+        (cks[0].id, cks[4].id, "merged-from"),
+        (cks[1].id, cks[2].id, "converted-from"),
+    ])
+    assert catalog.edges_among([cks[0].id, cks[2].id, cks[3].id]) == []
+
+
+def test_edges_among_refuses_what_is_not_an_id_list(catalog: Catalog, save) -> None:
+    ck = save("r", 1)
+    with pytest.raises(InvalidNameError, match="not a uuid"):
+        catalog.edges_among([ck.id, "r@latest"])
+    with pytest.raises(InvalidNameError, match="single string"):
+        catalog.edges_among(ck.id)
 
 
 def test_run_record(catalog: Catalog, save) -> None:

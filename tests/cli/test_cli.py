@@ -134,8 +134,8 @@ def test_convert_and_import(
         assert store.get("imported@latest").metrics == {"loss": 0.5}
     code, _, err = run(capsys, "-s", str(filled), "convert", "base@latest", "--codec", "zstd-3")
     assert code == 0, err
-    seed_out = tmp_path / "seed-out"
+    plain_out = tmp_path / "plain-out"
     code, _, err = run(capsys, "convert", "--input-dir", str(tmp_path), "--output-dir",
-                       str(seed_out), "--format", "pytorch")
+                       str(plain_out), "--format", "pytorch")
     assert code == 0, err
-    assert (seed_out / "state.pt").exists()
+    assert (plain_out / "state.pt").exists()

@@ -294,11 +294,11 @@ def test_parse_delta_rejects_bad_settings(value: Any) -> None:
         parse_delta(value)
 
 
-def test_parse_delta_accepts_seed_and_shorthands() -> None:
+def test_parse_delta_accepts_compression_config_and_shorthands() -> None:
     assert parse_delta(False) is None and parse_delta("full") is None
     assert parse_delta(True) == DeltaSpec("dedup") == parse_delta("dedup")
-    seed = parse_delta({"type": "diff", "threshold": 1e-4, "quantize": 8})
-    assert seed is not None and (seed.mode, seed.threshold, seed.quantize) == ("lossy", 1e-4, 8)
+    table = parse_delta({"type": "diff", "threshold": 1e-4, "quantize": 8})
+    assert table is not None and (table.mode, table.threshold, table.quantize) == ("lossy", 1e-4, 8)
     assert parse_delta({"type": "diff"}) == DeltaSpec("xor")
     scoped = parse_delta({"quantize": 4, "scope": ["optimizer/*", "model/*"]})
     assert scoped is not None and scoped.scope == ("optimizer/*", "model/*")

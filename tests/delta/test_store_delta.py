@@ -225,11 +225,8 @@ def test_cli_diff_and_compact(store: CheckpointStore, capsys: pytest.CaptureFixt
 
     import typer
 
-    from ckptstore.cli import delta_commands
     from ckptstore.cli.app import app
 
-    if "diff" not in {c.name for c in app.registered_commands}:
-        delta_commands.register(app)
     command = typer.main.get_command(app)
     state = make_state()
     store.save("run", 0, state, delta="xor")

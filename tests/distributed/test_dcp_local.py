@@ -297,8 +297,6 @@ def test_dcp_folders_import_and_regular_checkpoints_export(store: CheckpointStor
     assert torch.equal(target["model"]["w"], state["model"]["w"])
 
 
-@pytest.mark.skipif(not hasattr(CheckpointStore, "dcp_writer"),
-                    reason="store hooks for DCP not applied yet (see the report to the lead)")
 def test_store_entry_points(store: CheckpointStore) -> None:
     state = _state()
     with warnings.catch_warnings():
@@ -327,14 +325,6 @@ def test_index_sizes_stay_small(store: CheckpointStore) -> None:
     assert all(torch.equal(full[f"p{i}"], state[f"p{i}"]) for i in range(200))
 
 
-def _format_lists_extra_files() -> bool:
-    from ckptstore.format import verify as format_verify
-
-    return hasattr(format_verify, "extra_files")
-
-
-@pytest.mark.skipif(not _format_lists_extra_files(),
-                    reason="format hook for extra files not applied yet (see the report)")
 def test_archive_restore_round_trip_copies_the_dcp_layout(tmp_path: Path) -> None:
     from ckptstore.ops.archive import archive_checkpoints
     from ckptstore.ops.replicas import delete_replica
@@ -361,14 +351,6 @@ def test_archive_restore_round_trip_copies_the_dcp_layout(tmp_path: Path) -> Non
         assert any("c.0.0" in p for p in verify_checkpoint(directory, manifest, deep=False))
 
 
-def _convert_knows_dcp() -> bool:
-    from ckptstore.ops import convert
-
-    return hasattr(convert, "is_dcp_manifest")
-
-
-@pytest.mark.skipif(not _convert_knows_dcp(),
-                    reason="export hook for DCP-saved checkpoints not applied yet (see the report)")
 def test_export_of_a_dcp_saved_checkpoint(store: CheckpointStore, tmp_path: Path) -> None:
     from ckptstore.ops.convert import export_checkpoint
 

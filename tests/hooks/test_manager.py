@@ -138,7 +138,7 @@ def test_custom_prune_fn_and_on_commit_hooks_run_after_each_commit(
     pruned: list[str] = []
     committed: list[int] = []
     triggered: list[tuple[str, str]] = []
-    # The lead's store grows a `trigger(flow, checkpoint)`; emulate it on this instance only.
+    # Record triggers instead of starting flows (on this instance only).
     store.trigger = lambda flow, ck: triggered.append((flow, ck.ref))  # type: ignore[attr-defined]
     trainer = Trainer()
     with CheckpointManager(

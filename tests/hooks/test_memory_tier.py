@@ -3,7 +3,6 @@ fallback to the hot tier, and a restart after SIGKILL that never reads a hot chu
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import signal
@@ -18,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 
-from ckptstore.config import Settings
 from ckptstore.ops.memory import (
     MEMORY_TIER,
     MemoryLocation,
@@ -32,11 +30,6 @@ from ckptstore.ops.memory import (
 )
 from ckptstore.records import ReplicaState
 from ckptstore.store import CheckpointStore
-
-INTEGRATED = "memory_tier_bytes" in {f.name for f in dataclasses.fields(Settings)}
-needs_store_wiring = pytest.mark.skipif(
-    not INTEGRATED, reason="store.py/config.py memory-tier wiring not applied yet"
-)
 
 
 @pytest.fixture
@@ -70,8 +63,6 @@ def _equal(a: Any, b: Any) -> bool:
 
 def _save_staged(store: CheckpointStore, run: str, step: int, state: Any) -> Any:
     ck = store.save(run, step, state)
-    if not INTEGRATED:  # once store.save stages by itself this is a no-op re-stage
-        stage_after_commit(store, ck, state)
     return store.get(ck.id)
 
 
@@ -243,7 +234,6 @@ def test_memory_tier_is_off_by_default(store: CheckpointStore) -> None:
     assert ck.replica(MEMORY_TIER) is None
 
 
-@needs_store_wiring
 def test_store_wiring_stages_on_save_and_prefers_memory_on_load(
     tmp_path: Path, shm_root: Path
 ) -> None:
@@ -266,7 +256,6 @@ def test_pid_file_of_this_process_is_not_swept(store: CheckpointStore, shm_root:
     assert mine.exists()
 
 
-@needs_store_wiring
 def test_retention_prunes_checkpoints_with_memory_copies(
     tmp_path: Path, shm_root: Path
 ) -> None:

@@ -218,8 +218,6 @@ def test_a_delta_streams_its_own_chunks_when_its_base_is_hot(tiered: CheckpointS
                for rel in owned if "/c/" in rel)
 
 
-@pytest.mark.skipif(not hasattr(CheckpointStore, "load_progressive"),
-                    reason="store.py/manager.py progressive wiring not applied yet")
 def test_store_and_manager_entry_points(store: CheckpointStore) -> None:
     from ckptstore.hooks.manager import CheckpointManager
 

@@ -35,12 +35,8 @@ def filled_store(tmp_path: Path) -> Iterator[CheckpointStore]:
 
 @pytest.fixture
 def ckpt_cli() -> Callable[..., int]:
-    """``ckpt`` with the observe commands registered (until the lead wires them in)."""
-    from ckptstore.cli import observe_commands
-    from ckptstore.cli.app import app, main
-
-    if not any(c.name == "tiers" for c in app.registered_commands):
-        observe_commands.register(app)
+    """``ckpt`` as a function: arguments in, exit code out."""
+    from ckptstore.cli.app import main
 
     def run(*args: str) -> int:
         return main(list(args))

@@ -25,6 +25,16 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from ckptstore import CheckpointStore
+from ckptstore.convert.dcp_read import read_dcp
+from ckptstore.convert.directory import convert_directory
+from ckptstore.convert.readers import detect_format, load_pt, read_source
+from ckptstore.convert.safetensors import (
+    SafetensorsFileWriter,
+    TensorSpec,
+    hf_shard_names,
+    plan_shards,
+)
+from ckptstore.convert.writers import staged_output
 from ckptstore.errors import (
     ConflictError,
     IntegrityError,
@@ -33,19 +43,9 @@ from ckptstore.errors import (
 )
 from ckptstore.ops.convert import (
     convert_checkpoint,
-    convert_directory,
     export_checkpoint,
     import_checkpoint,
 )
-from ckptstore.ops.convert_dcp import read_dcp
-from ckptstore.ops.convert_readers import detect_format, load_pt, read_source
-from ckptstore.ops.convert_safetensors import (
-    SafetensorsFileWriter,
-    TensorSpec,
-    hf_shard_names,
-    plan_shards,
-)
-from ckptstore.ops.convert_writers import staged_output
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",
@@ -367,7 +367,7 @@ def test_dcp_export_loads_with_dcp(
     store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Small data files, so the export spreads over several (as big states do).
-    monkeypatch.setattr("ckptstore.ops.convert_dcp_write.DCP_FILE_BYTES", 4096)
+    monkeypatch.setattr("ckptstore.convert.dcp_write.DCP_FILE_BYTES", 4096)
     state = training_state()
     state["tied"] = state["model"]["enc.weight"]  # the same tensor twice
     state["pair"] = (1, torch.ones(2))             # a tensor inside a DCP "bytes" item
@@ -414,7 +414,7 @@ def test_convert_checkpoint_to_another_codec(store: CheckpointStore) -> None:
 
 
 # --------------------------------------------------------------------------- directories
-def test_convert_directory_seed_form(tmp_path: Path) -> None:
+def test_convert_directory_without_a_store(tmp_path: Path) -> None:
     src = tmp_path / "in"
     src.mkdir()
     state = training_state()

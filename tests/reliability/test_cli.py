@@ -10,13 +10,8 @@ from typing import Any
 
 import pytest
 
-from ckptstore.cli import reliability_commands
-from ckptstore.cli.app import app, main
+from ckptstore.cli.app import main
 from ckptstore.store import CheckpointStore
-
-if not any(c.name == "doctor" for c in app.registered_commands):
-    # Until the lead wires reliability_commands.register(app) into cli/app.py.
-    reliability_commands.register(app)
 
 
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

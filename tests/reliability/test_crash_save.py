@@ -17,7 +17,7 @@ from ckpt_reliability_checks import FULL, join, start_child
 
 from ckptstore.records import CheckpointState
 from ckptstore.store import CheckpointStore
-from ckptstore.testing.faults import kill_after
+from ckptstore.testing.fault_injection import kill_after
 
 SMALL = 6 * 1024 * 1024
 BIG = 100 * 1024 * 1024

@@ -21,7 +21,7 @@ from ckptstore.ops.replicas import tier_of
 from ckptstore.ops.verify import verify_replicas
 from ckptstore.records import CheckpointState, ReplicaState
 from ckptstore.store import CheckpointStore
-from ckptstore.testing.faults import flip_bit
+from ckptstore.testing.fault_injection import flip_bit
 
 NBYTES = 256 * 1024
 

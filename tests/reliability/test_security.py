@@ -117,7 +117,7 @@ def test_pickle_in_foreign_formats_never_runs(new_root: Any, procs: Any, w: Any,
             figures.add("bad_inputs")
 
 
-_ALLOWED_UNPICKLERS = {"convert_dcp.py"}  # restricted: find_class allows DCP metadata only
+_ALLOWED_UNPICKLERS = {"dcp_read.py"}  # restricted: find_class allows DCP metadata only
 
 
 def test_no_code_path_can_unpickle() -> None:
@@ -375,7 +375,7 @@ def test_credentials_never_leak(new_root: Any, s3: Any, tmp_path: Path, w: Any,
                                 figures: Any) -> None:
     from ckptstore.ops.archive import archive_checkpoints
     from ckptstore.ops.restore import restore_checkpoint
-    from ckptstore.testing.faults import FaultyProxy
+    from ckptstore.testing.fault_injection import FaultyProxy
 
     key_id = "AKIA" + uuid.uuid4().hex[:16].upper()
     secret = "SECRET" + uuid.uuid4().hex

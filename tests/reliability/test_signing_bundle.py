@@ -31,7 +31,7 @@ from ckptstore.ops.signing import (
     verify_signature,
 )
 from ckptstore.store import CheckpointStore
-from ckptstore.testing.faults import flip_bit
+from ckptstore.testing.fault_injection import flip_bit
 
 NBYTES = 256 * 1024
 

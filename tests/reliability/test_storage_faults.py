@@ -34,7 +34,13 @@ from ckptstore.records import CheckpointState, ReplicaState
 from ckptstore.storage import is_retryable
 from ckptstore.storage.transfer import owned_files
 from ckptstore.store import CheckpointStore
-from ckptstore.testing.faults import FaultyProxy, flip_bit, mount_tmpfs, short_reads, truncate_file
+from ckptstore.testing.fault_injection import (
+    FaultyProxy,
+    flip_bit,
+    mount_tmpfs,
+    short_reads,
+    truncate_file,
+)
 
 NBYTES = 3 * 1024 * 1024
 CHUNK = 512 * 1024

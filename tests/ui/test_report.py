@@ -34,11 +34,8 @@ class _Collector(HTMLParser):
 
 @pytest.fixture
 def ckpt_cli() -> Callable[..., int]:
-    from ckptstore.cli import observe_commands
-    from ckptstore.cli.app import app, main
+    from ckptstore.cli.app import main
 
-    if not any(c.name == "report" for c in app.registered_commands):
-        observe_commands.register(app)
     return lambda *args: main(list(args))
 
 

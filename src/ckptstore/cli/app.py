@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ckptstore.cli import delta_commands, observe_commands, ops_commands, reliability_commands
+from ckptstore.cli import deltas, overview, transfer, trust
 from ckptstore.cli.common import State, open_store, parse_where
 from ckptstore.cli.output import (
     LS_COLUMNS,
@@ -385,10 +385,10 @@ def db_history() -> None:
         console.print(line)
 
 
-ops_commands.register(app)
-reliability_commands.register(app)
-observe_commands.register(app)
-delta_commands.register(app)
+transfer.register(app)
+trust.register(app)
+overview.register(app)
+deltas.register(app)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

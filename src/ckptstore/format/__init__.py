@@ -9,7 +9,7 @@ Layout of a checkpoint directory::
     COMMITTED            the manifest's blake3 digest, written last (the commit point)
 
 Every array is plain Zarr v3 (``zarr.open_group(dir, mode="r")`` reads it); the manifest says
-which tensor lives where. See DESIGN.md, "The checkpoint format".
+which tensor lives where. The layout is specified in docs/FORMAT.md.
 """
 
 from __future__ import annotations

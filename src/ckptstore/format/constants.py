@@ -20,7 +20,7 @@ __all__ = [
     "ZARR_JSON",
 ]
 
-#: Version of the layout described in DESIGN.md; bumped on any incompatible change.
+#: Version of the layout described in docs/FORMAT.md; bumped on any incompatible change.
 FORMAT_VERSION = 1
 
 #: Chunk size the writer aims at. 8 MiB measured best for durable saves on the reference

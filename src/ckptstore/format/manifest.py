@@ -338,7 +338,7 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class Manifest:
-    """Index of one checkpoint. See DESIGN.md "The checkpoint format".
+    """Index of one checkpoint (``manifest.json``; the layout is specified in docs/FORMAT.md).
 
     Attributes:
         format_version: Layout version (:data:`~ckptstore.format.constants.FORMAT_VERSION`).

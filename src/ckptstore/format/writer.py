@@ -4,7 +4,7 @@ The hot path writes chunk files itself, at the keys zarr v3 uses, from the tenso
 memory: one task per chunk on a small thread pool, vectored writes of the tensor segments
 that fall in the chunk (no gathered copy when uncompressed), crc32c and blake3 computed on
 the way (both release the GIL), and early writeback so the final fsyncs find little to do.
-Going through zarr's own ``__setitem__`` measured ~2x slower (reference/performance.md).
+Going through zarr's own ``__setitem__`` measured ~2x slower.
 
 Durability order: chunks (fsynced) -> array/group ``zarr.json`` -> ``manifest.json`` ->
 directories -> ``COMMITTED``. A directory without ``COMMITTED`` is garbage for ``ckpt gc``;

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError
 from ckptstore.hooks.policies import AnyOf, EveryNSeconds, EveryNSteps, OnDemand, SavePolicy
 from ckptstore.ops.async_save import SaveHandle, saver_for
+from ckptstore.ops.retention import apply_retention
+from ckptstore.retention import RetentionPolicy
 
 if TYPE_CHECKING:
     from ckptstore.ops.progressive import ProgressiveLoad
@@ -60,27 +62,10 @@ def _default_prune(
     keep_last: int | None,
     keep_best: tuple[str, str, int] | None,
 ) -> None:
-    """Apply keep_last/keep_best to the run's hot tier with the retention engine, if present.
-
-    A no-op while ``ckptstore.ops.retention`` has no ``apply_retention`` (so the manager works
-    before the retention engine exists).
-    """
-    try:
-        import ckptstore.ops.retention as retention
-    except ImportError:
-        logger.debug("no retention engine: keeping every checkpoint of %s", run)
-        return
-    apply = getattr(retention, "apply_retention", None)
-    policy_cls = getattr(retention, "RetentionPolicy", None)
-    if policy_cls is None:
-        try:
-            from ckptstore.retention import RetentionPolicy as policy_cls
-        except ImportError:
-            policy_cls = None
-    if apply is None or policy_cls is None:
-        logger.debug("retention engine has no apply_retention: keeping every checkpoint")
-        return
-    apply(store, run=run, tier="hot", policy=policy_cls(keep_last=keep_last, keep_best=keep_best))
+    """Apply keep_last/keep_best to the run's hot tier with the retention engine."""
+    apply_retention(
+        store, run=run, tier="hot", policy=RetentionPolicy(keep_last=keep_last, keep_best=keep_best)
+    )
 
 
 class CheckpointManager:

@@ -49,9 +49,9 @@ import numpy as np
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from ckptstore.convert.readers import CONFIG_NAME, load_pt, read_hf
 from ckptstore.errors import CkptError, ConflictError, StorageError, UnsafeObjectError
 from ckptstore.names import validate_metric_name
-from ckptstore.ops.convert_readers import CONFIG_NAME, load_pt, read_hf
 
 if TYPE_CHECKING:
     from ckptstore.records import Checkpoint
@@ -342,12 +342,12 @@ class CkptStoreCallback(TrainerCallback):
         self.saved.append(ck)
         logger.info("ingested %s as %s", folder, ck.ref)
         if self.archive:
-            trigger = getattr(self.store, "trigger", None)
-            if callable(trigger):
-                try:
-                    trigger("archive", ck)
-                except Exception:
-                    logger.exception("could not trigger archiving of %s", ck.ref)
+            try:
+                self.store.trigger("archive", ck)
+            except Exception:
+                # The checkpoint is committed; a flow that cannot start must not fail the
+                # ingest (archiving can still run later: `ckpt archive` or its schedule).
+                logger.exception("could not trigger archiving of %s", ck.ref)
         if self.delete_folder:
             shutil.rmtree(folder, ignore_errors=True)
         return ck

@@ -387,7 +387,7 @@ class CkptStoreIO(CheckpointIO):
         """
         text = os.fspath(path)
         if os.path.isfile(text) and read_pointer(text) is None:
-            from ckptstore.ops.convert_readers import load_pt
+            from ckptstore.convert.readers import load_pt
 
             loaded = load_pt(Path(text))
             if not isinstance(loaded, dict):

@@ -17,15 +17,9 @@ from ckptstore.observability.memory import (
     fragmentation_sources,
     malloc_fragmentation,
 )
-from ckptstore.observability.metrics import (
-    OPS,
-    Metrics,
-    MetricsServer,
-    OperationTimer,
-    OpTotals,
-    dedup_bytes,
-    off_training_path,
-)
+from ckptstore.observability.metrics import OPS, Metrics, OpTotals, dedup_bytes
+from ckptstore.observability.serving import MetricsServer
+from ckptstore.observability.timing import OperationTimer, off_training_path
 
 __all__ = [
     "OPS",

@@ -1,7 +1,7 @@
 """Memory fragmentation of the process: glibc malloc on CPU, the caching allocator on CUDA.
 
-The seed's ``memory_fragmentation`` metric is the share of memory an allocator holds but does
-not hand out. What that means depends on the allocator:
+The ``memory_fragmentation`` metric is the share of memory an allocator holds but does not
+hand out. What that means depends on the allocator:
 
 * **CPU (glibc malloc)**: ``(arena - in_use) / arena`` from ``mallinfo2()``, read through
   ctypes: ``arena`` is the heap glibc obtained with brk/sbrk (all arenas), ``uordblks`` the part

@@ -1,5 +1,8 @@
 """The :class:`Metrics` recorder: one call per checkpoint operation, several outputs.
 
+Timing an operation is :mod:`ckptstore.observability.timing`; serving what was recorded over
+HTTP or as a textfile is :mod:`ckptstore.observability.serving`.
+
 An observation updates in-process totals (always), Prometheus instruments (when
 ``prometheus_client`` is installed), a TensorBoard event file (when attached and a step is
 given) and emits one structured log record on the ``ckptstore.operations`` logger (a JSON
@@ -17,35 +20,29 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import threading
-import time
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ckptstore.errors import ConfigError, InvalidNameError
 from ckptstore.observability.jsonlog import FIELDS_ATTR, configure_logging
 from ckptstore.observability.memory import fragmentation_sources
+from ckptstore.observability.serving import (
+    MetricsServer,
+    serve_registry,
+    write_registry_textfile,
+)
+from ckptstore.observability.timing import OperationTimer
 
 if TYPE_CHECKING:
     from ckptstore.observability.prom import PromInstruments
     from ckptstore.observability.tensorboard import TensorBoardSink
 
-__all__ = [
-    "OPS",
-    "Metrics",
-    "MetricsServer",
-    "OpTotals",
-    "OperationTimer",
-    "dedup_bytes",
-    "off_training_path",
-]
+__all__ = ["OPS", "Metrics", "OpTotals", "dedup_bytes"]
 
 logger = logging.getLogger(__name__)
 # A logger of its own, outside this module's name: operators filter or route the
@@ -55,26 +52,6 @@ ops_log = logging.getLogger("ckptstore.operations")
 #: Operations the recorder knows; anything else is a programming error.
 OPS = ("save", "load", "archive", "prune", "restore", "convert", "verify", "gc")
 _OPS = frozenset(OPS)
-_LOOPBACK = ("127.0.0.1", "::1", "localhost")
-# Set while an operation runs on a background thread on behalf of the training loop (the async
-# saver's worker): a "blocking" save there does not block training, so its wall time must not
-# be counted as blocked time.
-_OFF_PATH: ContextVar[bool] = ContextVar("ckpt_off_training_path", default=False)
-
-
-@contextlib.contextmanager
-def off_training_path() -> Iterator[None]:
-    """Mark operations in this block as not blocking the training loop.
-
-    The async saver wraps its background ``store.save`` in this, so ``timed(...,
-    blocking=True)`` inside records no blocked time; the saver reports the real blocked time
-    (staging) itself with :meth:`Metrics.observe_blocked`.
-    """
-    token = _OFF_PATH.set(True)
-    try:
-        yield
-    finally:
-        _OFF_PATH.reset(token)
 
 
 @dataclass
@@ -91,28 +68,6 @@ class OpTotals:
     bytes_deduplicated: int = 0
     last_seconds: float | None = None
     errors: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class MetricsServer:
-    """A running ``/metrics`` HTTP endpoint; stop it with :meth:`close`."""
-
-    host: str
-    port: int
-    _server: Any
-    _thread: threading.Thread
-
-    @property
-    def url(self) -> str:
-        """``http://host:port/metrics``."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
-
-    def close(self) -> None:
-        """Stop serving and release the port."""
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5.0)
 
 
 def dedup_bytes(manifest: Any) -> int:
@@ -471,24 +426,8 @@ class Metrics:
             ConfigError: If Prometheus export is unavailable.
             StorageError: If the port cannot be bound.
         """
-        from prometheus_client import start_http_server
-
-        from ckptstore.errors import StorageError
-
-        registry = self._registry()
-        try:
-            server, thread = start_http_server(port, addr=addr, registry=registry)
-        except OSError as exc:
-            raise StorageError(
-                exc.errno or 0,
-                f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}; "
-                "pick another port (or 0 for any free one)",
-            ) from exc
-        handle = MetricsServer(addr, int(server.server_port), server, thread)
+        handle = serve_registry(self._registry(), port, addr)
         self._servers.append(handle)
-        if addr not in _LOOPBACK:
-            logger.warning("metrics endpoint %s is reachable from other machines", handle.url)
-        logger.info("serving metrics on %s", handle.url)
         return handle
 
     def write_textfile(self, path: str | os.PathLike[str]) -> None:
@@ -501,19 +440,7 @@ class Metrics:
             ConfigError: If Prometheus export is unavailable.
             StorageError: If the file cannot be written.
         """
-        from prometheus_client import write_to_textfile
-
-        from ckptstore.errors import StorageError
-
-        registry = self._registry()
-        try:
-            write_to_textfile(os.fspath(path), registry)
-        except OSError as exc:
-            raise StorageError(
-                exc.errno or 0,
-                f"cannot write metrics textfile {path}: {exc.strerror or exc}; "
-                "check the directory exists and is writable",
-            ) from exc
+        write_registry_textfile(self._registry(), path)
 
     def close(self) -> None:
         """Stop metrics servers and flush/close TensorBoard (idempotent)."""
@@ -523,100 +450,3 @@ class Metrics:
         sink, self._tensorboard = self._tensorboard, None
         if sink is not None:
             sink.close()
-
-
-class OperationTimer:
-    """Times one operation; observed on exit with ``ok``/``error_type`` set from the outcome.
-
-    Attributes:
-        blocked_seconds: Set it to record the caller's blocked time (an async save sets the
-            staging time); with ``blocking=True`` it defaults to the wall time.
-    """
-
-    __slots__ = (
-        "_blocking",
-        "_metrics",
-        "_op",
-        "_run",
-        "_started",
-        "_step",
-        "_tier",
-        "blocked_seconds",
-        "bytes_deduplicated",
-        "bytes_logical",
-        "bytes_stored",
-        "bytes_transferred",
-    )
-
-    def __init__(
-        self,
-        metrics: Metrics,
-        op: str,
-        *,
-        run: str | None,
-        tier: str | None,
-        step: int | None,
-        blocking: bool,
-    ) -> None:
-        self._metrics = metrics
-        self._op = op
-        self._run = run
-        self._tier = tier
-        self._step = step
-        self._blocking = blocking
-        self._started = 0.0
-        self.blocked_seconds: float | None = None
-        self.bytes_logical = 0
-        self.bytes_stored = 0
-        self.bytes_transferred = 0
-        self.bytes_deduplicated = 0
-
-    def add(
-        self,
-        *,
-        bytes_logical: int = 0,
-        bytes_stored: int = 0,
-        bytes_transferred: int = 0,
-        bytes_deduplicated: int = 0,
-        step: int | None = None,
-    ) -> None:
-        """Add byte counts (and set the step if it became known inside the block)."""
-        self.bytes_logical += bytes_logical
-        self.bytes_stored += bytes_stored
-        self.bytes_transferred += bytes_transferred
-        self.bytes_deduplicated += bytes_deduplicated
-        if step is not None:
-            self._step = step
-
-    def __enter__(self) -> OperationTimer:
-        self._started = time.perf_counter()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        seconds = time.perf_counter() - self._started
-        blocked = self.blocked_seconds
-        if blocked is None and self._blocking and not _OFF_PATH.get():
-            blocked = seconds
-        try:
-            self._metrics.observe(
-                self._op,
-                seconds=seconds,
-                blocked_seconds=blocked,
-                bytes_logical=self.bytes_logical,
-                bytes_stored=self.bytes_stored,
-                bytes_transferred=self.bytes_transferred,
-                bytes_deduplicated=self.bytes_deduplicated,
-                run=self._run,
-                tier=self._tier,
-                step=self._step,
-                ok=exc_type is None,
-                error_type=None if exc_type is None else exc_type.__name__,
-            )
-        except Exception:  # recording must never replace the operation's own outcome
-            logger.warning("recording %s metrics failed", self._op, exc_info=True)
-

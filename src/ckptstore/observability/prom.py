@@ -19,10 +19,13 @@ ckptstore_staging_bytes_in_use      gauge       host memory held by async-save s
 ckptstore_flow_queue_depth          gauge       flows queued or running in the embedded runner
 ckptstore_compression_ratio         gauge       logical / stored bytes over this process's saves
 ckptstore_dedup_ratio               gauge       deduplicated / (stored + deduplicated) bytes
-checkpoint_save_time                gauge       seconds the last save took (seed name)
-io_throughput{op}                   gauge       bytes/s of the last operation (seed name)
-memory_fragmentation{source}        gauge       free share of allocator memory (seed name)
+checkpoint_save_time                gauge       seconds the last save took
+io_throughput{op}                   gauge       bytes/s of the last operation
+memory_fragmentation{source}        gauge       free share of allocator memory
 ==================================  ==========  ==========================================
+
+The last three keep their short names without the ``ckptstore_`` prefix: renaming a metric
+breaks every dashboard and alert that queries it.
 """
 
 from __future__ import annotations

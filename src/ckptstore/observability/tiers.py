@@ -20,7 +20,8 @@ from typing import Any
 
 from ckptstore.errors import CkptError, IntegrityError, StorageError
 from ckptstore.records import UsageRow
-from ckptstore.storage import LocalTier, S3Tier, Tier, scrub_secrets
+from ckptstore.storage import LocalTier, S3Tier, Tier, build_tiers, scrub_secrets
+from ckptstore.storage.factory import TierSettings
 
 __all__ = [
     "PROBE_PREFIX",
@@ -30,6 +31,7 @@ __all__ = [
     "probe_tier",
     "scan_tier",
     "tier_status",
+    "tier_statuses",
 ]
 
 logger = logging.getLogger(__name__)
@@ -327,3 +329,41 @@ def tier_status(
         catalog_bytes=sum(r.bytes for r in rows),
         probe=result,
     )
+
+
+def tier_statuses(
+    settings: TierSettings,
+    usage: Sequence[UsageRow] = (),
+    *,
+    listing: bool = True,
+    probe: bool = False,
+    probe_bytes: int | None = None,
+) -> list[TierStatus]:
+    """Check every configured tier (``ckpt tiers`` and the browser's tiers page).
+
+    The tiers are opened for this check and closed afterwards, so a probe never shares
+    connections or caches with a store's own tiers.
+
+    Args:
+        settings: The store's settings (tier URLs, storage options).
+        usage: The catalog's usage rows (``store.usage()``).
+        listing: Count objects and bytes by listing each tier.
+        probe: Also measure throughput with :func:`probe_tier`.
+        probe_bytes: Probe blob size (default by backend).
+
+    Returns:
+        One :class:`TierStatus` per configured tier, ``hot`` first; a tier's failures are
+        reported in its status.
+
+    Raises:
+        ConfigError: If a tier URL or the storage options are invalid.
+    """
+    tiers = build_tiers(settings)
+    try:
+        return [
+            tier_status(tier, usage, listing=listing, probe=probe, probe_bytes=probe_bytes)
+            for tier in tiers.values()
+        ]
+    finally:
+        for tier in tiers.values():
+            tier.close()

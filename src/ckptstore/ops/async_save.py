@@ -3,8 +3,8 @@
 ``AsyncSaver.submit`` blocks the training loop only while the state's tensors are copied into
 host staging buffers. The buffers come from a pool keyed by (key path, shape, dtype) and are
 reused across saves: copying into memory that is already faulted in runs at memcpy speed
-(6-10 GB/s on the reference machine) while copying into fresh pages runs at ~2 GB/s
-(reference/performance.md), so only the first save of a state pays for allocation.
+(6-10 GB/s on the 2-vCPU development VM) while copying into fresh pages is bound by page
+faults (~2 GB/s there), so only the first save of a state pays for allocation.
 
 Host memory is bounded by ``staging_budget_bytes``: the pool never holds more than the budget
 (buffers in use by unfinished saves plus idle buffers kept for reuse). When staging a state
@@ -43,7 +43,7 @@ import torch
 from ckptstore.core import StoreCore, StoreService
 from ckptstore.errors import CkptError, ConfigError
 from ckptstore.format import flatten_state
-from ckptstore.observability.metrics import off_training_path
+from ckptstore.observability.timing import off_training_path
 from ckptstore.ops.save import save_checkpoint
 from ckptstore.ops.staging import (
     BufferKey,

@@ -9,8 +9,9 @@
 * :func:`import_checkpoint` saves a ``.pt``/``.bin``, safetensors, hf or DCP input as a new
   checkpoint, never unpickling arbitrary objects.
 * :func:`convert_checkpoint` re-encodes a checkpoint with another codec as a new version.
-* :func:`convert_directory` converts plain files without any store (``ckpt convert
-  --input-dir D --output-dir O --format pytorch``).
+
+Files converted without any store (``ckpt convert --input-dir D --output-dir O``) and the
+readers and writers used here are in :mod:`ckptstore.convert`.
 
 Behaviour choices:
 
@@ -42,27 +43,24 @@ from typing import Any
 
 import torch
 
+from ckptstore.convert.dcp_write import TensorFeed, write_dcp
+from ckptstore.convert.directory import check_format
+from ckptstore.convert.readers import METADATA_KEY, read_source
+from ckptstore.convert.safetensors import TensorSpec, hf_name_map
+from ckptstore.convert.writers import staged_output, write_hf, write_pt, write_safetensors
 from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, InvalidNameError
 from ckptstore.format import Manifest, iter_tensors, unflatten_state
 from ckptstore.format.dcp.layout import is_dcp_manifest
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.tree import iter_tensor_refs, select_tree
-from ckptstore.ops.convert_dcp_write import TensorFeed, write_dcp
-from ckptstore.ops.convert_dir import DIRECTORY_FORMATS, check_format, convert_directory
-from ckptstore.ops.convert_readers import FORMATS, METADATA_KEY, read_source
-from ckptstore.ops.convert_safetensors import TensorSpec, hf_name_map
-from ckptstore.ops.convert_writers import staged_output, write_hf, write_pt, write_safetensors
 from ckptstore.ops.load import load_checkpoint
 from ckptstore.ops.replicas import manifest_of
 from ckptstore.ops.save import save_checkpoint
 from ckptstore.records import Checkpoint
 
 __all__ = [
-    "DIRECTORY_FORMATS",
-    "FORMATS",
     "convert_checkpoint",
-    "convert_directory",
     "export_checkpoint",
     "import_checkpoint",
 ]

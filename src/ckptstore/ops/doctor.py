@@ -193,21 +193,7 @@ class DoctorReport:
 # ---------------------------------------------------------------------- helpers
 def _live_leases(store: StoreCore) -> list[tuple[str, str, str]]:
     """``(checkpoint id, purpose, owner)`` of every unexpired lease."""
-    listing = getattr(store.catalog, "leases", None)
-    if callable(listing):
-        return [(str(row[0]), str(row[1]), str(row[2])) for row in listing()]
-    # No listing API on the catalog yet: one read-only query on its engine.
-    from sqlalchemy import select
-
-    from ckptstore.catalog.models import LeaseRow, utcnow
-
-    with store.catalog.engine.connect() as conn:
-        rows = conn.execute(
-            select(LeaseRow.checkpoint_id, LeaseRow.purpose, LeaseRow.owner).where(
-                LeaseRow.expires_at > utcnow()
-            )
-        ).all()
-    return [(str(cid), str(purpose), str(owner)) for cid, purpose, owner in rows]
+    return [(x.checkpoint_id, x.purpose, x.owner) for x in store.catalog.leases()]
 
 
 def _is_temp(name: str) -> bool:

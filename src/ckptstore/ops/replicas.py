@@ -32,7 +32,13 @@ from ckptstore.errors import (
 )
 from ckptstore.format import Manifest, read_manifest
 from ckptstore.format.manifest import parse_verified
-from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
+from ckptstore.records import (
+    TIER_ORDER,
+    Checkpoint,
+    CheckpointState,
+    ReplicaState,
+    expected_digest,
+)
 from ckptstore.storage import (
     COMMIT_NAME,
     MANIFEST_NAME,
@@ -41,7 +47,6 @@ from ckptstore.storage import (
 )
 
 __all__ = [
-    "TIER_ORDER",
     "ChunkId",
     "delete_replica",
     "dependents",
@@ -56,9 +61,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Tiers from fastest to slowest; restore reads from the first one holding a good copy.
-TIER_ORDER = ("hot", "warm", "cold")
 
 #: ``(owner checkpoint id, array name, chunk index)``: one chunk file on a tier.
 ChunkId = tuple[str, str, int]

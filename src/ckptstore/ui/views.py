@@ -337,25 +337,12 @@ def checkpoint_view(store: CheckpointStore, ckpt_id: str, links: Links) -> dict[
 # --------------------------------------------------------------------------- lineage
 def _all_edges(store: CheckpointStore, ids: Iterable[str]) -> list[tuple[str, str, str]]:
     """Derivation edges among ``ids`` (converted-from, merged-from...)."""
-    wanted = set(ids)
     try:
-        # One query instead of one per checkpoint; the catalog has no bulk method yet.
-        from sqlalchemy import select
-
-        from ckptstore.catalog.models import LineageEdgeRow as E
-
-        with store.catalog.engine.connect() as conn:
-            rows = conn.execute(select(E.src_id, E.dst_id, E.kind)).all()
-        return [(a, b, k) for a, b, k in rows if a in wanted and b in wanted]
-    except Exception:
-        logger.debug("bulk edge query failed; asking per checkpoint", exc_info=True)
-    found: set[tuple[str, str, str]] = set()
-    for cid in wanted:
-        try:
-            found.update(e for e in store.catalog.edges(cid) if e[0] in wanted and e[1] in wanted)
-        except CkptError:
-            continue
-    return sorted(found)
+        return store.catalog.edges_among(ids)
+    except CkptError:
+        # The graph still shows parent links and run lanes without the derivation edges.
+        logger.warning("derivation edges unavailable for the lineage graph", exc_info=True)
+        return []
 
 
 def lineage_view(
@@ -444,22 +431,14 @@ def tiers_view(store: CheckpointStore, links: Links, *, scan: bool = False) -> d
     Returns:
         ``{"usage", "tiers", "tiers_error", "scan"}``.
     """
-    from ckptstore.observability.tiers import tier_status
-    from ckptstore.storage import build_tiers
+    from ckptstore.observability.tiers import tier_statuses
 
     usage = store.usage()
-    statuses = []
-    tiers_error = None
+    tiers_error: str | None = None
     try:
-        tiers = build_tiers(store.settings)
+        statuses = tier_statuses(store.settings, usage, listing=scan)
     except CkptError as exc:
-        tiers, tiers_error = {}, str(exc)
-    try:
-        for tier in tiers.values():
-            statuses.append(tier_status(tier, usage, listing=scan))
-    finally:
-        for tier in tiers.values():
-            tier.close()
+        statuses, tiers_error = [], str(exc)
     return {
         "usage": [
             {"row": r, "href": links.run(r.run)} for r in usage

@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 #: Key in ``Manifest.extra`` listing every file the checkpoint owns beyond the packed arrays:
 #: ``[relative path, size, crc32c of the body or null]``, chunks first. The format's
-#: ``chunk_files`` / ``verify_checkpoint`` read it (see the hook in the report to the lead).
+#: ``chunk_files`` / ``verify_checkpoint`` read it, so copies and checks include these files.
 FILES_KEY = "files"
 
 

@@ -6,7 +6,7 @@ goes through an unpickler that only builds DCP's own metadata records, torch dty
 and paths, and non-tensor items are loaded with ``weights_only=True``. Tensor items already
 use ``weights_only=True`` in torch.
 
-Writing lives in :mod:`ckptstore.ops.convert_dcp_write`.
+Writing lives in :mod:`ckptstore.convert.dcp_write`.
 """
 
 from __future__ import annotations

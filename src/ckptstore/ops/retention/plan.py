@@ -1,4 +1,4 @@
-"""Retention on a store: plan which copies to delete per tier, then apply exactly that plan.
+"""Retention planning: which copies on one tier go, and why the others stay (read-only).
 
 The policy (:mod:`ckptstore.retention`) decides per checkpoint; this module turns decisions into
 actions on one tier, under the tier rules:
@@ -14,15 +14,10 @@ actions on one tier, under the tier rules:
   COMMITTED → DELETING → copies removed → DELETED, like ``save_total_limit``.
 * A copy that stays on a tier keeps its base's copy on that tier (deltas read their base's
   chunks from the same tier).
+* A checkpoint under another flow's live lease stays; rows and replicas left in DELETING by a
+  crashed apply are planned again, to be finished.
 
-Apply takes a ``retention`` lease per checkpoint, re-checks each action against the catalog
-(pins, aliases, other flows' leases, remaining copies) and skips what no longer holds; rows and
-replicas left in DELETING by a crash are finished by the next plan. Both are idempotent.
-
-Example:
-    >>> plan = plan_retention(store, RetentionPolicy(keep_last=3), run="run-a")  # doctest: +SKIP
-    >>> print(plan.render())                                                     # doctest: +SKIP
-    >>> report = apply_plan(store, plan)                                         # doctest: +SKIP
+:mod:`ckptstore.ops.retention.apply` executes a plan.
 """
 
 from __future__ import annotations
@@ -30,49 +25,29 @@ from __future__ import annotations
 import enum
 import heapq
 import logging
-import os
-import shutil
-import socket
-import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from ckptstore.core import StoreCore
-from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError, StorageError
-from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
-from ckptstore.retention import REASON_LEASED, CandidateInfo, Decision, RetentionPolicy
+from ckptstore.errors import ConfigError
+from ckptstore.records import TIER_ORDER, Checkpoint, CheckpointState, ReplicaState
+from ckptstore.retention import CandidateInfo, Decision, RetentionPolicy
 
 __all__ = [
-    "LEASE_PURPOSES",
-    "TIER_ORDER",
     "ActionKind",
     "PlannedAction",
     "PlannedKeep",
     "RetentionPlan",
-    "RetentionReport",
-    "apply_plan",
-    "apply_retention",
+    "human_size",
+    "later_copy_present",
+    "live_lease",
+    "other_copy_present",
     "plan_retention",
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Tiers from fastest to slowest; a copy moves down this list, never skipping a configured tier.
-TIER_ORDER: tuple[str, ...] = ("hot", "warm", "cold")
-
-#: Lease purposes other flows take on a checkpoint; any live one makes retention skip it. The
-#: operations qualify some by tier (``archive:warm``, ``restore:hot``).
-LEASE_PURPOSES: tuple[str, ...] = (
-    *(f"{verb}:{tier}" for verb in ("archive", "restore") for tier in TIER_ORDER),
-    "archive", "restore", "verify", "convert", "demote", "save", "prune", "retention",
-)
-
-#: Lease purpose and time-to-live used while deleting one checkpoint's copy.
-RETENTION_PURPOSE = "retention"
-LEASE_TTL_S = 600.0
 
 
 class ActionKind(enum.StrEnum):
@@ -118,7 +93,7 @@ class PlannedAction:
         if self.resume:
             what = "finish: " + what
         return (
-            f"{what:<38} {self.ref:<24} step {self.step:<10} {_human(self.bytes):>10}  "
+            f"{what:<38} {self.ref:<24} step {self.step:<10} {human_size(self.bytes):>10}  "
             f"{self.checkpoint_id}  ({'; '.join(self.reasons)})"
         )
 
@@ -183,7 +158,7 @@ class RetentionPlan:
         scope = f"run {self.run}" if self.run else "all runs"
         lines = [
             f"retention plan for tier {self.tier}, {scope}; policy: {self.policy.describe()}",
-            f"{len(self.actions)} action(s), {_human(self.bytes_to_free)} to free; "
+            f"{len(self.actions)} action(s), {human_size(self.bytes_to_free)} to free; "
             f"{len(self.kept)} copy(ies) kept",
         ]
         lines.extend(f"  {a.describe()}" for a in self.actions)
@@ -206,52 +181,6 @@ class RetentionPlan:
                 for k in self.kept
             ],
             "bytes_to_free": self.bytes_to_free,
-        }
-
-
-@dataclass
-class RetentionReport:
-    """What :func:`apply_plan` did.
-
-    Attributes:
-        plan: The plan it executed.
-        executed: Actions carried out, in order.
-        skipped: Actions not carried out because the catalog changed since planning
-            (action, reason): a new pin or alias, another flow's lease, a copy already gone.
-        failed: Actions that raised (action, error text); their rows stay DELETING and the next
-            run finishes them.
-        dry_run: True when nothing was executed on purpose.
-    """
-
-    plan: RetentionPlan
-    executed: list[PlannedAction] = field(default_factory=list)
-    skipped: list[tuple[PlannedAction, str]] = field(default_factory=list)
-    failed: list[tuple[PlannedAction, str]] = field(default_factory=list)
-    dry_run: bool = False
-
-    @property
-    def freed_bytes(self) -> int:
-        """Bytes freed by the executed actions."""
-        return sum(a.bytes for a in self.executed)
-
-    @property
-    def ok(self) -> bool:
-        """True when no action failed."""
-        return not self.failed
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able summary (flow results, ``ckpt prune --json``)."""
-        return {
-            "tier": self.plan.tier,
-            "run": self.plan.run,
-            "policy": self.plan.policy.to_dict(),
-            "dry_run": self.dry_run,
-            "planned": [a.to_dict() for a in self.plan.actions],
-            "executed": [a.to_dict() for a in self.executed],
-            "skipped": [{**a.to_dict(), "why": why} for a, why in self.skipped],
-            "failed": [{**a.to_dict(), "error": err} for a, err in self.failed],
-            "freed_bytes": self.freed_bytes,
-            "kept": len(self.plan.kept),
         }
 
 
@@ -309,7 +238,7 @@ def plan_retention(
         decision = decisions[ck.id]
         if replica.state == ReplicaState.DELETING:
             # A crashed apply already decided this copy goes; finish it if that stays safe.
-            if _other_present(ck, tier):
+            if other_copy_present(ck, tier):
                 actions[ck.id] = _action(ck, ActionKind.DELETE_REPLICA, tier, resume=True,
                                          reasons=("finish interrupted delete",))
             else:
@@ -317,7 +246,7 @@ def plan_retention(
             continue
         if decision.keep:
             keeps[ck.id] = list(decision.reasons)
-        elif _later_present(ck, tier):
+        elif later_copy_present(ck, tier):
             actions[ck.id] = _action(ck, ActionKind.DELETE_REPLICA, tier,
                                      reasons=decision.reasons)
         elif later_tier is not None:
@@ -422,33 +351,36 @@ def _decide_with_leases(
         ]
         if not newly:
             return decisions
-        for cid in newly:
-            checked.add(cid)
-            if _lease_holder(store, cid) is not None:
-                leased.add(cid)
-        if not leased.intersection(newly):
+        checked.update(newly)
+        now_leased = set(_leased(store, newly))
+        leased |= now_leased
+        if not now_leased:
             return decisions
     return decisions  # unreachable in practice: each round checks at least one new id
 
 
-def _lease_holder(store: StoreCore, ckpt_id: str, *, ignore: str | None = None) -> str | None:
+def live_lease(store: StoreCore, ckpt_id: str, *, ignore: str | None = None) -> str | None:
     """``purpose:owner`` of a live lease on the checkpoint held by anyone but ``ignore``."""
-    listing = getattr(store.catalog, "leases", None)
-    if callable(listing):
-        # One query when the catalog can list a checkpoint's live leases (any purpose).
-        for lease in listing(ckpt_id):
-            purpose, owner = lease[1], lease[2]
-            if owner != ignore:
-                return f"{purpose}:{owner}"
-        return None
-    for purpose in LEASE_PURPOSES:
-        holder = store.catalog.lease_holder(ckpt_id, purpose)
-        if holder is not None and holder != ignore:
-            return f"{purpose}:{holder}"
-    return None
+    held = _leased(store, [ckpt_id], ignore=ignore)
+    return held.get(ckpt_id)
 
 
-def _later_present(ck: Checkpoint, tier: str) -> bool:
+def _leased(
+    store: StoreCore, ckpt_ids: Iterable[str], *, ignore: str | None = None
+) -> dict[str, str]:
+    """``{checkpoint id: "purpose:owner"}`` for those of ``ckpt_ids`` under a live lease.
+
+    Any purpose counts: a lease means another flow works on the checkpoint now. Leases owned
+    by ``ignore`` (this retention run) do not count.
+    """
+    held: dict[str, str] = {}
+    for lease in store.catalog.leases(checkpoint_ids=ckpt_ids):
+        if lease.owner != ignore:
+            held.setdefault(lease.checkpoint_id, f"{lease.purpose}:{lease.owner}")
+    return held
+
+
+def later_copy_present(ck: Checkpoint, tier: str) -> bool:
     """Whether a verified PRESENT copy exists on a tier after ``tier`` in :data:`TIER_ORDER`."""
     rank = TIER_ORDER.index(tier)
     return any(
@@ -460,7 +392,7 @@ def _later_present(ck: Checkpoint, tier: str) -> bool:
     )
 
 
-def _other_present(ck: Checkpoint, tier: str) -> bool:
+def other_copy_present(ck: Checkpoint, tier: str) -> bool:
     """Whether a verified PRESENT copy exists on another tier."""
     return any(
         r.tier != tier and r.state == ReplicaState.PRESENT and r.verified_at is not None
@@ -597,200 +529,8 @@ def _newest_first(by_id: dict[str, Checkpoint]) -> Any:
     return key
 
 
-# ---------------------------------------------------------------------- applying
-def apply_plan(
-    store: StoreCore,
-    plan: RetentionPlan,
-    *,
-    owner: str | None = None,
-) -> RetentionReport:
-    """Execute exactly the actions of ``plan``, re-checking each one first.
-
-    Args:
-        store: The open store.
-        plan: A plan from :func:`plan_retention`.
-        owner: Lease owner name (default ``retention:<host>:<pid>:<random>``).
-
-    Returns:
-        The :class:`RetentionReport`. Failures are reported, not raised: rows stay DELETING
-        and the next run finishes them.
-    """
-    owner = owner or f"retention:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    report = RetentionReport(plan=plan)
-    for action in plan.actions:
-        if not store.catalog.acquire_lease(
-            action.checkpoint_id, RETENTION_PURPOSE, owner, LEASE_TTL_S
-        ):
-            holder = store.catalog.lease_holder(action.checkpoint_id, RETENTION_PURPOSE)
-            report.skipped.append((action, f"retention lease held by {holder}"))
-            continue
-        try:
-            ck, why_not = _precheck(store, action, owner)
-            if ck is None or why_not is not None:
-                report.skipped.append((action, why_not or "gone"))
-                logger.info("retention skipped %s: %s", action.ref, why_not)
-                continue
-            if action.kind == ActionKind.DELETE_CHECKPOINT:
-                _delete_checkpoint(store, action, owner, ck)
-            else:
-                _delete_replica(store, action, owner, ck)
-            report.executed.append(action)
-        except (CkptError, OSError) as exc:
-            logger.warning("retention failed on %s: %s", action.ref, exc, exc_info=True)
-            report.failed.append((action, f"{type(exc).__name__}: {exc}"))
-        finally:
-            store.catalog.release_lease(action.checkpoint_id, RETENTION_PURPOSE, owner)
-    logger.info(
-        "retention on %s: %d executed, %d skipped, %d failed, %s freed",
-        plan.tier, len(report.executed), len(report.skipped), len(report.failed),
-        _human(report.freed_bytes),
-    )
-    return report
-
-
-def _precheck(
-    store: StoreCore, action: PlannedAction, owner: str
-) -> tuple[Checkpoint | None, str | None]:
-    """The checkpoint, and why ``action`` must not run any more (None when it still holds)."""
-    try:
-        ck = store.catalog.get_any(action.checkpoint_id)
-    except CheckpointNotFoundError:
-        return None, "checkpoint row is gone"
-    return ck, _why_not(store, action, owner, ck)
-
-
-def _why_not(
-    store: StoreCore, action: PlannedAction, owner: str, ck: Checkpoint
-) -> str | None:
-    holder = _lease_holder(store, ck.id, ignore=owner)
-    if holder is not None:
-        return f"{REASON_LEASED} ({holder})"
-    if ck.state == CheckpointState.DELETED:
-        return "already deleted"
-    if action.resume and action.kind == ActionKind.DELETE_CHECKPOINT:
-        return None if ck.state == CheckpointState.DELETING else f"state is now {ck.state}"
-    if ck.state != CheckpointState.COMMITTED:
-        return f"state is now {ck.state}"
-    if ck.pinned:
-        return "pinned since planning"
-    if ck.aliases:
-        return f"aliased since planning ({', '.join(ck.aliases)})"
-    if action.kind == ActionKind.DELETE_REPLICA:
-        replica = ck.replica(action.tier)
-        if replica is None or replica.state == ReplicaState.DELETED:
-            return f"no {action.tier} copy any more"
-        if not (_other_present if action.resume else _later_present)(ck, action.tier):
-            return f"no verified copy of it remains on a later tier than {action.tier}"
-        return None
-    # Deleting the whole checkpoint: it must still not be the newest of its run.
-    try:
-        newest = store.catalog.latest(ck.run)
-    except CheckpointNotFoundError:
-        newest = None
-    if newest is not None and newest.id == ck.id:
-        return "it is the newest checkpoint of its run"
-    return None
-
-
-def _delete_checkpoint(
-    store: StoreCore, action: PlannedAction, owner: str, ck: Checkpoint
-) -> None:
-    from ckptstore.ops.replicas import delete_replica
-
-    if ck.state == CheckpointState.COMMITTED:
-        # The catalog refuses here too if a pin, alias or live delta appeared meanwhile.
-        ck = store.catalog.mark_deleting(ck.id)
-    for replica in ck.replicas:
-        if replica.state != ReplicaState.DELETED:
-            # force: the checkpoint itself is pruned, so its last copy goes too.
-            # keep_referenced: chunk files that kept checkpoints still read (dedup) stay;
-            # delete_replica frees them once their last reader is gone.
-            delete_replica(store, ck, replica.tier, actor=owner, force=True,
-                           keep_referenced=True)
-    if ck.replica("hot") is None:
-        # A hot directory can exist without a replica row (a crash between mkdir and the
-        # row). With a row, delete_replica owns the directory: it may hold chunk files
-        # that other checkpoints read, which must not be removed wholesale.
-        _remove_local_dir(store.checkpoint_dir(ck.run, ck.id))
-    store.catalog.mark_deleted(ck.id)
-    _record(store, action, owner)
-    logger.info("pruned checkpoint %s (%s): %s", action.ref, ck.id, "; ".join(action.reasons))
-
-
-def _delete_replica(
-    store: StoreCore, action: PlannedAction, owner: str, ck: Checkpoint
-) -> None:
-    from ckptstore.ops.replicas import delete_replica
-
-    # Not forced: delete_replica refuses the last verified copy. Chunk files other copies on
-    # the tier still read (dedup, delta bases) are kept, the rest goes.
-    delete_replica(store, ck, action.tier, actor=owner, keep_referenced=True)
-    _record(store, action, owner)
-    logger.info("pruned the %s copy of %s (%s)", action.tier, action.ref, ck.id)
-
-
-def _record(store: StoreCore, action: PlannedAction, owner: str) -> None:
-    store.catalog.record_event(
-        "pruned",
-        checkpoint_id=action.checkpoint_id,
-        actor=owner,
-        detail={
-            "action": str(action.kind),
-            "tier": action.tier,
-            "reasons": list(action.reasons),
-            "bytes": action.bytes,
-            "resume": action.resume,
-        },
-    )
-
-
-def _remove_local_dir(path: Path) -> None:
-    try:
-        # The commit marker goes first, so a half-deleted directory never looks committed.
-        (path / "COMMITTED").unlink(missing_ok=True)
-        shutil.rmtree(path)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise StorageError(
-            f"cannot delete {path}: {exc.strerror or exc}; check permissions and rerun retention "
-            "(the row stays DELETING until then)"
-        ) from exc
-
-
-def apply_retention(
-    store: StoreCore,
-    *,
-    run: str | None = None,
-    tier: str = "hot",
-    policy: RetentionPolicy | None = None,
-    dry_run: bool = False,
-    owner: str | None = None,
-) -> RetentionReport:
-    """Plan and (unless ``dry_run``) apply retention on one tier.
-
-    Args:
-        store: The open store.
-        run: Only this run (default: every run).
-        tier: ``hot``, ``warm`` or ``cold``.
-        policy: The policy (default from the settings).
-        dry_run: Only plan; ``report.plan.render()`` shows what a real run would execute.
-        owner: Lease owner name.
-
-    Returns:
-        The :class:`RetentionReport` (``dry_run=True`` with nothing executed for a dry run).
-
-    Raises:
-        ConfigError: If the tier is not configured.
-        CheckpointNotFoundError: If ``run`` does not exist.
-    """
-    plan = plan_retention(store, policy, run=run, tier=tier)
-    if dry_run:
-        return RetentionReport(plan=plan, dry_run=True)
-    return apply_plan(store, plan, owner=owner)
-
-
-def _human(n: int) -> str:
+def human_size(n: int) -> str:
+    """``n`` bytes for people: ``512 B``, ``1.5 MiB``."""
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if size < 1024 or unit == "TiB":

@@ -24,9 +24,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from ckptstore.convert.dcp_read import unwrap_dcp_error
+from ckptstore.convert.heap import trim_heap
 from ckptstore.errors import CkptError, IntegrityError, StorageError
-from ckptstore.ops.convert_dcp import unwrap_dcp_error
-from ckptstore.ops.convert_memory import trim_heap
 
 __all__ = ["DCP_FILE_BYTES", "TensorFeed", "write_dcp"]
 

@@ -1,4 +1,5 @@
-"""CLI commands that look at the store: ``ckpt tiers``, ``ckpt ui`` and ``ckpt report``.
+"""CLI commands that give an overview of the store: the health of its tiers (``ckpt tiers``),
+the catalog browser (``ckpt ui``) and its static report (``ckpt report``).
 
 None of them changes the catalog. ``tiers --probe`` writes and deletes one probe blob per
 tier under ``.ckpt-probe/``.
@@ -46,28 +47,18 @@ def tiers_cmd(
     With --probe, each rate is flagged against what the tier's role needs (hot > 1 GB/s,
     archive > 100 MB/s). Exits with 1 when a tier is unreachable.
     """
-    from ckptstore.observability.tiers import tier_status
-    from ckptstore.storage import build_tiers
+    from ckptstore.observability.tiers import tier_statuses
 
     if probe_mib is not None and not 1 <= probe_mib <= 4096:
         raise InvalidNameError(f"--probe-mib must be between 1 and 4096, got {probe_mib}")
     with open_store(ctx) as store:
-        usage = store.usage()
-        tiers = build_tiers(store.settings)
-        try:
-            statuses = [
-                tier_status(
-                    tier,
-                    usage,
-                    listing=True,
-                    probe=probe,
-                    probe_bytes=probe_mib * 2**20 if probe_mib else None,
-                )
-                for tier in tiers.values()
-            ]
-        finally:
-            for tier in tiers.values():
-                tier.close()
+        statuses = tier_statuses(
+            store.settings,
+            store.usage(),
+            listing=True,
+            probe=probe,
+            probe_bytes=probe_mib * 2**20 if probe_mib else None,
+        )
     healthy = all(s.reachable for s in statuses)
     if as_json:
         print_json([s.to_dict() for s in statuses])

@@ -1,7 +1,7 @@
 """Convert plain checkpoint files without a store: ``ckpt convert --input-dir D --output-dir O``.
 
 Each source (a ``.pt``/``.pth``/``.bin`` or ``.safetensors`` file, a DCP folder, a Hugging
-Face folder) is read whole with the safe readers of :mod:`ckptstore.ops.convert_readers`,
+Face folder) is read whole with the safe readers of :mod:`ckptstore.convert.readers`,
 then written as ``pt``, safetensors (with the state's skeleton, so nesting survives) or an
 hf folder. Unlike a store export this holds one source's state in memory at a time
 (``.pt`` inputs are memory-mapped).
@@ -16,18 +16,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptstore.errors import InvalidNameError
-from ckptstore.format.flatten import flatten_state
-from ckptstore.ops.convert_dcp import is_dcp_dir
-from ckptstore.ops.convert_readers import (
+from ckptstore.convert.dcp_read import is_dcp_dir
+from ckptstore.convert.readers import (
     FORMATS,
     METADATA_KEY,
     PT_SUFFIXES,
     is_hf_dir,
     read_source,
 )
-from ckptstore.ops.convert_safetensors import HF_INDEX_NAME, TensorSpec, hf_name_map
-from ckptstore.ops.convert_writers import staged_output, write_hf, write_pt, write_safetensors
+from ckptstore.convert.safetensors import HF_INDEX_NAME, TensorSpec, hf_name_map
+from ckptstore.convert.writers import staged_output, write_hf, write_pt, write_safetensors
+from ckptstore.errors import InvalidNameError
+from ckptstore.format.flatten import flatten_state
 
 __all__ = ["DIRECTORY_FORMATS", "check_format", "convert_directory"]
 

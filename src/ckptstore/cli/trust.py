@@ -1,8 +1,8 @@
 """CLI commands for trust and repair: doctor, sign, verify-signature, export, import-bundle,
 keygen.
 
-Each calls one plain function of :mod:`ckptstore.ops` (doctor, signing, bundle). Wire them
-into the app with ``reliability_commands.register(app)``.
+Each parses its options, calls :mod:`ckptstore.ops` (doctor, signing, bundle) and prints the
+result.
 """
 
 from __future__ import annotations

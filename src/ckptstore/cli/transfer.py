@@ -1,7 +1,9 @@
-"""CLI commands that move data: archive, prune, restore, verify, convert, import, serve.
+"""CLI commands that move checkpoint data: between tiers (archive, prune, restore, verify),
+in and out of other formats (convert, import), and on a schedule (serve).
 
-Each calls the plain business function in :mod:`ckptstore.ops` directly (no Prefect needed);
-``ckpt serve`` is the one command that runs the flows under a Prefect server.
+Each parses its options, calls one function of :mod:`ckptstore.ops` (or
+:mod:`ckptstore.convert` for files outside any store) and prints the result; no Prefect is
+needed. ``ckpt serve`` is the one command that runs the flows under a Prefect server.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import typer
 
 from ckptstore.cli.common import open_store, progress_bar, spinner
 from ckptstore.cli.output import console, err_console, human_bytes, print_json
-from ckptstore.errors import ConfigError, InvalidNameError
+from ckptstore.errors import InvalidNameError
 
 __all__ = ["register"]
 
@@ -61,11 +63,6 @@ def archive_cmd(
         check_codec(reencode)  # before opening anything: nothing is copied with a typo
     with open_store(ctx) as store:
         reencode = reencode or store.settings.archive_codec
-        if tier not in store.settings.tier_urls():
-            raise ConfigError(
-                f"tier {tier!r} is not configured; set `warm = \"s3://bucket/prefix\"` under "
-                "[tiers] in the config file (or CKPT_WARM)"
-            )
         with progress_bar("archiving", None, enabled=not as_json) as advance:
             report = archive_checkpoints(
                 store, run=run, ref=ref, tier=tier, reencode=reencode, progress=advance
@@ -244,7 +241,8 @@ def convert_cmd(
 
     safetensors, hf and dcp stream one tensor at a time (memory stays bounded); pt needs the
     whole state in memory because torch.save does.
-    Seed form: `ckpt convert --input-dir D --output-dir O --format pytorch`.
+    Without a store, convert every checkpoint file in a folder:
+    `ckpt convert --input-dir D --output-dir O --format pytorch`.
     """
     from ckptstore.ops import convert
 
@@ -254,7 +252,9 @@ def convert_cmd(
     if input_dir is not None:
         if output_dir is None:
             raise InvalidNameError("--input-dir needs --output-dir")
-        outputs = convert.convert_directory(input_dir, output_dir, fmt)
+        from ckptstore.convert.directory import convert_directory
+
+        outputs = convert_directory(input_dir, output_dir, fmt)
         for path in outputs:
             console.print(f"wrote {path}")
         return
@@ -362,7 +362,7 @@ def serve_cmd(
 
 
 def register(app: typer.Typer) -> None:
-    """Add the data-moving commands to the ``ckpt`` app."""
+    """Add archive, prune, restore, verify, convert, import and serve to the ``ckpt`` app."""
     app.command("archive")(archive_cmd)
     app.command("prune")(prune_cmd)
     app.command("restore")(restore_cmd)

@@ -1,4 +1,5 @@
-"""CLI commands for incremental checkpoints: ``ckpt diff A B`` and ``ckpt compact REF``."""
+"""CLI commands for incremental checkpoints: what changed between two checkpoints
+(``ckpt diff A B``) and rewriting a delta as a full checkpoint (``ckpt compact REF``)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Nothing here executes pickled code: ``.pt``/``.bin`` files are loaded with
 ``torch.load(weights_only=True)`` passed explicitly, which torch honours even when
 ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` is set; safetensors files hold no pickle at all; DCP
-folders go through :mod:`ckptstore.ops.convert_dcp`.
+folders go through :mod:`ckptstore.convert.dcp_read`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ckptstore.convert.dcp_read import is_dcp_dir, read_dcp
+from ckptstore.convert.safetensors import HF_INDEX_NAME
 from ckptstore.errors import (
     ConfigError,
     IntegrityError,
@@ -27,8 +29,6 @@ from ckptstore.errors import (
 )
 from ckptstore.format.flatten import unflatten_state
 from ckptstore.format.tree import validate_tree
-from ckptstore.ops.convert_dcp import is_dcp_dir, read_dcp
-from ckptstore.ops.convert_safetensors import HF_INDEX_NAME
 
 __all__ = [
     "CONFIG_NAME",

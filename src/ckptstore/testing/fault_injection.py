@@ -1,6 +1,8 @@
 """Fault injection for the reliability suite: a throttling S3 proxy, process killers, damage.
 
-Every helper injects a real fault into real components (no mocks of our own code):
+Every helper injects a real fault into real components (no mocks of our own code). The
+named kill points that shipped code passes through are :mod:`ckptstore.faultpoints`; this
+module is only for tests and benchmarks.
 
 * :class:`FaultyProxy`: a loopback HTTP proxy in front of an S3 endpoint (moto) that answers
   ``503 SlowDown`` for a configurable share of requests, can apply a request and still answer

@@ -20,10 +20,9 @@ from typing import Any
 
 import torch
 
-from ckptstore.errors import CkptError, ConflictError, StorageError
-from ckptstore.ops.convert_memory import trim_heap
-from ckptstore.ops.convert_readers import CONFIG_NAME
-from ckptstore.ops.convert_safetensors import (
+from ckptstore.convert.heap import trim_heap
+from ckptstore.convert.readers import CONFIG_NAME
+from ckptstore.convert.safetensors import (
     HF_INDEX_NAME,
     SafetensorsFileWriter,
     TensorSpec,
@@ -31,6 +30,7 @@ from ckptstore.ops.convert_safetensors import (
     hf_shard_names,
     plan_shards,
 )
+from ckptstore.errors import CkptError, ConflictError, StorageError
 
 __all__ = ["staged_output", "write_hf", "write_pt", "write_safetensors"]
 
