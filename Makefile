@@ -39,7 +39,7 @@ lint: $(STAMP)
 	bash scripts/lint-imports.sh
 
 test: $(STAMP) services browser lint
-	@if docker compose version >/dev/null 2>&1; then docker compose config -q && echo "docker-compose.yml: valid"; else echo "docker compose not installed: docker-compose.yml checked by tests/test_compose.py only"; fi
+	@if docker compose version >/dev/null 2>&1; then docker compose config -q && echo "docker-compose.yml: valid"; else echo "docker compose not installed: docker-compose.yml checked by tests/test_compose.py and run as processes by tests/deploy/test_stack.py"; fi
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 demo: $(STAMP)

@@ -1,7 +1,8 @@
 """Session-wide test settings.
 
 Prefect reads its settings at import, so its home and noise settings are fixed here, before
-any test module imports it. Flow tests share one harness in tests/flows/conftest.py.
+any test module imports it. Flow tests share one harness in tests/flows/conftest.py; the tests
+that need a real ``prefect server start`` share the session's ``real_prefect_server``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,24 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 for _var in ("CKPT_CONFIG", "CKPT_ROOT", "CKPT_CATALOG_URL", "CKPT_FAULT_POINT"):
     os.environ.pop(_var, None)
+
+
+@pytest.fixture(scope="session")
+def real_prefect_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, dict[str, str]]]:
+    """One real ``prefect server start`` on loopback for every test that needs one (~30 s to
+    start on 2 cores; tests/flows and tests/deploy share it): ``(api_url, env)``, see
+    ``server_support.prefect_server``."""
+    import sys
+
+    helpers = str(Path(__file__).parent / "flows")
+    if helpers not in sys.path:
+        sys.path.insert(0, helpers)
+    from server_support import prefect_server
+
+    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as server:
+        yield server
 
 
 @pytest.fixture

@@ -44,22 +44,6 @@ def prefect_harness() -> Iterator[None]:
         yield
 
 
-@pytest.fixture(scope="session")
-def real_prefect_server(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[str, dict[str, str]]]:
-    """One real ``prefect server start`` on loopback for every test that needs one (~30 s to
-    start on 2 cores): ``(api_url, env)``, see ``server_support.prefect_server``."""
-    import sys
-
-    if str(Path(__file__).parent) not in sys.path:
-        sys.path.insert(0, str(Path(__file__).parent))
-    from server_support import prefect_server
-
-    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as server:
-        yield server
-
-
 @pytest.fixture
 def flow_store(tmp_path: Path) -> Iterator[CheckpointStore]:
     """An embedded store whose root a flow can reopen from a plain path."""

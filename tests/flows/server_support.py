@@ -1,7 +1,8 @@
 """Helpers for the tests that run a real ``prefect server start`` (and workers) on 127.0.0.1.
 
-Shared by test_deployments.py and test_scaleout.py. Not a conftest: the tests import it by
-putting this directory on ``sys.path`` (pytest runs with ``--import-mode=importlib``).
+Shared by test_deployments.py, test_scaleout.py and tests/deploy/test_stack.py. Not a
+conftest: the tests import it by putting this directory on ``sys.path`` (pytest runs with
+``--import-mode=importlib``).
 Every process started here gets its own process group, so :func:`stop` ends it with its
 children (a Prefect worker's flow-run subprocesses, the server's services).
 """
@@ -19,8 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = [
+    "SERVER_SCRIPT",
     "free_port",
     "prefect_server",
+    "script_env",
     "stop",
     "wait_http",
 ]
@@ -70,9 +73,22 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes]) -> None:
     raise AssertionError(f"{url} did not answer within {timeout}s")
 
 
+#: The stack's entry point for the server (docker-compose.yml runs the same script).
+SERVER_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "stack" / "prefect-server.sh"
+
+
+def script_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default this process's environment) with this interpreter's ``bin/`` first on
+    PATH, so the stack scripts' ``ckpt`` / ``prefect`` / ``python`` are the tested ones."""
+    env = dict(os.environ if base is None else base)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
 @contextlib.contextmanager
 def prefect_server(home: Path, *, startup_s: float = 120) -> Iterator[tuple[str, dict[str, str]]]:
-    """Run ``prefect server start`` on a free loopback port with its own PREFECT_HOME.
+    """Run ``prefect server start`` through scripts/stack/prefect-server.sh on a free loopback
+    port with its own PREFECT_HOME.
 
     Args:
         home: PREFECT_HOME of the server (its SQLite database lives there).
@@ -90,10 +106,14 @@ def prefect_server(home: Path, *, startup_s: float = 120) -> Iterator[tuple[str,
         "PREFECT_LOGGING_LEVEL": "WARNING",
     }
     env.pop("PREFECT_API_URL", None)
+    # Where it listens comes from Prefect's own settings, as in docker-compose.yml.
+    server_env = script_env(
+        {**env, "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port)}
+    )
     server = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-         "--port", str(port)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [str(SERVER_SCRIPT)],
+        env=server_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         api = f"http://127.0.0.1:{port}/api"
