@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "COMMIT_NAME",
+    "COMMIT_TMP_NAME",
     "DEFAULT_CHUNK_BYTES",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
@@ -36,6 +37,8 @@ MAX_CHUNK_BYTES = 1024 * 1024 * 1024
 ZARR_JSON = "zarr.json"
 MANIFEST_NAME = "manifest.json"
 COMMIT_NAME = "COMMITTED"
+#: The marker's temporary name while it is written (then hard-linked to COMMIT_NAME).
+COMMIT_TMP_NAME = COMMIT_NAME + ".tmp"
 
 #: Limits applied to manifests read from disk: they may be hostile, and parsing must stay
 #: cheap and bounded.

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptstore.durable import storage_error
 from ckptstore.errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
@@ -36,7 +37,7 @@ from ckptstore.format.codecs import codec_spec
 from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.flatten import rebuild_state
-from ckptstore.format.fsio import populate_write, storage_error
+from ckptstore.format.fsio import populate_write
 from ckptstore.format.gcpause import without_gc
 from ckptstore.format.keys import render_path
 from ckptstore.format.manifest import (

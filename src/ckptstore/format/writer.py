@@ -31,6 +31,7 @@ import blake3
 import numpy as np
 import torch
 
+from ckptstore.durable import fsync_dir, fsync_file, storage_error, write_new_file
 from ckptstore.errors import (
     CkptError,
     IntegrityError,
@@ -49,7 +50,6 @@ from ckptstore.format.codecs import (
     max_encoded_size,
 )
 from ckptstore.format.constants import (
-    COMMIT_NAME,
     DEFAULT_CHUNK_BYTES,
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -66,15 +66,7 @@ from ckptstore.format.delta import (
     xor_into,
 )
 from ckptstore.format.flatten import flatten_state
-from ckptstore.format.fsio import (
-    create_exclusive,
-    fsync_dir,
-    fsync_path,
-    start_writeback,
-    storage_error,
-    write_file_durable,
-    writev_all,
-)
+from ckptstore.format.fsio import create_exclusive, start_writeback, writev_all
 from ckptstore.format.gcpause import without_gc
 from ckptstore.format.layout import ArrayPlan, chunk_span, plan_layout
 from ckptstore.format.manifest import (
@@ -89,6 +81,7 @@ from ckptstore.format.manifest import (
     manifest_digest,
     remember_manifest,
 )
+from ckptstore.format.marker import write_marker
 from ckptstore.format.zarrmeta import build_metadata
 
 __all__ = ["PHASES", "write_checkpoint", "write_chunk_file"]
@@ -193,7 +186,7 @@ def write_checkpoint(
     fault("chunks_written")
 
     for rel, data in docs.items():
-        _durable(directory / rel, data)
+        write_new_file(directory / rel, data)
     fault("metadata_written")
 
     manifest = _build_manifest(
@@ -212,16 +205,16 @@ def write_checkpoint(
         delta=_delta_info(delta, depth, chunk_writer.errors),
     )
     manifest_bytes = manifest.to_json()
-    _durable(directory / MANIFEST_NAME, manifest_bytes)
+    write_new_file(directory / MANIFEST_NAME, manifest_bytes)
     for plan in plans.values():
-        _fsync_dir(directory / plan.name / "c")
-        _fsync_dir(directory / plan.name)
-    _fsync_dir(directory)
-    _fsync_dir(directory.parent)
+        fsync_dir(directory / plan.name / "c")
+        fsync_dir(directory / plan.name)
+    fsync_dir(directory)
+    fsync_dir(directory.parent)
     fault("manifest_written")
 
     digest = manifest_digest(manifest_bytes)
-    _commit(directory, digest)
+    write_marker(directory, digest)
     # The next save's base lookup and a load of this checkpoint read these same bytes.
     remember_manifest(manifest, digest)
     logger.info(
@@ -317,40 +310,6 @@ def _make_dirs(directory: Path, plans: dict[str, ArrayPlan]) -> None:
             path.mkdir(parents=True)
         except OSError as exc:
             raise storage_error(path, "create directory", exc) from exc
-
-
-def _durable(path: Path, data: bytes) -> None:
-    try:
-        write_file_durable(path, data)
-    except OSError as exc:
-        raise storage_error(path, "write", exc) from exc
-
-
-def _commit(directory: Path, digest: str) -> None:
-    """Publish the marker atomically: a crash or a full disk never leaves a partial one.
-
-    The marker is written and fsynced under a temporary name, then hard-linked to its final
-    name (``link`` fails rather than overwrite, unlike ``rename``).
-    """
-    tmp = directory / f"{COMMIT_NAME}.tmp"
-    final = directory / COMMIT_NAME
-    _durable(tmp, (digest + "\n").encode("ascii"))
-    try:
-        os.link(tmp, final)
-    except OSError as exc:
-        raise storage_error(final, "create commit marker", exc) from exc
-    try:
-        os.unlink(tmp)
-    except OSError as exc:  # the checkpoint is committed; a stray temp file is harmless
-        logger.warning("cannot remove %s: %s", tmp, exc)
-    _fsync_dir(directory)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fsync_dir(path)
-    except OSError as exc:
-        raise storage_error(path, "fsync directory", exc) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -454,7 +413,7 @@ class _ChunkWriter:
                     if progress is not None:
                         progress(done.logical)
                 # Writeback of every file is already under way; these mostly just wait.
-                for _ in pool.map(_fsync_chunk, written):
+                for _ in pool.map(fsync_file, written):
                     pass
             except BaseException:
                 # Stop queued chunks; running ones finish before the pool closes, so no write
@@ -658,13 +617,6 @@ class _ChunkWriter:
         nbytes = sum(len(seg) for seg in segments) + TRAILER.size
         entry = ChunkEntry(index, nbytes, crc, hasher.hexdigest(), None)
         return _Written(entry, path, logical)
-
-
-def _fsync_chunk(path: Path) -> None:
-    try:
-        fsync_path(path)
-    except OSError as exc:
-        raise storage_error(path, "fsync", exc) from exc
 
 
 def _build_manifest(

@@ -36,6 +36,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 from ckptstore.core import StoreCore
+from ckptstore.durable import fsync_fd, fsync_tree, rename_into_place
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptError,
@@ -160,9 +161,7 @@ def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str]) -
             for rel in files:
                 with open(directory / rel, "rb") as fh:
                     _tar_add(tar, _PREFIX + rel, fh, sizes[rel], mtime)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, out)
+        rename_into_place(tmp, out)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise StorageError(exc.errno or 5, f"cannot write bundle {out}: {exc.strerror or exc}; "
@@ -372,18 +371,9 @@ def _write_member(tar: tarfile.TarFile, info: tarfile.TarInfo, target: Path) -> 
                     written = os.write(fd, view)
                     view = view[written:]
                 remaining -= len(block)
-        os.fsync(fd)
+        fsync_fd(fd, target)
     finally:
         os.close(fd)
-
-
-def _fsync_tree(directory: Path) -> None:
-    for dirpath, _dirs, _files in os.walk(directory, topdown=False):
-        fd = os.open(dirpath, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def import_bundle(
@@ -501,7 +491,7 @@ def _import(store: StoreCore, tar: tarfile.TarFile, path: Path, run: str | None,
         if problems:
             raise IntegrityError(f"bundle {path.name} is damaged: " + "; ".join(problems[:3]))
         _write_member(tar, members[_PREFIX + COMMIT_NAME], directory / COMMIT_NAME)
-        _fsync_tree(directory)
+        fsync_tree(directory)
         read_manifest(directory, expected_digest=digest)
         if original is not manifest:
             # What landed on disk, not only what the tar held, must prove the original.

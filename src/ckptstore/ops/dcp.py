@@ -67,6 +67,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ckptstore.core import StoreCore
+from ckptstore.durable import storage_error
 from ckptstore.errors import (
     CkptError,
     ConfigError,
@@ -97,7 +98,6 @@ from ckptstore.format.dcp.read import (
     verify_dcp,
 )
 from ckptstore.format.dcp.write import write_rank
-from ckptstore.format.fsio import storage_error
 from ckptstore.identity import writer_id
 from ckptstore.names import validate_name, validate_tag
 from ckptstore.ops.dcp_stage import StagedSet, pool_for, stage_state

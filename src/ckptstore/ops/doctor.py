@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptstore.core import StoreCore
+from ckptstore.durable import replace_file
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptError,
@@ -345,14 +346,7 @@ def _describe_difference(got: Any, want: dict[str, Any]) -> str:
 def _rewrite_metadata(directory: Path, manifest: Manifest) -> None:
     """Write the expected zarr.json documents back (atomically) and drop v2 metadata."""
     for rel, doc in _expected_metadata(manifest).items():
-        path = directory / rel
-        tmp = path.with_name(f".ckpt-tmp-doctor-{os.getpid()}")
-        data = json.dumps(doc, indent=2).encode()
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        replace_file(directory / rel, json.dumps(doc, indent=2).encode())
     for dirpath, _dirs, files in os.walk(directory):
         for name in files:
             if name in _V2_METADATA:

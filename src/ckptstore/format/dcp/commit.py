@@ -11,7 +11,6 @@ then flips the catalog row to COMMITTED.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -21,9 +20,10 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ckptstore.durable import fsync_dir, write_new_file
 from ckptstore.errors import CkptError, IntegrityError
 from ckptstore.format import FORMAT_VERSION, Manifest, flatten_state
-from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, ZARR_JSON
+from ckptstore.format.constants import MANIFEST_NAME, ZARR_JSON
 from ckptstore.format.dcp.layout import (
     ARRAY_GROUP,
     INDEX_KEY,
@@ -37,7 +37,7 @@ from ckptstore.format.dcp.layout import (
 from ckptstore.format.dcp.plan import ArraySpec, item_dtype_name
 from ckptstore.format.dcp.write import FSYNC_THREADS, Stored
 from ckptstore.format.dcp.zarrdocs import group_doc, root_doc
-from ckptstore.format.fsio import fsync_dir, storage_error, write_file_durable
+from ckptstore.format.marker import write_marker
 
 __all__ = ["FILES_KEY", "build_index", "commit_files"]
 
@@ -130,20 +130,6 @@ def build_index(
     return index, meta_files
 
 
-def _durable(path: Path, data: bytes) -> None:
-    try:
-        write_file_durable(path, data)
-    except OSError as exc:
-        raise storage_error(path, "write", exc) from exc
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fsync_dir(path)
-    except OSError as exc:
-        raise storage_error(path, "fsync directory", exc) from exc
-
-
 def commit_files(
     directory: Path,
     *,
@@ -185,8 +171,8 @@ def commit_files(
         f"{PACK_GROUP}/{ZARR_JSON}": group_doc(),
     }
     with ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="ckpt-dcp-commit") as pool:
-        list(pool.map(lambda kv: _durable(directory / kv[0], kv[1]), groups.items()))
-        _durable(directory / ZARR_JSON, root_doc(ckpt_id))
+        list(pool.map(lambda kv: write_new_file(directory / kv[0], kv[1]), groups.items()))
+        write_new_file(directory / ZARR_JSON, root_doc(ckpt_id))
     files: list[list[Any]] = [[p, n, c] for p, n, c in index.files()]
     files += [[p, n, None] for p, n in sorted(meta_files)]
     files += [[p, len(d), None] for p, d in groups.items()]
@@ -208,24 +194,13 @@ def commit_files(
         extra={INDEX_KEY: doc, FILES_KEY: files},
     )
     data = manifest.to_json()
-    _durable(directory / MANIFEST_NAME, data)
+    write_new_file(directory / MANIFEST_NAME, data)
     for group in (ARRAY_GROUP, PACK_GROUP):
-        _fsync_dir(directory / group)
-    _fsync_dir(directory)
-    _fsync_dir(directory.parent)
+        fsync_dir(directory / group)
+    fsync_dir(directory)
+    fsync_dir(directory.parent)
     if fault is not None:
         fault("dcp.manifest_written")
-    tmp = directory / f"{COMMIT_NAME}.tmp"
-    final = directory / COMMIT_NAME
-    _durable(tmp, (manifest.digest + "\n").encode("ascii"))
-    try:
-        os.link(tmp, final)
-    except OSError as exc:
-        raise storage_error(final, "create commit marker", exc) from exc
-    try:
-        os.unlink(tmp)
-    except OSError as exc:  # committed already; a stray temp file is harmless
-        logger.warning("cannot remove %s: %s", tmp, exc)
-    _fsync_dir(directory)
+    write_marker(directory, manifest.digest)
     return manifest
 

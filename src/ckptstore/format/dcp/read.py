@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ckptstore.durable import storage_error
 from ckptstore.errors import IntegrityError, InvalidNameError, StorageError, UnsafeObjectError
 from ckptstore.format.codecs import TRAILER, codec_spec, crc32c_update, decode_into
 from ckptstore.format.constants import ZARR_JSON
@@ -53,7 +54,7 @@ from ckptstore.format.dcp.layout import (
     chunks_of_piece,
     is_dcp_manifest,
 )
-from ckptstore.format.fsio import fadvise_willneed, preadv_all, storage_error
+from ckptstore.format.fsio import fadvise_willneed, preadv_all
 from ckptstore.format.keys import escape_component, key_matches
 from ckptstore.format.manifest import Manifest
 
