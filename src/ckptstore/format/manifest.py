@@ -37,6 +37,8 @@ from ckptstore.format.constants import (
     MAX_TENSORS,
     MAX_TREE_DEPTH,
     MIN_CHUNK_BYTES,
+    RESERVED_NAMES,
+    chunk_rel,
 )
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.layout import chunk_span
@@ -283,7 +285,7 @@ class ArrayEntry:
 
     def chunk_path(self, index: int) -> str:
         """Relative path of a chunk file (zarr v3 default chunk key encoding)."""
-        return f"{self.name}/c/{index}"
+        return chunk_rel(self.name, index)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -669,7 +671,6 @@ def _parse_delta(raw: Any) -> DeltaInfo:
 
 
 _EXTRA_PATH = re.compile(r"^[A-Za-z0-9._%@~-]{1,255}(?:/[A-Za-z0-9._%@~-]{1,255}){0,15}$")
-_RESERVED = frozenset({"zarr.json", "manifest.json", "COMMITTED", "COMMITTED.tmp"})
 
 
 def _check_extra_files(raw: Any, arrays: dict[str, ArrayEntry]) -> None:
@@ -683,7 +684,7 @@ def _check_extra_files(raw: Any, arrays: dict[str, ArrayEntry]) -> None:
             isinstance(path, str)
             and bool(_EXTRA_PATH.match(path))
             and not any(part in (".", "..") for part in path.split("/"))
-            and path not in _RESERVED
+            and path not in RESERVED_NAMES
             and path.split("/")[0] not in arrays
             and path not in seen,
             f"extra.files: path {_short(path)} is not allowed",

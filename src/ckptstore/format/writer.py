@@ -50,11 +50,13 @@ from ckptstore.format.codecs import (
     max_encoded_size,
 )
 from ckptstore.format.constants import (
+    CHUNK_DIR,
     DEFAULT_CHUNK_BYTES,
     FORMAT_VERSION,
     MANIFEST_NAME,
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
+    chunk_rel,
 )
 from ckptstore.format.delta import (
     DeltaSpec,
@@ -207,7 +209,7 @@ def write_checkpoint(
     manifest_bytes = manifest.to_json()
     write_new_file(directory / MANIFEST_NAME, manifest_bytes)
     for plan in plans.values():
-        fsync_dir(directory / plan.name / "c")
+        fsync_dir(directory / plan.name / CHUNK_DIR)
         fsync_dir(directory / plan.name)
     fsync_dir(directory)
     fsync_dir(directory.parent)
@@ -305,7 +307,7 @@ def _make_dirs(directory: Path, plans: dict[str, ArrayPlan]) -> None:
     except OSError as exc:
         raise storage_error(directory, "create checkpoint directory", exc) from exc
     for plan in plans.values():
-        path = directory / plan.name / "c"
+        path = directory / plan.name / CHUNK_DIR
         try:
             path.mkdir(parents=True)
         except OSError as exc:
@@ -461,7 +463,7 @@ class _ChunkWriter:
                 pos += len(seg)
             segments = [buf[:pos]]
 
-        path = self._directory / plan.name / "c" / str(index)
+        path = self._directory / chunk_rel(plan.name, index)
         if old is None and not self._spec.compressed:
             streamed = self._stream_raw(path, index, segments, logical)
             if self._fill_cache:

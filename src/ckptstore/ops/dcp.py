@@ -80,9 +80,9 @@ from ckptstore.errors import (
 from ckptstore.faultpoints import fault_point
 from ckptstore.format import Manifest, read_manifest
 from ckptstore.format.codecs import codec_spec
-from ckptstore.format.constants import COMMIT_NAME
+from ckptstore.format.constants import COMMIT_NAME, DCP_ARRAY_GROUP, DCP_PACK_GROUP
 from ckptstore.format.dcp.commit import build_index, commit_files
-from ckptstore.format.dcp.layout import ARRAY_GROUP, PACK_GROUP, BlobItem
+from ckptstore.format.dcp.layout import BlobItem
 from ckptstore.format.dcp.plan import ArraySpec, RankTask, assign_slots, item_dtype_name
 from ckptstore.format.dcp.read import (
     BoxLoc,
@@ -275,8 +275,8 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
         try:
             directory.parent.mkdir(parents=True, exist_ok=True)
             directory.mkdir()
-            (directory / ARRAY_GROUP).mkdir()
-            (directory / PACK_GROUP).mkdir()
+            (directory / DCP_ARRAY_GROUP).mkdir()
+            (directory / DCP_PACK_GROUP).mkdir()
         except OSError as exc:
             err = storage_error(directory, "create checkpoint directory", exc)
             self.abort(err)
@@ -564,7 +564,7 @@ class ZarrStorageReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether ``checkpoint_id`` is a committed DCP-layout checkpoint directory."""
         path = Path(checkpoint_id)
-        return (path / COMMIT_NAME).is_file() and (path / ARRAY_GROUP).is_dir()
+        return (path / COMMIT_NAME).is_file() and (path / DCP_ARRAY_GROUP).is_dir()
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

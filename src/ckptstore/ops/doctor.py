@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptstore.core import StoreCore
-from ckptstore.durable import replace_file
+from ckptstore.durable import TEMP_PREFIX, replace_file
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptError,
@@ -52,7 +52,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import Manifest, read_manifest, verify_checkpoint
 from ckptstore.format.codecs import codec_spec
-from ckptstore.format.constants import COMMIT_NAME
+from ckptstore.format.constants import COMMIT_NAME, COMMIT_TMP_NAME, chunk_rel
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.zarrmeta import build_metadata
 from ckptstore.identity import host, owner_is_dead
@@ -89,8 +89,8 @@ FINDING_KINDS: tuple[str, ...] = (
 )
 
 # Names of temporary files our writers (and zarr's) leave when killed mid-write.
-_TEMP_PATTERNS = (re.compile(r"^\.ckpt-tmp-"), re.compile(r"\.partial$"),
-                  re.compile(rf"^{COMMIT_NAME}\.tmp$"))
+_TEMP_PATTERNS = (re.compile("^" + re.escape(TEMP_PREFIX)), re.compile(r"\.partial$"),
+                  re.compile("^" + re.escape(COMMIT_TMP_NAME) + "$"))
 # Zarr v2 metadata: never part of our checkpoints; zarr.open_group may read it.
 _V2_METADATA = frozenset({".zarray", ".zgroup", ".zattrs", ".zmetadata"})
 # The codecs our presets produce; anything else in a zarr.json was not written by us.
@@ -687,7 +687,7 @@ class _Doctor:
                     groups.setdefault((parts[0], parts[1]), []).append(key)
             try:
                 needed = {
-                    tier.key_for(by_id[owner].run, owner, f"{array}/c/{index}")
+                    tier.key_for(by_id[owner].run, owner, chunk_rel(array, index))
                     for owner, array, index in referenced_chunks(self.store, name)
                     if owner in by_id
                 }

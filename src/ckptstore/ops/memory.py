@@ -56,6 +56,7 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, read_checkpoint, read_manifest, write_checkpoint
+from ckptstore.format.constants import COMMIT_NAME
 from ckptstore.identity import host, pid_alive
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
 
@@ -87,7 +88,6 @@ DEFAULT_MEMORY_ROOT = Path("/dev/shm/ckptstore")
 _SCHEME = "shm"
 _STAGING_PREFIX = ".staging-"
 _LOCK_NAME = ".lock"
-_COMMIT_NAME = "COMMITTED"
 # Free space kept on the shared-memory file system for everyone else (other jobs use it too).
 _FREE_MARGIN_BYTES = 64 * 1024**2
 
@@ -168,7 +168,7 @@ def _dir_bytes(path: Path) -> int:
 def _remove_copy(path: Path) -> None:
     """Delete a copy: the commit marker first, so a half-deleted copy is never loaded."""
     with contextlib.suppress(FileNotFoundError):
-        (path / _COMMIT_NAME).unlink()
+        (path / COMMIT_NAME).unlink()
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -267,7 +267,7 @@ class MemoryTier(StoreService):
                 if ck_dir.name.startswith("."):
                     continue
                 try:
-                    staged_at = (ck_dir / _COMMIT_NAME).stat().st_mtime
+                    staged_at = (ck_dir / COMMIT_NAME).stat().st_mtime
                 except OSError:
                     continue
                 found.append(
@@ -676,7 +676,7 @@ def load_from_memory(
         state = read_checkpoint(path, manifest, keys=keys, into=into,
                                 threads=store.settings.threads)
     except (IntegrityError, StorageError) as exc:
-        gone = not (path / _COMMIT_NAME).exists()
+        gone = not (path / COMMIT_NAME).exists()
         replica = ck.replica(MEMORY_TIER)
         location = parse_memory_uri(replica.uri) if replica is not None else None
         if location is not None:

@@ -58,7 +58,7 @@ from ckptstore.errors import ConfigError, IntegrityError, StorageError
 from ckptstore.format import ArrayEntry, ChunkEntry, Manifest, TensorEntry, read_manifest
 from ckptstore.format.chunkio import ChunkReader
 from ckptstore.format.codecs import CODEC_PRESETS, TRAILER, codec_spec, crc32c_update, encode
-from ckptstore.format.constants import MAX_MANIFEST_BYTES, ZARR_JSON
+from ckptstore.format.constants import MAX_MANIFEST_BYTES, ZARR_JSON, chunk_rel
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.manifest import manifest_digest
 from ckptstore.format.verify import EXTRA_FILES_KEY
@@ -295,7 +295,7 @@ def reencode_copy(
                 f"re-encoding damaged data. Run `ckpt verify` to repair the {src.name} copy"
             )
         data = _encode_chunk(codec, content, array.itemsize)
-        rel = f"{names[array.name]}/c/{index}"
+        rel = chunk_rel(names[array.name], index)
         key = dst.key_for(run, ckpt_id, rel)
         put_verified(dst, key, data, deep=deep, present=key in existing, progress=progress,
                      origin=f"re-encoding {src.name}")

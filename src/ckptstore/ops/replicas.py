@@ -31,6 +31,7 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, read_manifest
+from ckptstore.format.constants import chunk_rel
 from ckptstore.format.manifest import parse_verified
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import (
@@ -445,7 +446,7 @@ def release_chunks(store: StoreCore, tier: str, owners: Iterable[str]) -> int:
     deleted = 0
     for ck in dead:
         prefix = target.prefix_for(ck.run, ck.id)
-        keep = {target.key_for(ck.run, ck.id, f"{array}/c/{index}")
+        keep = {target.key_for(ck.run, ck.id, chunk_rel(array, index))
                 for owner, array, index in still if owner == ck.id}
         present = target.list_prefix(prefix)
         if not present:

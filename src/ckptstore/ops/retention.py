@@ -42,6 +42,7 @@ from typing import Any
 
 from ckptstore.core import StoreCore
 from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError, StorageError
+from ckptstore.format.constants import COMMIT_NAME
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
 from ckptstore.retention import REASON_LEASED, CandidateInfo, Decision, RetentionPolicy
 
@@ -747,7 +748,7 @@ def _record(store: StoreCore, action: PlannedAction, owner: str) -> None:
 def _remove_local_dir(path: Path) -> None:
     try:
         # The commit marker goes first, so a half-deleted directory never looks committed.
-        (path / "COMMITTED").unlink(missing_ok=True)
+        (path / COMMIT_NAME).unlink(missing_ok=True)
         shutil.rmtree(path)
     except FileNotFoundError:
         return

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ckptstore.core import StoreCore
 from ckptstore.durable import replace_file, write_new_file
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, IntegrityError, StorageError
+from ckptstore.format.constants import SIGNATURE_NAME
 from ckptstore.records import Checkpoint, ReplicaState, expected_digest
 
 if TYPE_CHECKING:
@@ -63,8 +64,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: File name of the signature beside ``manifest.json``.
-SIGNATURE_NAME = "SIGNATURE"
 _FORMAT = "ckptstore-signature"
 _VERSION = 1
 _MAX_DOC = 64 * 1024

@@ -25,6 +25,7 @@ import crc32c
 
 from ckptstore.errors import ConflictError, IntegrityError, MissingBaseError
 from ckptstore.format import chunk_files
+from ckptstore.format.constants import ORIGINAL_MANIFEST_NAME, chunk_rel
 from ckptstore.storage.base import COMMIT_NAME, MANIFEST_NAME, Tier
 
 __all__ = [
@@ -52,9 +53,6 @@ Progress = Callable[[int], None]
 #: ``manifest.extra`` key of a copy re-encoded with another codec
 #: (:mod:`ckptstore.ops.reencode`): the digest of the checkpoint's own (original) manifest.
 REENCODED_FROM = "reencoded_from"
-#: File of a re-encoded copy holding the checkpoint's original ``manifest.json`` bytes, so
-#: the copy proves which content it re-encodes (signatures sign the original digest).
-ORIGINAL_MANIFEST_NAME = "manifest.orig.json"
 
 
 class ManifestLike(Protocol):
@@ -82,11 +80,6 @@ class ChunkRef:
     array: str
     index: int
     rel: str
-
-
-def chunk_rel(array: str, index: int) -> str:
-    """Relative path of chunk ``index`` of a flat (1-D) array: ``<array>/c/<index>``."""
-    return f"{array}/c/{index}"
 
 
 def _field(entry: Any, name: str) -> Any:

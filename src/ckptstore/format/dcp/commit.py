@@ -23,11 +23,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ckptstore.durable import fsync_dir, write_new_file
 from ckptstore.errors import CkptError, IntegrityError
 from ckptstore.format import FORMAT_VERSION, Manifest, flatten_state
-from ckptstore.format.constants import MANIFEST_NAME, ZARR_JSON
+from ckptstore.format.constants import (
+    DCP_ARRAY_GROUP,
+    DCP_INDEX_KEY,
+    DCP_PACK_GROUP,
+    MANIFEST_NAME,
+    ZARR_JSON,
+)
 from ckptstore.format.dcp.layout import (
-    ARRAY_GROUP,
-    INDEX_KEY,
-    PACK_GROUP,
     ArrayInfo,
     BlobItem,
     DcpIndex,
@@ -167,8 +170,8 @@ def commit_files(
     except IntegrityError as exc:
         raise IntegrityError(f"refusing to commit checkpoint {ckpt_id}: {exc}") from None
     groups = {
-        f"{ARRAY_GROUP}/{ZARR_JSON}": group_doc(),
-        f"{PACK_GROUP}/{ZARR_JSON}": group_doc(),
+        f"{DCP_ARRAY_GROUP}/{ZARR_JSON}": group_doc(),
+        f"{DCP_PACK_GROUP}/{ZARR_JSON}": group_doc(),
     }
     with ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="ckpt-dcp-commit") as pool:
         list(pool.map(lambda kv: write_new_file(directory / kv[0], kv[1]), groups.items()))
@@ -191,11 +194,11 @@ def commit_files(
         tree=flatten_state({}).tree,
         logical_bytes=index.logical_bytes,
         stored_bytes=index.stored_bytes,
-        extra={INDEX_KEY: doc, FILES_KEY: files},
+        extra={DCP_INDEX_KEY: doc, FILES_KEY: files},
     )
     data = manifest.to_json()
     write_new_file(directory / MANIFEST_NAME, data)
-    for group in (ARRAY_GROUP, PACK_GROUP):
+    for group in (DCP_ARRAY_GROUP, DCP_PACK_GROUP):
         fsync_dir(directory / group)
     fsync_dir(directory)
     fsync_dir(directory.parent)

@@ -35,14 +35,18 @@ import blake3
 
 from ckptstore.errors import IntegrityError
 from ckptstore.format.codecs import BLOSC_MAX_OVERHEAD, CODEC_PRESETS, TRAILER
+from ckptstore.format.constants import (
+    CHUNK_DIR,
+    DCP_ARRAY_GROUP,
+    DCP_CHUNK_PREFIX,
+    DCP_INDEX_KEY,
+    DCP_PACK_GROUP,
+)
 from ckptstore.format.dtypes import DtypeInfo, dtype_by_name
 from ckptstore.format.manifest import Manifest
 
 __all__ = [
-    "ARRAY_GROUP",
-    "INDEX_KEY",
     "INDEX_VERSION",
-    "PACK_GROUP",
     "ArrayInfo",
     "BlobItem",
     "Box",
@@ -63,12 +67,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Group holding one array per large tensor (or per shard of an irregular shard grid).
-ARRAY_GROUP = "dcp"
-#: Group holding each rank's packed small items.
-PACK_GROUP = "dcp_packs"
-#: Key of the index in ``Manifest.extra``.
-INDEX_KEY = "dcp"
 #: Version of the index document.
 INDEX_VERSION = 1
 
@@ -78,7 +76,8 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 _MAX_NAME = 160
 _ARRAY_PATH = re.compile(
-    r"^(?:dcp/[A-Za-z0-9._%~-]{1,220}(?:@[0-9]{1,9})?|dcp_packs/r[0-9]{1,9}\.[a-z0-9_]{1,32})$"
+    rf"^(?:{re.escape(DCP_ARRAY_GROUP)}/[A-Za-z0-9._%~-]{{1,220}}(?:@[0-9]{{1,9}})?"
+    rf"|{re.escape(DCP_PACK_GROUP)}/r[0-9]{{1,9}}\.[a-z0-9_]{{1,32}})$"
 )
 _CHUNK_KEY = re.compile(r"^(?:|[0-9]{1,12}(?:\.[0-9]{1,12}){0,63})$")
 _MAX_DIMS = 64
@@ -94,7 +93,7 @@ def is_dcp_manifest(manifest: Manifest) -> bool:
 
     Cheap (no torch.distributed import), for the store's load/verify dispatch.
     """
-    return isinstance(manifest.extra.get(INDEX_KEY), dict)
+    return isinstance(manifest.extra.get(DCP_INDEX_KEY), dict)
 
 
 def escape_fqn(fqn: str) -> str:
@@ -121,12 +120,12 @@ def escape_fqn(fqn: str) -> str:
 def array_path(fqn: str, piece: int | None = None) -> str:
     """Relative path of a tensor's array (``piece``: the k-th array of an irregular grid)."""
     name = escape_fqn(fqn)
-    return f"{ARRAY_GROUP}/{name}" if piece is None else f"{ARRAY_GROUP}/{name}@{piece}"
+    return f"{DCP_ARRAY_GROUP}/{name}" if piece is None else f"{DCP_ARRAY_GROUP}/{name}@{piece}"
 
 
 def pack_path(rank: int, kind: str) -> str:
     """Relative path of a rank's pack array (``kind``: a dtype name or ``bytes``)."""
-    return f"{PACK_GROUP}/r{rank}.{kind}"
+    return f"{DCP_PACK_GROUP}/r{rank}.{kind}"
 
 
 def chunk_key(coords: Sequence[int]) -> str:
@@ -136,7 +135,7 @@ def chunk_key(coords: Sequence[int]) -> str:
 
 def chunk_file(array: str, key: str) -> str:
     """Relative path of a chunk file (zarr v3 default chunk-key encoding, separator ``.``)."""
-    return f"{array}/c.{key}" if key else f"{array}/c"
+    return f"{array}/{DCP_CHUNK_PREFIX}{key}" if key else f"{array}/{CHUNK_DIR}"
 
 
 def chunk_grid(shape: Sequence[int], chunk_shape: Sequence[int]) -> tuple[int, ...]:

@@ -41,9 +41,8 @@ from torch.distributed.checkpoint.metadata import (
 from ckptstore.durable import storage_error
 from ckptstore.errors import IntegrityError, InvalidNameError, StorageError, UnsafeObjectError
 from ckptstore.format.codecs import TRAILER, codec_spec, crc32c_update, decode_into
-from ckptstore.format.constants import ZARR_JSON
+from ckptstore.format.constants import DCP_INDEX_KEY, ZARR_JSON
 from ckptstore.format.dcp.layout import (
-    INDEX_KEY,
     ArrayInfo,
     BlobItem,
     DcpIndex,
@@ -84,7 +83,7 @@ def index_of(manifest: Manifest) -> DcpIndex:
     Raises:
         IntegrityError: If the manifest has no valid DCP index.
     """
-    doc = manifest.extra.get(INDEX_KEY)
+    doc = manifest.extra.get(DCP_INDEX_KEY)
     if not isinstance(doc, dict):
         raise IntegrityError(
             f"checkpoint {manifest.id} was not saved through DCP (no DCP index in its "
