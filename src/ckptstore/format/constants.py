@@ -37,7 +37,8 @@ __all__ = [
     "chunk_rel",
 ]
 
-#: Version of the layout described in DESIGN.md; bumped on any incompatible change.
+#: Version of the layout described in ckptstore/format/__init__.py; bumped on any
+#: incompatible change.
 FORMAT_VERSION = 1
 
 #: Chunk size the writer aims at. 8 MiB measured best for durable saves on the reference

@@ -72,6 +72,7 @@ from ckptstore.format.fsio import create_exclusive, start_writeback, writev_all
 from ckptstore.format.gcpause import without_gc
 from ckptstore.format.layout import ArrayPlan, chunk_span, plan_layout
 from ckptstore.format.manifest import (
+    FORMAT_KEYS,
     ArrayEntry,
     BaseChunk,
     BaseRef,
@@ -276,6 +277,13 @@ def _normalise_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
     except (TypeError, ValueError) as exc:
         raise UnsafeObjectError(f"extra must be JSON-serialisable: {exc}") from exc
     assert isinstance(doc, dict)
+    taken = [key for key in FORMAT_KEYS if doc.get(key)]
+    if taken:
+        # The format keeps its own data under these keys of manifest.json's "extra": a
+        # caller's value there would be read back as (broken) format data.
+        raise InvalidNameError(
+            f"extra keys {taken} are reserved for the checkpoint format; use other names"
+        )
     return doc
 
 

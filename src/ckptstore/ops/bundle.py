@@ -48,7 +48,6 @@ from ckptstore.errors import (
 from ckptstore.format import Manifest, read_manifest, verify_checkpoint
 from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
 from ckptstore.format.manifest import manifest_digest
-from ckptstore.format.verify import extra_files
 from ckptstore.names import validate_name
 from ckptstore.ops.delta import lossy_record
 from ckptstore.ops.reencode import check_original
@@ -56,7 +55,6 @@ from ckptstore.ops.signing import SIGNATURE_NAME, SignatureDoc, check_signature,
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
 from ckptstore.storage.transfer import (
     ORIGINAL_MANIFEST_NAME,
-    REENCODED_FROM,
     is_reencoded,
     owned_files,
 )
@@ -277,7 +275,7 @@ def _parse_manifest(data: bytes, marker: bytes, header: dict[str, Any]) -> Manif
     manifest = Manifest.from_json(data)
     if is_reencoded(manifest) != ("copy_digest" in header) or (
             is_reencoded(manifest)
-            and manifest.extra.get(REENCODED_FROM) != header["manifest_digest"]):
+            and manifest.reencoded_from != header["manifest_digest"]):
         raise IntegrityError(
             "the bundle header and its manifest disagree on whether (and from which "
             "original) the copy was re-encoded: the bundle was tampered with"
@@ -296,7 +294,7 @@ def _size_limits(manifest: Manifest) -> dict[str, int]:
     for array in manifest.arrays.values():
         for chunk in array.chunks:
             limits[array.chunk_path(chunk.i)] = chunk.nbytes
-    for rel, nbytes, _crc in extra_files(manifest):
+    for rel, nbytes, _crc in manifest.files:
         limits[rel] = nbytes
     for rel in owned_files(manifest):
         limits.setdefault(rel, MAX_MANIFEST_BYTES
@@ -444,7 +442,7 @@ def _import(store: StoreCore, tar: tarfile.TarFile, path: Path, run: str | None,
         raise IntegrityError(f"the bundle lacks {len(missing)} files of checkpoint "
                              f"{manifest.id} (first: {missing[0]}); it is incomplete")
     exact_sizes = {array.chunk_path(c.i) for array in manifest.arrays.values()
-                   for c in array.chunks} | {rel for rel, _, _ in extra_files(manifest)}
+                   for c in array.chunks} | {rel for rel, _, _ in manifest.files}
     for rel in present:
         info = members[_PREFIX + rel]
         exact = rel in exact_sizes

@@ -30,7 +30,6 @@ from ckptstore.storage.base import COMMIT_NAME, MANIFEST_NAME, Tier
 
 __all__ = [
     "ORIGINAL_MANIFEST_NAME",
-    "REENCODED_FROM",
     "ChunkRef",
     "ManifestLike",
     "chunk_rel",
@@ -50,9 +49,6 @@ logger = logging.getLogger(__name__)
 
 Progress = Callable[[int], None]
 
-#: ``manifest.extra`` key of a copy re-encoded with another codec
-#: (:mod:`ckptstore.ops.reencode`): the digest of the checkpoint's own (original) manifest.
-REENCODED_FROM = "reencoded_from"
 
 
 class ManifestLike(Protocol):
@@ -132,8 +128,7 @@ def owned_files(manifest: ManifestLike) -> list[str]:
 
 def is_reencoded(manifest: ManifestLike) -> bool:
     """Whether ``manifest`` is that of a re-encoded copy (it names its original's digest)."""
-    extra = getattr(manifest, "extra", None)
-    return isinstance(extra, Mapping) and bool(extra.get(REENCODED_FROM))
+    return bool(getattr(manifest, "reencoded_from", None))
 
 
 def _digest(data: bytes, deep: bool) -> str:
@@ -312,8 +307,7 @@ def source_checker(
     manifest_key = key_of(manifest.id, MANIFEST_NAME)
     marker_key = key_of(manifest.id, COMMIT_NAME)
     original_key = key_of(manifest.id, ORIGINAL_MANIFEST_NAME)
-    original = (str(getattr(manifest, "extra", {}).get(REENCODED_FROM))
-                if is_reencoded(manifest) else "")
+    original = str(getattr(manifest, "reencoded_from", None) or "")
 
     def check(key: str, data: bytes) -> str | None:
         if key in expected:

@@ -25,7 +25,6 @@ from ckptstore.errors import CkptError, IntegrityError
 from ckptstore.format import FORMAT_VERSION, Manifest, flatten_state
 from ckptstore.format.constants import (
     DCP_ARRAY_GROUP,
-    DCP_INDEX_KEY,
     DCP_PACK_GROUP,
     MANIFEST_NAME,
     ZARR_JSON,
@@ -40,17 +39,12 @@ from ckptstore.format.dcp.layout import (
 from ckptstore.format.dcp.plan import ArraySpec, item_dtype_name
 from ckptstore.format.dcp.write import FSYNC_THREADS, Stored
 from ckptstore.format.dcp.zarrdocs import group_doc, root_doc
+from ckptstore.format.manifest import FileEntry
 from ckptstore.format.marker import write_marker
 
-__all__ = ["FILES_KEY", "build_index", "commit_files"]
+__all__ = ["build_index", "commit_files"]
 
 logger = logging.getLogger(__name__)
-
-#: Key in ``Manifest.extra`` listing every file the checkpoint owns beyond the packed arrays:
-#: ``[relative path, size, crc32c of the body or null]``, chunks first. The format's
-#: ``chunk_files`` / ``verify_checkpoint`` read it (see the hook in the report to the lead).
-FILES_KEY = "files"
-
 
 def _planner_data(raw: Any) -> dict[str, tuple[str | int, ...]] | None:
     """DCP's flatten mapping if it is the plain ``{fqn: (key, index, ...)}`` kind, else None."""
@@ -176,9 +170,11 @@ def commit_files(
     with ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="ckpt-dcp-commit") as pool:
         list(pool.map(lambda kv: write_new_file(directory / kv[0], kv[1]), groups.items()))
         write_new_file(directory / ZARR_JSON, root_doc(ckpt_id))
-    files: list[list[Any]] = [[p, n, c] for p, n, c in index.files()]
-    files += [[p, n, None] for p, n in sorted(meta_files)]
-    files += [[p, len(d), None] for p, d in groups.items()]
+    # Every file the checkpoint owns beyond the root documents, data files first: tier
+    # copies, verify and bundles go by this list (Manifest.files).
+    files = [FileEntry(p, n, c) for p, n, c in index.files()]
+    files += [FileEntry(p, n, None) for p, n in sorted(meta_files)]
+    files += [FileEntry(p, len(d), None) for p, d in groups.items()]
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         id=ckpt_id,
@@ -194,7 +190,8 @@ def commit_files(
         tree=flatten_state({}).tree,
         logical_bytes=index.logical_bytes,
         stored_bytes=index.stored_bytes,
-        extra={DCP_INDEX_KEY: doc, FILES_KEY: files},
+        dcp=index,
+        files=tuple(files),
     )
     data = manifest.to_json()
     write_new_file(directory / MANIFEST_NAME, data)

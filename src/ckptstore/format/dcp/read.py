@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 from ckptstore.durable import storage_error
 from ckptstore.errors import IntegrityError, InvalidNameError, StorageError, UnsafeObjectError
 from ckptstore.format.codecs import TRAILER, codec_spec, crc32c_update, decode_into
-from ckptstore.format.constants import DCP_INDEX_KEY, ZARR_JSON
+from ckptstore.format.constants import ZARR_JSON
 from ckptstore.format.dcp.layout import (
     ArrayInfo,
     BlobItem,
@@ -78,18 +78,17 @@ ByteView = np.ndarray[Any, np.dtype[np.uint8]]
 
 
 def index_of(manifest: Manifest) -> DcpIndex:
-    """Parse and validate the DCP index of a manifest.
+    """The DCP index of a manifest (parsed and validated with the manifest).
 
     Raises:
         IntegrityError: If the manifest has no valid DCP index.
     """
-    doc = manifest.extra.get(DCP_INDEX_KEY)
-    if not isinstance(doc, dict):
+    if manifest.dcp is None:
         raise IntegrityError(
             f"checkpoint {manifest.id} was not saved through DCP (no DCP index in its "
             "manifest); load it with store.load instead of a DCP storage reader"
         )
-    return DcpIndex.from_json(doc)
+    return manifest.dcp
 
 
 @dataclass(frozen=True)
