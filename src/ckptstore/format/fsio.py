@@ -13,6 +13,7 @@ import ctypes.util
 import errno
 import logging
 import os
+import stat
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,6 +25,8 @@ __all__ = [
     "fadvise_willneed",
     "populate_write",
     "preadv_all",
+    "read_all",
+    "read_regular",
     "start_writeback",
     "writev_all",
 ]
@@ -189,3 +192,33 @@ def populate_write(address: int, nbytes: int) -> bool:
         return False
     start = address // _PAGE * _PAGE
     return _madvise(start, address + nbytes - start, _MADV_POPULATE_WRITE) == 0
+
+
+def read_all(fd: int, limit: int) -> bytes:
+    """Read up to ``limit`` bytes until EOF, looping over short reads."""
+    parts: list[bytes] = []
+    total = 0
+    while total < limit:
+        part = os.read(fd, limit - total)
+        if not part:
+            break
+        parts.append(part)
+        total += len(part)
+    return b"".join(parts)
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """Read at most ``limit`` bytes of a regular file that may have been tampered with.
+
+    Never follows a link and never blocks on a FIFO or device planted in the file's place.
+
+    Raises:
+        OSError: If the file cannot be opened or read, or (``EINVAL``) is not a regular file.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | _O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        return read_all(fd, limit)
+    finally:
+        os.close(fd)

@@ -46,7 +46,7 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, read_manifest, verify_checkpoint
-from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
+from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, ZARR_JSON
 from ckptstore.format.manifest import manifest_digest
 from ckptstore.names import validate_name
 from ckptstore.ops.delta import lossy_record
@@ -325,7 +325,7 @@ def _precheck_content(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo],
     """Check every chunk's crc32c and the Zarr metadata straight from the tar, before the
     catalog or the hot tier is touched (one chunk in memory at a time)."""
     from ckptstore.format.codecs import TRAILER, crc32c_update
-    from ckptstore.ops.doctor import zarr_metadata_problems
+    from ckptstore.format.zarrcheck import zarr_metadata_problems
 
     for array in manifest.arrays.values():
         for chunk in array.chunks:
@@ -341,7 +341,7 @@ def _precheck_content(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo],
                 )
     docs = {rel: _read_member(tar, info, _MAX_SMALL)
             for rel, info in ((n[len(_PREFIX):], i) for n, i in members.items())
-            if rel.endswith("zarr.json")}
+            if rel.endswith(ZARR_JSON)}
     problems = zarr_metadata_problems(docs, manifest)
     if problems:
         raise IntegrityError("the bundle's Zarr metadata does not match its manifest: "

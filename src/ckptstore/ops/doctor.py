@@ -28,13 +28,10 @@ the same leases as the flows, so it cannot pull files from under a running resto
 
 from __future__ import annotations
 
-import errno
-import json
 import logging
 import os
 import re
 import shutil
-import stat
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -42,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptstore.core import StoreCore
-from ckptstore.durable import TEMP_PREFIX, replace_file
+from ckptstore.durable import TEMP_PREFIX
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptError,
@@ -51,10 +48,8 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, read_manifest, verify_checkpoint
-from ckptstore.format.codecs import codec_spec
 from ckptstore.format.constants import COMMIT_NAME, COMMIT_TMP_NAME, chunk_rel
-from ckptstore.format.dtypes import dtype_by_name
-from ckptstore.format.zarrmeta import build_metadata
+from ckptstore.format.zarrcheck import check_zarr_metadata, rewrite_zarr_metadata
 from ckptstore.identity import host, owner_is_dead
 from ckptstore.ops.gc import DEFAULT_PENDING_GRACE_S, HotDir, classify_hot_dir, writer_is_dead
 from ckptstore.ops.leases import lease_owner
@@ -67,10 +62,7 @@ __all__ = [
     "FINDING_KINDS",
     "DoctorReport",
     "Finding",
-    "check_zarr_metadata",
     "doctor",
-    "read_all",
-    "zarr_metadata_problems",
 ]
 
 logger = logging.getLogger(__name__)
@@ -91,11 +83,6 @@ FINDING_KINDS: tuple[str, ...] = (
 # Names of temporary files our writers (and zarr's) leave when killed mid-write.
 _TEMP_PATTERNS = (re.compile("^" + re.escape(TEMP_PREFIX)), re.compile(r"\.partial$"),
                   re.compile("^" + re.escape(COMMIT_TMP_NAME) + "$"))
-# Zarr v2 metadata: never part of our checkpoints; zarr.open_group may read it.
-_V2_METADATA = frozenset({".zarray", ".zgroup", ".zattrs", ".zmetadata"})
-# The codecs our presets produce; anything else in a zarr.json was not written by us.
-_OUR_CODECS = frozenset({"bytes", "blosc", "crc32c"})
-_MAX_ZARR_JSON = 64 * 1024
 _LEASE_TTL_S = 600.0
 
 
@@ -222,135 +209,12 @@ def _older_than(path: Path, grace_s: float) -> bool:
         return False
 
 
-def _read_regular(path: Path, limit: int) -> bytes:
-    """Read at most ``limit`` bytes of a regular file; never follows a link or blocks on a
-    FIFO or device planted in its place."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-        return read_all(fd, limit)
-    finally:
-        os.close(fd)
-
-
-def read_all(fd: int, limit: int) -> bytes:
-    """Read up to ``limit`` bytes until EOF, looping over short reads."""
-    parts: list[bytes] = []
-    total = 0
-    while total < limit:
-        part = os.read(fd, limit - total)
-        if not part:
-            break
-        parts.append(part)
-        total += len(part)
-    return b"".join(parts)
-
-
 def _remove_tree(path: Path, root: Path) -> None:
     """Delete a checkpoint directory: marker first, never following links out of ``root``."""
     if path.is_symlink() or root not in path.resolve().parents:
         raise StorageError(f"refusing to delete {path}: it is a link or lies outside {root}")
     (path / COMMIT_NAME).unlink(missing_ok=True)
     shutil.rmtree(path)
-
-
-def check_zarr_metadata(directory: Path, manifest: Manifest) -> list[str]:
-    """Check a local copy's Zarr metadata against the manifest.
-
-    Our reader never uses ``zarr.json`` (it reads chunks itself, with the codec the manifest
-    names from a fixed preset list), but ``zarr.open_group`` users do. This checks that each
-    array's ``zarr.json`` is exactly the document our writer produces for that array (same
-    dtype, shape, chunking, and only the bytes/blosc/crc32c codecs), that the group document
-    is ours, and that no Zarr v2 metadata file is present.
-
-    Args:
-        directory: The checkpoint directory.
-        manifest: Its (verified) manifest.
-
-    Returns:
-        One line per problem; ``[]`` when the metadata is what the writer wrote.
-    """
-    problems: list[str] = []
-    docs: dict[str, bytes] = {}
-    for rel in _expected_metadata(manifest):
-        try:
-            docs[rel] = _read_regular(directory / rel, _MAX_ZARR_JSON + 1)
-        except FileNotFoundError:
-            continue  # reported as missing below
-        except OSError as exc:
-            problems.append(f"{rel}: unreadable ({exc.strerror or exc})")
-    problems += zarr_metadata_problems(docs, manifest)
-    for dirpath, _dirs, files in os.walk(directory):
-        for name in files:
-            if name in _V2_METADATA:
-                rel = os.path.relpath(os.path.join(dirpath, name), directory)
-                problems.append(f"{rel}: Zarr v2 metadata in a v3 checkpoint (not ours)")
-    return problems
-
-
-def zarr_metadata_problems(docs: dict[str, bytes], manifest: Manifest) -> list[str]:
-    """Compare ``zarr.json`` documents (relative path -> bytes) with the manifest.
-
-    Returns:
-        One line per missing, oversized, malformed or unexpected document.
-    """
-    problems: list[str] = []
-    for rel, want in _expected_metadata(manifest).items():
-        raw = docs.get(rel)
-        if raw is None:
-            problems.append(f"{rel}: missing")
-            continue
-        if len(raw) > _MAX_ZARR_JSON:
-            problems.append(f"{rel}: over {_MAX_ZARR_JSON} bytes")
-            continue
-        try:
-            got = json.loads(raw)
-        except ValueError:
-            problems.append(f"{rel}: not valid JSON")
-            continue
-        if got != want:
-            problems.append(f"{rel}: {_describe_difference(got, want)}")
-    return problems
-
-
-def _expected_metadata(manifest: Manifest) -> dict[str, Any]:
-    docs: dict[str, Any] = {}
-    for name, array in manifest.arrays.items():
-        info = dtype_by_name(array.torch_dtype)
-        if info is None:  # the manifest was validated; unreachable for a parsed manifest
-            continue
-        built = build_metadata(manifest.id, [(name, array.length, array.chunk_len, info)],
-                               codec_spec(array.codec))
-        for rel, data in built.items():
-            docs[rel] = json.loads(data)
-    if not manifest.arrays:
-        built = build_metadata(manifest.id, [], codec_spec(manifest.codec))
-        docs.update({rel: json.loads(data) for rel, data in built.items()})
-    return docs
-
-
-def _describe_difference(got: Any, want: dict[str, Any]) -> str:
-    if not isinstance(got, dict):
-        return "is not a JSON object"
-    codecs = got.get("codecs")
-    if isinstance(codecs, list):
-        names = {c.get("name") for c in codecs if isinstance(c, dict)}
-        foreign = sorted(str(n) for n in names - _OUR_CODECS)
-        if foreign:
-            return f"names codecs {foreign} that ckptstore never writes (hostile or foreign)"
-    keys = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
-    return f"differs from what the manifest implies in {keys}"
-
-
-def _rewrite_metadata(directory: Path, manifest: Manifest) -> None:
-    """Write the expected zarr.json documents back (atomically) and drop v2 metadata."""
-    for rel, doc in _expected_metadata(manifest).items():
-        replace_file(directory / rel, json.dumps(doc, indent=2).encode())
-    for dirpath, _dirs, files in os.walk(directory):
-        for name in files:
-            if name in _V2_METADATA:
-                os.unlink(os.path.join(dirpath, name))
 
 
 # ---------------------------------------------------------------------- the checks
@@ -543,7 +407,7 @@ class _Doctor:
         if meta:
 
             def rewrite(local: Path = local, manifest: Manifest = manifest) -> None:
-                _rewrite_metadata(local, manifest)
+                rewrite_zarr_metadata(local, manifest)
 
             self._find("zarr-metadata", ck.id,
                        f"{ck.ref}: {'; '.join(meta[:3])}; our loads never use it, but "

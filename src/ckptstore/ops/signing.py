@@ -340,7 +340,7 @@ def _find_signature(store: StoreCore, ck: Checkpoint, fingerprint: str) -> Signa
     directory = _hot_dir(store, ck)
     found: SignatureDoc | None = None
     if directory is not None:
-        from ckptstore.ops.doctor import read_all
+        from ckptstore.format.fsio import read_all
 
         path = directory / SIGNATURE_NAME
         try:
