@@ -134,6 +134,35 @@ def test_the_index_is_a_typed_field_with_the_same_bytes(store: CheckpointStore) 
     assert Manifest.from_json(data).to_json() == data == manifest.to_json()
 
 
+def test_zarr_metadata_check_knows_the_dcp_layout(store: CheckpointStore) -> None:
+    """The format's metadata check (ckpt doctor, bundle import) expects the DCP documents:
+    a clean DCP checkpoint has no finding, a planted codec is caught, and the rewrite
+    restores the writer's exact documents (the layout attribute included)."""
+    import zarr
+
+    from ckptstore.format import verify_checkpoint
+    from ckptstore.format.zarrcheck import check_zarr_metadata, rewrite_zarr_metadata
+    from ckptstore.ops.doctor import doctor
+
+    state = _state()
+    ck = _save(store, "r", 1, state)
+    directory, manifest = _open(store, ck.id)
+    assert check_zarr_metadata(directory, manifest) == []
+    assert doctor(store).findings == []
+    path = directory / "dcp" / "model.big" / "zarr.json"
+    meta = json.loads(path.read_text())
+    meta["codecs"] = [{"name": "numcodecs.pickle", "configuration": {}}]
+    path.write_text(json.dumps(meta))
+    problems = check_zarr_metadata(directory, manifest)
+    assert len(problems) == 1 and "numcodecs.pickle" in problems[0], problems
+    rewrite_zarr_metadata(directory, manifest)
+    assert check_zarr_metadata(directory, manifest) == []
+    assert verify_checkpoint(directory, manifest, deep=True) == []  # sizes as recorded
+    group = zarr.open_group(str(directory), mode="r")
+    assert group.attrs["ckptstore"]["layout"] == "dcp"
+    assert np.array_equal(group["dcp"]["model.big"][:], state["model"]["big"].numpy())
+
+
 def test_layout_is_plain_zarr(store: CheckpointStore) -> None:
     import zarr
 

@@ -4,7 +4,8 @@ Our reader never uses ``zarr.json`` (it reads chunks itself, with the codec the 
 names from a fixed preset list), but ``zarr.open_group`` users do, so a planted codec, a
 changed dtype or shape, or Zarr v2 metadata (``.zarray``/``.zgroup``, which zarr may prefer
 to trust) would mislead them. The manifest fully determines every ``zarr.json`` the writers
-produce (:mod:`ckptstore.format.zarrmeta`): :func:`expected_metadata` rebuilds them,
+produce, for the packed layout (:mod:`ckptstore.format.zarrmeta`) and the DCP layout
+(:mod:`ckptstore.format.dcp.zarrdocs`) alike: :func:`expected_metadata` rebuilds them,
 :func:`zarr_metadata_problems` compares documents with them (``ckpt doctor``, bundle import)
 and :func:`rewrite_zarr_metadata` writes them back (``ckpt doctor --fix``).
 """
@@ -19,6 +20,8 @@ from typing import Any
 
 from ckptstore.durable import replace_file
 from ckptstore.format.codecs import codec_spec
+from ckptstore.format.constants import DCP_ARRAY_GROUP, DCP_PACK_GROUP, ZARR_JSON
+from ckptstore.format.dcp.zarrdocs import array_doc, group_doc, root_doc
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.fsio import read_regular
 from ckptstore.format.manifest import Manifest
@@ -45,6 +48,15 @@ _OUR_CODECS = frozenset({"bytes", "blosc", "crc32c"})
 
 def expected_metadata(manifest: Manifest) -> dict[str, Any]:
     """Relative path -> the parsed ``zarr.json`` the writer produced for ``manifest``."""
+    if manifest.dcp is not None:
+        index = manifest.dcp
+        raw = {ZARR_JSON: root_doc(manifest.id),
+               f"{DCP_ARRAY_GROUP}/{ZARR_JSON}": group_doc(),
+               f"{DCP_PACK_GROUP}/{ZARR_JSON}": group_doc()}
+        for path, array in index.arrays.items():
+            raw[f"{path}/{ZARR_JSON}"] = array_doc(array.dtype, index.codec, array.shape,
+                                                   array.chunk_shape)
+        return {rel: json.loads(data) for rel, data in raw.items()}
     docs: dict[str, Any] = {}
     for name, entry in manifest.arrays.items():
         info = dtype_by_name(entry.torch_dtype)
