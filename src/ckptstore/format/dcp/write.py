@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ckptstore.durable import fsync_dir, fsync_file, storage_error, write_new_file
 from ckptstore.errors import CkptError
+from ckptstore.format.chunkwriter import write_chunk_file
 from ckptstore.format.codecs import (
     CodecSpec,
     codec_spec,
@@ -49,7 +50,6 @@ from ckptstore.format.dcp.layout import (
 from ckptstore.format.dcp.plan import ArraySpec, RankTask, Slot
 from ckptstore.format.dcp.zarrdocs import array_doc
 from ckptstore.format.layout import ArrayPlan, plan_layout
-from ckptstore.format.writer import write_chunk_file
 
 __all__ = ["FSYNC_THREADS", "RankReport", "Stored", "write_rank"]
 
