@@ -81,22 +81,12 @@ from ckptstore.faultpoints import fault_point
 from ckptstore.format import Manifest, read_manifest
 from ckptstore.format.codecs import codec_spec
 from ckptstore.format.constants import COMMIT_NAME, DCP_ARRAY_GROUP, DCP_PACK_GROUP
+from ckptstore.format.dcp.boxes import BoxLoc, build_metadata, stored_boxes
+from ckptstore.format.dcp.chunks import ChunkSource, Request, load_blob, run_requests
 from ckptstore.format.dcp.commit import build_index, commit_files
-from ckptstore.format.dcp.layout import BlobItem
+from ckptstore.format.dcp.layout import BlobItem, is_dcp_manifest
 from ckptstore.format.dcp.plan import ArraySpec, RankTask, assign_slots, item_dtype_name
-from ckptstore.format.dcp.read import (
-    BoxLoc,
-    ChunkSource,
-    Request,
-    build_metadata,
-    index_of,
-    is_dcp_manifest,
-    load_blob,
-    load_full,
-    run_requests,
-    stored_boxes,
-    verify_dcp,
-)
+from ckptstore.format.dcp.read import index_of, load_full, verify_dcp
 from ckptstore.format.dcp.write import write_rank
 from ckptstore.identity import writer_id
 from ckptstore.names import validate_name, validate_tag
