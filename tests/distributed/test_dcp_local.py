@@ -35,7 +35,7 @@ from ckptstore.ops.dcp import (
     save_distributed,
     verify_dcp,
 )
-from ckptstore.ops.dcp_stage import pool_for
+from ckptstore.ops.dcp.stage import pool_for
 from ckptstore.records import CheckpointState
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
