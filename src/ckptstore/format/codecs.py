@@ -5,7 +5,7 @@ Zarr v3 reader can decode our chunks. We encode with numcodecs' Blosc directly i
 through zarr because zarr's per-chunk machinery costs more than the compression itself; a
 test checks zarr decodes our bytes identically.
 
-Why these settings (reference/performance.md): bit-shuffle beats byte-shuffle on float
+Why these settings (measured): bit-shuffle beats byte-shuffle on float
 weights at the same speed, LZ4 level 1 is as fast as any level and compresses within 1% of
 level 5 on weights, and zstd is offered for the archive tier where bytes cost more than CPU.
 """

@@ -4,9 +4,8 @@ time.
 Loading parallelises over chunks. Uncompressed chunks are read with positional vectored
 reads straight into the destination tensors; compressed ones are decoded straight into the
 tensor when one tensor covers the whole chunk. Fresh loads allocate every tensor with
-``torch.empty`` (numpy's single large allocation page-faults slower, see
-reference/performance.md); loading ``into`` a live state writes into its tensors in place,
-which avoids page faults entirely.
+``torch.empty`` (numpy's single large allocation measured slower to page-fault); loading
+``into`` a live state writes into its tensors in place, which avoids page faults entirely.
 """
 
 from __future__ import annotations
@@ -212,7 +211,7 @@ def _fresh(
 class _Prefaulter:
     """Faults in fresh tensors' pages on a helper thread while the readers fill them.
 
-    Filling fresh memory is bound by page faults (reference/performance.md: ~2 GB/s); taken
+    Filling fresh memory is bound by page faults (measured ~2 GB/s); taken
     one at a time inside each read they serialise with the copy. ``MADV_POPULATE_WRITE``
     faults a whole range per call, off the readers' path; a page a reader reaches first is
     simply faulted by the reader. A no-op where the kernel lacks it (Linux < 5.14).
