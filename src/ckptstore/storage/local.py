@@ -134,7 +134,7 @@ class LocalTier(Tier):
             finally:
                 if tmp.exists():
                     tmp.unlink()
-            _fsync_dir(path.parent)
+            _fsync_dir_if_supported(path.parent)
         return written
 
     def _link_into_place(self, tmp: Path, path: Path, key: str) -> None:
@@ -248,7 +248,7 @@ class LocalTier(Tier):
                 path.unlink()
             except FileNotFoundError:
                 return False
-            _fsync_dir(path.parent, gone_ok=True)
+            _fsync_dir_if_supported(path.parent, gone_ok=True)
             return True
 
     def delete_prefix(self, prefix: str) -> int:
@@ -278,7 +278,7 @@ class LocalTier(Tier):
             return shutil.disk_usage(probe).free
 
 
-def _fsync_dir(path: Path, *, gone_ok: bool = False) -> None:
+def _fsync_dir_if_supported(path: Path, *, gone_ok: bool = False) -> None:
     """Flush a directory after a name was created (or, ``gone_ok``, removed) in it."""
     try:
         fsync_dir(path)
