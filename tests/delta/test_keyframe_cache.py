@@ -69,7 +69,7 @@ def test_a_delta_uses_the_cache_instead_of_the_keyframe_on_disk(
             for chunk in key_dir.glob("*/c/*"):
                 chunk.write_bytes(b"\0" * chunk.stat().st_size)  # damaged on disk
             caplog.clear()
-            with caplog.at_level(logging.WARNING, logger="ckptstore.format.writer"):
+            with caplog.at_level(logging.WARNING, logger="ckptstore.format.chunkwriter"):
                 ck = store.save("r", 1, train_step(states[0]), delta="xor")
             encs = {enc for *_, enc, _ in _chunks(store, ck.id)}
             outcome[name] = (encs, "cannot read base chunk" in caplog.text)

@@ -3,6 +3,7 @@ failure, async staging, safety, and the store-level entry points."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +35,7 @@ from ckptstore.ops.dcp import (
     save_distributed,
     verify_dcp,
 )
-from ckptstore.ops.dcp_stage import pool_for
+from ckptstore.ops.dcp.stage import pool_for
 from ckptstore.records import CheckpointState
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -119,6 +120,49 @@ def test_round_trip_full_and_into(store: CheckpointStore, codec: str) -> None:
         load_dcp(directory, manifest, keys=["model/*"], into=into)
 
 
+def test_the_index_is_a_typed_field_with_the_same_bytes(store: CheckpointStore) -> None:
+    from ckptstore.format import Manifest
+    from ckptstore.format.manifest import DcpIndex
+
+    ck = _save(store, "r", 1, _state())
+    directory, manifest = _open(store, ck.id)
+    data = (directory / "manifest.json").read_bytes()
+    assert isinstance(manifest.dcp, DcpIndex) and manifest.files
+    assert "dcp" not in manifest.extra and "files" not in manifest.extra
+    # The JSON keeps the index and the file list under extra, and re-serialises exactly.
+    assert set(json.loads(data)["extra"]) == {"dcp", "files"}
+    assert Manifest.from_json(data).to_json() == data == manifest.to_json()
+
+
+def test_zarr_metadata_check_knows_the_dcp_layout(store: CheckpointStore) -> None:
+    """The format's metadata check (ckpt doctor, bundle import) expects the DCP documents:
+    a clean DCP checkpoint has no finding, a planted codec is caught, and the rewrite
+    restores the writer's exact documents (the layout attribute included)."""
+    import zarr
+
+    from ckptstore.format import verify_checkpoint
+    from ckptstore.format.zarrcheck import check_zarr_metadata, rewrite_zarr_metadata
+    from ckptstore.ops.doctor import doctor
+
+    state = _state()
+    ck = _save(store, "r", 1, state)
+    directory, manifest = _open(store, ck.id)
+    assert check_zarr_metadata(directory, manifest) == []
+    assert doctor(store).findings == []
+    path = directory / "dcp" / "model.big" / "zarr.json"
+    meta = json.loads(path.read_text())
+    meta["codecs"] = [{"name": "numcodecs.pickle", "configuration": {}}]
+    path.write_text(json.dumps(meta))
+    problems = check_zarr_metadata(directory, manifest)
+    assert len(problems) == 1 and "numcodecs.pickle" in problems[0], problems
+    rewrite_zarr_metadata(directory, manifest)
+    assert check_zarr_metadata(directory, manifest) == []
+    assert verify_checkpoint(directory, manifest, deep=True) == []  # sizes as recorded
+    group = zarr.open_group(str(directory), mode="r")
+    assert group.attrs["ckptstore"]["layout"] == "dcp"
+    assert np.array_equal(group["dcp"]["model.big"][:], state["model"]["big"].numpy())
+
+
 def test_layout_is_plain_zarr(store: CheckpointStore) -> None:
     import zarr
 
@@ -132,7 +176,7 @@ def test_layout_is_plain_zarr(store: CheckpointStore) -> None:
     packs = group["dcp_packs"]
     assert "r0.bfloat16" in packs and packs["r0.bfloat16"].attrs["torch_dtype"] == "bfloat16"
     # Every file of the checkpoint is listed (with sizes) for tier copies and verify.
-    listed = {entry[0] for entry in manifest.extra["files"]}
+    listed = {entry.path for entry in manifest.files}
     on_disk = {
         str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()
     } - {"zarr.json", "manifest.json", "COMMITTED"}

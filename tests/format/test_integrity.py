@@ -183,7 +183,7 @@ def test_malformed_json_is_an_integrity_error(save: Any, data: bytes) -> None:
 
 
 def test_too_many_tensors_is_rejected(save: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckptstore.format.manifest as manifest_module
+    import ckptstore.format.manifest.parse as manifest_module
 
     directory, manifest = save({f"t{i}": torch.zeros(1) for i in range(11)})
     monkeypatch.setattr(manifest_module, "MAX_TENSORS", 10)

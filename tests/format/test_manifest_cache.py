@@ -46,3 +46,14 @@ def test_invalid_bytes_are_not_cached(tmp_path: Path) -> None:
     for _ in range(2):
         with pytest.raises(IntegrityError):
             parse_verified(data, manifest_digest(data))
+
+
+def test_a_known_digest_is_served_without_a_read(tmp_path: Path) -> None:
+    from ckptstore.format.manifest import known_manifest
+
+    written = _write(tmp_path / "c")
+    assert known_manifest(written.digest) is written
+    assert known_manifest(written.digest, CKPT_ID) is written
+    # A catalog row naming another checkpoint's digest must lead to a read, not this one.
+    assert known_manifest(written.digest, "11111111-1111-4111-8111-111111111111") is None
+    assert known_manifest("0" * 64) is None and known_manifest(None) is None

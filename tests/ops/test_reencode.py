@@ -21,7 +21,7 @@ from ckptstore.format import Manifest, read_manifest
 from ckptstore.format.codecs import BLOSC_HEADER
 from ckptstore.ops.archive import archive_checkpoints, demote_checkpoints
 from ckptstore.ops.bundle import export_bundle, import_bundle
-from ckptstore.ops.reencode import ORIGINAL_MANIFEST_NAME, REENCODED_FROM, check_same_content
+from ckptstore.ops.reencode import ORIGINAL_MANIFEST_NAME, check_same_content
 from ckptstore.ops.replicas import delete_replica, manifest_on, store_tiers
 from ckptstore.ops.restore import restore_checkpoint
 from ckptstore.ops.signing import (
@@ -137,7 +137,7 @@ def test_reencode_lz4_to_zstd3_then_load_from_warm_only(small: CheckpointStore) 
     manifest = _warm_manifest(store, ck)
     assert manifest.digest == warm.manifest_digest
     assert manifest.codec == "zstd-3" and manifest.kind == "full"
-    assert manifest.extra[REENCODED_FROM] == ck.manifest_digest
+    assert manifest.reencoded_from == ck.manifest_digest
     assert all(a.codec == "zstd-3" and "__zstd3" in name for name, a in manifest.arrays.items())
     tier = _warm(store)
     chunk_keys = [k for k in _keys(store, "warm", ck) if "/c/" in k]

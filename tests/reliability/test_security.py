@@ -29,7 +29,8 @@ from ckptstore.errors import (
 )
 from ckptstore.format.constants import MAX_MANIFEST_BYTES
 from ckptstore.format.manifest import manifest_digest
-from ckptstore.ops.doctor import check_zarr_metadata, doctor
+from ckptstore.format.zarrcheck import check_zarr_metadata
+from ckptstore.ops.doctor import doctor
 from ckptstore.store import CheckpointStore
 
 REPO = Path(__file__).resolve().parents[2]

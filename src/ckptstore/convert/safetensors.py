@@ -22,6 +22,7 @@ from types import TracebackType
 
 import torch
 
+from ckptstore.durable import fsync_fd
 from ckptstore.errors import CkptError, IntegrityError, StorageError
 
 __all__ = [
@@ -277,9 +278,7 @@ class SafetensorsFileWriter:
         if fd is None:
             return
         try:
-            os.fsync(fd)
-        except OSError as exc:
-            raise StorageError(f"cannot flush {self.path}: {exc.strerror}") from exc
+            fsync_fd(fd, self.path)
         finally:
             os.close(fd)
 

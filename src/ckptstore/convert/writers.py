@@ -30,6 +30,7 @@ from ckptstore.convert.safetensors import (
     hf_shard_names,
     plan_shards,
 )
+from ckptstore.durable import fsync_dir, fsync_fd, write_new_file
 from ckptstore.errors import CkptError, ConflictError, StorageError
 
 __all__ = ["staged_output", "write_hf", "write_pt", "write_safetensors"]
@@ -64,7 +65,7 @@ def staged_output(out: Path, *, overwrite: bool) -> Iterator[Path]:
     except BaseException:
         _remove(tmp)
         raise
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
 
 
 def _replace(tmp: Path, out: Path, old: Path) -> None:
@@ -92,15 +93,6 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def write_pt(state: Any, path: Path) -> None:
     """``torch.save`` ``state`` to ``path`` and fsync it.
 
@@ -111,7 +103,9 @@ def write_pt(state: Any, path: Path) -> None:
         with path.open("xb") as fh:
             torch.save(state, fh)
             fh.flush()
-            os.fsync(fh.fileno())
+            fsync_fd(fh.fileno(), path)
+    except StorageError:
+        raise
     except OSError as exc:
         raise StorageError(f"writing {path} failed: {exc}; check free space") from exc
 
@@ -198,11 +192,5 @@ def _write_json(path: Path, doc: Any) -> Path:
         text = json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n"
     except (TypeError, ValueError) as exc:
         raise CkptError(f"cannot write {path.name}: the value is not plain JSON ({exc})") from exc
-    try:
-        with path.open("x", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-    except OSError as exc:
-        raise StorageError(f"writing {path} failed: {exc.strerror}") from exc
+    write_new_file(path, text.encode("utf-8"))
     return path

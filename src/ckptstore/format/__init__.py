@@ -9,7 +9,9 @@ Layout of a checkpoint directory::
     COMMITTED            the manifest's blake3 digest, written last (the commit point)
 
 Every array is plain Zarr v3 (``zarr.open_group(dir, mode="r")`` reads it); the manifest says
-which tensor lives where. The layout is specified in docs/FORMAT.md.
+which tensor lives where. A checkpoint saved through torch.distributed.checkpoint uses the DCP
+layout instead of the packed arrays (:mod:`ckptstore.format.dcp`). The names of every file
+are in :mod:`ckptstore.format.constants`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ckptstore.format.manifest import (
     BaseRef,
     ChunkEntry,
     DeltaInfo,
+    FileEntry,
     Manifest,
     TensorEntry,
 )
@@ -43,6 +46,7 @@ __all__ = [
     "ChunkEntry",
     "DeltaInfo",
     "DeltaSpec",
+    "FileEntry",
     "FlatState",
     "KeyframeCache",
     "Manifest",

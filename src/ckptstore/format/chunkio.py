@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ckptstore.durable import storage_error
 from ckptstore.errors import IntegrityError, MissingBaseError, StorageError
 from ckptstore.format.codecs import (
     BLOSC_HEADER,
@@ -41,7 +42,7 @@ from ckptstore.format.delta import (
     xor_into,
 )
 from ckptstore.format.dtypes import dtype_by_name
-from ckptstore.format.fsio import fadvise_willneed, preadv_all, storage_error
+from ckptstore.format.fsio import fadvise_willneed, preadv_all
 from ckptstore.format.manifest import ArrayEntry, BaseChunk, ChunkEntry, Manifest
 
 __all__ = ["ByteBuffer", "ChunkReader", "Dest", "Locate"]

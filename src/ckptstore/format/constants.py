@@ -1,14 +1,26 @@
 """Constants of the on-disk checkpoint format (version 1).
 
 Everything a reader and a writer must agree on lives here, so a change to the format is a
-change to one file plus :data:`FORMAT_VERSION`.
+change to one file plus :data:`FORMAT_VERSION`: file names inside a checkpoint directory,
+chunk keys, the DCP layout's group names, the format's keys inside ``manifest.json`` and the
+limits applied to what is read back. (The name prefix of temporary files written on the way
+to a durable one, ``.ckpt-tmp-``, is :data:`ckptstore.durable.TEMP_PREFIX`: the durable
+writer below the format owns it.)
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "CHUNK_DIR",
     "COMMIT_NAME",
+    "COMMIT_TMP_NAME",
+    "DCP_ARRAY_GROUP",
+    "DCP_CHUNK_PREFIX",
+    "DCP_INDEX_KEY",
+    "DCP_LAYOUT",
+    "DCP_PACK_GROUP",
     "DEFAULT_CHUNK_BYTES",
+    "FILES_KEY",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "MAX_CHUNK_BYTES",
@@ -17,7 +29,12 @@ __all__ = [
     "MAX_TENSORS",
     "MAX_TREE_DEPTH",
     "MIN_CHUNK_BYTES",
+    "ORIGINAL_MANIFEST_NAME",
+    "REENCODED_FROM_KEY",
+    "RESERVED_NAMES",
+    "SIGNATURE_NAME",
     "ZARR_JSON",
+    "chunk_rel",
 ]
 
 #: Version of the layout described in docs/FORMAT.md; bumped on any incompatible change.
@@ -32,10 +49,49 @@ DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 MIN_CHUNK_BYTES = 16
 MAX_CHUNK_BYTES = 1024 * 1024 * 1024
 
-#: File names inside a checkpoint directory.
+#: File names inside a checkpoint directory: Zarr v3 metadata of the group and of each array,
+#: the manifest, and the commit marker (the manifest's digest, written last).
 ZARR_JSON = "zarr.json"
 MANIFEST_NAME = "manifest.json"
 COMMIT_NAME = "COMMITTED"
+#: The marker's temporary name while it is written (then hard-linked to COMMIT_NAME).
+COMMIT_TMP_NAME = COMMIT_NAME + ".tmp"
+#: In a copy re-encoded with another codec: the checkpoint's original ``manifest.json``
+#: bytes, so the copy proves which content it holds (signatures sign the original digest).
+ORIGINAL_MANIFEST_NAME = "manifest.orig.json"
+#: The Ed25519 signature of a checkpoint's manifest digest (``ckpt sign``).
+SIGNATURE_NAME = "SIGNATURE"
+#: Names no data file of any layout may take.
+RESERVED_NAMES = frozenset(
+    {ZARR_JSON, MANIFEST_NAME, COMMIT_NAME, COMMIT_TMP_NAME, ORIGINAL_MANIFEST_NAME,
+     SIGNATURE_NAME}
+)
+
+#: Folder of a packed array's chunk files (zarr v3 default chunk key encoding, separator
+#: ``/``): chunk ``i`` of array ``a`` is ``a/c/i``.
+CHUNK_DIR = "c"
+#: Prefix of a DCP array's chunk files (separator ``.``): ``dcp/<name>/c.<i>.<j>``, or
+#: just ``c`` for a 0-d array.
+DCP_CHUNK_PREFIX = CHUNK_DIR + "."
+
+#: The DCP layout's groups: one array per large tensor (or per shard of an irregular grid),
+#: and each rank's packed small items.
+DCP_ARRAY_GROUP = "dcp"
+DCP_PACK_GROUP = "dcp_packs"
+#: Value of the root group's ``ckptstore.layout`` attribute in a DCP checkpoint.
+DCP_LAYOUT = "dcp"
+
+#: The format's own keys inside the manifest's ``extra`` object (parsed into the typed
+#: fields :attr:`~ckptstore.format.manifest.Manifest.dcp`, ``files`` and
+#: ``reencoded_from``; caller metadata may not use them).
+DCP_INDEX_KEY = "dcp"
+FILES_KEY = "files"
+REENCODED_FROM_KEY = "reencoded_from"
+
+
+def chunk_rel(array: str, index: int) -> str:
+    """Relative path of chunk ``index`` of packed (1-D) array ``array``: ``<array>/c/<index>``."""
+    return f"{array}/{CHUNK_DIR}/{index}"
 
 #: Limits applied to manifests read from disk: they may be hostile, and parsing must stay
 #: cheap and bounded.

@@ -1,8 +1,9 @@
-"""Low-level file I/O for chunk files: exclusive creation, vectored writes and reads,
-early writeback and fsync helpers, and the mapping of OSError onto StorageError.
+"""Low-level file I/O for chunk files: exclusive creation, vectored writes and reads, early
+writeback, read-ahead and page hints.
 
 The functions here are thin wrappers over ``os``; they exist so the writer and reader do not
-each re-implement short-write loops and iovec batching.
+each re-implement short-write loops and iovec batching. Flushing to stable storage and the
+StorageError a failed file operation becomes belong to :mod:`ckptstore.durable`.
 """
 
 from __future__ import annotations
@@ -12,24 +13,21 @@ import ctypes.util
 import errno
 import logging
 import os
+import stat
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptstore.errors import StorageError
-
 __all__ = [
     "advise_hugepages",
     "create_exclusive",
     "fadvise_willneed",
-    "fsync_dir",
-    "fsync_path",
     "populate_write",
     "preadv_all",
+    "read_all",
+    "read_regular",
     "start_writeback",
-    "storage_error",
-    "write_file_durable",
     "writev_all",
 ]
 
@@ -71,23 +69,6 @@ def _load_madvise() -> Callable[[int, int, int], int] | None:
 
 
 _madvise = _load_madvise() if sys.platform.startswith("linux") else None
-
-
-def storage_error(path: Path | str, action: str, exc: OSError) -> StorageError:
-    """Build the StorageError for an OSError hit while ``action``-ing ``path``.
-
-    The message names the path and, for the errors a user can fix, what to do.
-    """
-    hint = ""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        hint = ": disk full: free space or prune old checkpoints"
-    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        hint = ": permission denied: check the store directory's owner and mode"
-    elif exc.errno == errno.EEXIST:
-        hint = ": file exists: checkpoint directories are written once, use a new directory"
-    err = StorageError(exc.errno or 0, f"cannot {action} {path}{hint} ({exc.strerror or exc})")
-    err.filename = str(path)
-    return err
 
 
 def create_exclusive(path: Path) -> int:
@@ -213,29 +194,31 @@ def populate_write(address: int, nbytes: int) -> bool:
     return _madvise(start, address + nbytes - start, _MADV_POPULATE_WRITE) == 0
 
 
-def fsync_path(path: Path) -> None:
-    """Flush a file that was written and closed earlier to stable storage."""
-    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+def read_all(fd: int, limit: int) -> bytes:
+    """Read up to ``limit`` bytes until EOF, looping over short reads."""
+    parts: list[bytes] = []
+    total = 0
+    while total < limit:
+        part = os.read(fd, limit - total)
+        if not part:
+            break
+        parts.append(part)
+        total += len(part)
+    return b"".join(parts)
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """Read at most ``limit`` bytes of a regular file that may have been tampered with.
+
+    Never follows a link and never blocks on a FIFO or device planted in the file's place.
+
+    Raises:
+        OSError: If the file cannot be opened or read, or (``EINVAL``) is not a regular file.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | _O_CLOEXEC)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    """Flush a directory's entries (new file names) to stable storage."""
-    fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_durable(path: Path, data: bytes) -> None:
-    """Create ``path`` exclusively, write ``data`` and fsync it (not its directory)."""
-    fd = create_exclusive(path)
-    try:
-        writev_all(fd, [data])
-        os.fsync(fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        return read_all(fd, limit)
     finally:
         os.close(fd)

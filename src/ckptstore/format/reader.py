@@ -4,9 +4,8 @@ time.
 Loading parallelises over chunks. Uncompressed chunks are read with positional vectored
 reads straight into the destination tensors; compressed ones are decoded straight into the
 tensor when one tensor covers the whole chunk. Fresh loads allocate every tensor with
-``torch.empty`` (numpy's single large allocation measured slower to page-fault);
-loading ``into`` a live state writes into its tensors in place,
-which avoids page faults entirely.
+``torch.empty`` (numpy's single large allocation measured slower to page-fault); loading
+``into`` a live state writes into its tensors in place, which avoids page faults entirely.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptstore.durable import storage_error
 from ckptstore.errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
@@ -36,7 +36,7 @@ from ckptstore.format.codecs import codec_spec
 from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.flatten import rebuild_state
-from ckptstore.format.fsio import populate_write, storage_error
+from ckptstore.format.fsio import populate_write
 from ckptstore.format.gcpause import without_gc
 from ckptstore.format.keys import render_path
 from ckptstore.format.manifest import (

@@ -38,6 +38,7 @@ import torch
 from ckptstore.format.constants import MAX_TREE_DEPTH
 from ckptstore.format.dtypes import NUMPY_NATIVE_DTYPES
 from ckptstore.format.keys import join_key, key_matches
+from ckptstore.format.validate import Invalid, short
 
 __all__ = [
     "CONTAINER_TAGS",
@@ -110,12 +111,7 @@ def decode_scalar(node: Any) -> Any:
             return int(node["v"], 16)
         if tag == "float":
             return struct.unpack(">d", bytes.fromhex(node["v"]))[0]
-    raise ValueError(f"not a scalar node: {_short(node)}")
-
-
-def _short(node: Any) -> str:
-    text = repr(node)
-    return text if len(text) <= 80 else text[:77] + "..."
+    raise ValueError(f"not a scalar node: {short(node, 80)}")
 
 
 def _children(node: Any) -> Iterator[tuple[object, Any]]:
@@ -140,7 +136,8 @@ def validate_tree(tree: Any, tensor_dtypes: Mapping[str, str]) -> None:
         tensor_dtypes: Tensor key -> torch dtype name, from the manifest.
 
     Raises:
-        ValueError: Naming the first problem and its path.
+        Invalid: (a ValueError, see :mod:`ckptstore.format.validate`) naming the first
+            problem and its path.
     """
     _validate_node(tree, "", 0, tensor_dtypes)
 
@@ -150,23 +147,23 @@ def _validate_node(node: Any, path: str, depth: int, tensor_dtypes: Mapping[str,
         return
     if isinstance(node, int):
         if not INT_MIN <= node <= INT_MAX:
-            raise ValueError(f"tree {path or '<root>'}: plain int out of range")
+            raise Invalid(f"tree {path or '<root>'}: plain int out of range")
         return
     if isinstance(node, float):
         if not math.isfinite(node):
-            raise ValueError(f"tree {path or '<root>'}: non-finite float must be tagged")
+            raise Invalid(f"tree {path or '<root>'}: non-finite float must be tagged")
         return
     if not isinstance(node, dict):
-        raise ValueError(f"tree {path or '<root>'}: unexpected JSON {type(node).__name__}")
+        raise Invalid(f"tree {path or '<root>'}: unexpected JSON {type(node).__name__}")
     tag = node.get("t")
     if not isinstance(tag, str) or tag not in TREE_TAGS:
-        raise ValueError(f"tree {path or '<root>'}: unknown node tag {tag!r}")
+        raise Invalid(f"tree {path or '<root>'}: unknown node tag {short(tag, 80)}")
     if set(node) != _EXACT_FIELDS[tag]:
-        raise ValueError(f"tree {path or '<root>'}: node {tag!r} has fields {sorted(node)}")
+        raise Invalid(f"tree {path or '<root>'}: node {tag!r} has fields {sorted(node)}")
     where = path or "<root>"
     if tag in CONTAINER_TAGS:
         if depth >= MAX_TREE_DEPTH:
-            raise ValueError(f"tree {where}: nested deeper than {MAX_TREE_DEPTH} containers")
+            raise Invalid(f"tree {where}: nested deeper than {MAX_TREE_DEPTH} containers")
         _validate_container(node, tag, path, depth, tensor_dtypes)
         return
     _validate_leaf(node, tag, where, tensor_dtypes)
@@ -177,22 +174,22 @@ def _validate_container(
 ) -> None:
     values = node["v"]
     if not isinstance(values, list):
-        raise ValueError(f"tree {path or '<root>'}: {tag} values must be a list")
+        raise Invalid(f"tree {path or '<root>'}: {tag} values must be a list")
     if tag in ("dict", "odict"):
         keys = node["k"]
         if not isinstance(keys, list) or len(keys) != len(values):
-            raise ValueError(f"tree {path or '<root>'}: {tag} keys and values differ in length")
+            raise Invalid(f"tree {path or '<root>'}: {tag} keys and values differ in length")
         decoded = []
         for key_node in keys:
             if _is_container(key_node) or (
                 isinstance(key_node, dict) and key_node.get("t") not in ("int", "float")
             ):
-                raise ValueError(f"tree {path or '<root>'}: dict key must be a scalar")
+                raise Invalid(f"tree {path or '<root>'}: dict key must be a scalar")
             _validate_node(key_node, path, depth + 1, tensor_dtypes)
             decoded.append(decode_scalar(key_node))
         # NaN keys are distinct objects in Python; count them by identity-free repr instead.
         if len({(type(k), repr(k)) for k in decoded}) != len(decoded):
-            raise ValueError(f"tree {path or '<root>'}: duplicate dict keys")
+            raise Invalid(f"tree {path or '<root>'}: duplicate dict keys")
         for key, child in zip(decoded, values, strict=True):
             _validate_node(child, join_key(path, key), depth + 1, tensor_dtypes)
     else:
@@ -206,9 +203,9 @@ def _validate_leaf(
     if tag in ("tensor", "ndarray"):
         key = node["key"]
         if not isinstance(key, str) or key not in tensor_dtypes:
-            raise ValueError(f"tree {where}: reference to unknown tensor {_short(key)}")
+            raise Invalid(f"tree {where}: reference to unknown tensor {short(key, 80)}")
         if tag == "ndarray" and tensor_dtypes[key] not in _NUMPY_NATIVE:
-            raise ValueError(f"tree {where}: ndarray of dtype {tensor_dtypes[key]}")
+            raise Invalid(f"tree {where}: ndarray of dtype {tensor_dtypes[key]}")
         return
     value = node.get("v")
     ok: bool
@@ -240,7 +237,7 @@ def _validate_leaf(
             and _is_hex(value)
         )
     if not ok:
-        raise ValueError(f"tree {where}: malformed {tag!r} node {_short(node)}")
+        raise Invalid(f"tree {where}: malformed {tag!r} node {short(node, 80)}")
 
 
 _NUMPY_NATIVE = frozenset(NUMPY_NATIVE_DTYPES)

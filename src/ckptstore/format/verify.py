@@ -15,26 +15,13 @@ from ckptstore.errors import IntegrityError, MissingBaseError, StorageError
 from ckptstore.format.chunkio import ChunkReader, Locate
 from ckptstore.format.codecs import TRAILER, crc32c_update
 from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, ZARR_JSON
-from ckptstore.format.manifest import ArrayEntry, Manifest
+from ckptstore.format.manifest import ArrayEntry, FileEntry, Manifest
 
-__all__ = ["EXTRA_FILES_KEY", "chunk_files", "extra_files", "verify_checkpoint"]
+__all__ = ["chunk_files", "verify_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
 _VERIFY_THREADS = 2
-
-
-#: ``manifest.extra`` key listing files a checkpoint owns outside the packed arrays (written by
-#: other layouts, e.g. ckptstore.ops.dcp): ``[relative path, size, crc32c or null]``,
-#: data files first. A crc32c means the file ends with the crc32c of the rest (the Zarr crc32c
-#: codec's trailer). Validated by :meth:`Manifest.from_json`.
-EXTRA_FILES_KEY = "files"
-
-
-def extra_files(manifest: Manifest) -> list[tuple[str, int, int | None]]:
-    """``(relative path, size, crc32c or None)`` of the files listed under ``extra["files"]``."""
-    raw = manifest.extra.get(EXTRA_FILES_KEY) or []
-    return [(str(p), int(n), None if c is None else int(c)) for p, n, c in raw]
 
 
 def chunk_files(manifest: Manifest) -> list[str]:
@@ -51,7 +38,7 @@ def chunk_files(manifest: Manifest) -> list[str]:
         for chunk in array.chunks
         if chunk.src is None
     ]
-    files += [path for path, _, _ in extra_files(manifest)]
+    files += [entry.path for entry in manifest.files]
     files += [f"{name}/{ZARR_JSON}" for name in manifest.arrays]
     files += [ZARR_JSON, MANIFEST_NAME, COMMIT_NAME]
     return files
@@ -100,13 +87,13 @@ def verify_checkpoint(
     with ThreadPoolExecutor(_VERIFY_THREADS, thread_name_prefix="ckpt-verify") as pool:
         problems += [p for p in pool.map(check, jobs) if p is not None]
         checker = partial(_check_extra, directory, deep)
-        problems += [p for p in pool.map(checker, extra_files(manifest)) if p is not None]
+        problems += [p for p in pool.map(checker, manifest.files) if p is not None]
     if problems:
         logger.warning("checkpoint %s: %d problems", manifest.id, len(problems))
     return problems
 
 
-def _check_extra(directory: Path, deep: bool, entry: tuple[str, int, int | None]) -> str | None:
+def _check_extra(directory: Path, deep: bool, entry: FileEntry) -> str | None:
     rel, nbytes, crc = entry
     path = directory / rel
     try:

@@ -60,6 +60,7 @@ from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
 
+from ckptstore.durable import replace_file
 from ckptstore.errors import CheckpointNotFoundError, CkptError, UnsafeObjectError
 from ckptstore.format import flatten_state
 from ckptstore.names import MAX_NAME_BYTES, validate_metric_name
@@ -309,9 +310,7 @@ class CkptStoreIO(CheckpointIO):
                              "store": str(self.store.settings.root)}}
         path = Path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        replace_file(path, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
 
     # ------------------------------------------------------------------ removing
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:

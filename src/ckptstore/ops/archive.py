@@ -24,6 +24,7 @@ from datetime import UTC, datetime, timedelta
 
 from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, ConfigError
+from ckptstore.format.constants import chunk_rel
 from ckptstore.ops.leases import acquire_lease, lease_owner
 from ckptstore.ops.reencode import (
     ReencodeResult,
@@ -162,7 +163,7 @@ def _discard_partial(store: StoreCore, dst: Tier, ck: Checkpoint) -> None:
         prefix = dst.prefix_for(ck.run, ck.id)
         dst.delete(dst.key_for(ck.run, ck.id, COMMIT_NAME))
         keep = {
-            dst.key_for(ck.run, ck.id, f"{array}/c/{index}")
+            dst.key_for(ck.run, ck.id, chunk_rel(array, index))
             for owner, array, index in referenced_chunks(store, dst.name, exclude=[ck.id])
             if owner == ck.id
         }

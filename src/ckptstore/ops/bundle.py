@@ -36,6 +36,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 from ckptstore.core import StoreCore
+from ckptstore.durable import fsync_fd, fsync_tree, rename_into_place
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptError,
@@ -45,9 +46,8 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, read_manifest, verify_checkpoint
-from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
+from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, ZARR_JSON
 from ckptstore.format.manifest import manifest_digest
-from ckptstore.format.verify import extra_files
 from ckptstore.names import validate_name
 from ckptstore.ops.delta import lossy_record
 from ckptstore.ops.reencode import check_original
@@ -55,7 +55,6 @@ from ckptstore.ops.signing import SIGNATURE_NAME, SignatureDoc, check_signature,
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
 from ckptstore.storage.transfer import (
     ORIGINAL_MANIFEST_NAME,
-    REENCODED_FROM,
     is_reencoded,
     owned_files,
 )
@@ -160,9 +159,7 @@ def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str]) -
             for rel in files:
                 with open(directory / rel, "rb") as fh:
                     _tar_add(tar, _PREFIX + rel, fh, sizes[rel], mtime)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, out)
+        rename_into_place(tmp, out)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise StorageError(exc.errno or 5, f"cannot write bundle {out}: {exc.strerror or exc}; "
@@ -278,7 +275,7 @@ def _parse_manifest(data: bytes, marker: bytes, header: dict[str, Any]) -> Manif
     manifest = Manifest.from_json(data)
     if is_reencoded(manifest) != ("copy_digest" in header) or (
             is_reencoded(manifest)
-            and manifest.extra.get(REENCODED_FROM) != header["manifest_digest"]):
+            and manifest.reencoded_from != header["manifest_digest"]):
         raise IntegrityError(
             "the bundle header and its manifest disagree on whether (and from which "
             "original) the copy was re-encoded: the bundle was tampered with"
@@ -297,7 +294,7 @@ def _size_limits(manifest: Manifest) -> dict[str, int]:
     for array in manifest.arrays.values():
         for chunk in array.chunks:
             limits[array.chunk_path(chunk.i)] = chunk.nbytes
-    for rel, nbytes, _crc in extra_files(manifest):
+    for rel, nbytes, _crc in manifest.files:
         limits[rel] = nbytes
     for rel in owned_files(manifest):
         limits.setdefault(rel, MAX_MANIFEST_BYTES
@@ -328,7 +325,7 @@ def _precheck_content(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo],
     """Check every chunk's crc32c and the Zarr metadata straight from the tar, before the
     catalog or the hot tier is touched (one chunk in memory at a time)."""
     from ckptstore.format.codecs import TRAILER, crc32c_update
-    from ckptstore.ops.doctor import zarr_metadata_problems
+    from ckptstore.format.zarrcheck import zarr_metadata_problems
 
     for array in manifest.arrays.values():
         for chunk in array.chunks:
@@ -344,7 +341,7 @@ def _precheck_content(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo],
                 )
     docs = {rel: _read_member(tar, info, _MAX_SMALL)
             for rel, info in ((n[len(_PREFIX):], i) for n, i in members.items())
-            if rel.endswith("zarr.json")}
+            if rel.endswith(ZARR_JSON)}
     problems = zarr_metadata_problems(docs, manifest)
     if problems:
         raise IntegrityError("the bundle's Zarr metadata does not match its manifest: "
@@ -372,18 +369,9 @@ def _write_member(tar: tarfile.TarFile, info: tarfile.TarInfo, target: Path) -> 
                     written = os.write(fd, view)
                     view = view[written:]
                 remaining -= len(block)
-        os.fsync(fd)
+        fsync_fd(fd, target)
     finally:
         os.close(fd)
-
-
-def _fsync_tree(directory: Path) -> None:
-    for dirpath, _dirs, _files in os.walk(directory, topdown=False):
-        fd = os.open(dirpath, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def import_bundle(
@@ -454,7 +442,7 @@ def _import(store: StoreCore, tar: tarfile.TarFile, path: Path, run: str | None,
         raise IntegrityError(f"the bundle lacks {len(missing)} files of checkpoint "
                              f"{manifest.id} (first: {missing[0]}); it is incomplete")
     exact_sizes = {array.chunk_path(c.i) for array in manifest.arrays.values()
-                   for c in array.chunks} | {rel for rel, _, _ in extra_files(manifest)}
+                   for c in array.chunks} | {rel for rel, _, _ in manifest.files}
     for rel in present:
         info = members[_PREFIX + rel]
         exact = rel in exact_sizes
@@ -501,7 +489,7 @@ def _import(store: StoreCore, tar: tarfile.TarFile, path: Path, run: str | None,
         if problems:
             raise IntegrityError(f"bundle {path.name} is damaged: " + "; ".join(problems[:3]))
         _write_member(tar, members[_PREFIX + COMMIT_NAME], directory / COMMIT_NAME)
-        _fsync_tree(directory)
+        fsync_tree(directory)
         read_manifest(directory, expected_digest=digest)
         if original is not manifest:
             # What landed on disk, not only what the tar held, must prove the original.

@@ -6,8 +6,9 @@ chunks, decoded to their exact stored content — is written as a plain ``raw`` 
 new codec into the copy's own files. Its manifest is the original one with ``codec`` and the
 arrays' codec replaced, every chunk entry ``src=None``, ``enc="raw"``, ``base=None`` with its
 new size and crc32c, ``kind="full"``; the tensors, tree, ids and per-chunk blake3 (a hash of
-the unencoded content) are unchanged, and ``extra["reencoded_from"]`` names the digest of
-the checkpoint's own manifest. That manifest has another digest, which the catalog records
+the unencoded content) are unchanged, and :attr:`Manifest.reencoded_from
+<ckptstore.format.manifest.Manifest.reencoded_from>` names the digest of the checkpoint's
+own manifest. That manifest has another digest, which the catalog records
 on the replica (:attr:`ckptstore.records.Replica.manifest_digest`).
 
 **The original manifest travels with the copy** as ``manifest.orig.json``
@@ -58,22 +59,19 @@ from ckptstore.errors import ConfigError, IntegrityError, StorageError
 from ckptstore.format import ArrayEntry, ChunkEntry, Manifest, TensorEntry, read_manifest
 from ckptstore.format.chunkio import ChunkReader
 from ckptstore.format.codecs import CODEC_PRESETS, TRAILER, codec_spec, crc32c_update, encode
-from ckptstore.format.constants import MAX_MANIFEST_BYTES, ZARR_JSON
+from ckptstore.format.constants import MAX_MANIFEST_BYTES, ZARR_JSON, chunk_rel
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.manifest import manifest_digest
-from ckptstore.format.verify import EXTRA_FILES_KEY
 from ckptstore.format.zarrmeta import build_metadata
 from ckptstore.storage import COMMIT_NAME, MANIFEST_NAME, LocalTier, Tier, is_not_found
 from ckptstore.storage.transfer import (
     ORIGINAL_MANIFEST_NAME,
-    REENCODED_FROM,
     is_reencoded,
     put_verified,
 )
 
 __all__ = [
     "ORIGINAL_MANIFEST_NAME",
-    "REENCODED_FROM",
     "ReencodeResult",
     "check_codec",
     "check_original",
@@ -144,11 +142,11 @@ def reencode_name(array: str, codec: str) -> str:
 def why_not_reencode(manifest: Manifest, codec: str) -> str | None:
     """Why a copy of ``manifest`` is made as is instead of re-encoded (None: re-encode it).
 
-    * Files of another layout (a DCP checkpoint's N-d arrays, ``extra["files"]``): the
+    * Files of another layout (a DCP checkpoint's N-d arrays, :attr:`Manifest.files`): the
       packed-array re-encoder does not know them.
     * Already in ``codec`` and self-contained: re-encoding would write the same data.
     """
-    if manifest.extra.get(EXTRA_FILES_KEY):
+    if manifest.files:
         return "holds files of another layout (DCP); copied as is"
     if (manifest.codec == codec and all(a.codec == codec for a in manifest.arrays.values())
             and not manifest.referenced_checkpoints()):
@@ -241,7 +239,7 @@ def reencode_copy(
         codec: The codec preset to write with.
         run_of: Maps checkpoint ids (owners of deduplicated chunks) to run names.
         own_digest: Digest of the checkpoint's own manifest, recorded in the copy's
-            ``extra["reencoded_from"]`` (default: ``manifest``'s, or what it records).
+            :attr:`~Manifest.reencoded_from` (default: ``manifest``'s, or what it records).
         threads: Chunks re-encoded in parallel.
         progress: Called with the byte count of each file written.
         deep: Compare blake3 instead of crc32c when reading files back.
@@ -264,7 +262,7 @@ def reencode_copy(
             "storage class; archive from a readable tier (hot) instead"
         )
     ckpt_id = manifest.id
-    origin = own_digest or str(manifest.extra.get(REENCODED_FROM) or manifest.digest)
+    origin = own_digest or manifest.reencoded_from or manifest.digest
     # The original manifest is checked before any chunk is written: a copy that cannot
     # prove what it re-encodes is never started.
     original_bytes = original_manifest_bytes(src, run, manifest, origin)
@@ -295,7 +293,7 @@ def reencode_copy(
                 f"re-encoding damaged data. Run `ckpt verify` to repair the {src.name} copy"
             )
         data = _encode_chunk(codec, content, array.itemsize)
-        rel = f"{names[array.name]}/c/{index}"
+        rel = chunk_rel(names[array.name], index)
         key = dst.key_for(run, ckpt_id, rel)
         put_verified(dst, key, data, deep=deep, present=key in existing, progress=progress,
                      origin=f"re-encoding {src.name}")
@@ -320,7 +318,7 @@ def reencode_copy(
     }
     new = dataclasses.replace(
         manifest, kind="full", base_id=None, codec=codec, arrays=arrays, tensors=tensors,
-        stored_bytes=chunk_total, extra={**manifest.extra, REENCODED_FROM: origin},
+        stored_bytes=chunk_total, reencoded_from=origin,
     )
     data = new.to_json()
     # Our own output goes through the hostile-input parser once: a bug here must fail the
@@ -428,15 +426,15 @@ def check_same_content(original: Manifest, reencoded: Manifest) -> None:
 
     if is_reencoded(original):
         raise fail("the original manifest is itself a re-encoded one")
-    if reencoded.extra.get(REENCODED_FROM) != original.digest:
-        raise fail(f"it names original {reencoded.extra.get(REENCODED_FROM)}, the original "
+    if reencoded.reencoded_from != original.digest:
+        raise fail(f"it names original {reencoded.reencoded_from}, the original "
                    f"has digest {original.digest}")
     for name in ("format_version", "id", "run", "step", "created_at", "chunk_bytes",
                  "logical_bytes", "tree", "delta"):
         if getattr(original, name) != getattr(reencoded, name):
             raise fail(f"{name} differs")
-    rest = {k: v for k, v in reencoded.extra.items() if k != REENCODED_FROM}
-    if rest != original.extra:
+    if (reencoded.extra, reencoded.dcp, reencoded.files) != (
+            original.extra, original.dcp, original.files):
         raise fail("extra differs")
     codec = reencoded.codec
     if any(a.codec != codec for a in reencoded.arrays.values()):

@@ -4,7 +4,8 @@
 * :func:`manifest_on` / :func:`manifest_of`: a checkpoint's manifest read from a tier and
   checked against the digest the catalog records for that copy
   (:func:`~ckptstore.records.expected_digest`: a copy re-encoded with the archive codec has
-  a manifest of its own) (cached: a manifest never changes for a given digest).
+  a manifest of its own); a digest this process already parsed is served from the format's
+  manifest cache (:func:`~ckptstore.format.manifest.known_manifest`) without a read.
 * :func:`referenced_chunks`: which chunk files on a tier other checkpoints still read
   (dedup, and the base chunks of delta-encoded chunks), so deleting one checkpoint's copy
   never breaks another.
@@ -15,8 +16,6 @@
 from __future__ import annotations
 
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -31,7 +30,8 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, read_manifest
-from ckptstore.format.manifest import parse_verified
+from ckptstore.format.constants import chunk_rel
+from ckptstore.format.manifest import known_manifest, parse_verified
 from ckptstore.records import (
     TIER_ORDER,
     Checkpoint,
@@ -68,11 +68,6 @@ ChunkId = tuple[str, str, int]
 # Replica states whose copy is (or is becoming) usable, so its chunk references count.
 _LIVE = frozenset({ReplicaState.PRESENT, ReplicaState.COPYING, ReplicaState.DAMAGED})
 
-_manifests: OrderedDict[tuple[str, str], Manifest] = OrderedDict()
-_manifest_lock = threading.Lock()
-_MANIFEST_CACHE = 512
-
-
 def tier_rank(name: str) -> int:
     """Sort key: hot < warm < cold < any other tier."""
     return TIER_ORDER.index(name) if name in TIER_ORDER else len(TIER_ORDER)
@@ -104,25 +99,6 @@ def run_resolver(store: StoreCore, ck: Checkpoint) -> Callable[[str], str]:
     return run_of
 
 
-def _cache_get(ckpt_id: str, digest: str | None) -> Manifest | None:
-    if digest is None:
-        return None
-    with _manifest_lock:
-        found = _manifests.get((ckpt_id, digest))
-        if found is not None:
-            _manifests.move_to_end((ckpt_id, digest))
-        return found
-
-
-def _cache_put(ckpt_id: str, digest: str | None, manifest: Manifest) -> None:
-    if digest is None:
-        return
-    with _manifest_lock:
-        _manifests[(ckpt_id, digest)] = manifest
-        while len(_manifests) > _MANIFEST_CACHE:
-            _manifests.popitem(last=False)
-
-
 def manifest_on(tier: Tier, ck: Checkpoint, *, use_cache: bool = True,
                 digest: str | None = None) -> Manifest:
     """Read a checkpoint's manifest from one tier and check it against the catalog.
@@ -130,7 +106,9 @@ def manifest_on(tier: Tier, ck: Checkpoint, *, use_cache: bool = True,
     Args:
         tier: The tier to read from.
         ck: The catalog record.
-        use_cache: Return a cached manifest with the same id and digest if there is one.
+        use_cache: Return the manifest this process already parsed from bytes with the
+            expected digest, if any, without reading the tier
+            (:func:`~ckptstore.format.manifest.known_manifest`).
         digest: The expected digest (default: what the catalog records for the copy on
             ``tier``, :func:`~ckptstore.records.expected_digest`).
 
@@ -141,16 +119,14 @@ def manifest_on(tier: Tier, ck: Checkpoint, *, use_cache: bool = True,
     """
     expect = digest if digest is not None else expected_digest(ck, tier.name)
     if use_cache:
-        cached = _cache_get(ck.id, expect)
+        cached = known_manifest(expect, ck.id)
         if cached is not None:
             return cached
     local = tier.local_dir(ck.run, ck.id)
     if local is not None:
-        manifest = read_manifest(local, expected_digest=expect)
-    else:
-        manifest = _remote_manifest(tier, ck, expect)
-    _cache_put(ck.id, expect, manifest)
-    return manifest
+        # Both reads parse through the format's cache, which the lookup above consults.
+        return read_manifest(local, expected_digest=expect)
+    return _remote_manifest(tier, ck, expect)
 
 
 def _remote_manifest(tier: Tier, ck: Checkpoint, expect: str | None) -> Manifest:
@@ -194,7 +170,7 @@ def manifest_of(store: StoreCore, ck: Checkpoint, *, tier: str | None = None) ->
         CheckpointNotFoundError: If no configured tier holds a readable copy.
     """
     wanted = expected_digest(ck, tier) if tier is not None else ck.manifest_digest
-    cached = _cache_get(ck.id, wanted)
+    cached = known_manifest(wanted, ck.id)
     if cached is not None:
         return cached
     tiers = store_tiers(store)
@@ -404,7 +380,7 @@ def delete_replica(
 def _foreign_owners(store: StoreCore, target: Tier, ck: Checkpoint) -> set[str]:
     """Ids of the checkpoints whose chunk files ``ck``'s copy on ``target`` reads."""
     try:
-        cached = _cache_get(ck.id, expected_digest(ck, target.name))
+        cached = known_manifest(expected_digest(ck, target.name), ck.id)
         manifest = cached if cached is not None else manifest_on(target, ck)
     except (CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError, StorageError):
         # A half-deleted copy has no marker any more; what it read is then found by the
@@ -447,7 +423,7 @@ def release_chunks(store: StoreCore, tier: str, owners: Iterable[str]) -> int:
     deleted = 0
     for ck in dead:
         prefix = target.prefix_for(ck.run, ck.id)
-        keep = {target.key_for(ck.run, ck.id, f"{array}/c/{index}")
+        keep = {target.key_for(ck.run, ck.id, chunk_rel(array, index))
                 for owner, array, index in still if owner == ck.id}
         present = target.list_prefix(prefix)
         if not present:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import hashlib
 import json
 import logging
@@ -35,7 +36,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptstore.core import StoreCore
+from ckptstore.durable import replace_file, write_new_file
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, IntegrityError, StorageError
+from ckptstore.format.constants import SIGNATURE_NAME
 from ckptstore.records import Checkpoint, ReplicaState, expected_digest
 
 if TYPE_CHECKING:
@@ -61,8 +64,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: File name of the signature beside ``manifest.json``.
-SIGNATURE_NAME = "SIGNATURE"
 _FORMAT = "ckptstore-signature"
 _VERSION = 1
 _MAX_DOC = 64 * 1024
@@ -246,19 +247,17 @@ def generate_keypair(out_dir: str | os.PathLike[str], name: str = "ckpt-signing"
                                            serialization.PublicFormat.SubjectPublicKeyInfo)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        for path, data, mode in ((private_path, private, 0o600), (public_path, public, 0o644)):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    except FileExistsError as exc:
-        raise StorageError(exc.errno, f"{exc.filename} exists; keys are never overwritten, "
-                                      "choose another --out or --name") from exc
     except OSError as exc:
         raise StorageError(exc.errno or 5, f"cannot write keys to {directory}: "
                                            f"{exc.strerror}") from exc
+    for path, data, mode in ((private_path, private, 0o600), (public_path, public, 0o644)):
+        try:
+            write_new_file(path, data, mode=mode)
+        except StorageError as exc:
+            if exc.errno != errno.EEXIST:
+                raise
+            raise StorageError(exc.errno, f"{path} exists; keys are never overwritten, "
+                                          "choose another --out or --name") from exc
     logger.info("wrote Ed25519 key pair %s / %s (fingerprint %s)", private_path, public_path,
                 key_fingerprint(key.public_key()))
     return private_path, public_path
@@ -284,26 +283,6 @@ def _hot_manifest(directory: Path, ck: Checkpoint) -> Manifest:
     if ck.manifest_digest is None:
         raise IntegrityError(f"checkpoint {ck.ref} has no manifest digest in the catalog")
     return read_copy_manifest(directory, ck.manifest_digest, expected_digest(ck, "hot"))
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".ckpt-tmp-sig-{os.getpid()}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise StorageError(exc.errno or 5, f"cannot write {path}: {exc.strerror}") from exc
 
 
 def sign_checkpoint(
@@ -350,7 +329,7 @@ def sign_checkpoint(
         signed_at=datetime.now(UTC).isoformat(),
     )
     path = directory / SIGNATURE_NAME
-    _write_atomic(path, doc.to_json())
+    replace_file(path, doc.to_json())
     store.catalog.record_event("signed", checkpoint_id=ck.id, detail=doc.to_dict())
     logger.info("signed %s (%s) with key %s", ck.ref, ck.id, doc.key_fingerprint[:16])
     return path
@@ -361,7 +340,7 @@ def _find_signature(store: StoreCore, ck: Checkpoint, fingerprint: str) -> Signa
     directory = _hot_dir(store, ck)
     found: SignatureDoc | None = None
     if directory is not None:
-        from ckptstore.ops.doctor import read_all
+        from ckptstore.format.fsio import read_all
 
         path = directory / SIGNATURE_NAME
         try:

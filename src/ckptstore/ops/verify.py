@@ -23,7 +23,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import Manifest, verify_checkpoint
 from ckptstore.ops.leases import lease_owner
-from ckptstore.ops.reencode import REENCODED_FROM, original_problems, reencode_copy
+from ckptstore.ops.reencode import original_problems, reencode_copy
 from ckptstore.ops.replicas import (
     manifest_on,
     run_resolver,
@@ -182,7 +182,7 @@ def _reencoded_codec(store: StoreCore, ck: Checkpoint, dst: Tier) -> str | None:
         return None
     try:
         manifest = manifest_on(dst, ck, use_cache=True)
-        if REENCODED_FROM in manifest.extra:
+        if manifest.reencoded_from is not None:
             return manifest.codec
     except CkptError:
         pass

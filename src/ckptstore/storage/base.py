@@ -18,6 +18,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ckptstore.errors import InvalidNameError
+
+# The commit marker (written last, deleted first) and the manifest (written just before it):
+# the format names them; tiers and transfers only need to know which files those are.
+from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME
 from ckptstore.names import validate_name
 
 __all__ = [
@@ -33,10 +37,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Name of the commit marker inside a checkpoint directory (written last, deleted first).
-COMMIT_NAME = "COMMITTED"
-#: Name of the manifest inside a checkpoint directory (written just before the marker).
-MANIFEST_NAME = "manifest.json"
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _BAD_KEY_CHARS = ("\\", "\x00", "\r", "\n")

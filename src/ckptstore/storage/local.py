@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import ClassVar
 
+from ckptstore.durable import FSYNC_UNSUPPORTED, TEMP_PREFIX, fsync_dir, fsync_fd
 from ckptstore.errors import ConflictError, InvalidNameError, StorageError
 from ckptstore.names import validate_name
 from ckptstore.storage.base import Tier, check_checkpoint_id, check_key
@@ -26,7 +27,6 @@ __all__ = ["LocalTier"]
 
 logger = logging.getLogger(__name__)
 
-_TMP_PREFIX = ".ckpt-tmp-"
 _COPY_BLOCK = 4 * 1024 * 1024
 
 _HINTS = {
@@ -122,19 +122,19 @@ class LocalTier(Tier):
         path = self._path(key)
         with self._wrap("write", key):
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+            tmp = path.parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
                 try:
                     written = write(fd)
-                    os.fsync(fd)
+                    fsync_fd(fd, tmp)
                 finally:
                     os.close(fd)
                 self._link_into_place(tmp, path, key)
             finally:
                 if tmp.exists():
                     tmp.unlink()
-            _fsync_dir(path.parent)
+            _fsync_dir_if_supported(path.parent)
         return written
 
     def _link_into_place(self, tmp: Path, path: Path, key: str) -> None:
@@ -198,7 +198,7 @@ class LocalTier(Tier):
         path = self._path(key)
         with self._wrap("read", key):
             local.parent.mkdir(parents=True, exist_ok=True)
-            tmp = local.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+            tmp = local.parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
             try:
                 shutil.copyfile(path, tmp)
                 os.replace(tmp, local)
@@ -233,7 +233,7 @@ class LocalTier(Tier):
                 dirnames.sort()
                 rel_dir = os.path.relpath(dirpath, self.root)
                 for fname in filenames:
-                    if fname.startswith(_TMP_PREFIX):
+                    if fname.startswith(TEMP_PREFIX):
                         continue
                     key = fname if rel_dir == "." else f"{rel_dir}/{fname}".replace(os.sep, "/")
                     if key.startswith(prefix):
@@ -248,7 +248,7 @@ class LocalTier(Tier):
                 path.unlink()
             except FileNotFoundError:
                 return False
-            _fsync_dir(path.parent)
+            _fsync_dir_if_supported(path.parent, gone_ok=True)
             return True
 
     def delete_prefix(self, prefix: str) -> int:
@@ -260,7 +260,7 @@ class LocalTier(Tier):
                 # Leftover temp files of dead writers, and the now empty folders.
                 for dirpath, _dirs, files in os.walk(base, topdown=False):
                     for fname in files:
-                        if fname.startswith(_TMP_PREFIX):
+                        if fname.startswith(TEMP_PREFIX):
                             os.unlink(os.path.join(dirpath, fname))
                     try:
                         os.rmdir(dirpath)
@@ -278,15 +278,19 @@ class LocalTier(Tier):
             return shutil.disk_usage(probe).free
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_dir_if_supported(path: Path, *, gone_ok: bool = False) -> None:
+    """Flush a directory after a name was created (or, ``gone_ok``, removed) in it."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        # Some file systems refuse fsync on directories; the data itself is already durable.
-        logger.debug("fsync of directory %s not supported", path)
-    finally:
-        os.close(fd)
+        fsync_dir(path)
+    except StorageError as exc:
+        if exc.errno in FSYNC_UNSUPPORTED:
+            # Some mounts (network, FUSE) cannot fsync a directory at all. The file itself
+            # was flushed, so only the new name is less durable there; refusing every write
+            # would make such a tier unusable for no gain.
+            logger.debug("fsync of directory %s not supported: %s", path, exc)
+            return
+        if gone_ok and exc.errno == errno.ENOENT:
+            # After a removal: a concurrent delete of the whole prefix removed the directory
+            # too, so there is no entry left whose removal could be lost.
+            return
+        raise

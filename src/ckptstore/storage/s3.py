@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from ckptstore.durable import TEMP_PREFIX
 from ckptstore.errors import ConfigError, ConflictError, InvalidNameError, StorageError
 from ckptstore.storage.base import (
     COMMIT_NAME,
@@ -298,7 +299,7 @@ class S3Tier(Tier):
         """Download object ``key`` into ``local`` (via a temp file and a rename)."""
         check_key(key)
         local.parent.mkdir(parents=True, exist_ok=True)
-        tmp = local.parent / f".ckpt-tmp-{uuid.uuid4().hex}"
+        tmp = local.parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
         try:
             self._call("read", key, lambda: self.fs.get_file(self._path(key), str(tmp)))
             os.replace(tmp, local)

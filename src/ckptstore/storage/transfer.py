@@ -25,11 +25,11 @@ import crc32c
 
 from ckptstore.errors import ConflictError, IntegrityError, MissingBaseError
 from ckptstore.format import chunk_files
+from ckptstore.format.constants import ORIGINAL_MANIFEST_NAME, chunk_rel
 from ckptstore.storage.base import COMMIT_NAME, MANIFEST_NAME, Tier
 
 __all__ = [
     "ORIGINAL_MANIFEST_NAME",
-    "REENCODED_FROM",
     "ChunkRef",
     "ManifestLike",
     "chunk_rel",
@@ -49,12 +49,6 @@ logger = logging.getLogger(__name__)
 
 Progress = Callable[[int], None]
 
-#: ``manifest.extra`` key of a copy re-encoded with another codec
-#: (:mod:`ckptstore.ops.reencode`): the digest of the checkpoint's own (original) manifest.
-REENCODED_FROM = "reencoded_from"
-#: File of a re-encoded copy holding the checkpoint's original ``manifest.json`` bytes, so
-#: the copy proves which content it re-encodes (signatures sign the original digest).
-ORIGINAL_MANIFEST_NAME = "manifest.orig.json"
 
 
 class ManifestLike(Protocol):
@@ -82,11 +76,6 @@ class ChunkRef:
     array: str
     index: int
     rel: str
-
-
-def chunk_rel(array: str, index: int) -> str:
-    """Relative path of chunk ``index`` of a flat (1-D) array: ``<array>/c/<index>``."""
-    return f"{array}/c/{index}"
 
 
 def _field(entry: Any, name: str) -> Any:
@@ -139,8 +128,7 @@ def owned_files(manifest: ManifestLike) -> list[str]:
 
 def is_reencoded(manifest: ManifestLike) -> bool:
     """Whether ``manifest`` is that of a re-encoded copy (it names its original's digest)."""
-    extra = getattr(manifest, "extra", None)
-    return isinstance(extra, Mapping) and bool(extra.get(REENCODED_FROM))
+    return bool(getattr(manifest, "reencoded_from", None))
 
 
 def _digest(data: bytes, deep: bool) -> str:
@@ -319,8 +307,7 @@ def source_checker(
     manifest_key = key_of(manifest.id, MANIFEST_NAME)
     marker_key = key_of(manifest.id, COMMIT_NAME)
     original_key = key_of(manifest.id, ORIGINAL_MANIFEST_NAME)
-    original = (str(getattr(manifest, "extra", {}).get(REENCODED_FROM))
-                if is_reencoded(manifest) else "")
+    original = str(getattr(manifest, "reencoded_from", None) or "")
 
     def check(key: str, data: bytes) -> str | None:
         if key in expected:

@@ -2,7 +2,17 @@
 
 Every rank writes its own shards as Zarr v3 arrays inside one checkpoint directory; the
 coordinator writes the index (where every shard and non-tensor item lives), the group
-documents, the manifest and the commit marker. See docs/FORMAT.md.
+documents, the manifest and the commit marker.
+
+* :mod:`~ckptstore.format.dcp.layout`: names and geometry of the layout (the index records
+  are :mod:`ckptstore.format.manifest.dcpindex`, re-exported there);
+* :mod:`~ckptstore.format.dcp.plan`: which array every shard of a save goes to;
+* :mod:`~ckptstore.format.dcp.write`: one rank's chunk files;
+* :mod:`~ckptstore.format.dcp.commit`: the coordinator's index, manifest and marker;
+* :mod:`~ckptstore.format.dcp.zarrdocs`: the ``zarr.json`` documents;
+* :mod:`~ckptstore.format.dcp.boxes`, :mod:`~ckptstore.format.dcp.chunks`,
+  :mod:`~ckptstore.format.dcp.read`: what DCP sees, verified chunk reads, full loads and
+  verification.
 """
 
 from __future__ import annotations

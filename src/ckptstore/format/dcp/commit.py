@@ -11,7 +11,6 @@ then flips the catalog row to COMMITTED.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -21,13 +20,16 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ckptstore.durable import fsync_dir, write_new_file
 from ckptstore.errors import CkptError, IntegrityError
 from ckptstore.format import FORMAT_VERSION, Manifest, flatten_state
-from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, ZARR_JSON
+from ckptstore.format.constants import (
+    DCP_ARRAY_GROUP,
+    DCP_PACK_GROUP,
+    MANIFEST_NAME,
+    ZARR_JSON,
+)
 from ckptstore.format.dcp.layout import (
-    ARRAY_GROUP,
-    INDEX_KEY,
-    PACK_GROUP,
     ArrayInfo,
     BlobItem,
     DcpIndex,
@@ -37,17 +39,12 @@ from ckptstore.format.dcp.layout import (
 from ckptstore.format.dcp.plan import ArraySpec, item_dtype_name
 from ckptstore.format.dcp.write import FSYNC_THREADS, Stored
 from ckptstore.format.dcp.zarrdocs import group_doc, root_doc
-from ckptstore.format.fsio import fsync_dir, storage_error, write_file_durable
+from ckptstore.format.manifest import FileEntry
+from ckptstore.format.marker import write_marker
 
-__all__ = ["FILES_KEY", "build_index", "commit_files"]
+__all__ = ["build_index", "commit_files"]
 
 logger = logging.getLogger(__name__)
-
-#: Key in ``Manifest.extra`` listing every file the checkpoint owns beyond the packed arrays:
-#: ``[relative path, size, crc32c of the body or null]``, chunks first. The format's
-#: ``chunk_files`` / ``verify_checkpoint`` read it, so copies and checks include these files.
-FILES_KEY = "files"
-
 
 def _planner_data(raw: Any) -> dict[str, tuple[str | int, ...]] | None:
     """DCP's flatten mapping if it is the plain ``{fqn: (key, index, ...)}`` kind, else None."""
@@ -130,20 +127,6 @@ def build_index(
     return index, meta_files
 
 
-def _durable(path: Path, data: bytes) -> None:
-    try:
-        write_file_durable(path, data)
-    except OSError as exc:
-        raise storage_error(path, "write", exc) from exc
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fsync_dir(path)
-    except OSError as exc:
-        raise storage_error(path, "fsync directory", exc) from exc
-
-
 def commit_files(
     directory: Path,
     *,
@@ -181,15 +164,17 @@ def commit_files(
     except IntegrityError as exc:
         raise IntegrityError(f"refusing to commit checkpoint {ckpt_id}: {exc}") from None
     groups = {
-        f"{ARRAY_GROUP}/{ZARR_JSON}": group_doc(),
-        f"{PACK_GROUP}/{ZARR_JSON}": group_doc(),
+        f"{DCP_ARRAY_GROUP}/{ZARR_JSON}": group_doc(),
+        f"{DCP_PACK_GROUP}/{ZARR_JSON}": group_doc(),
     }
     with ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="ckpt-dcp-commit") as pool:
-        list(pool.map(lambda kv: _durable(directory / kv[0], kv[1]), groups.items()))
-        _durable(directory / ZARR_JSON, root_doc(ckpt_id))
-    files: list[list[Any]] = [[p, n, c] for p, n, c in index.files()]
-    files += [[p, n, None] for p, n in sorted(meta_files)]
-    files += [[p, len(d), None] for p, d in groups.items()]
+        list(pool.map(lambda kv: write_new_file(directory / kv[0], kv[1]), groups.items()))
+        write_new_file(directory / ZARR_JSON, root_doc(ckpt_id))
+    # Every file the checkpoint owns beyond the root documents, data files first: tier
+    # copies, verify and bundles go by this list (Manifest.files).
+    files = [FileEntry(p, n, c) for p, n, c in index.files()]
+    files += [FileEntry(p, n, None) for p, n in sorted(meta_files)]
+    files += [FileEntry(p, len(d), None) for p, d in groups.items()]
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         id=ckpt_id,
@@ -205,27 +190,17 @@ def commit_files(
         tree=flatten_state({}).tree,
         logical_bytes=index.logical_bytes,
         stored_bytes=index.stored_bytes,
-        extra={INDEX_KEY: doc, FILES_KEY: files},
+        dcp=index,
+        files=tuple(files),
     )
     data = manifest.to_json()
-    _durable(directory / MANIFEST_NAME, data)
-    for group in (ARRAY_GROUP, PACK_GROUP):
-        _fsync_dir(directory / group)
-    _fsync_dir(directory)
-    _fsync_dir(directory.parent)
+    write_new_file(directory / MANIFEST_NAME, data)
+    for group in (DCP_ARRAY_GROUP, DCP_PACK_GROUP):
+        fsync_dir(directory / group)
+    fsync_dir(directory)
+    fsync_dir(directory.parent)
     if fault is not None:
         fault("dcp.manifest_written")
-    tmp = directory / f"{COMMIT_NAME}.tmp"
-    final = directory / COMMIT_NAME
-    _durable(tmp, (manifest.digest + "\n").encode("ascii"))
-    try:
-        os.link(tmp, final)
-    except OSError as exc:
-        raise storage_error(final, "create commit marker", exc) from exc
-    try:
-        os.unlink(tmp)
-    except OSError as exc:  # committed already; a stray temp file is harmless
-        logger.warning("cannot remove %s: %s", tmp, exc)
-    _fsync_dir(directory)
+    write_marker(directory, manifest.digest)
     return manifest
 

@@ -1,4 +1,4 @@
-"""Geometry and names of the DCP layout inside a checkpoint directory.
+"""Names and geometry of the DCP layout inside a checkpoint directory.
 
 A checkpoint saved through :class:`~ckptstore.ops.dcp.ZarrStorageWriter` is one Zarr
 v3 group like every ckptstore checkpoint (``zarr.json``, ``manifest.json``, ``COMMITTED``),
@@ -16,8 +16,11 @@ but its tensors are not in the packed per-dtype arrays. Instead::
 
 Every chunk is ``bytes`` [+ ``blosc``] + ``crc32c`` with zarr's default chunk-key encoding
 (separator ``.``), so ``zarr.open_group(dir)`` reads every array. The index that says which
-piece of which tensor lives where is JSON in the manifest's ``extra["dcp"]``
-(:class:`DcpIndex`), covered by the manifest digest.
+piece of which tensor lives where is :attr:`Manifest.dcp
+<ckptstore.format.manifest.Manifest.dcp>` (JSON under the manifest's ``extra["dcp"]``,
+covered by the manifest digest). Its records and the chunk-key geometry it is checked with
+are defined with the manifest (:mod:`ckptstore.format.manifest.dcpindex`), which parses
+them, and are re-exported here as part of the layout.
 
 This module is pure geometry and bookkeeping: no I/O, no process group.
 """
@@ -26,23 +29,28 @@ from __future__ import annotations
 
 import logging
 import math
-import re
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
 
 import blake3
 
-from ckptstore.errors import IntegrityError
-from ckptstore.format.codecs import BLOSC_MAX_OVERHEAD, CODEC_PRESETS, TRAILER
-from ckptstore.format.dtypes import DtypeInfo, dtype_by_name
+from ckptstore.format.constants import DCP_ARRAY_GROUP, DCP_PACK_GROUP
 from ckptstore.format.manifest import Manifest
+from ckptstore.format.manifest.dcpindex import (
+    INDEX_VERSION,
+    ArrayInfo,
+    BlobItem,
+    Box,
+    DcpIndex,
+    Piece,
+    TensorItem,
+    chunk_file,
+    chunk_grid,
+    chunk_key,
+    chunks_of_piece,
+)
 
 __all__ = [
-    "ARRAY_GROUP",
-    "INDEX_KEY",
     "INDEX_VERSION",
-    "PACK_GROUP",
     "ArrayInfo",
     "BlobItem",
     "Box",
@@ -63,30 +71,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Group holding one array per large tensor (or per shard of an irregular shard grid).
-ARRAY_GROUP = "dcp"
-#: Group holding each rank's packed small items.
-PACK_GROUP = "dcp_packs"
-#: Key of the index in ``Manifest.extra``.
-INDEX_KEY = "dcp"
-#: Version of the index document.
-INDEX_VERSION = 1
-
-#: (global offsets, sizes) of an N-d box.
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-
 _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 _MAX_NAME = 160
-_ARRAY_PATH = re.compile(
-    r"^(?:dcp/[A-Za-z0-9._%~-]{1,220}(?:@[0-9]{1,9})?|dcp_packs/r[0-9]{1,9}\.[a-z0-9_]{1,32})$"
-)
-_CHUNK_KEY = re.compile(r"^(?:|[0-9]{1,12}(?:\.[0-9]{1,12}){0,63})$")
-_MAX_DIMS = 64
-_MAX_ELEMENTS = 2**53
-_MAX_FQN = 65536
-_MAX_ITEMS = 1_000_000
-_MAX_CHUNKS = 10_000_000
-_MAX_RAW_CHUNK = 2**31  # Blosc's frame limit; a chunk is one frame
 
 
 def is_dcp_manifest(manifest: Manifest) -> bool:
@@ -94,7 +80,7 @@ def is_dcp_manifest(manifest: Manifest) -> bool:
 
     Cheap (no torch.distributed import), for the store's load/verify dispatch.
     """
-    return isinstance(manifest.extra.get(INDEX_KEY), dict)
+    return manifest.dcp is not None
 
 
 def escape_fqn(fqn: str) -> str:
@@ -121,27 +107,12 @@ def escape_fqn(fqn: str) -> str:
 def array_path(fqn: str, piece: int | None = None) -> str:
     """Relative path of a tensor's array (``piece``: the k-th array of an irregular grid)."""
     name = escape_fqn(fqn)
-    return f"{ARRAY_GROUP}/{name}" if piece is None else f"{ARRAY_GROUP}/{name}@{piece}"
+    return f"{DCP_ARRAY_GROUP}/{name}" if piece is None else f"{DCP_ARRAY_GROUP}/{name}@{piece}"
 
 
 def pack_path(rank: int, kind: str) -> str:
     """Relative path of a rank's pack array (``kind``: a dtype name or ``bytes``)."""
-    return f"{PACK_GROUP}/r{rank}.{kind}"
-
-
-def chunk_key(coords: Sequence[int]) -> str:
-    """Index key of a chunk: its coordinates joined with ``.`` (``""`` for a 0-d array)."""
-    return ".".join(str(c) for c in coords)
-
-
-def chunk_file(array: str, key: str) -> str:
-    """Relative path of a chunk file (zarr v3 default chunk-key encoding, separator ``.``)."""
-    return f"{array}/c.{key}" if key else f"{array}/c"
-
-
-def chunk_grid(shape: Sequence[int], chunk_shape: Sequence[int]) -> tuple[int, ...]:
-    """Number of chunks along each dimension."""
-    return tuple(-(-s // c) for s, c in zip(shape, chunk_shape, strict=True))
+    return f"{DCP_PACK_GROUP}/r{rank}.{kind}"
 
 
 def grid_pitch(shape: Sequence[int], boxes: Sequence[Box]) -> tuple[int, ...] | None:
@@ -207,449 +178,3 @@ def refine_chunk_shape(pitch: Sequence[int], itemsize: int, chunk_bytes: int) ->
         below = [k for k in divisors if k <= need]
         shape[d] //= below[-1]
     return tuple(shape)
-
-
-def chunks_of_piece(
-    origin: Sequence[int], chunk_shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]
-) -> Iterator[tuple[int, ...]]:
-    """Chunk coordinates covering a piece of an array (the piece is chunk-aligned)."""
-    if any(s == 0 for s in sizes):
-        return
-    ranges = [
-        range((o - a) // c, -(-(o - a + s) // c))
-        for a, c, o, s in zip(origin, chunk_shape, offsets, sizes, strict=True)
-    ]
-    yield from _product(ranges)
-
-
-def _product(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
-    if not ranges:
-        yield ()
-        return
-    for head in ranges[0]:
-        for tail in _product(ranges[1:]):
-            yield (head, *tail)
-
-
-# --------------------------------------------------------------------------- the index
-@dataclass(frozen=True)
-class ArrayInfo:
-    """One array of the layout.
-
-    Attributes:
-        path: Relative path (``dcp/<name>`` or ``dcp_packs/r<k>.<kind>``).
-        dtype: Torch dtype name of the elements (``uint8`` for byte packs).
-        shape: Array shape.
-        chunk_shape: Chunk shape.
-        chunks: Chunk key -> (file size, crc32c of the encoded bytes) for every chunk file.
-    """
-
-    path: str
-    dtype: str
-    shape: tuple[int, ...]
-    chunk_shape: tuple[int, ...]
-    chunks: dict[str, tuple[int, int]]
-
-    @property
-    def info(self) -> DtypeInfo:
-        """Storage description of the dtype."""
-        info = dtype_by_name(self.dtype)
-        assert info is not None  # checked when parsed or built
-        return info
-
-    @property
-    def chunk_nbytes(self) -> int:
-        """Unencoded bytes of one chunk (edge chunks are padded to this size)."""
-        return math.prod(self.chunk_shape) * self.info.itemsize
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON form."""
-        return {
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "chunk_shape": list(self.chunk_shape),
-            "chunks": {k: list(v) for k, v in sorted(self.chunks.items())},
-        }
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A box of a tensor held by one array.
-
-    Attributes:
-        offsets: Global offsets of the box.
-        sizes: Its sizes.
-        array: Path of the array holding it.
-        origin: For a per-tensor array, the global offsets of the array's element 0 (the box
-            is chunk-aligned in it); None for a pack.
-        at: For a pack, the element offset of the box's first element (the box is stored
-            flat, row-major); None for a per-tensor array.
-    """
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    array: str
-    origin: tuple[int, ...] | None = None
-    at: int | None = None
-
-    @property
-    def numel(self) -> int:
-        """Elements in the box."""
-        return math.prod(self.sizes)
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON form."""
-        return {
-            "offsets": list(self.offsets),
-            "sizes": list(self.sizes),
-            "array": self.array,
-            "origin": None if self.origin is None else list(self.origin),
-            "at": self.at,
-        }
-
-
-@dataclass(frozen=True)
-class TensorItem:
-    """One tensor of the DCP state dict.
-
-    Attributes:
-        fqn: Its DCP fully qualified name.
-        dtype: Torch dtype name.
-        shape: Global shape.
-        requires_grad: As recorded by DCP.
-        pieces: Where its elements are; they cover the tensor exactly once.
-    """
-
-    fqn: str
-    dtype: str
-    shape: tuple[int, ...]
-    requires_grad: bool
-    pieces: tuple[Piece, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON form."""
-        return {
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "requires_grad": self.requires_grad,
-            "pieces": [p.to_json() for p in self.pieces],
-        }
-
-
-@dataclass(frozen=True)
-class BlobItem:
-    """One non-tensor item: the bytes DCP's planner produced with ``torch.save``.
-
-    Attributes:
-        fqn: Its DCP fully qualified name.
-        array: The byte pack holding it.
-        at: Offset of its first byte.
-        nbytes: Its length.
-    """
-
-    fqn: str
-    array: str
-    at: int
-    nbytes: int
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON form."""
-        return {"array": self.array, "at": self.at, "nbytes": self.nbytes}
-
-
-@dataclass(frozen=True)
-class DcpIndex:
-    """Everything needed to find any element of a DCP checkpoint.
-
-    Attributes:
-        world_size: Ranks that saved it.
-        codec: Codec preset of every chunk.
-        arrays: Path -> array.
-        tensors: FQN -> tensor, in save order.
-        blobs: FQN -> non-tensor item.
-        planner_data: DCP's flatten mapping (FQN -> path of keys/indices into the nested
-            state), or None if the save planner recorded none.
-        dcp_version: DCP's metadata version string.
-    """
-
-    world_size: int
-    codec: str
-    arrays: dict[str, ArrayInfo]
-    tensors: dict[str, TensorItem]
-    blobs: dict[str, BlobItem]
-    planner_data: dict[str, tuple[str | int, ...]] | None
-    dcp_version: str | None
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON form (stored as ``Manifest.extra["dcp"]``)."""
-        return {
-            "version": INDEX_VERSION,
-            "world_size": self.world_size,
-            "codec": self.codec,
-            "dcp_version": self.dcp_version,
-            "arrays": {p: a.to_json() for p, a in self.arrays.items()},
-            "tensors": {f: t.to_json() for f, t in self.tensors.items()},
-            "blobs": {f: b.to_json() for f, b in self.blobs.items()},
-            "planner_data": (
-                None
-                if self.planner_data is None
-                else {f: list(parts) for f, parts in self.planner_data.items()}
-            ),
-        }
-
-    @property
-    def logical_bytes(self) -> int:
-        """Bytes of the tensors and non-tensor items before encoding."""
-        total = sum(
-            math.prod(t.shape) * _itemsize(t.dtype) for t in self.tensors.values()
-        )
-        return total + sum(b.nbytes for b in self.blobs.values())
-
-    @property
-    def stored_bytes(self) -> int:
-        """Bytes of all chunk files."""
-        return sum(n for a in self.arrays.values() for n, _ in a.chunks.values())
-
-    def files(self) -> list[tuple[str, int, int]]:
-        """``(relative path, size, crc32c)`` of every chunk file."""
-        return [
-            (chunk_file(a.path, key), n, crc)
-            for a in self.arrays.values()
-            for key, (n, crc) in a.chunks.items()
-        ]
-
-    @classmethod
-    def from_json(cls, doc: Any) -> DcpIndex:
-        """Parse and validate an index read from a manifest (treated as hostile).
-
-        Checks types, bounds, paths and cross references, that pieces tile each tensor
-        exactly, and that every chunk a piece needs was written, so a reader never sees
-        fill-value zeros where data is missing.
-
-        Raises:
-            IntegrityError: On the first problem.
-        """
-        try:
-            return _parse_index(doc)
-        except _Invalid as exc:
-            raise IntegrityError(
-                f"invalid DCP index in the manifest: {exc}; the checkpoint is damaged: "
-                "restore it from another replica"
-            ) from None
-
-
-def _itemsize(dtype: str) -> int:
-    info = dtype_by_name(dtype)
-    return info.itemsize if info is not None else 0
-
-
-# --------------------------------------------------------------------------- validation
-class _Invalid(ValueError):
-    """Internal: one validation failure."""
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise _Invalid(message)
-
-
-def _int(value: Any, what: str, lo: int = 0, hi: int = _MAX_ELEMENTS) -> int:
-    _require(
-        isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi,
-        f"{what} must be an int in [{lo}, {hi}]",
-    )
-    return int(value)
-
-
-def _dims(value: Any, what: str, lo: int = 0) -> tuple[int, ...]:
-    _require(isinstance(value, list) and len(value) <= _MAX_DIMS, f"{what} must be a list")
-    dims = tuple(_int(v, what, lo) for v in value)
-    total = 1
-    for d in dims:
-        total *= d
-        _require(total <= _MAX_ELEMENTS, f"{what} has too many elements")
-    return dims
-
-
-def _dtype(value: Any, what: str) -> str:
-    _require(isinstance(value, str) and dtype_by_name(value) is not None, f"{what}: bad dtype")
-    return str(value)
-
-
-def _obj(value: Any, what: str, fields: set[str]) -> dict[str, Any]:
-    _require(isinstance(value, dict) and set(value) == fields, f"{what} must have {sorted(fields)}")
-    assert isinstance(value, dict)
-    return value
-
-
-def _parse_index(doc: Any) -> DcpIndex:
-    top = _obj(
-        doc,
-        "index",
-        {"version", "world_size", "codec", "dcp_version", "arrays", "tensors", "blobs",
-         "planner_data"},
-    )
-    _require(top["version"] == INDEX_VERSION, f"index version {top['version']!r} is not supported")
-    world_size = _int(top["world_size"], "world_size", 1, 2**31)
-    codec = top["codec"]
-    _require(codec in CODEC_PRESETS, f"codec must be one of {CODEC_PRESETS}")
-    version = top["dcp_version"]
-    _require(version is None or (isinstance(version, str) and len(version) < 64), "dcp_version")
-    arrays = _parse_arrays(top["arrays"], codec)
-    tensors = _parse_tensors(top["tensors"], arrays)
-    blobs = _parse_blobs(top["blobs"], arrays)
-    _require(not set(tensors) & set(blobs), "an fqn is both a tensor and a non-tensor item")
-    planner_data = _parse_planner_data(top["planner_data"])
-    return DcpIndex(world_size, codec, arrays, tensors, blobs, planner_data, version)
-
-
-def _parse_arrays(raw: Any, codec: str) -> dict[str, ArrayInfo]:
-    _require(isinstance(raw, dict) and len(raw) <= _MAX_ITEMS, "arrays must be an object")
-    arrays: dict[str, ArrayInfo] = {}
-    total = 0
-    for path, entry in raw.items():
-        _require(bool(_ARRAY_PATH.match(path)), f"array path {path[:80]!r} is not allowed")
-        where = f"array {path}"
-        e = _obj(entry, where, {"dtype", "shape", "chunk_shape", "chunks"})
-        dtype = _dtype(e["dtype"], where)
-        shape = _dims(e["shape"], f"{where} shape")
-        chunk_shape = _dims(e["chunk_shape"], f"{where} chunk_shape", 1)
-        _require(len(chunk_shape) == len(shape), f"{where}: chunk_shape rank differs")
-        raw_nbytes = math.prod(chunk_shape) * _itemsize(dtype)
-        _require(raw_nbytes <= _MAX_RAW_CHUNK, f"{where}: chunks of {raw_nbytes} bytes are too big")
-        grid = chunk_grid(shape, chunk_shape)
-        chunks_raw = e["chunks"]
-        _require(isinstance(chunks_raw, dict), f"{where}: chunks must be an object")
-        total += len(chunks_raw)
-        _require(total <= _MAX_CHUNKS, "too many chunks")
-        if codec == "none":
-            lo, hi = raw_nbytes + TRAILER.size, raw_nbytes + TRAILER.size
-        else:
-            lo = BLOSC_MAX_OVERHEAD + TRAILER.size
-            hi = raw_nbytes + BLOSC_MAX_OVERHEAD + TRAILER.size
-        chunks: dict[str, tuple[int, int]] = {}
-        for key, rec in chunks_raw.items():
-            _require(bool(_CHUNK_KEY.match(key)), f"{where}: bad chunk key {key[:40]!r}")
-            coords = tuple(int(c) for c in key.split(".")) if key else ()
-            _require(
-                len(coords) == len(shape) and all(c < g for c, g in zip(coords, grid, strict=True)),
-                f"{where}: chunk {key} is outside the array",
-            )
-            _require(isinstance(rec, list) and len(rec) == 2, f"{where} chunk {key}: bad record")
-            chunks[key] = (
-                _int(rec[0], f"{where} chunk {key} size", lo, hi),
-                _int(rec[1], f"{where} chunk {key} crc32c", 0, 2**32 - 1),
-            )
-        arrays[path] = ArrayInfo(path, dtype, shape, chunk_shape, chunks)
-    return arrays
-
-
-def _parse_piece(raw: Any, where: str, shape: tuple[int, ...], dtype: str,
-                 arrays: Mapping[str, ArrayInfo]) -> Piece:
-    p = _obj(raw, where, {"offsets", "sizes", "array", "origin", "at"})
-    offsets = _dims(p["offsets"], f"{where} offsets")
-    sizes = _dims(p["sizes"], f"{where} sizes")
-    _require(
-        len(offsets) == len(sizes) == len(shape)
-        and all(o + s <= n for o, s, n in zip(offsets, sizes, shape, strict=True)),
-        f"{where}: box lies outside the tensor",
-    )
-    array = arrays.get(p["array"]) if isinstance(p["array"], str) else None
-    _require(array is not None, f"{where}: unknown array")
-    assert array is not None
-    _require(array.dtype == dtype, f"{where}: array dtype differs from the tensor's")
-    numel = math.prod(sizes)
-    if p["at"] is not None:
-        _require(p["origin"] is None and len(array.shape) == 1, f"{where}: bad pack piece")
-        at = _int(p["at"], f"{where} at")
-        _require(at + numel <= array.shape[0], f"{where}: lies outside its pack")
-        _require_chunks(array, (at,), (numel,), (0,), where)
-        return Piece(offsets, sizes, array.path, None, at)
-    _require(p["origin"] is not None, f"{where}: a piece needs origin or at")
-    origin = _dims(p["origin"], f"{where} origin")
-    _require(len(origin) == len(shape), f"{where}: origin rank differs")
-    _require(
-        all(
-            a <= o and o + s <= a + n and (o - a) % c == 0
-            for a, o, s, n, c in zip(origin, offsets, sizes, array.shape, array.chunk_shape,
-                                     strict=True)
-        ),
-        f"{where}: box is not chunk-aligned inside its array",
-    )
-    local = tuple(o - a for o, a in zip(offsets, origin, strict=True))
-    _require_chunks(array, local, sizes, tuple(0 for _ in sizes), where)
-    return Piece(offsets, sizes, array.path, origin, None)
-
-
-def _require_chunks(array: ArrayInfo, start: tuple[int, ...], sizes: tuple[int, ...],
-                    origin: tuple[int, ...], where: str) -> None:
-    """Every chunk overlapping ``[start, start+sizes)`` of ``array`` must have been written."""
-    for coords in chunks_of_piece(origin, array.chunk_shape, start, sizes):
-        key = chunk_key(coords)
-        _require(key in array.chunks, f"{where}: chunk {chunk_file(array.path, key)} is missing")
-
-
-def _parse_tensors(raw: Any, arrays: Mapping[str, ArrayInfo]) -> dict[str, TensorItem]:
-    _require(isinstance(raw, dict) and len(raw) <= _MAX_ITEMS, "tensors must be an object")
-    tensors: dict[str, TensorItem] = {}
-    for fqn, entry in raw.items():
-        _require(len(fqn) <= _MAX_FQN, "fqn too long")
-        where = f"tensor {fqn[:200]!r}"
-        e = _obj(entry, where, {"dtype", "shape", "requires_grad", "pieces"})
-        dtype = _dtype(e["dtype"], where)
-        shape = _dims(e["shape"], f"{where} shape")
-        _require(isinstance(e["requires_grad"], bool), f"{where}: requires_grad must be a bool")
-        _require(isinstance(e["pieces"], list), f"{where}: pieces must be a list")
-        pieces = tuple(
-            _parse_piece(p, f"{where} piece {i}", shape, dtype, arrays)
-            for i, p in enumerate(e["pieces"])
-        )
-        # Pieces come from DCP's deduplicated plan and never overlap, so their volumes add
-        # up to the tensor's exactly when none is missing.
-        _require(
-            sum(p.numel for p in pieces) == math.prod(shape),
-            f"{where}: its pieces do not cover it (a rank's shards are missing)",
-        )
-        tensors[fqn] = TensorItem(fqn, dtype, shape, e["requires_grad"], pieces)
-    return tensors
-
-
-def _parse_blobs(raw: Any, arrays: Mapping[str, ArrayInfo]) -> dict[str, BlobItem]:
-    _require(isinstance(raw, dict) and len(raw) <= _MAX_ITEMS, "blobs must be an object")
-    blobs: dict[str, BlobItem] = {}
-    for fqn, entry in raw.items():
-        _require(len(fqn) <= _MAX_FQN, "fqn too long")
-        where = f"item {fqn[:200]!r}"
-        e = _obj(entry, where, {"array", "at", "nbytes"})
-        array = arrays.get(e["array"]) if isinstance(e["array"], str) else None
-        _require(
-            array is not None and array.dtype == "uint8" and len(array.shape) == 1,
-            f"{where}: unknown or non-byte array",
-        )
-        assert array is not None
-        at = _int(e["at"], f"{where} at")
-        nbytes = _int(e["nbytes"], f"{where} nbytes")
-        _require(at + nbytes <= array.shape[0], f"{where}: lies outside its pack")
-        _require_chunks(array, (at,), (nbytes,), (0,), where)
-        blobs[fqn] = BlobItem(fqn, array.path, at, nbytes)
-    return blobs
-
-
-def _parse_planner_data(raw: Any) -> dict[str, tuple[str | int, ...]] | None:
-    if raw is None:
-        return None
-    _require(isinstance(raw, dict) and len(raw) <= _MAX_ITEMS, "planner_data must be an object")
-    out: dict[str, tuple[str | int, ...]] = {}
-    for fqn, parts in raw.items():
-        _require(
-            isinstance(parts, list)
-            and 0 < len(parts) <= _MAX_DIMS
-            and all(
-                (isinstance(p, str) and len(p) <= _MAX_FQN)
-                or (isinstance(p, int) and not isinstance(p, bool) and 0 <= p < 2**31)
-                for p in parts
-            ),
-            f"planner_data of {fqn[:200]!r} must be a list of keys and indices",
-        )
-        out[fqn] = tuple(parts)
-    return out

@@ -28,7 +28,9 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ckptstore.durable import fsync_dir, fsync_file, storage_error, write_new_file
 from ckptstore.errors import CkptError
+from ckptstore.format.chunkwriter import write_chunk_file
 from ckptstore.format.codecs import (
     CodecSpec,
     codec_spec,
@@ -47,14 +49,7 @@ from ckptstore.format.dcp.layout import (
 )
 from ckptstore.format.dcp.plan import ArraySpec, RankTask, Slot
 from ckptstore.format.dcp.zarrdocs import array_doc
-from ckptstore.format.fsio import (
-    fsync_dir,
-    fsync_path,
-    storage_error,
-    write_file_durable,
-)
 from ckptstore.format.layout import ArrayPlan, plan_layout
-from ckptstore.format.writer import write_chunk_file
 
 __all__ = ["FSYNC_THREADS", "RankReport", "Stored", "write_rank"]
 
@@ -217,30 +212,14 @@ class _RankWriter:
 
     def write_doc(self, rel: str, data: bytes) -> tuple[str, int]:
         """Write one ``zarr.json`` durably; return its path and size."""
-        path = self.dir / rel
-        try:
-            write_file_durable(path, data)
-        except OSError as exc:
-            raise storage_error(path, "write", exc) from exc
+        write_new_file(self.dir / rel, data)
         return rel, len(data)
 
 
 def _fsync_all(paths: list[Path], dirs: list[Path]) -> None:
-    def sync(path: Path) -> None:
-        try:
-            fsync_path(path)
-        except OSError as exc:
-            raise storage_error(path, "fsync", exc) from exc
-
-    def sync_dir(path: Path) -> None:
-        try:
-            fsync_dir(path)
-        except OSError as exc:
-            raise storage_error(path, "fsync directory", exc) from exc
-
     with ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="ckpt-dcp-fsync") as pool:
-        list(pool.map(sync, paths))
-        list(pool.map(sync_dir, dirs))
+        list(pool.map(fsync_file, paths))
+        list(pool.map(fsync_dir, dirs))
 
 
 def _run(pool: ThreadPoolExecutor, jobs: list[Callable[[], Any]]) -> list[Any]:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckptstore.format.codecs import codec_spec, zarr_codecs
-from ckptstore.format.constants import FORMAT_VERSION, MANIFEST_NAME, ZARR_JSON
+from ckptstore.format.constants import DCP_LAYOUT, FORMAT_VERSION, MANIFEST_NAME, ZARR_JSON
 from ckptstore.format.dtypes import dtype_by_name
 
 __all__ = ["array_doc", "group_doc", "root_doc"]
@@ -97,7 +97,7 @@ def root_doc(ckpt_id: str) -> bytes:
                 "format_version": FORMAT_VERSION,
                 "id": ckpt_id,
                 "manifest": MANIFEST_NAME,
-                "layout": "dcp",
+                "layout": DCP_LAYOUT,
             }
         }
     )

@@ -18,6 +18,7 @@ from typing import Any
 
 from ckptstore.core import StoreCore
 from ckptstore.errors import CheckpointNotFoundError, CkptError, StorageError
+from ckptstore.format.constants import COMMIT_NAME
 from ckptstore.ops.retention.plan import (
     ActionKind,
     PlannedAction,
@@ -236,7 +237,7 @@ def _record(store: StoreCore, action: PlannedAction, owner: str) -> None:
 def _remove_local_dir(path: Path) -> None:
     try:
         # The commit marker goes first, so a half-deleted directory never looks committed.
-        (path / "COMMITTED").unlink(missing_ok=True)
+        (path / COMMIT_NAME).unlink(missing_ok=True)
         shutil.rmtree(path)
     except FileNotFoundError:
         return

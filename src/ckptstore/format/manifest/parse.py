@@ -1,0 +1,438 @@
+"""The manifest parser: ``manifest.json`` bytes, treated as hostile, to a manifest's fields.
+
+:func:`parse_manifest` bounds sizes and counts before ``json.loads`` builds anything, checks
+every type, range and cross-reference (through :mod:`ckptstore.format.validate`), parses the
+format's keys inside ``extra`` into their typed fields (the DCP index through
+:meth:`~ckptstore.format.manifest.dcpindex.DcpIndex.from_json`), and raises
+:class:`~ckptstore.errors.IntegrityError` on the first problem, before any of it is used to
+open files or allocate memory.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any, TypedDict
+
+from ckptstore.format.codecs import CODEC_PRESETS
+from ckptstore.format.constants import (
+    DCP_INDEX_KEY,
+    FILES_KEY,
+    FORMAT_VERSION,
+    MAX_CHUNK_BYTES,
+    MAX_JSON_ITEMS,
+    MAX_MANIFEST_BYTES,
+    MAX_TENSORS,
+    MAX_TREE_DEPTH,
+    MIN_CHUNK_BYTES,
+    REENCODED_FROM_KEY,
+    RESERVED_NAMES,
+)
+from ckptstore.format.dtypes import dtype_by_name
+from ckptstore.format.layout import chunk_span
+from ckptstore.format.manifest.dcpindex import DcpIndex
+from ckptstore.format.manifest.records import (
+    DELTA_MODES,
+    ENCODINGS,
+    ArrayEntry,
+    BaseChunk,
+    ChunkEntry,
+    DeltaInfo,
+    FileEntry,
+    TensorEntry,
+    is_checkpoint_id,
+)
+from ckptstore.format.tree import validate_tree
+from ckptstore.format.validate import (
+    MAX_DIMS,
+    MAX_ELEMENTS,
+    Invalid,
+    check_depth,
+    hex_digest,
+    int_in,
+    load_json,
+    rejecting,
+    require,
+    short,
+    str_max,
+)
+
+__all__ = ["ManifestFields", "parse_manifest"]
+
+_ARRAY_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+_MAX_KEY_CHARS = 65536
+_MAX_RUN_CHARS = 1024
+_MAX_CHUNKS = 10_000_000
+_BLOSC_OVERHEAD = 16 + 4  # frame header + crc trailer
+_MAX_SCOPE = 256
+
+
+class ManifestFields(TypedDict):
+    """The fields of a :class:`~ckptstore.format.manifest.Manifest`, parsed and checked."""
+
+    format_version: int
+    id: str
+    run: str
+    step: int
+    created_at: str
+    kind: str
+    base_id: str | None
+    codec: str
+    chunk_bytes: int
+    arrays: dict[str, ArrayEntry]
+    tensors: dict[str, TensorEntry]
+    tree: Any
+    logical_bytes: int
+    stored_bytes: int
+    extra: dict[str, Any]
+    delta: DeltaInfo | None
+    dcp: DcpIndex | None
+    files: tuple[FileEntry, ...]
+    reencoded_from: str | None
+
+
+def parse_manifest(data: bytes) -> ManifestFields:
+    """Parse and validate manifest bytes into the fields of a ``Manifest``.
+
+    Raises:
+        IntegrityError: If the bytes are too large, not JSON, or fail any check.
+    """
+    doc = load_json(
+        data, "manifest", max_bytes=MAX_MANIFEST_BYTES, max_items=MAX_JSON_ITEMS,
+        too_many="; it is not a ckptstore manifest (or the state has too many tensors)",
+    )
+    with rejecting("invalid manifest", too_deep="manifest is nested too deeply"):
+        return _parse(doc)
+
+
+_TOP_FIELDS = frozenset(
+    {
+        "format_version",
+        "id",
+        "run",
+        "step",
+        "created_at",
+        "kind",
+        "base_id",
+        "codec",
+        "chunk_bytes",
+        "arrays",
+        "tensors",
+        "tree",
+        "logical_bytes",
+        "stored_bytes",
+        "extra",
+    }
+)
+
+
+def _parse(doc: Any) -> ManifestFields:
+    require(isinstance(doc, dict), "top level must be an object")
+    require(
+        set(doc) - {"delta"} == _TOP_FIELDS,
+        f"fields must be {sorted(_TOP_FIELDS)} (and optionally delta)",
+    )
+    version = int_in(doc["format_version"], "format_version")
+    require(
+        version == FORMAT_VERSION,
+        f"format_version {version} is not supported (this build reads {FORMAT_VERSION}); "
+        "upgrade ckptstore",
+    )
+    ckpt_id = doc["id"]
+    require(is_checkpoint_id(ckpt_id), "id must be a uuid")
+    created_at = str_max(doc["created_at"], "created_at", 64)
+    try:
+        datetime.fromisoformat(created_at)
+    except ValueError:
+        raise Invalid("created_at must be an ISO-8601 time") from None
+    kind = doc["kind"]
+    require(kind in ("full", "delta"), "kind must be 'full' or 'delta'")
+    base_id = doc["base_id"]
+    require(
+        (kind == "full" and base_id is None) or (kind == "delta" and is_checkpoint_id(base_id)),
+        "base_id must be a uuid for a delta and null for a full checkpoint",
+    )
+    codec = doc["codec"]
+    require(codec in CODEC_PRESETS, f"codec must be one of {CODEC_PRESETS}")
+    chunk_bytes = int_in(doc["chunk_bytes"], "chunk_bytes", MIN_CHUNK_BYTES, MAX_CHUNK_BYTES)
+    arrays = _parse_arrays(doc["arrays"], chunk_bytes, ckpt_id)
+    tensors = _parse_tensors(doc["tensors"], arrays)
+    srcs = {o for a in arrays.values() for c in a.chunks for o in c.owners() if o is not None}
+    require(
+        (kind == "delta") == bool(srcs),
+        "a delta must reference other checkpoints' chunks and a full checkpoint must not",
+    )
+    delta = _parse_delta(doc["delta"]) if doc.get("delta") is not None else None
+    extra = doc["extra"]
+    require(isinstance(extra, dict), "extra must be an object")
+    check_depth(extra, "extra", MAX_TREE_DEPTH)
+    extra, dcp, files, reencoded_from = _format_keys(extra, arrays)
+    try:
+        validate_tree(doc["tree"], {k: t.torch_dtype for k, t in tensors.items()})
+    except ValueError as exc:
+        raise Invalid(str(exc)) from None
+    return {
+        "format_version": version,
+        "id": ckpt_id,
+        "run": str_max(doc["run"], "run", _MAX_RUN_CHARS),
+        "step": int_in(doc["step"], "step", -(2**63), 2**63 - 1),
+        "created_at": created_at,
+        "kind": kind,
+        "base_id": base_id,
+        "codec": codec,
+        "chunk_bytes": chunk_bytes,
+        "arrays": arrays,
+        "tensors": tensors,
+        "tree": doc["tree"],
+        "logical_bytes": int_in(doc["logical_bytes"], "logical_bytes"),
+        "stored_bytes": int_in(doc["stored_bytes"], "stored_bytes"),
+        "extra": extra,
+        "delta": delta,
+        "dcp": dcp,
+        "files": files,
+        "reencoded_from": reencoded_from,
+    }
+
+
+def _format_keys(
+    extra: dict[str, Any], arrays: dict[str, ArrayEntry]
+) -> tuple[dict[str, Any], DcpIndex | None, tuple[FileEntry, ...], str | None]:
+    """Take the format's keys out of ``extra``, parsed: ``(rest, dcp, files, reencoded_from)``.
+
+    A key whose value carries nothing (null, an empty list or string: some callers wrote
+    those as metadata) stays in ``extra`` as written, so the manifest re-serialises to the
+    same bytes; any other value must be the format's data and is checked as such.
+    """
+    rest = dict(extra)
+    dcp = None
+    if rest.get(DCP_INDEX_KEY):
+        raw = rest.pop(DCP_INDEX_KEY)
+        require(isinstance(raw, dict), "extra.dcp must be the DCP index object")
+        # Raises its own IntegrityError, which names the DCP index.
+        dcp = DcpIndex.from_json(raw)
+    files: tuple[FileEntry, ...] = ()
+    if rest.get(FILES_KEY) is not None:
+        files = _parse_files(rest[FILES_KEY], arrays)
+        if files:
+            del rest[FILES_KEY]
+    reencoded_from = None
+    if rest.get(REENCODED_FROM_KEY):
+        reencoded_from = hex_digest(rest.pop(REENCODED_FROM_KEY), "extra.reencoded_from")
+    return rest, dcp, files, reencoded_from
+
+
+_DELTA_FIELDS = frozenset(DeltaInfo.__slots__)  # type: ignore[attr-defined]
+
+
+def _float_or_none(value: Any, what: str) -> float | None:
+    if value is None:
+        return None
+    require(
+        isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+        and value == value and value != float("inf"),
+        f"{what} must be a finite number >= 0 or null",
+    )
+    return float(value)
+
+
+def _parse_delta(raw: Any) -> DeltaInfo:
+    require(isinstance(raw, dict) and set(raw) == _DELTA_FIELDS, "delta: bad fields")
+    mode = raw["mode"]
+    require(mode in DELTA_MODES, f"delta.mode must be one of {DELTA_MODES}")
+    require(isinstance(raw["lossy"], bool), "delta.lossy must be a boolean")
+    scope = raw["scope"]
+    require(
+        isinstance(scope, list) and len(scope) <= _MAX_SCOPE
+        and all(isinstance(p, str) and len(p) <= _MAX_KEY_CHARS for p in scope),
+        "delta.scope must be a list of key patterns",
+    )
+    quantize = raw["quantize"]
+    require(quantize in (None, 8, 4) and not isinstance(quantize, bool),
+             "delta.quantize must be 8, 4 or null")
+    block = raw["block"]
+    require(block is None or (type(block) is int and 2 <= block <= 2**24 and block % 2 == 0),
+             "delta.block must be an even int in [2, 2**24] or null")
+    max_err = _float_or_none(raw["max_abs_error"], "delta.max_abs_error")
+    mean_err = _float_or_none(raw["mean_abs_error"], "delta.mean_abs_error")
+    return DeltaInfo(
+        mode=mode,
+        depth=int_in(raw["depth"], "delta.depth", 0, 2**31),
+        lossy=raw["lossy"],
+        scope=tuple(scope),
+        threshold=_float_or_none(raw["threshold"], "delta.threshold"),
+        quantize=quantize,
+        block=block,
+        max_abs_error=max_err or 0.0,
+        mean_abs_error=mean_err or 0.0,
+        lossy_elements=int_in(raw["lossy_elements"], "delta.lossy_elements"),
+    )
+
+
+_EXTRA_PATH = re.compile(r"^[A-Za-z0-9._%@~-]{1,255}(?:/[A-Za-z0-9._%@~-]{1,255}){0,15}$")
+
+
+def _parse_files(raw: Any, arrays: dict[str, ArrayEntry]) -> tuple[FileEntry, ...]:
+    """``extra["files"]``: files of other layouts; their paths are used to copy and delete."""
+    require(isinstance(raw, list) and len(raw) <= _MAX_CHUNKS, "extra.files must be a list")
+    seen: set[str] = set()
+    files: list[FileEntry] = []
+    for entry in raw:
+        require(isinstance(entry, list) and len(entry) == 3, "extra.files: bad entry")
+        path, nbytes, crc = entry
+        require(
+            isinstance(path, str)
+            and bool(_EXTRA_PATH.match(path))
+            and not any(part in (".", "..") for part in path.split("/"))
+            and path not in RESERVED_NAMES
+            and path.split("/")[0] not in arrays
+            and path not in seen,
+            f"extra.files: path {short(path)} is not allowed",
+        )
+        seen.add(path)
+        int_in(nbytes, f"extra.files {path}: size", 0, 2**40)
+        require(crc is None or (isinstance(crc, int) and not isinstance(crc, bool)
+                                 and 0 <= crc < 2**32), f"extra.files {path}: bad crc32c")
+        require(crc is None or nbytes >= 4, f"extra.files {path}: too short for a crc32c")
+        files.append(FileEntry(path, nbytes, crc))
+    return tuple(files)
+
+
+_ARRAY_FIELDS = frozenset(
+    {"torch_dtype", "zarr_dtype", "itemsize", "length", "chunk_len", "codec", "chunks"}
+)
+_CHUNK_FIELDS = frozenset({"i", "nbytes", "crc32c", "blake3", "src"})
+_DELTA_CHUNK_FIELDS = _CHUNK_FIELDS | {"enc", "base"}
+_BASE_FIELDS = frozenset({"src", "nbytes", "crc32c", "blake3"})
+
+
+def _parse_arrays(raw: Any, chunk_bytes: int, ckpt_id: str) -> dict[str, ArrayEntry]:
+    require(isinstance(raw, dict), "arrays must be an object")
+    require(len(raw) <= 256, "too many arrays")
+    arrays: dict[str, ArrayEntry] = {}
+    total_chunks = 0
+    for name, entry in raw.items():
+        require(bool(_ARRAY_NAME.match(name)), f"array name {short(name)} is not an identifier")
+        where = f"array {name}"
+        require(isinstance(entry, dict) and set(entry) == _ARRAY_FIELDS, f"{where}: bad fields")
+        dtype_name = entry["torch_dtype"]
+        info = dtype_by_name(dtype_name) if isinstance(dtype_name, str) else None
+        require(info is not None, f"{where}: unknown torch dtype {short(entry['torch_dtype'])}")
+        assert info is not None
+        require(entry["zarr_dtype"] == info.zarr_dtype, f"{where}: zarr_dtype mismatch")
+        require(entry["itemsize"] == info.itemsize, f"{where}: itemsize mismatch")
+        length = int_in(entry["length"], f"{where}: length", 0, MAX_ELEMENTS)
+        chunk_len = int_in(entry["chunk_len"], f"{where}: chunk_len", 1, MAX_ELEMENTS)
+        # Balanced chunking never exceeds chunk_bytes by more than one element; this bounds
+        # the scratch memory a reader allocates per chunk.
+        raw_nbytes = chunk_len * info.itemsize
+        require(
+            raw_nbytes <= chunk_bytes + info.itemsize,
+            f"{where}: chunk of {raw_nbytes} bytes exceeds chunk_bytes {chunk_bytes}",
+        )
+        codec = entry["codec"]
+        require(codec in CODEC_PRESETS, f"{where}: codec must be one of {CODEC_PRESETS}")
+        chunks_raw = entry["chunks"]
+        n_chunks = -(-length // chunk_len)
+        require(
+            isinstance(chunks_raw, list) and len(chunks_raw) == n_chunks,
+            f"{where}: expected {n_chunks} chunks",
+        )
+        total_chunks += n_chunks
+        require(total_chunks <= _MAX_CHUNKS, "too many chunks")
+        chunks = tuple(
+            _parse_chunk(c, i, where, codec, raw_nbytes, ckpt_id)
+            for i, c in enumerate(chunks_raw)
+        )
+        arrays[name] = ArrayEntry(
+            name, info.name, info.zarr_dtype, info.itemsize, length, chunk_len, codec, chunks
+        )
+    return arrays
+
+
+def _nbytes_range(codec: str, raw_nbytes: int) -> tuple[int, int]:
+    """Bounds of a stored chunk file's size (a Blosc frame may exceed its input a little)."""
+    if codec == "none":
+        return raw_nbytes + 4, raw_nbytes + 4
+    return _BLOSC_OVERHEAD, 2 * raw_nbytes + 1024
+
+
+def _parse_chunk(
+    raw: Any, index: int, where: str, codec: str, raw_nbytes: int, ckpt_id: str
+) -> ChunkEntry:
+    what = f"{where} chunk {index}"
+    require(
+        isinstance(raw, dict) and (set(raw) == _CHUNK_FIELDS or set(raw) == _DELTA_CHUNK_FIELDS),
+        f"{what}: fields",
+    )
+    require(raw["i"] == index and type(raw["i"]) is int, f"{what}: wrong index")
+    enc = raw.get("enc", "raw")
+    require((enc in ENCODINGS and enc != "raw") or "enc" not in raw,
+             f"{what}: enc must be one of {ENCODINGS[1:]} when present")
+    # Delta-encoded files are always Blosc frames, whatever the array's codec.
+    lo, hi = _nbytes_range(codec if enc == "raw" else "zstd-1", raw_nbytes)
+    nbytes = int_in(raw["nbytes"], f"{what}: nbytes", lo, hi)
+    crc = int_in(raw["crc32c"], f"{what}: crc32c", 0, 2**32 - 1)
+    digest = hex_digest(raw["blake3"], what)
+    src = raw["src"]
+    require(
+        src is None or (is_checkpoint_id(src) and src != ckpt_id),
+        f"{what}: src must be null or another checkpoint's uuid",
+    )
+    base = None
+    if enc != "raw":
+        b = raw["base"]
+        require(isinstance(b, dict) and set(b) == _BASE_FIELDS, f"{what}: base: bad fields")
+        require(is_checkpoint_id(b["src"]) and b["src"] != ckpt_id,
+                 f"{what}: base.src must be another checkpoint's uuid")
+        base_lo, base_hi = _nbytes_range(codec, raw_nbytes)
+        base = BaseChunk(
+            b["src"],
+            int_in(b["nbytes"], f"{what}: base.nbytes", base_lo, base_hi),
+            int_in(b["crc32c"], f"{what}: base.crc32c", 0, 2**32 - 1),
+            hex_digest(b["blake3"], f"{what}: base"),
+        )
+    return ChunkEntry(index, nbytes, crc, digest, src, enc, base)
+
+
+_TENSOR_FIELDS = frozenset(
+    {"key", "array", "offset", "numel", "shape", "torch_dtype", "chunk_start", "chunk_stop"}
+)
+
+
+def _parse_tensors(raw: Any, arrays: dict[str, ArrayEntry]) -> dict[str, TensorEntry]:
+    require(isinstance(raw, list), "tensors must be a list")
+    require(len(raw) <= MAX_TENSORS, f"more than {MAX_TENSORS} tensors")
+    tensors: dict[str, TensorEntry] = {}
+    for entry in raw:
+        require(isinstance(entry, dict) and set(entry) == _TENSOR_FIELDS, "tensor: bad fields")
+        key = str_max(entry["key"], "tensor key", _MAX_KEY_CHARS)
+        where = f"tensor {key!r}"
+        require(key not in tensors, f"{where}: listed twice")
+        array = arrays.get(entry["array"]) if isinstance(entry["array"], str) else None
+        require(array is not None, f"{where}: unknown array {short(entry['array'])}")
+        assert array is not None
+        require(
+            entry["torch_dtype"] == array.torch_dtype, f"{where}: dtype differs from its array"
+        )
+        shape_raw = entry["shape"]
+        require(
+            isinstance(shape_raw, list) and len(shape_raw) <= MAX_DIMS,
+            f"{where}: shape must be a list of at most {MAX_DIMS} dims",
+        )
+        shape = tuple(int_in(d, f"{where}: shape", 0, MAX_ELEMENTS) for d in shape_raw)
+        numel = int_in(entry["numel"], f"{where}: numel", 0, MAX_ELEMENTS)
+        product = 1
+        for dim in shape:
+            product *= dim
+            # Bail out early so a hostile shape cannot make us multiply huge ints.
+            require(product <= MAX_ELEMENTS, f"{where}: shape has too many elements")
+        require(product == numel, f"{where}: numel {numel} != product of shape {shape}")
+        offset = int_in(entry["offset"], f"{where}: offset", 0, MAX_ELEMENTS)
+        require(offset + numel <= array.length, f"{where}: lies outside array {array.name}")
+        span = chunk_span(offset, numel, array.chunk_len)
+        require(
+            (entry["chunk_start"], entry["chunk_stop"]) == span,
+            f"{where}: chunk range does not match its offset",
+        )
+        tensors[key] = TensorEntry(key, array.name, offset, numel, shape, array.torch_dtype, *span)
+    return tensors

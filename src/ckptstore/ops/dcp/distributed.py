@@ -1,0 +1,256 @@
+"""The store's distributed save and load: which path a state takes, and DCP's failures.
+
+* :func:`save_distributed`: sharded states (DTensor, FSDP2, ShardedTensor, ``Stateful``)
+  go through DCP with :class:`~ckptstore.ops.dcp.writer.ZarrStorageWriter`; a plain
+  replicated state is saved once by rank 0 in the regular format.
+* :func:`load_dcp`: a DCP-layout checkpoint loads as full tensors without a process group,
+  or into a (sharded) state with ``dcp.load``.
+* DCP reports a failure on any rank as a ``CheckpointException`` (a BaseException); it is
+  turned into the CkptError of its cause, naming the failing ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ckptstore.core import StoreCore
+from ckptstore.errors import CkptError, InvalidNameError, StorageError
+from ckptstore.format import Manifest
+from ckptstore.format.dcp.read import load_full
+from ckptstore.ops.dcp.reader import SafeLoadPlanner, ZarrStorageReader
+from ckptstore.ops.dcp.writer import ZarrStorageWriter
+from ckptstore.ops.save import save_checkpoint
+from ckptstore.records import Checkpoint
+
+__all__ = ["load_dcp", "needs_dcp", "save_distributed"]
+
+logger = logging.getLogger(__name__)
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def needs_dcp(state: Any) -> bool:
+    """Whether a state must go through DCP: it holds DTensors/ShardedTensors or Statefuls."""
+    from torch.distributed.checkpoint.stateful import Stateful
+    from torch.distributed.tensor import DTensor
+
+    try:
+        from torch.distributed._shard.sharded_tensor import (  # type: ignore[attr-defined]
+            ShardedTensor,
+        )
+
+        sharded: tuple[type, ...] = (DTensor, ShardedTensor)
+    except ImportError:  # pragma: no cover
+        sharded = (DTensor,)
+
+    def walk(obj: Any, depth: int) -> bool:
+        if isinstance(obj, sharded):
+            return True
+        if depth == 1 and isinstance(obj, Stateful):
+            return True
+        if depth > 64:
+            return False
+        if isinstance(obj, Mapping):
+            return any(walk(v, depth + 1) for v in obj.values())
+        if isinstance(obj, list | tuple):
+            return any(walk(v, depth + 1) for v in obj)
+        return False
+
+    return walk(state, 0)
+
+
+def _failures(exc: BaseException) -> tuple[BaseException, list[int]]:
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and isinstance(failures, Mapping) and failures:
+        ranks = sorted(failures)
+        first = failures[ranks[0]]
+        inner = first[0] if isinstance(first, tuple) else first
+        return (inner if isinstance(inner, BaseException) else exc), ranks
+    return exc, []
+
+
+def _dcp_error(what: str, exc: BaseException, advice: str) -> CkptError:
+    """A CkptError for a failed DCP call, naming the failing ranks and the first cause.
+
+    DCP's own CheckpointException derives from BaseException (``except Exception`` misses
+    it); callers of the store get a CkptError of the cause's class where it is one of ours.
+    """
+    inner, ranks = _failures(exc)
+    where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
+    cause = f"{type(inner).__name__}: {str(inner).strip().splitlines()[0] if str(inner) else ''}"
+    if isinstance(inner, RuntimeError) and not ranks:
+        cause += " (a rank died or lost its connection)"
+    message = f"{what} failed{where}: {cause}; {advice}"
+    cls: type[CkptError]
+    if isinstance(inner, CkptError):
+        cls = type(inner)
+    elif isinstance(inner, OSError):
+        cls = StorageError
+    else:
+        cls = CkptError
+    try:
+        return cls(message)
+    except TypeError:  # a subclass with another constructor
+        return CkptError(message)
+
+
+def save_distributed(
+    store: StoreCore,
+    run: str,
+    step: int,
+    state: Any,
+    *,
+    process_group: Any = None,
+    **kw: Any,
+) -> Checkpoint:
+    """Save from every rank of a process group; return the committed checkpoint on all.
+
+    * Sharded state (DTensor, FSDP2, ShardedTensor, or ``Stateful`` objects at the top
+      level): DCP with :class:`ZarrStorageWriter`; every rank writes its own shards.
+    * Plain replicated state (DDP): rank 0 saves it in the regular format; the others wait
+      for the result (a broadcast, which is also the barrier).
+    * No process group: a plain ``store.save``.
+
+    Args:
+        store: The store (open on every rank).
+        run: Run name.
+        step: Training step.
+        state: The state (a dict for sharded states).
+        process_group: Process group (default: the default group).
+        **kw: ``metrics``, ``tags``, ``parent``, ``codec``, ``experiment``; ``delta`` and
+            ``base`` reach ``store.save`` for plain states and are ignored for sharded ones.
+
+    Raises:
+        CkptError: On every rank if any rank failed; nothing is committed and earlier
+            checkpoints are untouched. The class is the cause's where it is a CkptError.
+    """
+    sharded = needs_dcp(state)
+    if not _dist_on() and not sharded:
+        return save_checkpoint(store, run, step, state, **kw)
+    if sharded:
+        # Chunk dedup and delta encoding apply to the regular format only.
+        dcp_kw = {k: v for k, v in kw.items() if k not in ("delta", "base")}
+        return _save_sharded(store, run, step, state, process_group, dcp_kw)
+    return _save_replicated(store, run, step, state, process_group, kw)
+
+
+def _save_sharded(store: StoreCore, run: str, step: int, state: Any, group: Any,
+                  kw: dict[str, Any]) -> Checkpoint:
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    if not isinstance(state, dict):
+        raise InvalidNameError(
+            f"a sharded state must be a dict (DCP's state_dict), got {type(state).__name__}"
+        )
+    writer = ZarrStorageWriter(store, run, step, **kw)
+    try:
+        with writer, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_save(state, storage_writer=writer, process_group=group, no_dist=not _dist_on())
+    except (Exception, CheckpointException) as exc:
+        raise _dcp_error(
+            f"distributed save of {run}@{step}", exc,
+            "nothing was committed and earlier checkpoints are intact; fix the cause and save "
+            "again",
+        ) from exc
+    return writer.checkpoint
+
+
+def _save_replicated(store: StoreCore, run: str, step: int, state: Any, group: Any,
+                     kw: dict[str, Any]) -> Checkpoint:
+    rank = dist.get_rank(group)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    payload: list[Any] = [None]
+    failure: BaseException | None = None
+    if rank == 0:
+        try:
+            payload = [("ok", save_checkpoint(store, run, step, state, **kw).id)]
+        except Exception as exc:
+            failure = exc
+            payload = [("error", type(exc).__name__, str(exc))]
+    try:
+        dist.broadcast_object_list(payload, src=src, group=group)
+    except (Exception, CheckpointException) as exc:
+        raise _dcp_error(
+            f"distributed save of {run}@{step} (rank 0 writes, the others wait)", exc,
+            "check that rank 0 is alive and that the newest checkpoint is COMMITTED",
+        ) from exc
+    if failure is not None:
+        raise failure
+    result = payload[0]
+    if result is None or result[0] != "ok":
+        name, message = (result[1], result[2]) if result else ("unknown", "no result")
+        raise CkptError(
+            f"distributed save of {run}@{step} failed on rank 0: {name}: {message}; nothing was "
+            "committed and earlier checkpoints are intact"
+        )
+    return store.catalog.get_any(result[1])
+
+
+def load_dcp(
+    directory: Path,
+    manifest: Manifest,
+    *,
+    keys: Sequence[str] | None = None,
+    into: Any | None = None,
+    threads: int = 2,
+    process_group: Any = None,
+) -> Any:
+    """Load a DCP-layout checkpoint (the hook ``store.load`` calls for one).
+
+    Without ``into``: full tensors, no process group needed (every rank that calls it reads
+    everything). With ``into``: ``dcp.load`` into that state in place — DTensors and FSDP2
+    shards of any world size and placement are filled with just their slices, each rank
+    reading only the chunks it needs. Under a process group every rank must call it.
+
+    Args:
+        directory: The checkpoint directory.
+        manifest: Its verified manifest.
+        keys: Patterns selecting items (full loads only).
+        into: A state dict to load into (DCP semantics).
+        threads: Reader threads.
+        process_group: Process group for ``dcp.load`` (default: the default group).
+
+    Returns:
+        The state (``into`` itself when given).
+
+    Raises:
+        InvalidNameError: If ``keys`` is combined with ``into``, or a key matches nothing.
+        IntegrityError: On damaged chunks.
+        CkptError: If DCP fails on any rank (the class is the cause's where it is ours).
+    """
+    if into is None:
+        return load_full(directory, manifest, keys=keys, threads=threads)
+    if keys is not None:
+        raise InvalidNameError(
+            "keys= cannot be combined with into= for a DCP checkpoint: DCP loads exactly the "
+            "keys of the target state; pass a state with only the keys you want"
+        )
+    if not isinstance(into, dict):
+        raise InvalidNameError(
+            f"into= must be a dict (a DCP state_dict) for a DCP checkpoint, got "
+            f"{type(into).__name__}"
+        )
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    reader = ZarrStorageReader(directory, manifest, threads=threads)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_load(into, storage_reader=reader, planner=SafeLoadPlanner(),
+                     process_group=process_group, no_dist=not _dist_on())
+    except (Exception, CheckpointException) as exc:
+        raise _dcp_error(
+            f"loading checkpoint {manifest.id}", exc,
+            "check that every rank loads the same checkpoint into a state with the saved keys",
+        ) from exc
+    return into

@@ -1,0 +1,387 @@
+"""The DCP ``StorageWriter``: one catalogued checkpoint saved by every rank of a job.
+
+DCP's call sequence, and what each step does here:
+
+1. every rank: ``prepare_local_plan`` checks that every dtype can be stored;
+2. the coordinator: ``prepare_global_plan`` sees all shards, allocates the version in the
+   catalog (PENDING row), creates the directory and decides which array every shard goes to
+   (:mod:`ckptstore.format.dcp.plan`); the decision and the checkpoint id travel back
+   to the ranks in ``SavePlan.storage_data``, through DCP's own scatter;
+3. every rank: ``write_data`` writes whole chunks of its own shards (never a chunk another
+   rank writes), its small shards packed, fsyncs them, returns
+   (:mod:`ckptstore.format.dcp.write`);
+4. the coordinator, only after every rank returned: ``finish`` writes the manifest (with the
+   index), the commit marker, and flips the catalog row to COMMITTED
+   (:mod:`ckptstore.format.dcp.commit`).
+
+If any rank fails, DCP raises on every rank and ``finish`` never runs: nothing is
+committed. The writer's context manager (and ``store.save(distributed=True)``) then marks the
+row FAILED and removes the directory; without it, ``ckpt gc`` does once the process exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckptstore.core import StoreCore
+from ckptstore.durable import storage_error
+from ckptstore.errors import CkptError, ConfigError, IncompleteCheckpointError, InvalidNameError
+from ckptstore.faultpoints import fault_point
+from ckptstore.format.codecs import codec_spec
+from ckptstore.format.constants import DCP_ARRAY_GROUP, DCP_PACK_GROUP
+from ckptstore.format.dcp.commit import build_index, commit_files
+from ckptstore.format.dcp.plan import ArraySpec, RankTask, assign_slots, item_dtype_name
+from ckptstore.format.dcp.write import write_rank
+from ckptstore.identity import writer_id
+from ckptstore.names import validate_name, validate_tag
+from ckptstore.ops.dcp.stage import StagedSet, pool_for, stage_state
+from ckptstore.records import Checkpoint, CheckpointState
+
+__all__ = ["PACK_BELOW", "ZarrStorageWriter", "dcp_writer"]
+
+logger = logging.getLogger(__name__)
+
+#: Shards smaller than this are packed per rank instead of getting an array of their own.
+PACK_BELOW = 1024 * 1024
+
+
+class ZarrStorageWriter(StorageWriter, AsyncStager):
+    """DCP ``StorageWriter`` that saves one catalogued ckptstore checkpoint from all ranks.
+
+    Create one per save on every rank (``store.dcp_writer(run, step)``) with the same
+    arguments; only the coordinator (rank 0) touches the catalog. All ranks must see the
+    store's hot tier at the same path (a shared filesystem across hosts), as with DCP's
+    ``FileSystemWriter``. The writer is also an ``AsyncStager``: ``dcp.async_save`` stages
+    into the store's bounded, reused staging buffers.
+
+    Use it as a context manager so a failed save is marked FAILED and its files removed at
+    once::
+
+        with store.dcp_writer("run-a", 100) as writer:
+            dcp.save(state, storage_writer=writer)
+        ck = writer.checkpoint
+
+    Args:
+        store: The open store (on every rank).
+        run: Run name.
+        step: Training step.
+        metrics: Metrics recorded with the checkpoint.
+        tags: Tags.
+        parent: Reference of the checkpoint this run resumed from.
+        codec: Codec preset (default: the store's).
+        experiment: Experiment to file the run under.
+        pack_below: Shards smaller than this many bytes are packed per rank.
+
+    Raises:
+        InvalidNameError: For a bad run name, step, tag or codec (on every rank, before any
+            I/O or collective).
+    """
+
+    # Our stage() returns the staged state itself: nothing to synchronize afterwards.
+    _synchronize_after_execute = False
+
+    def __init__(
+        self,
+        store: StoreCore,
+        run: str,
+        step: int,
+        *,
+        metrics: Mapping[str, float] | None = None,
+        tags: Sequence[str] = (),
+        parent: str | None = None,
+        codec: str | None = None,
+        experiment: str | None = None,
+        pack_below: int = PACK_BELOW,
+    ) -> None:
+        validate_name(run)
+        for tag in tags:
+            validate_tag(tag)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise InvalidNameError(f"step must be a non-negative int, got {step!r}")
+        self.store = store
+        self.run = run
+        self.step = step
+        self.metrics = dict(metrics) if metrics is not None else None
+        self.tags = tuple(tags)
+        self.parent = parent
+        self.codec = codec or store.settings.codec
+        try:
+            codec_spec(self.codec)
+        except ValueError as exc:
+            raise InvalidNameError(str(exc)) from None
+        self.experiment = experiment
+        self.pack_below = int(pack_below)
+        self.is_coordinator = False
+        self._pending: Checkpoint | None = None  # coordinator: the row of the save under way
+        self._directory: Path | None = None
+        self._specs: dict[str, ArraySpec] = {}
+        self._ckpt_id: str | None = None
+        self._committed: Checkpoint | None = None
+        self._staged: StagedSet | None = None
+
+    # -- DCP StorageWriter ----------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new save; ``checkpoint_id`` is refused (the catalog names checkpoints).
+
+        Raises:
+            ConfigError: If a ``checkpoint_id`` is given.
+        """
+        if checkpoint_id is not None:
+            raise ConfigError(
+                f"ZarrStorageWriter names checkpoints through the catalog; do not pass "
+                f"checkpoint_id={checkpoint_id!r} to dcp.save (use store.dcp_writer(run, step))"
+            )
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Take the coordinator role or not; forget any earlier save of this writer.
+
+        Raises:
+            ConfigError: With ``use_collectives=False`` (there would be no coordinator to
+                commit one checkpoint for all ranks).
+        """
+        if kwargs.get("use_collectives") is False:
+            raise ConfigError(
+                "dcp.save(use_collectives=False) is not supported by ZarrStorageWriter: one "
+                "coordinator must commit the checkpoint after every rank finished"
+            )
+        if self._pending is not None and self._committed is None:
+            self.abort(CkptError("a new save started with the same writer"))
+        self.is_coordinator = is_coordinator
+        self._pending = None
+        self._directory = None
+        self._specs = {}
+        self._ckpt_id = None
+        self._committed = None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Refuse dtypes the format cannot store, before anything is written."""
+        for item in plan.items:
+            if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None:
+                item_dtype_name(item.tensor_data.properties.dtype, item.index.fqn)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator: allocate the version, create the directory, assign every shard."""
+        settings = self.store.settings
+        catalog = self.store.catalog
+        slots, specs = assign_slots(
+            plans, chunk_bytes=settings.chunk_bytes, pack_below=self.pack_below
+        )
+        parent_id = catalog.get(self.parent).id if self.parent is not None else None
+        if self.experiment is not None:
+            catalog.ensure_run(self.run, experiment=self.experiment)
+        ck = catalog.begin_checkpoint(
+            self.run,
+            self.step,
+            metrics=self.metrics,
+            tags=self.tags,
+            parent_id=parent_id,
+            codec=self.codec,
+            writer=writer_id(),
+            tier="hot",
+            uri="",
+        )
+        self._pending = ck
+        directory = self.store.checkpoint_dir(self.run, ck.id)
+        self._directory = directory
+        self._specs = specs
+        try:
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            directory.mkdir()
+            (directory / DCP_ARRAY_GROUP).mkdir()
+            (directory / DCP_PACK_GROUP).mkdir()
+        except OSError as exc:
+            err = storage_error(directory, "create checkpoint directory", exc)
+            self.abort(err)
+            raise err from exc
+        fault_point("dcp.pending")
+        logger.debug("DCP save %s step %s -> %s (%d ranks)", self.run, self.step, ck.id, len(plans))
+        return [
+            replace(
+                plan,
+                storage_data=RankTask(
+                    ckpt_id=ck.id,
+                    directory=str(directory),
+                    rank=rank,
+                    codec=self.codec,
+                    chunk_bytes=settings.chunk_bytes,
+                    threads=settings.threads,
+                    slots=slots[rank],
+                ),
+            )
+            for rank, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's shards (whole chunks only) and fsync them.
+
+        Raises:
+            CkptError: If the plan did not come from this writer's coordinator (DCP plan
+                caching is not supported).
+            StorageError: On OS errors.
+        """
+        try:
+            task = plan.storage_data
+            if not isinstance(task, RankTask):
+                raise CkptError(
+                    "the save plan carries no ZarrStorageWriter task: use ZarrStorageWriter on "
+                    "every rank and do not enable DCP plan caching"
+                )
+            self._ckpt_id = task.ckpt_id
+            results = write_rank(task, plan, planner, fault=fault_point)
+        finally:
+            self._release_staging()
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator, after every rank wrote: manifest, marker, catalog COMMITTED."""
+        ck, directory = self._pending, self._directory
+        if ck is None or directory is None:
+            raise CkptError("finish() called before prepare_global_plan(); this is a DCP misuse")
+        try:
+            index, meta_files = build_index(metadata, results, self._specs, self.codec)
+            manifest = commit_files(
+                directory,
+                ckpt_id=ck.id,
+                run=self.run,
+                step=self.step,
+                chunk_bytes=self.store.settings.chunk_bytes,
+                index=index,
+                meta_files=meta_files,
+                fault=fault_point,
+            )
+            self._committed = self.store.catalog.commit_checkpoint(
+                ck.id,
+                manifest_digest=manifest.digest,
+                logical_bytes=manifest.logical_bytes,
+                stored_bytes=manifest.stored_bytes,
+                tier="hot",
+                uri=str(directory),
+            )
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+        fault_point("dcp.committed")
+        logger.info(
+            "saved %s step %s as v%s from %d ranks (%s bytes stored)",
+            self.run, self.step, self._committed.version, len(results), manifest.stored_bytes,
+        )
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Never chosen automatically from a path: use ``store.dcp_writer``."""
+        return False
+
+    # -- DCP AsyncStager -----------------------------------------------------------------
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Copy the state into the store's bounded staging buffers (``dcp.async_save``).
+
+        Waits while earlier saves still hold ``staging_budget_bytes``. States holding tensor
+        types other than plain tensors and DTensors fall back to DCP's default stager.
+        """
+        self._release_staging()
+        try:
+            staged, handle = stage_state(state_dict, pool_for(self.store))
+        except TypeError as exc:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            logger.info("staging with DCP's default stager (unbounded): %s", exc)
+            stager = DefaultStager(StagingOptions(False, False, False, False))
+            try:
+                result = stager.stage(state_dict)
+            finally:
+                stager.close()
+            assert isinstance(result, dict)
+            return result
+        self._staged = handle
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns once the copy is complete."""
+
+    def close(self) -> None:
+        """Return any staging buffers still held."""
+        self._release_staging()
+
+    # -- ours ----------------------------------------------------------------------------
+    @property
+    def ckpt_id(self) -> str | None:
+        """The checkpoint id, once the plan reached this rank."""
+        return self._ckpt_id or (self._pending.id if self._pending is not None else None)
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        """The committed checkpoint (every rank may ask once ``dcp.save`` returned).
+
+        Raises:
+            IncompleteCheckpointError: If this writer's save did not commit.
+        """
+        if self._committed is not None:
+            return self._committed
+        if self.ckpt_id is None:
+            raise IncompleteCheckpointError(
+                f"no checkpoint of {self.run}@{self.step} was saved through this writer yet"
+            )
+        ck = self.store.catalog.get_any(self.ckpt_id)
+        if ck.state != CheckpointState.COMMITTED:
+            raise IncompleteCheckpointError(
+                f"checkpoint {ck.id} of {self.run}@{self.step} is {ck.state}, not COMMITTED: "
+                "the distributed save failed on some rank; save again"
+            )
+        return ck
+
+    def abort(self, exc: BaseException | None = None) -> None:
+        """After a failed save: mark the row FAILED and remove the directory (coordinator).
+
+        Best effort and idempotent; on other ranks it only returns staging buffers.
+        """
+        self._release_staging()
+        ck, directory = self._pending, self._directory
+        if ck is None or self._committed is not None:
+            return
+        reason = f"{type(exc).__name__}: {exc}" if exc is not None else "aborted"
+        try:
+            self.store.catalog.fail_checkpoint(ck.id, reason[:2000])
+        except Exception:  # the catalog may be what failed; gc finishes the job
+            logger.warning("could not mark checkpoint %s FAILED", ck.id, exc_info=True)
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+        self._pending = None
+
+    def _release_staging(self) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged.release()
+
+    def __enter__(self) -> ZarrStorageWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            self.abort(exc)
+        self._release_staging()
+
+
+def dcp_writer(store: StoreCore, run: str, step: int, **kw: Any) -> ZarrStorageWriter:
+    """A :class:`ZarrStorageWriter` for ``store`` (see its arguments)."""
+    return ZarrStorageWriter(store, run, step, **kw)
