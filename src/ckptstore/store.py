@@ -24,6 +24,7 @@ from ckptstore.config import Settings, load_settings
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptError,
+    ConfigError,
     InvalidNameError,
     StorageError,
 )
@@ -444,9 +445,24 @@ class CheckpointStore:
             flow_name: Short flow name.
             checkpoint: The checkpoint the flow is about (passed as ``ref``).
             **params: Other flow parameters (plain values, never credentials).
+
+        Raises:
+            ConfigError: For an unknown flow, or when a tier the flow moves data to or from
+                is not configured (the flow would only fail in the background).
         """
         from ckptstore.flows.embedded import trigger_flow  # Prefect loads on the worker only
 
+        # The tier parameters of the flows that move data between tiers, with their defaults
+        # (flows/archive.py).
+        tier_params = {"archive": {"tier": "warm"}, "demote": {"src": "warm", "dst": "cold"}}
+        configured = self.settings.tier_urls()
+        for param, default in tier_params.get(flow_name, {}).items():
+            tier = params.get(param, default)
+            if tier not in configured:
+                raise ConfigError(
+                    f"cannot start the {flow_name} flow: tier {tier!r} is not configured; set "
+                    "it under [tiers] in the config"
+                )
         key = None
         if checkpoint is not None:
             if flow_name == "retention":

@@ -346,6 +346,10 @@ class CkptStoreCallback(TrainerCallback):
             if callable(trigger):
                 try:
                     trigger("archive", ck)
+                except CkptError as exc:
+                    # e.g. no warm tier: say it once, in one line, rather than at every save.
+                    logger.warning("checkpoints of run %s are not archived: %s", ck.run, exc)
+                    self.archive = False
                 except Exception:
                     logger.exception("could not trigger archiving of %s", ck.ref)
         if self.delete_folder:
