@@ -100,6 +100,7 @@ class CheckpointStore:
         # removes them (their writer, this process, is alive, so gc would otherwise wait).
         self._abandoned: set[str] = set()
         self._closed = False
+        self._flows_triggered = False  # close() then waits for them (see trigger())
         self._tiers: dict[str, Tier] | None = None
         # Per-store recorder (own Prometheus registry): ~20 µs per observation.
         self.metrics = Metrics()
@@ -147,7 +148,7 @@ class CheckpointStore:
         return cls(settings, catalog)
 
     def close(self) -> None:
-        """Wait for pending async saves, then release the catalog and the tiers.
+        """Wait for pending async saves and triggered flows, then release the catalog and tiers.
 
         Raises:
             CkptError: The first async save failure not yet reported (the store is closed
@@ -158,6 +159,13 @@ class CheckpointStore:
                 close_saver(self)
             finally:
                 self._closed = True
+                if self._flows_triggered:
+                    # Once the interpreter shuts down, a queued flow can no longer run
+                    # (flows/embedded.py): wait for them while it still can.
+                    from ckptstore.flows.embedded import wait_for_flows
+
+                    config = str(self.settings.source) if self.settings.source else None
+                    wait_for_flows(str(self.settings.root), config)
                 for tier in (self._tiers or {}).values():
                     tier.close()
                 self.metrics.close()
@@ -441,6 +449,8 @@ class CheckpointStore:
         of the deployment ``ckpt serve`` serves. The flow reopens the store from its root and
         config file, so settings given only as ``open()`` arguments do not reach it.
 
+        :meth:`close` waits for the flows started here.
+
         Args:
             flow_name: Short flow name.
             checkpoint: The checkpoint the flow is about (passed as ``ref``).
@@ -473,6 +483,7 @@ class CheckpointStore:
         config = str(self.settings.source) if self.settings.source else None
         trigger_flow(str(self.settings.root), flow_name, params, config=config,
                      idempotency_key=key)
+        self._flows_triggered = True
 
     def _abandon(
         self,

@@ -1,8 +1,9 @@
 """What a training process prints about the archive flows it triggers: one line, never a
-traceback.
+traceback, whether the flow cannot start (no warm tier), finishes before the store closes, or
+is left behind by a process that exits without closing its store.
 
-Each scenario runs in a subprocess, as a user's script does, so the interpreter's shutdown is
-part of what is checked.
+Each scenario runs in a subprocess, as a user's script does, so the interpreter's shutdown,
+where a flow can no longer run (flows/embedded.py), is part of what is checked.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from ckptstore import CheckpointStore
 
 TRAINER = """
 import json, sys
@@ -62,3 +67,17 @@ def test_no_warm_tier_is_one_line_and_starts_no_flow(tmp_path: Path) -> None:
         "is not configured; set it under [tiers] in the config"
     ]
     assert report["prefect_imported"] is False  # no flow was started to fail in the background
+
+
+@pytest.mark.slow
+def test_close_waits_for_the_triggered_archives(tmp_path: Path) -> None:
+    report, _ = _train(tmp_path, warm=True, close=True)
+    with CheckpointStore.open(config=tmp_path / "store" / "ckptstore.toml") as store:
+        assert "warm" in store.get(str(report["ref"])).tiers
+
+
+def test_archives_left_at_exit_are_one_line_each(tmp_path: Path) -> None:
+    _, lines = _train(tmp_path, warm=True, close=False)
+    assert len(lines) == 3, lines  # three commits, three archives queued or running
+    assert all(line.startswith("flow archive for ") for line in lines), lines
+    assert all("close the store before the process exits" in line for line in lines), lines
