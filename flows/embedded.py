@@ -497,13 +497,16 @@ def wait_for_flows(
         timeout: Seconds to wait at most (default: the runner's ``exit_timeout_s``).
 
     Returns:
-        True when nothing is left (or there is no runner), False on timeout (logged).
+        True when nothing is left (or there is no runner); False on timeout (logged), or on
+        the runner's own thread, which cannot wait for itself.
     """
     key = (None if store_root is None else str(store_root), None if config is None else str(config))
     with _RUNNERS_LOCK:
         runner = _RUNNERS.get(key)
     if runner is None:
         return True
+    if threading.current_thread() is runner._thread:
+        return False  # a flow closing a store that triggered flows: they run after it
     limit = runner.exit_timeout_s if timeout is None else timeout
     if runner.wait_idle(limit):
         return True
