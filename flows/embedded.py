@@ -47,6 +47,7 @@ __all__ = [
     "get_runner",
     "shutdown_runners",
     "trigger_flow",
+    "wait_for_flows",
 ]
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,9 @@ class EmbeddedRunner:
         warm: Warm the Prefect client first thing on the thread.
         history: How many :class:`JobResult` entries to keep.
         deployment: Deployment name used in server mode.
-        exit_timeout_s: At interpreter exit, wait this long for queued flows.
+        exit_timeout_s: How long :func:`wait_for_flows` (``CheckpointStore.close()``) waits
+            for the queued and running flows. At interpreter exit nothing is waited for:
+            flows cannot run once it shuts down, so what is left is reported, one line each.
 
     Raises:
         ConfigError: For an unknown flow name or an invalid schedule.
@@ -174,6 +177,7 @@ class EmbeddedRunner:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._abort = threading.Event()
+        self._running: _Job | None = None  # the job on the worker thread, for _at_exit
         self.ready = threading.Event()
         """Set once the worker has warmed Prefect (or failed to and moved on)."""
 
@@ -191,6 +195,8 @@ class EmbeddedRunner:
                 target=self._main, name="ckptstore-flows", daemon=True
             )
             self._thread.start()
+            # From the start: a flow queued while Prefect still warms up is reported too.
+            atexit.register(self._at_exit)
 
     def submit(self, flow_name: str, /, *, key: str | None = None, **params: Any) -> bool:
         """Queue a flow run and return at once (no Prefect import, no I/O).
@@ -297,9 +303,6 @@ class EmbeddedRunner:
         if self._warm:
             self._warm_up()
         self.ready.set()
-        # Registered after the warm-up so it runs before Prefect's own exit hook (LIFO), while
-        # the ephemeral server is still up.
-        atexit.register(self._at_exit)
         timer_on = self.mode == "embedded" and bool(self.schedules)
         now = datetime.now(UTC)
         due = {name: s.next_after(now) for name, s in self.schedules.items()} if timer_on else {}
@@ -317,9 +320,15 @@ class EmbeddedRunner:
                 return
             if isinstance(item, _Job):
                 if self._abort.is_set():
+                    _log_dropped(item)
                     self._finish(item, None)
                 else:
-                    self._finish(item, self._run(item))
+                    self._running = item
+                    try:
+                        result = self._run(item)
+                    finally:
+                        self._running = None
+                    self._finish(item, result)
             now = datetime.now(UTC)
             for name, when in list(due.items()):
                 if when <= now and not self._abort.is_set():
@@ -334,8 +343,11 @@ class EmbeddedRunner:
 
             with get_client(sync_client=True) as client:
                 client.hello()
-        except Exception:  # a cold Prefect is slower, not broken: the first flow retries it
-            logger.warning("could not warm up the Prefect client", exc_info=True)
+        except Exception as exc:  # a cold Prefect is slower, not broken: the first flow retries
+            if not self._abort.is_set():  # at exit, _at_exit says what is left undone
+                logger.warning(
+                    "could not warm up the Prefect client: %s: %s", type(exc).__name__, exc
+                )
             return
         logger.info("prefect client warmed in %.1fs", time.perf_counter() - started)
 
@@ -357,7 +369,8 @@ class EmbeddedRunner:
             else:
                 result = get_flow(job.flow)(**params)
         except Exception as exc:  # a failed flow must not kill the worker; keep the error
-            logger.warning("flow %s failed: %s", job.flow, exc, exc_info=True)
+            # One line: Prefect's own run log already holds the traceback.
+            logger.warning("flow %s failed: %s: %s", job.flow, type(exc).__name__, exc)
             return JobResult(
                 job.flow, params, False, None, f"{type(exc).__name__}: {exc}", started_at,
                 time.perf_counter() - started, job.scheduled,
@@ -400,14 +413,42 @@ class EmbeddedRunner:
             except queue.Empty:
                 return
             if isinstance(item, _Job):
-                logger.warning("dropped queued flow %s at shutdown", item.flow)
+                _log_dropped(item)
                 self._finish(item, None)
 
     def _at_exit(self) -> None:
+        """Say, one line each, which flows the exiting process leaves undone; run none.
+
+        atexit hooks run after threading's shutdown: concurrent.futures refuses new work and
+        Prefect cannot restart its log and event workers, so a flow run from here fails, and
+        every line it logs ends in "--- Logging error ---" (waiting for the running one only
+        prolongs that). Flows finish cleanly only while the program still runs:
+        CheckpointStore.close() waits for those it triggered.
+        """
         if self._abort.is_set():
             return  # close(wait=False) was asked for: do not hold the interpreter's exit
-        if not self._closed or self._thread is not None:
-            self.close(wait=True, timeout=self.exit_timeout_s)
+        if self._closed and self._thread is None:
+            return
+        with self._lock:
+            self._closed = True
+        self._abort.set()
+        self._drain_dropped()
+        running = self._running
+        if running is not None:
+            about = f" for {running.params['ref']}" if "ref" in running.params else ""
+            logger.warning(
+                "flow %s%s did not finish: the process exited while it ran (close the store "
+                "before the process exits to wait for the flows it started)", running.flow, about,
+            )
+        self._queue.put(_STOP)
+
+
+def _log_dropped(job: _Job) -> None:
+    about = f" for {job.params['ref']}" if "ref" in job.params else ""
+    logger.warning(
+        "flow %s%s was not run: its runner was closed first (close the store before the "
+        "process exits to wait for the flows it started)", job.flow, about,
+    )
 
 
 # ---------------------------------------------------------------------- process-wide runners
@@ -441,6 +482,39 @@ def get_runner(
             runner.start()
             _RUNNERS[key] = runner
         return runner
+
+
+def wait_for_flows(
+    store_root: str | os.PathLike[str] | None,
+    config: str | os.PathLike[str] | None = None,
+    timeout: float | None = None,
+) -> bool:
+    """Wait until the process-wide runner of a store has run every flow submitted to it.
+
+    Args:
+        store_root: Store directory.
+        config: Config file.
+        timeout: Seconds to wait at most (default: the runner's ``exit_timeout_s``).
+
+    Returns:
+        True when nothing is left (or there is no runner); False on timeout (logged), or on
+        the runner's own thread, which cannot wait for itself.
+    """
+    key = (None if store_root is None else str(store_root), None if config is None else str(config))
+    with _RUNNERS_LOCK:
+        runner = _RUNNERS.get(key)
+    if runner is None:
+        return True
+    if threading.current_thread() is runner._thread:
+        return False  # a flow closing a store that triggered flows: they run after it
+    limit = runner.exit_timeout_s if timeout is None else timeout
+    if runner.wait_idle(limit):
+        return True
+    logger.warning(
+        "%d background flow(s) of %s still queued or running after %.0fs; not waiting longer",
+        runner.pending(), key[0], limit,
+    )
+    return False
 
 
 def shutdown_runners(wait: bool = True, timeout: float | None = None) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckptstore.core import FlowLauncher
-from ckptstore.flows.embedded import get_runner
+from ckptstore.flows.embedded import get_runner, wait_for_flows
 
 __all__ = ["PrefectLauncher"]
 
@@ -31,3 +31,7 @@ class PrefectLauncher(FlowLauncher):
     ) -> None:
         """Enqueue one run; see :meth:`ckptstore.core.FlowLauncher.launch`."""
         get_runner(store_root, config).submit(flow_name, key=idempotency_key, **dict(params))
+
+    def wait_idle(self, *, store_root: str, config: str | None) -> bool:
+        """Wait for this process's runner of the store; see :func:`wait_for_flows`."""
+        return wait_for_flows(store_root, config)

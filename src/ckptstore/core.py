@@ -85,6 +85,17 @@ class FlowLauncher(abc.ABC):
             ConfigError: For an unknown flow.
         """
 
+    @abc.abstractmethod
+    def wait_idle(self, *, store_root: str, config: str | None) -> bool:
+        """Wait (bounded) until every flow launched for this store ran; never on its own thread.
+
+        Once the interpreter shuts down a queued flow can no longer run, so a store waits for
+        the flows it started when it is closed.
+
+        Returns:
+            True when nothing is left; False when the wait timed out (logged).
+        """
+
 
 class StoreCore:
     """Settings, catalog, tiers, metrics and per-store services of one open store.
@@ -98,6 +109,7 @@ class StoreCore:
             ``delta_cache_bytes`` is 0), so delta saves need not read it back.
         abandoned: Ids of this process's saves that failed while the catalog could not be
             told; ``gc`` fails and removes them.
+        flows_launched: Whether this store started a flow (``close`` then waits for them).
         saver: The async saver, created by the first ``save_async``.
         memory_tier: The shared-memory tier when enabled (see
             :func:`ckptstore.ops.memory.memory_tier_for`).
@@ -119,6 +131,7 @@ class StoreCore:
         self.memory_tier: StoreService | None = None
         self.memory_tier_resolved = False
         self._launcher: FlowLauncher | None = None
+        self.flows_launched = False
         self._tiers: dict[str, Tier] | None = None
         self._closed = False
 
@@ -166,7 +179,8 @@ class StoreCore:
         return self._closed
 
     def close(self) -> None:
-        """Close the services (waiting for pending async saves), tiers, metrics and catalog.
+        """Close the services (waiting for pending async saves), wait for the flows this store
+        started, then close the tiers, the metrics and the catalog.
 
         Raises:
             CkptError: The first async save failure not yet reported (the store is closed
@@ -183,6 +197,9 @@ class StoreCore:
             memory, self.memory_tier = self.memory_tier, None
             if memory is not None:
                 memory.close()
+            if self.flows_launched and self._launcher is not None:
+                config = str(self.settings.source) if self.settings.source else None
+                self._launcher.wait_idle(store_root=str(self.settings.root), config=config)
             for tier in (self._tiers or {}).values():
                 tier.close()
             self.metrics.close()

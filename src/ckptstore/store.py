@@ -191,10 +191,16 @@ class CheckpointStore(StoreCore):
         of the deployment ``ckpt serve`` serves. The flow reopens the store from its root and
         config file, so settings given only as ``open()`` arguments do not reach it.
 
+        :meth:`close` waits for the flows started here.
+
         Args:
             flow_name: Short flow name.
             checkpoint: The checkpoint the flow is about (passed as ``ref``).
             **params: Other flow parameters (plain values, never credentials).
+
+        Raises:
+            ConfigError: For an unknown flow, or when a tier the flow moves data to or from
+                is not configured (the flow would only fail in the background).
         """
         trigger_flow(self, flow_name, checkpoint, **params)
 

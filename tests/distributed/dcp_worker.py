@@ -16,6 +16,7 @@ Each rank writes ``<out>/<scenario>-rank<r>.json`` with what it saw.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import sys
@@ -252,6 +253,46 @@ def run_scenario(scenario: str, store: CheckpointStore, out_dir: Path) -> dict[s
     return report
 
 
+def gloo_threads() -> list[str]:
+    """Names of this process's gloo threads still running (Linux: ``/proc/self/task``)."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+        except OSError:  # the thread ended while we listed them
+            continue
+        if "gloo" in name:  # pt_gloo_runloop (ProcessGroupGloo workers), gloo_tcp_loop
+            names.append(name)
+    return sorted(names)
+
+
+def shutdown_distributed() -> list[str]:
+    """Destroy every process group so that gloo's threads end now; return any left (none).
+
+    ``dist.destroy_process_group()`` alone does not end them here: DTensor's process-wide
+    caches (sharding propagation, redistribute planners and transforms, mesh topology) keep
+    every DeviceMesh the scenarios used, and a DeviceMesh keeps its process groups (in
+    ``_pg_registry``). Gloo's worker threads then run on into interpreter shutdown, where one
+    still releasing a finished collective needs the GIL to drop a tensor's Python object;
+    CPython ends such a thread with ``pthread_exit``, whose unwinding through gloo's
+    ``noexcept`` destructors calls ``std::terminate``: "terminate called without an active
+    exception", SIGABRT, now and then. So the caches are dropped and the meshes collected
+    first; the last reference to the group then goes in ``destroy_process_group``, whose
+    destructor joins the threads while the interpreter is still whole.
+    """
+    import torch.distributed.tensor._collective_utils as dt_collectives
+    import torch.distributed.tensor._redistribute as dt_redistribute
+    from torch.distributed.tensor import debug as dt_debug
+
+    dt_debug._clear_sharding_prop_cache()
+    dt_redistribute.clear_redistribute_planner_cache()
+    dt_redistribute._gen_transform_infos.cache_clear()
+    dt_collectives.MeshTopoInfo.build_from_mesh.cache_clear()
+    gc.collect()  # FSDP modules and their meshes sit in reference cycles
+    dist.destroy_process_group()
+    return gloo_threads()
+
+
 def main() -> int:
     scenarios, root, out_dir = sys.argv[1].split(","), sys.argv[2], Path(sys.argv[3])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -267,8 +308,11 @@ def main() -> int:
         if scenario != "kill":
             dist.barrier()  # the next scenario reads this one's reports and references
     store.close()
-    if "kill" not in scenarios:
-        dist.destroy_process_group()
+    left = shutdown_distributed()
+    if left:
+        print(f"rank {rank}: gloo threads outlived destroy_process_group(): {left}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -386,6 +386,10 @@ class CheckpointManager:
         if self._archive:
             try:
                 self.store.trigger("archive", ck)
+            except CkptError as exc:
+                # e.g. no warm tier: say it once, in one line, rather than at every commit.
+                logger.warning("checkpoints of run %s are not archived: %s", self.run, exc)
+                self._archive = False
             except Exception:
                 logger.exception("could not trigger archiving of %s", ck.ref)
 

@@ -344,6 +344,10 @@ class CkptStoreCallback(TrainerCallback):
         if self.archive:
             try:
                 self.store.trigger("archive", ck)
+            except CkptError as exc:
+                # e.g. no warm tier: say it once, in one line, rather than at every save.
+                logger.warning("checkpoints of run %s are not archived: %s", ck.run, exc)
+                self.archive = False
             except Exception:
                 # The checkpoint is committed; a flow that cannot start must not fail the
                 # ingest (archiving can still run later: `ckpt archive` or its schedule).

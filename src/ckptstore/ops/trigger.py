@@ -10,9 +10,18 @@ from __future__ import annotations
 from typing import Any
 
 from ckptstore.core import StoreCore
+from ckptstore.errors import ConfigError
 from ckptstore.records import Checkpoint
 
 __all__ = ["trigger_flow"]
+
+#: The tier parameters of the flows that move data between tiers, with their defaults
+#: (flows/archive.py): starting one whose tier is not configured would only fail later, in
+#: the background.
+_TIER_PARAMS: dict[str, dict[str, str]] = {
+    "archive": {"tier": "warm"},
+    "demote": {"src": "warm", "dst": "cold"},
+}
 
 
 def trigger_flow(
@@ -32,9 +41,20 @@ def trigger_flow(
             retention).
         **params: Other flow parameters (plain values, never credentials).
 
+    :meth:`~ckptstore.core.StoreCore.close` waits for the flows started here.
+
     Raises:
-        ConfigError: For an unknown flow, or when no launcher can be loaded.
+        ConfigError: For an unknown flow, when a tier the flow moves data to or from is not
+            configured, or when no launcher can be loaded.
     """
+    configured = core.settings.tier_urls()
+    for param, default in _TIER_PARAMS.get(flow_name, {}).items():
+        tier = params.get(param, default)
+        if tier not in configured:
+            raise ConfigError(
+                f"cannot start the {flow_name} flow: tier {tier!r} is not configured; set it "
+                "under [tiers] in the config"
+            )
     key = None
     if checkpoint is not None:
         if flow_name == "retention":
@@ -45,7 +65,9 @@ def trigger_flow(
     elif "ref" in params:
         key = f"{flow_name}:{params['ref']}"
     config = str(core.settings.source) if core.settings.source else None
-    core.launcher().launch(
+    launcher = core.launcher()
+    core.flows_launched = True
+    launcher.launch(
         flow_name, params, store_root=str(core.settings.root), config=config,
         idempotency_key=key,
     )
