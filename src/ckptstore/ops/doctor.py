@@ -58,6 +58,7 @@ from ckptstore.identity import host, owner_is_dead
 from ckptstore.ops.gc import DEFAULT_PENDING_GRACE_S, HotDir, classify_hot_dir, writer_is_dead
 from ckptstore.ops.leases import lease_owner
 from ckptstore.ops.replicas import manifest_on, referenced_chunks, store_tiers
+from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import Tier, is_not_found
 from ckptstore.storage.transfer import owned_files
@@ -463,17 +464,21 @@ class _Doctor:
                                f"{replica.tier}` finishes it", tier=replica.tier)
 
     # -- phase B: replicas the catalog claims ------------------------------------------
-    def replicas(self, everything: list[Checkpoint]) -> None:
-        for ck in everything:
-            if ck.state != CheckpointState.COMMITTED:
-                continue
-            self._count("checkpoints")
-            for replica in ck.replicas:
-                tier = self.tiers.get(replica.tier)
-                if tier is None or replica.state != ReplicaState.PRESENT:
-                    continue
-                self._count("replicas")
-                self._check_replica(ck, tier)
+    def replicas(self, everything: list[Checkpoint], progress: Progress | None = None) -> None:
+        todo = [(ck, tier) for ck in everything if ck.state == CheckpointState.COMMITTED
+                for replica in ck.replicas
+                if replica.state == ReplicaState.PRESENT
+                and (tier := self.tiers.get(replica.tier)) is not None]
+        # Checking copies is the slow part (a deep check re-hashes each one): one unit each.
+        announce_total(progress, len(todo))
+        committed = sum(ck.state == CheckpointState.COMMITTED for ck in everything)
+        if committed:
+            self._count("checkpoints", committed)
+        for ck, tier in todo:
+            self._count("replicas")
+            self._check_replica(ck, tier)
+            if progress is not None:
+                progress(1)
 
     def _mark_damaged(self, ck: Checkpoint, tier: str) -> Any:
         def mark() -> None:
@@ -746,6 +751,7 @@ def doctor(
     deep: bool = False,
     tiers: Iterable[str] | None = None,
     grace_s: float = 60.0,
+    progress: Progress | None = None,
 ) -> DoctorReport:
     """Reconcile the catalog with storage; with ``fix``, apply the safe repairs.
 
@@ -757,6 +763,8 @@ def doctor(
         tiers: Only these tiers (default: every configured tier).
         grace_s: Unfinished files and directories younger than this are left alone (a
             writer may still be working on them).
+        progress: Called with 1 after each copy checked; one with ``set_total``
+            (:mod:`ckptstore.progress`) is first told how many copies there are to check.
 
     Returns:
         The :class:`DoctorReport`; ``report.ok`` is True when nothing is wrong any more.
@@ -770,7 +778,7 @@ def doctor(
     run.pending(everything)
     run.copying(everything)
     run.deleting(everything)
-    run.replicas(everything)
+    run.replicas(everything, progress)
     # Repairs above changed rows: look again before judging what owns which files.
     everything = store.catalog.list(state=None) if fix else everything
     by_id = {ck.id: ck for ck in everything}
