@@ -65,7 +65,7 @@ TextJsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of
 
 
 def version_text() -> str:
-    """``ckpt <version>``, the version of the installed ckptstore distribution."""
+    """What ``ckpt --version`` prints: "ckpt" and the installed distribution's version."""
     try:
         version = importlib.metadata.version("ckptstore")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree

@@ -217,7 +217,8 @@ def materialize_hf_checkpoint(
     if not isinstance(state, dict) or "hf" not in state or "model" not in state:
         raise CkptError(
             f"{ck.ref} was not ingested from a Hugging Face Trainer folder (no 'hf' and "
-            "'model' entries); export plain weights with `ckpt export --format hf` instead"
+            "'model' entries); export plain weights with "
+            "`ckpt convert REF --format hf --out DIR` instead"
         )
     parent = Path(output_dir)
     target = parent / f"{_PREFIX}-{ck.step}"

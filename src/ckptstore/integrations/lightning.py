@@ -371,7 +371,7 @@ class CkptStoreIO(CheckpointIO):
         raise CheckpointNotFoundError(
             f"{text!r} is not a checkpoint of this store: not a pointer file, not a path "
             f"this plugin saved, and not a reference such as '{self.run}@latest'; "
-            "list checkpoints with `ckpt list`"
+            "list checkpoints with `ckpt ls`"
         )
 
     def load_checkpoint(
