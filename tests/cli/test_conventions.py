@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -256,3 +257,12 @@ def test_shell_completion() -> None:
     result = _run_cli(env={"_CKPT_COMPLETE": "complete_bash", "COMP_WORDS": "ckpt ls --st",
                            "COMP_CWORD": "2"})
     assert "--store" in result.stdout.split()
+
+
+def test_help_uses_words_users_know(ckpt: Ckpt) -> None:
+    """Help texts name commands and conventions, never words of how the tool was planned."""
+    planning = re.compile(r"\b(seed|issue|lead|todo|fixme|xxx|ticket|milestone)s?\b", re.I)
+    for path in ["", *leaf_commands()]:
+        result = ckpt(*path.split(), "--help")
+        assert result.code == 0, path
+        assert not planning.search(result.out), (path, planning.findall(result.out))
