@@ -10,7 +10,7 @@ Try it::
 
     python examples/train_lightning.py --store /tmp/pl-store --steps 40
     python examples/train_lightning.py --store /tmp/pl-store --steps 60 --resume pl-demo@latest
-    ckpt --store /tmp/pl-store list --run pl-demo
+    ckpt ls --run pl-demo --store /tmp/pl-store
 
 Needs the ``lightning`` extra: ``pip install 'ckptstore[lightning]'``.
 """

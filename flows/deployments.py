@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore.errors import ConfigError
 from ckptstore.flows.embedded import _UNSCHEDULABLE, DEPLOYMENT_NAME
-from ckptstore.flows.registry import FLOWS, get_flow
+from ckptstore.flows.registry import FLOWS, get_flow, need_prefect
 from ckptstore.flows.schedules import IntervalSchedule, parse_schedule
 
 if TYPE_CHECKING:
@@ -59,7 +59,9 @@ def build_deployments(
 
     Raises:
         ConfigError: For an unknown flow or an invalid schedule.
+        MissingExtraError: If Prefect is not installed.
     """
+    need_prefect("ckpt serve")
     from prefect.types.entrypoint import EntrypointType
 
     wanted = flows or sorted(FLOWS)
@@ -104,6 +106,7 @@ def serve_all(settings: Settings, *, name: str = DEPLOYMENT_NAME, limit: int | N
     Raises:
         ConfigError: For an invalid schedule.
     """
+    need_prefect("ckpt serve")
     from prefect import serve
 
     deployments = build_deployments(settings, name=name)
@@ -119,6 +122,7 @@ def require_api_url() -> str:
     Raises:
         ConfigError: If none is set: deployments and work pools only exist on a server.
     """
+    need_prefect("ckpt serve --pool")
     from prefect.settings import get_current_settings
 
     url = get_current_settings().api.url
@@ -190,6 +194,7 @@ def deploy_all(
         ConfigError: If PREFECT_API_URL is not set, the server cannot be reached or refuses
             a deployment, the pool exists with another type, or a schedule is invalid.
     """
+    need_prefect("ckpt serve --pool")
     import httpx
     from prefect.client.orchestration import get_client
     from prefect.deployments.runner import DeploymentApplyError

@@ -7,8 +7,9 @@ import logging
 from typing import Any
 
 from ckptstore.errors import ConfigError
+from ckptstore.extras import require
 
-__all__ = ["FLOWS", "entrypoint", "get_flow"]
+__all__ = ["FLOWS", "entrypoint", "get_flow", "need_prefect"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,15 @@ FLOWS: dict[str, tuple[str, str]] = {
 }
 
 
+def need_prefect(feature: str = "Prefect flows") -> None:
+    """Raise the error naming the 'flows' extra when Prefect is not installed.
+
+    Raises:
+        MissingExtraError: If ``prefect`` cannot be imported.
+    """
+    require("prefect", feature)
+
+
 def get_flow(name: str) -> Any:
     """The Prefect flow object for a short name.
 
@@ -37,9 +47,11 @@ def get_flow(name: str) -> Any:
 
     Raises:
         ConfigError: For an unknown name.
+        MissingExtraError: If Prefect is not installed.
     """
     if name not in FLOWS:
         raise ConfigError(f"unknown flow {name!r}; known flows: {', '.join(sorted(FLOWS))}")
+    need_prefect(f"the {name} flow")
     module, attr = FLOWS[name]
     return getattr(importlib.import_module(module), attr)
 

@@ -3,7 +3,7 @@
 Accepted forms (``settings.schedules`` maps a flow name to one of them):
 
 * a cron expression, ``"0 3 * * *"`` or a macro such as ``"@daily"``, evaluated in UTC like
-  Prefect's served deployments (parsed with ``croniter``, or the copy Prefect ships);
+  Prefect's served deployments (parsed with ``croniter``, from the ``flows`` extra);
 * an interval, ``"every 30s"``, ``"every 5 minutes"``, ``"@every 2h"`` (units: s, sec, second(s),
   m, min, minute(s), h, hour(s), d, day(s)).
 """
@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from ckptstore.errors import ConfigError
+from ckptstore.extras import require
 
 __all__ = ["CronSchedule", "IntervalSchedule", "Schedule", "parse_schedule"]
 
@@ -63,22 +64,15 @@ class CronSchedule:
     def next_after(self, moment: datetime) -> datetime:
         """The next cron time after ``moment``."""
         croniter = _croniter()
-        if croniter is None:  # parse_schedule refuses cron text then; keep mypy honest
-            raise ConfigError(f"cannot evaluate cron schedule {self.text!r}: croniter missing")
         result = croniter(self.text, moment).get_next(datetime)
         assert isinstance(result, datetime)
         return result
 
 
 def _croniter() -> Any:
-    try:
-        from croniter import croniter
-    except ImportError:
-        try:
-            from prefect._vendor.croniter import croniter  # type: ignore[attr-defined]
-        except ImportError:
-            return None
-    return croniter
+    # The public package (declared in the 'flows' extra), not the copy Prefect vendors: that
+    # one is private to Prefect and may move or go in any release.
+    return require("croniter", "a cron schedule").croniter
 
 
 def parse_schedule(text: str) -> IntervalSchedule | CronSchedule:
@@ -92,6 +86,7 @@ def parse_schedule(text: str) -> IntervalSchedule | CronSchedule:
 
     Raises:
         ConfigError: If it is neither a valid interval nor a valid cron expression.
+        MissingExtraError: For a cron expression when croniter is not installed.
     """
     match = _INTERVAL.match(text)
     if match:
@@ -102,11 +97,6 @@ def parse_schedule(text: str) -> IntervalSchedule | CronSchedule:
             )
         return IntervalSchedule(text=text, seconds=amount * _UNITS[unit])
     croniter = _croniter()
-    if croniter is None:
-        raise ConfigError(
-            f"cannot parse cron schedule {text!r}: croniter is not installed; install prefect "
-            "(which ships it) or use an interval such as 'every 10 minutes'"
-        )
     if not croniter.is_valid(text):
         raise ConfigError(
             f"invalid schedule {text!r}; use a cron expression ('0 3 * * *', '@daily') or an "

@@ -1,8 +1,12 @@
-"""Packaging guards: the wheel ships exactly ckptstore, and the core never imports prefect."""
+"""Packaging guards: the wheel ships exactly ckptstore, the core never imports prefect, and
+every third-party package the code imports is declared in pyproject.toml."""
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -80,3 +84,99 @@ def test_wheel_contents(tmp_path: Path) -> None:
     assert any(n.startswith("ckptstore/migrations/versions/") and n.endswith(".py")
                and not n.endswith("__init__.py") for n in names)
     assert "ckptstore/py.typed" in names
+
+
+# --------------------------------------------------------------------------- dependencies
+SOURCE_DIRS = [ROOT / "src" / "ckptstore", ROOT / "catalog", ROOT / "tasks", ROOT / "flows",
+               ROOT / "migrations"]
+
+
+def _imported_top_levels() -> dict[str, set[str]]:
+    """Third-party top-level module -> files importing it: import statements, and the
+    string given to ``require(...)`` (how ckptstore.extras imports optional packages)."""
+    found: dict[str, set[str]] = {}
+    for base in SOURCE_DIRS:
+        for path in base.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                names: list[str] = []
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                      and node.func.id == "require" and node.args
+                      and isinstance(node.args[0], ast.Constant)
+                      and isinstance(node.args[0].value, str)):
+                    names = [node.args[0].value]
+                for name in names:
+                    top = name.partition(".")[0]
+                    if top in sys.stdlib_module_names or top in ("ckptstore", "__future__"):
+                        continue
+                    found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _declared_distributions() -> dict[str, set[str]]:
+    """Canonical distribution name -> where pyproject.toml declares it ("core" or extras).
+
+    A requirement's own extras count as declared too: ``aiobotocore[boto3]`` is how the dev
+    extra asks for boto3 (at the version aiobotocore matches; see pyproject.toml).
+    """
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    groups = {"core": project["dependencies"], **project["optional-dependencies"]}
+    declared: dict[str, set[str]] = {}
+    for group, requirements in groups.items():
+        for requirement in requirements:
+            match = re.match(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[([^\]]*)\])?", requirement)
+            assert match, requirement
+            names = [match.group(1)]
+            if match.group(1) != "ckptstore" and match.group(2):
+                names += match.group(2).split(",")
+            for name in names:
+                declared.setdefault(_canonical(name.strip()), set()).add(group)
+    return declared
+
+
+def _distribution_of(module: str) -> str:
+    # Not installed here (an extra left out): its distribution is named like the module.
+    names = importlib.metadata.packages_distributions().get(module, [module])
+    return _canonical(names[0])
+
+
+def test_every_imported_package_is_declared() -> None:
+    declared = _declared_distributions()
+    undeclared = {
+        module: sorted(files)[:3]
+        for module, files in _imported_top_levels().items()
+        if _distribution_of(module) not in declared
+    }
+    assert not undeclared, (
+        "imported but not declared in [project.dependencies] or an extra of pyproject.toml: "
+        f"{undeclared}"
+    )
+
+
+def test_extras_table_matches_pyproject() -> None:
+    """ckptstore.extras names, for each optional module, an extra that really brings it."""
+    from ckptstore.extras import EXTRAS
+
+    declared = _declared_distributions()
+    wrong = {
+        module: extra for module, extra in EXTRAS.items()
+        if extra not in declared.get(_distribution_of(module), set())
+    }
+    assert not wrong, f"pyproject.toml does not declare these in the extra named: {wrong}"
+
+
+def test_no_private_vendored_modules_are_imported() -> None:
+    """Prefect's vendored copies (prefect._vendor.*) are its private business."""
+    offenders = []
+    for base in SOURCE_DIRS:
+        for path in base.rglob("*.py"):
+            if "_vendor" in path.read_text():
+                offenders.append(str(path.relative_to(ROOT)))
+    assert not offenders, offenders

@@ -29,6 +29,7 @@ from typing import Any, Self
 from ckptstore.catalog import Catalog
 from ckptstore.config import Settings, load_settings
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, StorageError
+from ckptstore.extras import missing_extra
 from ckptstore.format import KeyframeCache
 from ckptstore.names import validate_name
 from ckptstore.observability.metrics import Metrics
@@ -283,10 +284,7 @@ class StoreCore:
             try:
                 factory = next(iter(found)).load()
             except ImportError as exc:
-                raise ConfigError(
-                    f"the flow launcher cannot be loaded ({exc}); install the [flows] extra: "
-                    "pip install 'ckptstore[flows]'"
-                ) from exc
+                raise missing_extra(exc.name or "prefect", "running flows") from exc
             launcher = factory()
             if not isinstance(launcher, FlowLauncher):
                 raise ConfigError(f"entry point {LAUNCHER_GROUP}:default is not a FlowLauncher")

@@ -17,6 +17,7 @@ __all__ = [
     "InvalidNameError",
     "LeaseHeldError",
     "MissingBaseError",
+    "MissingExtraError",
     "StorageError",
     "UnsafeObjectError",
 ]
@@ -64,3 +65,23 @@ class StorageError(CkptError, OSError):
 
 class ConfigError(CkptError, ValueError):
     """The configuration file or environment holds an invalid value."""
+
+
+class MissingExtraError(ConfigError, ImportError):
+    """An optional dependency is not installed; the message names the extra that brings it.
+
+    Also an ``ImportError``, so code that treats a missing optional package as "feature off"
+    keeps working. Raised through :func:`ckptstore.extras.require`.
+
+    Attributes:
+        extra: The ``ckptstore[...]`` extra to install.
+        module: The module that could not be imported.
+    """
+
+    def __init__(self, message: str, *, extra: str, module: str) -> None:
+        super().__init__(message)
+        self.extra = extra
+        self.module = module
+        # ImportError's own field, for handlers that read it (ValueError's __init__ runs
+        # first in the MRO and does not take it as an argument).
+        self.name = module

@@ -39,7 +39,7 @@ def test_sign_export_import_doctor(new_root: Any, tmp_path: Path, w: Any,
     code, out, _ = _run(capsys, *s, "verify-signature", "r@latest", "--pubkey",
                         str(keys / "alice.pub"), "--deep")
     assert code == 0 and "signature OK" in out
-    # The spelling: ckpt verify --signature --pubkey P.
+    # The same check as an option of verify: ckpt verify --signature --pubkey P.
     code, out, _ = _run(capsys, *s, "verify", "r@latest", "--signature", "--pubkey",
                         str(keys / "alice.pub"))
     assert code == 0 and "signature valid" in out

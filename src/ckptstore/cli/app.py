@@ -1,12 +1,14 @@
 """The ``ckpt`` command: browse, query and manage a checkpoint store.
 
 Exit codes: 0 success, 1 the operation failed (the message says why and what to do),
-2 bad usage (unknown option, missing argument).
+2 bad usage (unknown option, missing argument). With ``--json`` every command prints one JSON
+document on stdout, a failure included: ``{"error": {"type": ..., "message": ...}}`` with the
+same exit code.
 """
 
 from __future__ import annotations
 
-import logging
+import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
@@ -15,7 +17,13 @@ from typing import Annotated, Any
 import typer
 
 from ckptstore.cli import deltas, overview, transfer, trust
-from ckptstore.cli.common import State, open_store, parse_where
+from ckptstore.cli.common import (
+    State,
+    configure_logging,
+    install_global_options,
+    open_store,
+    parse_where,
+)
 from ckptstore.cli.output import (
     LS_COLUMNS,
     LS_WIDE_COLUMNS,
@@ -23,10 +31,12 @@ from ckptstore.cli.output import (
     console,
     err_console,
     human_bytes,
+    print_error_json,
     print_json,
     print_table,
 )
 from ckptstore.errors import CkptError, InvalidNameError
+from ckptstore.extras import extra_for, missing_extra
 
 __all__ = ["app", "main"]
 
@@ -37,10 +47,13 @@ app = typer.Typer(
         "The store is chosen by --store PATH (a directory holding catalog.db and hot/), "
         "--config FILE (TOML), or $CKPT_CONFIG / $CKPT_ROOT / $CKPT_CATALOG_URL; "
         "default ./ckpt. References: a uuid, run@latest, run@<step>, run@v<version>, "
-        "run@best:<metric>[:max] or an alias."
+        "run@best:<metric>[:max] or an alias. The global options (--store, --config, "
+        "--verbose) go before or after the command name. Every command that prints a result "
+        "takes --json."
     ),
     no_args_is_help=True,
-    add_completion=False,
+    # --install-completion / --show-completion: tab completion for bash, zsh, fish, pwsh.
+    add_completion=True,
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
@@ -48,6 +61,22 @@ db_app = typer.Typer(help="Catalog schema migrations (Alembic).", no_args_is_hel
 app.add_typer(db_app, name="db")
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+TextJsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+
+
+def version_text() -> str:
+    """What ``ckpt --version`` prints: "ckpt" and the installed distribution's version."""
+    try:
+        version = importlib.metadata.version("ckptstore")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        from ckptstore import __version__ as version
+    return f"ckpt {version}"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        console.print(version_text(), markup=False, highlight=False)
+        raise typer.Exit()
 
 
 @app.callback()
@@ -60,16 +89,14 @@ def _root(
         str | None, typer.Option("--config", "-c", help="TOML config file.")
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True,
+                     help="Print the version (ckpt <version>) and exit."),
+    ] = False,
 ) -> None:
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    from ckptstore.observability import configure_logging
-
-    configure_logging(level=logging.INFO if verbose else logging.WARNING)
-    ctx.obj = State(store=store, config=config)
+    configure_logging(verbose)
+    ctx.obj = State(store=store, config=config, verbose=verbose)
 
 
 # --------------------------------------------------------------------------- queries
@@ -94,7 +121,13 @@ def ls_cmd(
     wide: Annotated[bool, typer.Option("--wide", "-w", help="Also show time and id.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """List committed checkpoints."""
+    """List committed checkpoints.
+
+    JSON: a list of records with id, ref, run, step, version, state, kind, base_id,
+    parent_id, created_at, metrics, tags, logical_bytes, stored_bytes, codec,
+    manifest_digest, lossy, error_bound, lossy_scope, pinned, aliases and replicas (tier,
+    state, bytes, verified_at, manifest_digest). Other commands print records of this shape.
+    """
     metrics = dict(parse_where(w) for w in (where or []))
     step_range = (min_step, max_step) if min_step is not None or max_step is not None else None
     with open_store(ctx) as store:
@@ -134,7 +167,13 @@ def show_cmd(
     as_json: JsonOpt = False,
     tensors: Annotated[bool, typer.Option(help="Also list every tensor.")] = False,
 ) -> None:
-    """Show a checkpoint: catalog record, manifest summary and how to reproduce it."""
+    """Show a checkpoint: catalog record, manifest summary and how to reproduce it.
+
+    JSON: {"checkpoint": the record (keys as in `ckpt ls --json`), "reproduction": the run's
+    experiment, config, code_version, data_version, host, parents, metrics_at_save, edges,
+    "manifest": format_version, codec, kind, tensors, dtypes, arrays, chunks, logical_bytes,
+    stored_bytes, delta (or {"error": ...}), "tensors" with --tensors: [key, dtype, shape]}.
+    """
     with open_store(ctx) as store:
         info = store.show(ref)
         if tensors:
@@ -193,7 +232,11 @@ def _tensor_entry(entry: Any) -> dict[str, Any]:
 
 @app.command("runs")
 def runs_cmd(ctx: typer.Context, as_json: JsonOpt = False) -> None:
-    """List runs with their checkpoint counts."""
+    """List runs with their checkpoint counts.
+
+    JSON: a list of runs with name, created_at, experiment, config, code_version,
+    data_version, host, status, checkpoints.
+    """
     with open_store(ctx) as store:
         runs = store.runs()
     if as_json:
@@ -219,14 +262,32 @@ def lineage_cmd(
     descendants: Annotated[
         bool, typer.Option(help="Show what was derived from it instead of its ancestors.")
     ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print JSON instead (overrides --format).")
+    ] = False,
 ) -> None:
-    """Show where a checkpoint came from (resumed / fine-tuned from), across runs."""
+    """Show where a checkpoint came from (resumed / fine-tuned from), across runs.
+
+    JSON: {"checkpoint": REF's record, "direction": "ancestors" or "descendants",
+    "nodes": [records, nearest first], "edges": [{"from": ref, "to": ref}, ...]}; a record
+    has the keys of `ckpt ls --json`.
+    """
     if fmt not in ("tree", "dot", "mermaid"):
         raise InvalidNameError(f"unknown --format {fmt!r}; use tree, dot or mermaid")
     with open_store(ctx) as store:
         me = store.get(ref)
         chain = store.descendants(ref) if descendants else store.lineage(ref)
     nodes = [me, *chain]
+    if as_json:
+        known = {ck.id: ck for ck in nodes}
+        print_json({
+            "checkpoint": _ck_json(me),
+            "direction": "descendants" if descendants else "ancestors",
+            "nodes": [_ck_json(ck) for ck in chain],
+            "edges": [{"from": known[ck.parent_id].ref, "to": ck.ref} for ck in nodes
+                      if ck.parent_id in known],
+        })
+        return
     if fmt == "tree":
         for depth, ck in enumerate(nodes):
             arrow = "" if depth == 0 else ("└─ derived " if descendants else "└─ from ")
@@ -261,33 +322,65 @@ def alias_cmd(
     ctx: typer.Context,
     ref: Annotated[str, typer.Argument(help="Checkpoint reference.")],
     name: Annotated[str, typer.Argument(help="Alias, e.g. prod or best.")],
+    as_json: TextJsonOpt = False,
 ) -> None:
-    """Point an alias at a checkpoint (aliased checkpoints are never pruned)."""
+    """Point an alias at a checkpoint (aliased checkpoints are never pruned).
+
+    JSON: {"alias": NAME, "checkpoint": the record, keys as in `ckpt ls --json`}.
+    """
     with open_store(ctx) as store:
         store.alias(ref, name)
         ck = store.get(name)
+    if as_json:
+        print_json({"alias": name, "checkpoint": _ck_json(ck)})
+        return
     console.print(f"{name} → {ck.ref} ({ck.id})")
 
 
 @app.command("pin")
-def pin_cmd(ctx: typer.Context, ref: Annotated[str, typer.Argument()]) -> None:
-    """Protect a checkpoint from retention pruning."""
+def pin_cmd(
+    ctx: typer.Context,
+    ref: Annotated[str, typer.Argument(help="Checkpoint reference.")],
+    as_json: TextJsonOpt = False,
+) -> None:
+    """Protect a checkpoint from retention pruning.
+
+    JSON: the checkpoint's record (keys as in `ckpt ls --json`; "pinned" is true).
+    """
     with open_store(ctx) as store:
         store.pin(ref)
-        console.print(f"pinned {store.get(ref).ref}")
+        ck = store.get(ref)
+    if as_json:
+        print_json(_ck_json(ck))
+        return
+    console.print(f"pinned {ck.ref}")
 
 
 @app.command("unpin")
-def unpin_cmd(ctx: typer.Context, ref: Annotated[str, typer.Argument()]) -> None:
-    """Remove a checkpoint's pin."""
+def unpin_cmd(
+    ctx: typer.Context,
+    ref: Annotated[str, typer.Argument(help="Checkpoint reference.")],
+    as_json: TextJsonOpt = False,
+) -> None:
+    """Remove a checkpoint's pin.
+
+    JSON: the checkpoint's record (keys as in `ckpt ls --json`; "pinned" is false).
+    """
     with open_store(ctx) as store:
         store.unpin(ref)
-        console.print(f"unpinned {store.get(ref).ref}")
+        ck = store.get(ref)
+    if as_json:
+        print_json(_ck_json(ck))
+        return
+    console.print(f"unpinned {ck.ref}")
 
 
 @app.command("du")
 def du_cmd(ctx: typer.Context, as_json: JsonOpt = False) -> None:
-    """Storage used by run and tier."""
+    """Storage used by run and tier.
+
+    JSON: a list of rows with run, tier, checkpoints, bytes.
+    """
     with open_store(ctx) as store:
         rows = store.usage()
     if as_json:
@@ -310,7 +403,10 @@ def events_cmd(
     limit: Annotated[int, typer.Option(help="At most this many events.")] = 50,
     as_json: JsonOpt = False,
 ) -> None:
-    """The audit log: saved, archived, pruned, restored, converted, verified."""
+    """The audit log: saved, archived, pruned, restored, converted, verified.
+
+    JSON: a list of events with kind, at, checkpoint_id, actor, detail, run.
+    """
     with open_store(ctx) as store:
         events = store.events(ref, limit=limit)
     if as_json:
@@ -342,7 +438,10 @@ def gc_cmd(
     ] = 24.0,
     as_json: JsonOpt = False,
 ) -> None:
-    """Remove staging left by dead saves (never touches committed data)."""
+    """Remove staging left by dead saves (never touches committed data).
+
+    JSON: {"removed_dirs": [paths], "failed_rows": [ids marked FAILED], "dry_run"}.
+    """
     with open_store(ctx) as store:
         report = store.gc(dry_run=dry_run, older_than_s=older_than * 3600)
     if as_json:
@@ -359,28 +458,48 @@ def gc_cmd(
 
 # --------------------------------------------------------------------------- db
 @db_app.command("upgrade")
-def db_upgrade(ctx: typer.Context) -> None:
-    """Create or upgrade the catalog schema to the newest revision."""
+def db_upgrade(ctx: typer.Context, as_json: TextJsonOpt = False) -> None:
+    """Create or upgrade the catalog schema to the newest revision.
+
+    JSON: {"catalog": URL (password masked), "revision": the revision it is now at}.
+    """
     from ckptstore.catalog import mask_url, migrate
 
-    settings = ctx.obj.settings()
-    migrate.upgrade(settings.resolved_catalog_url)
-    console.print(f"catalog at {mask_url(settings.resolved_catalog_url)} is at head")
+    url = ctx.obj.settings().resolved_catalog_url
+    migrate.upgrade(url)
+    if as_json:
+        print_json({"catalog": mask_url(url), "revision": migrate.current(url)})
+        return
+    console.print(f"catalog at {mask_url(url)} is at head")
 
 
 @db_app.command("current")
-def db_current(ctx: typer.Context) -> None:
-    """Show the catalog's current schema revision."""
-    from ckptstore.catalog import migrate
+def db_current(ctx: typer.Context, as_json: TextJsonOpt = False) -> None:
+    """Show the catalog's current schema revision.
 
-    console.print(migrate.current(ctx.obj.settings().resolved_catalog_url) or "empty (no schema)")
+    JSON: {"catalog": URL (password masked), "revision": revision id, null when empty}.
+    """
+    from ckptstore.catalog import mask_url, migrate
+
+    url = ctx.obj.settings().resolved_catalog_url
+    revision = migrate.current(url)
+    if as_json:
+        print_json({"catalog": mask_url(url), "revision": revision})
+        return
+    console.print(revision or "empty (no schema)")
 
 
 @db_app.command("history")
-def db_history() -> None:
-    """List the schema revisions shipped with this version."""
+def db_history(as_json: TextJsonOpt = False) -> None:
+    """List the schema revisions shipped with this version, oldest first.
+
+    JSON: {"revisions": [{"revision", "down_revision", "message", "is_head"}, ...]}.
+    """
     from ckptstore.catalog import migrate
 
+    if as_json:
+        print_json({"revisions": migrate.revisions()})
+        return
     for line in migrate.history():
         console.print(line)
 
@@ -389,28 +508,66 @@ transfer.register(app)
 trust.register(app)
 overview.register(app)
 deltas.register(app)
+# Last, so that every command registered above gets them.
+install_global_options(app)
+
+
+def _wants_json(args: Sequence[str]) -> bool:
+    """Whether ``--json`` is among the options (not after a ``--`` separator)."""
+    for arg in args:
+        if arg == "--":
+            return False
+        if arg == "--json":
+            return True
+    return False
+
+
+def _fail(as_json: bool, kind: str, message: str, code: int) -> int:
+    if as_json:
+        print_error_json(kind, message)
+    else:
+        # One line whatever its length (soft_wrap: the terminal wraps it, rich does not), so
+        # logs and grep see the whole message.
+        err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ckpt``; returns the exit code instead of raising.
 
-    Usage errors are reported by typer itself (exit 2); our own errors print one line saying
-    what failed and what to do (exit 1) instead of a traceback.
+    Usage errors exit 2; our own errors print one line saying what failed and what to do
+    (exit 1) instead of a traceback; a missing optional package names the extra to install.
+    With ``--json`` both go to stdout as ``{"error": {"type": ..., "message": ...}}``.
     """
-    command = typer.main.get_command(app)
     args = list(sys.argv[1:] if argv is None else argv)
+    as_json = _wants_json(args)
     try:
-        command.main(args=args, prog_name="ckpt", standalone_mode=True)
-    except SystemExit as exc:
+        command = typer.main.get_command(app)
+        result = command.main(args=args, prog_name="ckpt", standalone_mode=False)
+    except SystemExit as exc:  # shell completion exits by itself
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)
+    except typer.TyperException as exc:  # bad usage: unknown option, missing argument
+        if as_json:
+            print_error_json(type(exc).__name__, exc.format_message())
+        elif callable(show := getattr(exc, "show", None)):
+            show()  # usage line, hint and message, as typer prints them
+        else:
+            err_console.print(f"error: {exc.format_message()}", markup=False, soft_wrap=True)
+        return exc.exit_code
+    except typer.Abort:
+        return _fail(as_json, "Aborted", "aborted", 1)
     except CkptError as exc:
-        err_console.print(f"error: {exc}", markup=False, highlight=False)
-        return 1
+        return _fail(as_json, type(exc).__name__, str(exc), 1)
+    except ImportError as exc:  # an optional package that no library module checked for
+        if exc.name and extra_for(exc.name):
+            err = missing_extra(exc.name, "this command")
+            return _fail(as_json, type(err).__name__, str(err), 1)
+        raise
     except OSError as exc:  # anything our own layers did not wrap
-        err_console.print(f"error: {exc}", markup=False, highlight=False)
-        return 1
-    return 0
+        return _fail(as_json, type(exc).__name__, str(exc), 1)
+    # standalone_mode=False hands back typer.Exit's code (or the command's None).
+    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.progress import (
     BarColumn,
     DownloadColumn,
+    MofNCompleteColumn,
     Progress,
+    TaskID,
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
@@ -23,19 +28,110 @@ from ckptstore.config import Settings, load_settings
 from ckptstore.errors import InvalidNameError
 from ckptstore.store import CheckpointStore
 
-__all__ = ["State", "open_store", "parse_where", "progress_bar", "spinner"]
+__all__ = [
+    "State",
+    "configure_logging",
+    "install_global_options",
+    "open_store",
+    "parse_where",
+    "progress_bar",
+    "spinner",
+    "with_global_options",
+]
 
 
 @dataclass
 class State:
-    """Global options given before the command name."""
+    """The global options (``--store``, ``--config``, ``--verbose``), given before or after
+    the command name; a value given after it wins."""
 
     store: str | None = None
     config: str | None = None
+    verbose: bool = False
 
     def settings(self) -> Settings:
         """Resolve the settings these options select."""
         return load_settings(self.config, root=self.store)
+
+
+def configure_logging(verbose: bool) -> None:
+    """Log at INFO with ``--verbose``, else WARNING (to stderr, never into ``--json``)."""
+    level = logging.INFO if verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from ckptstore.observability import configure_logging as configure_library_logging
+
+    configure_library_logging(level=level)
+
+
+_AFTER = " Also accepted before the command name; given in both places, this one wins."
+#: The global options as a subcommand declares them (``ckpt ls --store S``). The root
+#: declares the same flags in ckptstore.cli.app's callback (``ckpt --store S ls``).
+_GLOBAL_PARAMETERS = [
+    inspect.Parameter(
+        "global_store", inspect.Parameter.KEYWORD_ONLY, default=None,
+        annotation=Annotated[str | None, typer.Option(
+            "--store", "-s", help="Store directory (default ./ckpt)." + _AFTER)],
+    ),
+    inspect.Parameter(
+        "global_config", inspect.Parameter.KEYWORD_ONLY, default=None,
+        annotation=Annotated[str | None, typer.Option(
+            "--config", "-c", help="TOML config file." + _AFTER)],
+    ),
+    inspect.Parameter(
+        "global_verbose", inspect.Parameter.KEYWORD_ONLY, default=False,
+        annotation=Annotated[bool, typer.Option(
+            "--verbose", "-v", help="Log progress." + _AFTER)],
+    ),
+]
+_CONTEXT = inspect.Parameter("global_ctx", inspect.Parameter.KEYWORD_ONLY,
+                             annotation=typer.Context)
+
+
+def with_global_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Let a command take the global options after its name too.
+
+    Returns a wrapper whose signature adds ``--store``, ``--config`` and ``--verbose`` (and a
+    context, if the command has none), which typer turns into options of the subcommand. The
+    root callback has already built the :class:`State` from the options before the name;
+    those after it overwrite its values, so the subcommand's value wins.
+    """
+    # Evaluated annotations: typer reads the wrapper's __signature__ as it is.
+    signature = inspect.signature(func, eval_str=True)
+    ctx_name = next((p.name for p in signature.parameters.values()
+                     if p.annotation is typer.Context), None)
+    extra = list(_GLOBAL_PARAMETERS) + ([_CONTEXT] if ctx_name is None else [])
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        store = kwargs.pop("global_store", None)
+        config = kwargs.pop("global_config", None)
+        verbose = kwargs.pop("global_verbose", False)
+        ctx = kwargs.pop("global_ctx") if ctx_name is None else kwargs[ctx_name]
+        state = ctx.ensure_object(State)
+        if store is not None:
+            state.store = store
+        if config is not None:
+            state.config = config
+        if verbose and not state.verbose:
+            state.verbose = True
+            configure_logging(True)
+        return func(*args, **kwargs)
+
+    params = list(signature.parameters.values())
+    wrapper.__signature__ = signature.replace(parameters=params + extra)  # type: ignore[attr-defined]
+    return wrapper
+
+
+def install_global_options(app: typer.Typer) -> None:
+    """Wrap every command of ``app`` (and of its sub-apps) with :func:`with_global_options`."""
+    for info in app.registered_commands:
+        if info.callback is not None:
+            info.callback = with_global_options(info.callback)
+    for group in app.registered_groups:
+        if group.typer_instance is not None:
+            install_global_options(group.typer_instance)
 
 
 @contextmanager
@@ -69,28 +165,53 @@ def parse_where(text: str) -> tuple[str, tuple[str, float]]:
     return match.group(1), (match.group(2), float(match.group(3)))
 
 
+class _Bar:
+    """A progress callback (see :mod:`ckptstore.progress`) that drives one rich task."""
+
+    def __init__(self, progress: Progress | None, task: TaskID | None) -> None:
+        self._progress = progress
+        self._task = task
+
+    def __call__(self, amount: int, /) -> None:
+        if self._progress is not None and self._task is not None:
+            self._progress.advance(self._task, amount)
+
+    def set_total(self, total: int, /) -> None:
+        if self._progress is not None and self._task is not None:
+            self._progress.update(self._task, total=total)
+
+
 @contextmanager
 def progress_bar(
-    description: str, total: int | None, *, enabled: bool = True
-) -> Iterator[Callable[[int], None]]:
-    """A rich transfer bar; quiet when stdout is not a terminal or ``enabled`` is False.
+    description: str, total: int | None = None, *, enabled: bool = True, unit: str = "bytes"
+) -> Iterator[_Bar]:
+    """A rich progress bar with rate and ETA, on stderr.
+
+    Quiet (a callback that does nothing) when stderr is not a terminal or ``enabled`` is
+    False (``--json``), so piped and JSON output stay clean.
+
+    Args:
+        description: What is going on ("archiving").
+        total: Units the operation takes, if the caller knows; the library may announce it
+            through ``set_total`` instead.
+        enabled: False turns the bar off.
+        unit: ``bytes`` (sizes and transfer rate) or ``items`` (a count: N/M).
 
     Yields:
-        A callback taking a number of bytes just processed.
+        A callback taking the units just done, with a ``set_total(total)`` method.
     """
     if not enabled or not sys.stderr.isatty():
-        yield lambda _n: None
+        yield _Bar(None, None)
         return
-    columns: list[Any] = [
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-    ]
+    columns: list[Any] = ["[progress.description]{task.description}", BarColumn()]
+    if unit == "bytes":
+        columns += [DownloadColumn(), TransferSpeedColumn()]
+    else:
+        columns += [MofNCompleteColumn()]
+    columns.append(TimeRemainingColumn())
     with Progress(*columns, transient=True, console=Console(stderr=True)) as progress:
         task = progress.add_task(description, total=total)
-        yield lambda n: progress.advance(task, n)
+        yield _Bar(progress, task)
 
 
 @contextmanager

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ckptstore.cli.common import open_store
+from ckptstore.cli.common import open_store, progress_bar
 from ckptstore.cli.output import (
     LS_COLUMNS,
     checkpoint_row,
@@ -34,6 +34,9 @@ def diff_cmd(
 
     Tensors whose chunks hash the same on both sides are not read. Changes are bit-wise
     (NaN payloads and -0.0 count); the largest change is over finite differences.
+
+    JSON: a, b, lossy, summary (tensors by status, elements, elements_changed,
+    chunks_changed, max_abs_change) and tensors (one entry per tensor).
     """
     from ckptstore.ops.diff import diff_checkpoints, render_rows
 
@@ -69,12 +72,15 @@ def compact_cmd(
 
     The new version reads no other checkpoint's chunks (its bases may then be pruned) and
     gets a converted-from edge from the source. Running it again returns the same version.
+
+    JSON: the compacted checkpoint's record (keys as in `ckpt ls --json`).
     """
     from ckptstore.ops.compact import compact_checkpoint
     from ckptstore.ops.show import checkpoint_dict
 
-    with open_store(ctx) as store:
-        new = compact_checkpoint(store, ref)
+    with open_store(ctx) as store, progress_bar(f"compacting {ref}",
+                                                enabled=not as_json) as advance:
+        new = compact_checkpoint(store, ref, progress=advance)
     if as_json:
         print_json(checkpoint_dict(new))
         return

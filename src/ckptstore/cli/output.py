@@ -20,6 +20,7 @@ __all__ = [
     "console",
     "err_console",
     "human_bytes",
+    "print_error_json",
     "print_json",
     "print_table",
 ]
@@ -53,6 +54,16 @@ def _default(obj: object) -> Any:
 def print_json(data: Any) -> None:
     """Write ``data`` as indented JSON to stdout (dataclasses and datetimes supported)."""
     sys.stdout.write(json.dumps(data, default=_default, indent=2, sort_keys=False) + "\n")
+
+
+def print_error_json(kind: str, message: str) -> None:
+    """Write a failure as ``{"error": {"type": ..., "message": ...}}`` to stdout (``--json``).
+
+    Args:
+        kind: The error's class name (``CheckpointNotFoundError``, ``UsageError``, ...).
+        message: What failed and what to do, as the text output says it.
+    """
+    print_json({"error": {"type": kind, "message": message}})
 
 
 def print_table(

@@ -46,6 +46,9 @@ def tiers_cmd(
     tier), catalog (checkpoints / bytes the catalog records as present there).
     With --probe, each rate is flagged against what the tier's role needs (hot > 1 GB/s,
     archive > 100 MB/s). Exits with 1 when a tier is unreachable.
+
+    JSON: one object per tier (name, url, reachable, free_bytes, objects, listed_bytes,
+    catalog_checkpoints, catalog_bytes, probe, error).
     """
     from ckptstore.observability.tiers import tier_statuses
 
@@ -119,14 +122,21 @@ def report_cmd(
     max_checkpoints: Annotated[
         int, typer.Option(help="Most checkpoint sections (newest first).")
     ] = 200,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
 ) -> None:
-    """Write the browser's views (runs, lineage, tiers, checkpoints) as one static file."""
+    """Write the browser's views (runs, lineage, tiers, checkpoints) as one static file.
+
+    JSON: {"path": the HTML file, "bytes": its size}.
+    """
     from ckptstore.ui.report import write_report
 
     if max_checkpoints < 0:
         raise InvalidNameError(f"--max-checkpoints must be >= 0, got {max_checkpoints}")
     with open_store(ctx) as store:
         path = write_report(store, html, max_checkpoints=max_checkpoints)
+    if as_json:
+        print_json({"path": str(path), "bytes": path.stat().st_size})
+        return
     console.print(f"wrote {path} ({human_bytes(path.stat().st_size)})")
 
 

@@ -55,6 +55,10 @@ def archive_cmd(
 
     With --reencode (or archive_codec in the config) the copies are re-encoded with a
     stronger codec, e.g. zstd-3: slower to write, smaller to keep.
+
+    JSON: {"archive": report, "demote": report or null}; a report has src, tier, archived
+    (ids), removed (ids), skipped and failed (id -> reason), bytes, reencode, reencoded,
+    not_reencoded.
     """
     from ckptstore.ops.archive import archive_checkpoints, demote_checkpoints
     from ckptstore.ops.reencode import check_codec
@@ -63,13 +67,17 @@ def archive_cmd(
         check_codec(reencode)  # before opening anything: nothing is copied with a typo
     with open_store(ctx) as store:
         reencode = reencode or store.settings.archive_codec
-        with progress_bar("archiving", None, enabled=not as_json) as advance:
+        # The library announces the total (bytes to copy) once it has listed the candidates.
+        with progress_bar(f"archiving to {tier}", enabled=not as_json) as advance:
             report = archive_checkpoints(
                 store, run=run, ref=ref, tier=tier, reencode=reencode, progress=advance
             )
         demoted = None
         if demote_after_days is not None:
-            demoted = demote_checkpoints(store, older_than_days=demote_after_days)
+            with progress_bar("demoting to cold", enabled=not as_json) as advance:
+                demoted = demote_checkpoints(
+                    store, older_than_days=demote_after_days, progress=advance
+                )
     if as_json:
         print_json({"archive": _summary(report), "demote": _summary(demoted)})
         return
@@ -107,6 +115,8 @@ def prune_cmd(
 
     Never deletes pinned or aliased checkpoints, the newest checkpoint of a run, a base that a
     kept delta needs, anything under a lease, or the last verified copy of a kept checkpoint.
+
+    JSON: the plan and what was done: plan, executed, skipped, failed, freed_bytes.
     """
     from ckptstore.ops.retention import apply_retention
     from ckptstore.retention import RetentionPolicy
@@ -156,14 +166,24 @@ def restore_cmd(
     to: Annotated[
         Path | None, typer.Option(help="Restore into this directory instead of the hot tier.")
     ] = None,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Bring a checkpoint back from the fastest tier that has a verified copy."""
+    """Bring a checkpoint back from the fastest tier that has a verified copy.
+
+    JSON: {"checkpoint": the record (keys as in `ckpt ls --json`), "path": where it is now}.
+    """
     from ckptstore.ops.restore import restore_checkpoint
+    from ckptstore.ops.show import checkpoint_dict
 
     with open_store(ctx) as store:
         ck = store.get(ref)
-        with progress_bar(f"restoring {ck.ref}", ck.stored_bytes) as advance:
+        with progress_bar(f"restoring {ck.ref}", ck.stored_bytes,
+                          enabled=not as_json) as advance:
             path = restore_checkpoint(store, ref, to=to, progress=advance)
+        ck = store.get(ck.id)
+    if as_json:
+        print_json({"checkpoint": checkpoint_dict(ck), "path": str(path)})
+        return
     console.print(f"restored {ck.ref} to {path}")
 
 
@@ -185,6 +205,9 @@ def verify_cmd(
 
     With --signature --pubkey P: refuse (exit 1) unless REF is signed by that key and its
     data still matches the signed manifest digest.
+
+    JSON: checked, ok, damaged (replica -> problems), repaired, unrepaired (replica ->
+    reason), skipped; with --signature: {"ref", "id", "pubkey", "valid": true, "deep": true}.
     """
     from ckptstore.ops.verify import verify_replicas
 
@@ -195,6 +218,11 @@ def verify_cmd(
             raise InvalidNameError("--signature needs a checkpoint reference and --pubkey PATH")
         with open_store(ctx) as store:
             verify_signature(store, ref, pubkey, deep=True)
+            ck = store.get(ref)
+        if as_json:
+            print_json({"ref": ck.ref, "id": ck.id, "pubkey": str(pubkey), "valid": True,
+                        "deep": True})
+            return
         console.print(f"{ref}: signature valid ({pubkey})")
         return
     if ref is None and not all_:
@@ -236,6 +264,7 @@ def convert_cmd(
         str | None,
         typer.Option(help="Instead of exporting, rewrite REF with this codec as a new version."),
     ] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Export a checkpoint to .pt / safetensors / a Hugging Face folder / DCP.
 
@@ -243,6 +272,10 @@ def convert_cmd(
     whole state in memory because torch.save does.
     Without a store, convert every checkpoint file in a folder:
     `ckpt convert --input-dir D --output-dir O --format pytorch`.
+
+    JSON: {"source": REF or the input folder, "format", "outputs": [paths], "bytes": total};
+    with --codec: {"source": REF, "codec", "checkpoint": the new version's record (keys as
+    in `ckpt ls --json`)}.
     """
     from ckptstore.ops import convert
 
@@ -255,22 +288,37 @@ def convert_cmd(
         from ckptstore.convert.directory import convert_directory
 
         outputs = convert_directory(input_dir, output_dir, fmt)
+        if as_json:
+            print_json({"source": str(input_dir), "format": fmt,
+                        "outputs": [str(p) for p in outputs],
+                        "bytes": sum(_size(p) for p in outputs)})
+            return
         for path in outputs:
             console.print(f"wrote {path}")
         return
     if ref is not None and codec is not None:
+        from ckptstore.ops.show import checkpoint_dict
+
         with open_store(ctx) as store:
             new = convert.convert_checkpoint(store, ref, codec=codec)
+        if as_json:
+            print_json({"source": ref, "codec": codec, "checkpoint": checkpoint_dict(new)})
+            return
         console.print(f"{ref} re-encoded with {codec} as {new.ref} ({new.id})")
         return
     if ref is None or out is None:
         raise InvalidNameError("give a checkpoint reference and --out PATH (or --input-dir)")
     with open_store(ctx) as store:
         ck = store.get(ref)
-        with progress_bar(f"converting {ck.ref}", ck.logical_bytes) as advance:
+        with progress_bar(f"converting {ck.ref}", ck.logical_bytes,
+                          enabled=not as_json) as advance:
             path = convert.export_checkpoint(
                 store, ref, fmt, out, keys=keys, progress=advance, overwrite=overwrite
             )
+    if as_json:
+        print_json({"source": ck.ref, "format": fmt, "outputs": [str(path)],
+                    "bytes": _size(path)})
+        return
     console.print(f"wrote {path} ({human_bytes(_size(path))})")
 
 
@@ -294,9 +342,14 @@ def import_cmd(
     ] = None,
     parent: Annotated[str | None, typer.Option(help="Checkpoint it derives from.")] = None,
     codec: Annotated[str | None, typer.Option(help="Codec preset to store it with.")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Import an existing checkpoint (never unpickles: .pt files load with weights_only)."""
+    """Import an existing checkpoint (never unpickles: .pt files load with weights_only).
+
+    JSON: the new checkpoint's record (keys as in `ckpt ls --json`).
+    """
     from ckptstore.ops.convert import import_checkpoint
+    from ckptstore.ops.show import checkpoint_dict
 
     metrics: dict[str, float] = {}
     for item in metric or []:
@@ -307,11 +360,15 @@ def import_cmd(
             sep = ""
         if not sep:
             raise InvalidNameError(f"--metric {item!r}: write NAME=VALUE, e.g. loss=1.25")
-    with open_store(ctx) as store:
+    with open_store(ctx) as store, progress_bar(f"importing {path.name}",
+                                                enabled=not as_json) as advance:
         ck = import_checkpoint(
             store, path, run=run, step=step, fmt=fmt, tags=tuple(tag or ()),
-            metrics=metrics or None, parent=parent, codec=codec,
+            metrics=metrics or None, parent=parent, codec=codec, progress=advance,
         )
+    if as_json:
+        print_json(checkpoint_dict(ck))
+        return
     console.print(f"imported {path} as {ck.ref} ({ck.id})")
 
 
@@ -340,6 +397,9 @@ def serve_cmd(
     """
     import os
 
+    from ckptstore.flows.registry import need_prefect
+
+    need_prefect("ckpt serve")  # before any advice that only matters with Prefect installed
     if pool is not None:
         from ckptstore.flows.deployments import deploy_all
 

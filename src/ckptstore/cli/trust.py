@@ -12,8 +12,8 @@ from typing import Annotated
 
 import typer
 
-from ckptstore.cli.common import open_store
-from ckptstore.cli.output import console, print_json
+from ckptstore.cli.common import open_store, progress_bar
+from ckptstore.cli.output import console, human_bytes, print_json
 
 __all__ = ["register"]
 
@@ -35,11 +35,16 @@ def doctor_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Reconcile the catalog with storage: rows without data, data without rows, damaged
-    copies, dead saves and dead leases. Exits 1 while problems remain."""
+    copies, dead saves and dead leases. Exits 1 while problems remain.
+
+    JSON: ok, fix, checked (what -> count), findings (kind, subject, detail, tier, fixable,
+    fixed, error).
+    """
     from ckptstore.ops.doctor import doctor
 
-    with open_store(ctx) as store:
-        report = doctor(store, fix=fix, deep=deep, tiers=tier, grace_s=grace)
+    with open_store(ctx) as store, progress_bar("checking copies", enabled=not as_json,
+                                                unit="items") as advance:
+        report = doctor(store, fix=fix, deep=deep, tiers=tier, grace_s=grace, progress=advance)
     if as_json:
         print_json(report.to_dict())
     else:
@@ -52,12 +57,20 @@ def sign_cmd(
     ctx: typer.Context,
     ref: Annotated[str, typer.Argument(help="Checkpoint reference.")],
     key: Annotated[Path, typer.Option("--key", "-k", help="PEM Ed25519 private key.")],
+    as_json: JsonOpt = False,
 ) -> None:
-    """Sign a checkpoint (its id and manifest digest) with an Ed25519 key."""
+    """Sign a checkpoint (its id and manifest digest) with an Ed25519 key.
+
+    JSON: {"ref", "id", "signature": path of the SIGNATURE file}.
+    """
     from ckptstore.ops.signing import sign_checkpoint
 
     with open_store(ctx) as store:
         path = sign_checkpoint(store, ref, key)
+        ck = store.get(ref)
+    if as_json:
+        print_json({"ref": ck.ref, "id": ck.id, "signature": str(path)})
+        return
     console.print(f"signed {ref}: {path}", markup=False, highlight=False)
 
 
@@ -66,13 +79,23 @@ def verify_signature_cmd(
     ref: Annotated[str, typer.Argument(help="Checkpoint reference.")],
     pubkey: Annotated[Path, typer.Option("--pubkey", "-p", help="PEM Ed25519 public key.")],
     deep: Annotated[bool, typer.Option("--deep", help="Also re-hash every chunk.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Check that a checkpoint is signed by the given key and untouched since. Exits 1
-    (with the reason) if it is unsigned, signed by another key, or tampered with."""
+    (with the reason) if it is unsigned, signed by another key, or tampered with.
+
+    JSON: {"ref", "id", "pubkey", "valid": true, "deep"}; a failed check is the error
+    object, exit 1.
+    """
     from ckptstore.ops.signing import verify_signature
 
     with open_store(ctx) as store:
         verify_signature(store, ref, pubkey, deep=deep)
+        ck = store.get(ref)
+    if as_json:
+        print_json({"ref": ck.ref, "id": ck.id, "pubkey": str(pubkey), "valid": True,
+                    "deep": deep})
+        return
     console.print(f"{ref}: signature OK", markup=False, highlight=False)
 
 
@@ -80,13 +103,24 @@ def export_cmd(
     ctx: typer.Context,
     ref: Annotated[str, typer.Argument(help="Checkpoint reference.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Bundle file to write (.tar).")],
+    as_json: JsonOpt = False,
 ) -> None:
-    """Write a checkpoint (and its signature, if any) as one bundle file."""
+    """Write a checkpoint (and its signature, if any) as one bundle file.
+
+    JSON: {"ref", "id", "path": the bundle, "bytes": its size}.
+    """
     from ckptstore.ops.bundle import export_bundle
 
     with open_store(ctx) as store:
-        path = export_bundle(store, ref, out)
-    console.print(f"wrote {path}", markup=False, highlight=False)
+        ck = store.get(ref)
+        with progress_bar(f"exporting {ck.ref}", enabled=not as_json) as advance:
+            path = export_bundle(store, ref, out, progress=advance)
+    if as_json:
+        print_json({"ref": ck.ref, "id": ck.id, "path": str(path),
+                    "bytes": path.stat().st_size})
+        return
+    console.print(f"wrote {path} ({human_bytes(path.stat().st_size)})", markup=False,
+                  highlight=False)
 
 
 def import_bundle_cmd(
@@ -99,25 +133,43 @@ def import_bundle_cmd(
         Path | None,
         typer.Option("--require-signature", help="Refuse unless signed by this public key."),
     ] = None,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Import a bundle after checking every file in it (hostile bundles are refused)."""
-    from ckptstore.ops.bundle import import_bundle
+    """Import a bundle after checking every file in it (hostile bundles are refused).
 
-    with open_store(ctx) as store:
-        ck = import_bundle(store, path, run=run, require_signature=require_signature)
+    JSON: the imported checkpoint's record (keys as in `ckpt ls --json`).
+    """
+    from ckptstore.ops.bundle import import_bundle
+    from ckptstore.ops.show import checkpoint_dict
+
+    with open_store(ctx) as store, progress_bar(f"importing {path.name}",
+                                                enabled=not as_json) as advance:
+        ck = import_bundle(store, path, run=run, require_signature=require_signature,
+                           progress=advance)
+    if as_json:
+        print_json(checkpoint_dict(ck))
+        return
     console.print(f"imported {path} as {ck.ref} ({ck.id})", markup=False, highlight=False)
 
 
 def keygen_cmd(
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the key files.")],
     name: Annotated[str, typer.Option(help="File name stem.")] = "ckpt-signing",
+    as_json: JsonOpt = False,
 ) -> None:
     """Create an Ed25519 key pair for `ckpt sign` (NAME.key, mode 0600) and checking
-    (NAME.pub)."""
+    (NAME.pub).
+
+    JSON: {"private_key": path, "public_key": path, "fingerprint": sha256 hex}.
+    """
     from ckptstore.ops.signing import generate_keypair, key_fingerprint, load_public_key
 
     private, public = generate_keypair(out, name)
     fingerprint = key_fingerprint(load_public_key(public))
+    if as_json:
+        print_json({"private_key": str(private), "public_key": str(public),
+                    "fingerprint": fingerprint})
+        return
     console.print(f"private key: {private}\npublic key:  {public}\nfingerprint: {fingerprint}",
                   markup=False, highlight=False)
 

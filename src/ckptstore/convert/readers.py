@@ -21,12 +21,12 @@ import torch
 from ckptstore.convert.dcp_read import is_dcp_dir, read_dcp
 from ckptstore.convert.safetensors import HF_INDEX_NAME
 from ckptstore.errors import (
-    ConfigError,
     IntegrityError,
     InvalidNameError,
     StorageError,
     UnsafeObjectError,
 )
+from ckptstore.extras import require
 from ckptstore.format.flatten import unflatten_state
 from ckptstore.format.tree import validate_tree
 
@@ -151,13 +151,7 @@ def _unpickling_reason(exc: pickle.UnpicklingError) -> str:
 
 
 def _safe_open(path: Path) -> Any:
-    try:
-        from safetensors import safe_open
-    except ImportError as exc:
-        raise ConfigError(
-            "reading safetensors needs the safetensors package: "
-            "pip install 'ckptstore[safetensors]'"
-        ) from exc
+    safe_open = require("safetensors", "reading safetensors files").safe_open
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except OSError as exc:

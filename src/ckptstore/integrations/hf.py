@@ -31,6 +31,7 @@ Metrics recorded with the checkpoint: the newest value of each number in
 ``state.log_history`` up to that step (``loss``, ``learning_rate``, ``eval_loss``, ...).
 """
 
+# ruff: noqa: E402  (the optional imports follow the check that names their extra)
 from __future__ import annotations
 
 import contextlib
@@ -47,6 +48,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from ckptstore.extras import require
+
+# Before the imports below, so that without the 'hf' extra the error names it.
+require("transformers", "the Hugging Face integration")
+
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ckptstore.convert.readers import CONFIG_NAME, load_pt, read_hf
@@ -210,7 +217,8 @@ def materialize_hf_checkpoint(
     if not isinstance(state, dict) or "hf" not in state or "model" not in state:
         raise CkptError(
             f"{ck.ref} was not ingested from a Hugging Face Trainer folder (no 'hf' and "
-            "'model' entries); export plain weights with `ckpt export --format hf` instead"
+            "'model' entries); export plain weights with "
+            "`ckpt convert REF --format hf --out DIR` instead"
         )
     parent = Path(output_dir)
     target = parent / f"{_PREFIX}-{ck.step}"

@@ -38,6 +38,7 @@ anything else that would need pickle is refused with
 ``hyper_parameters/transform``).
 """
 
+# ruff: noqa: E402  (the optional imports follow the check that names their extra)
 from __future__ import annotations
 
 import contextlib
@@ -56,6 +57,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from ckptstore.extras import require
+
+# Before the imports below, so that without the 'lightning' extra the error names it.
+require("lightning", "the Lightning integration")
+
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -363,7 +370,7 @@ class CkptStoreIO(CheckpointIO):
         raise CheckpointNotFoundError(
             f"{text!r} is not a checkpoint of this store: not a pointer file, not a path "
             f"this plugin saved, and not a reference such as '{self.run}@latest'; "
-            "list checkpoints with `ckpt list`"
+            "list checkpoints with `ckpt ls`"
         )
 
     def load_checkpoint(

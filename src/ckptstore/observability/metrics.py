@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptstore.errors import ConfigError, InvalidNameError
+from ckptstore.extras import missing_extra
 from ckptstore.observability.jsonlog import FIELDS_ATTR, configure_logging
 from ckptstore.observability.memory import fragmentation_sources
 from ckptstore.observability.serving import (
@@ -139,10 +140,7 @@ class Metrics:
             from ckptstore.observability.prom import PromInstruments
         except ImportError as exc:
             if required:
-                raise ConfigError(
-                    "Prometheus metrics need prometheus_client: "
-                    "pip install 'ckptstore[metrics]'"
-                ) from exc
+                raise missing_extra("prometheus_client", "Prometheus metrics") from exc
             logger.debug("prometheus_client not installed; Prometheus export disabled")
             return None
         return PromInstruments(

@@ -14,7 +14,7 @@ import queue
 import threading
 from typing import Any
 
-from ckptstore.errors import ConfigError
+from ckptstore.extras import require
 
 __all__ = ["TensorBoardSink"]
 
@@ -44,15 +44,12 @@ class TensorBoardSink:
             log_dir: Directory for the event files (created if missing).
 
         Raises:
-            ConfigError: If ``torch.utils.tensorboard`` cannot be imported.
+            MissingExtraError: If the 'tensorboard' extra is not installed.
         """
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
-            raise ConfigError(
-                "TensorBoard logging needs the tensorboard package: "
-                "pip install 'ckptstore[tensorboard]' (or pip install tensorboard)"
-            ) from exc
+        # torch.utils.tensorboard imports the tensorboard package, which the extra brings.
+        require("tensorboard", "TensorBoard logging")
+        from torch.utils.tensorboard import SummaryWriter
+
         self.log_dir = os.fspath(log_dir)
         self._writer: Any = SummaryWriter(log_dir=self.log_dir)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=_MAX_QUEUED)

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from ckptstore.core import StoreCore
-from ckptstore.errors import CkptError, ConfigError
+from ckptstore.errors import CkptError, ConfigError, MissingExtraError
 from ckptstore.format.constants import chunk_rel
 from ckptstore.ops.leases import acquire_lease, lease_owner
 from ckptstore.ops.reencode import (
@@ -40,6 +39,7 @@ from ckptstore.ops.replicas import (
     run_resolver,
     tier_of,
 )
+from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import COMMIT_NAME, Tier, copy_checkpoint, is_retryable
 from ckptstore.storage.transfer import copy_foreign_chunks
@@ -47,8 +47,6 @@ from ckptstore.storage.transfer import copy_foreign_chunks
 __all__ = ["ArchiveReport", "archive_checkpoints", "demote_checkpoints"]
 
 logger = logging.getLogger(__name__)
-
-Progress = Callable[[int], None]
 
 #: Default lease length; the lease is renewed while a copy makes progress.
 LEASE_TTL_S = 3600.0
@@ -169,6 +167,8 @@ def _discard_partial(store: StoreCore, dst: Tier, ck: Checkpoint) -> None:
         }
         dst.delete_keys(k for k in dst.list_prefix(prefix) if k not in keep)
         dst.abort_multipart_uploads(prefix)
+    except MissingExtraError:
+        pass  # the tier's package is not installed: nothing can have been written
     except CkptError as exc:
         logger.warning("could not remove the partial %s copy of %s (%s); a rerun reuses or "
                        "replaces it", dst.name, ck.ref, exc)
@@ -262,6 +262,22 @@ def _run(
     errors: list[BaseException] = []
     visited: set[str] = set()
     verb = "demoted" if remove_source else "archived"
+    # The total a progress bar shows: what was written so far plus the stored bytes of the
+    # checkpoints still to go, announced up front and again after each checkpoint (a
+    # re-encoded copy writes fewer bytes than it reads; a dedup'd one may copy a base's).
+    written = 0
+
+    def counted(nbytes: int) -> None:
+        nonlocal written
+        written += nbytes
+        if progress is not None:
+            progress(nbytes)
+
+    def announce(position: int) -> None:
+        remaining = sum(ck.stored_bytes or 0 for ck in todo[position:] if ck.id not in visited)
+        announce_total(progress, written + remaining)
+
+    announce(0)
 
     def process(ckpt_id: str, depth: int) -> None:
         if ckpt_id in visited:
@@ -290,7 +306,7 @@ def _run(
                             and _present(base, src.name) and not _present(base, dst.name)):
                         process(base_id, depth + 1)
                 nbytes = _copy_one(store, ck, src, dst, lease=lease, threads=threads,
-                                   progress=progress, deep=deep, reencode=reencode,
+                                   progress=counted, deep=deep, reencode=reencode,
                                    report=report)
                 report.archived.append(ck.id)
                 report.bytes += nbytes
@@ -312,9 +328,13 @@ def _run(
         finally:
             lease.release()
 
-    for listed in todo:
+    for position, listed in enumerate(todo):
+        if position:
+            announce(position)
         try:
             process(listed.id, 0)
+        except MissingExtraError:
+            raise  # the same for every checkpoint: say it once, which extra to install
         except CkptError as exc:
             errors.append(exc)
             logger.warning("%s -> %s failed for %s (%s): %s", src.name, dst.name, listed.ref,
@@ -323,6 +343,7 @@ def _run(
                 # The tier is down or throttling: every further checkpoint would fail the
                 # same way, slowly. Stop; the next run resumes.
                 break
+    announce(len(todo))  # what was really written: the bar ends full
     if remove_source and not errors:
         # Source copies kept because a younger delta still read them: the deltas may have
         # moved since, so try again, newest first (a chain releases from its tip).
@@ -398,7 +419,9 @@ def archive_checkpoints(
             self-contained with that codec, verified, and recorded with its own manifest
             digest (see :mod:`ckptstore.ops.reencode`). None copies as is.
         owner: Lease owner (default: unique per call).
-        progress: Called with the byte count of each file written.
+        progress: Called with the byte count of each file written; one with ``set_total``
+            (:mod:`ckptstore.progress`) is told the bytes to copy (re-estimated after each
+            checkpoint).
         threads: Parallel transfers per checkpoint.
         deep: Compare blake3 instead of crc32c when reading back.
         lease_ttl_s: Lease length; renewed while copying.

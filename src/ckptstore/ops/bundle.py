@@ -52,6 +52,7 @@ from ckptstore.names import validate_name
 from ckptstore.ops.delta import lossy_record
 from ckptstore.ops.reencode import check_original
 from ckptstore.ops.signing import SIGNATURE_NAME, SignatureDoc, check_signature, load_public_key
+from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
 from ckptstore.storage.transfer import (
     ORIGINAL_MANIFEST_NAME,
@@ -89,7 +90,8 @@ def _tar_add(tar: tarfile.TarFile, name: str, data: IO[bytes], size: int, mtime:
     tar.addfile(info, data)
 
 
-def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str]) -> Path:
+def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *,
+                  progress: Progress | None = None) -> Path:
     """Write one committed checkpoint as a bundle (an uncompressed tar).
 
     An archived checkpoint is restored to the hot tier first. Only full checkpoints can be
@@ -99,6 +101,8 @@ def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str]) -
         store: The open store.
         ref: Checkpoint reference.
         out_tar: Output path; written atomically (a temp name, then a rename).
+        progress: Called with the size of each file added; one with ``set_total``
+            (:mod:`ckptstore.progress`) is first told the bytes of all of them.
 
     Returns:
         The bundle's path.
@@ -151,6 +155,7 @@ def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str]) -
     out = Path(out_tar)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     mtime = int(ck.created_at.timestamp())
+    announce_total(progress, sum(sizes.values()))
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
@@ -159,6 +164,8 @@ def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str]) -
             for rel in files:
                 with open(directory / rel, "rb") as fh:
                     _tar_add(tar, _PREFIX + rel, fh, sizes[rel], mtime)
+                if progress is not None:
+                    progress(sizes[rel])
         rename_into_place(tmp, out)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
@@ -381,6 +388,7 @@ def import_bundle(
     run: str | None = None,
     require_signature: str | os.PathLike[str] | None = None,
     max_members: int = _DEFAULT_MAX_MEMBERS,
+    progress: Progress | None = None,
 ) -> Checkpoint:
     """Register the checkpoint held in a bundle, after checking everything in it.
 
@@ -394,6 +402,9 @@ def import_bundle(
         require_signature: A PEM public key: refuse the bundle unless its signature verifies
             with that key.
         max_members: Refuse bundles with more members than this.
+        progress: Called with the size of each file written to the hot tier; one with
+            ``set_total`` (:mod:`ckptstore.progress`) is first told the bytes of all of them
+            (once the bundle's header and manifest checked out).
 
     Returns:
         The COMMITTED checkpoint.
@@ -411,7 +422,7 @@ def import_bundle(
         raise StorageError(2, f"bundle {path} does not exist or is not a file")
     try:
         with tarfile.open(path, "r:*") as tar:
-            return _import(store, tar, path, run, public_key, max_members)
+            return _import(store, tar, path, run, public_key, max_members, progress)
     except tarfile.TarError as exc:
         raise IntegrityError(f"{path} is not a valid tar bundle ({exc})") from exc
     except EOFError as exc:
@@ -419,7 +430,7 @@ def import_bundle(
 
 
 def _import(store: StoreCore, tar: tarfile.TarFile, path: Path, run: str | None,
-            public_key: Any, max_members: int) -> Checkpoint:
+            public_key: Any, max_members: int, progress: Progress | None) -> Checkpoint:
     members = _scan(tar, max_members)
     if BUNDLE_HEADER not in members:
         raise IntegrityError(f"{path} has no {BUNDLE_HEADER}: it is not a ckptstore bundle")
@@ -481,14 +492,17 @@ def _import(store: StoreCore, tar: tarfile.TarFile, path: Path, run: str | None,
         tags=tuple(header["tags"]), codec=original.codec, kind="full",
     )
     directory = store.checkpoint_dir(target_run, ck.id)
+    announce_total(progress, sum(members[_PREFIX + rel].size for rel in present))
     try:
-        _extract(tar, members, present, directory, store.hot)
+        _extract(tar, members, present, directory, store.hot, progress)
         # Re-hash what landed on disk (blake3 of every decoded chunk, sizes, crc32c).
         problems = [p for p in verify_checkpoint(directory, manifest, deep=True)
                     if not p.startswith(f"{COMMIT_NAME}:")]
         if problems:
             raise IntegrityError(f"bundle {path.name} is damaged: " + "; ".join(problems[:3]))
         _write_member(tar, members[_PREFIX + COMMIT_NAME], directory / COMMIT_NAME)
+        if progress is not None:
+            progress(members[_PREFIX + COMMIT_NAME].size)
         fsync_tree(directory)
         read_manifest(directory, expected_digest=digest)
         if original is not manifest:
@@ -535,7 +549,7 @@ def _existing(store: StoreCore, ckpt_id: str, digest: str) -> Checkpoint | None:
 
 
 def _extract(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], present: set[str],
-             directory: Path, root: Path) -> None:
+             directory: Path, root: Path, progress: Progress | None) -> None:
     directory.mkdir(parents=True, exist_ok=False)
     resolved_root = root.resolve()
     if directory.is_symlink() or resolved_root not in directory.resolve().parents:
@@ -545,6 +559,8 @@ def _extract(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], present:
         if resolved_root not in target.parent.resolve().parents:
             raise InvalidNameError(f"bundle member {rel!r} would land outside {directory}")
         _write_member(tar, members[_PREFIX + rel], target)
+        if progress is not None:
+            progress(members[_PREFIX + rel].size)
 
 
 def _abandon(store: StoreCore, ckpt_id: str, directory: Path, exc: BaseException) -> None:

@@ -15,6 +15,7 @@ from ckptstore.errors import CheckpointNotFoundError, CkptError
 from ckptstore.ops.load import load_checkpoint
 from ckptstore.ops.replicas import manifest_of
 from ckptstore.ops.save import save_checkpoint
+from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState
 
 __all__ = ["compact_checkpoint"]
@@ -22,7 +23,8 @@ __all__ = ["compact_checkpoint"]
 logger = logging.getLogger(__name__)
 
 
-def compact_checkpoint(store: StoreCore, ref: str) -> Checkpoint:
+def compact_checkpoint(store: StoreCore, ref: str, *, progress: Progress | None = None
+                       ) -> Checkpoint:
     """Rewrite a checkpoint as a full, self-contained one: a new version, same run and step.
 
     The new version keeps the source's metrics, tags and parent, and gets a
@@ -35,6 +37,9 @@ def compact_checkpoint(store: StoreCore, ref: str) -> Checkpoint:
     Args:
         store: The open store.
         ref: The checkpoint to compact.
+        progress: Called with the tensor bytes of each chunk written; one with
+            ``set_total`` (:mod:`ckptstore.progress`) is first told the checkpoint's logical
+            bytes. Nothing is reported when there is nothing to write.
 
     Returns:
         The compacted (or already self-contained) checkpoint.
@@ -54,6 +59,7 @@ def compact_checkpoint(store: StoreCore, ref: str) -> Checkpoint:
         logger.info("%s was already compacted as %s", src.ref, done.ref)
         return done
     # Loading first means a missing base fails here, before anything is written.
+    announce_total(progress, src.logical_bytes)
     state = load_checkpoint(store, src.id)
     new = save_checkpoint(
         store,
@@ -66,6 +72,7 @@ def compact_checkpoint(store: StoreCore, ref: str) -> Checkpoint:
         codec=src.codec,
         delta=False,
         base=None,
+        progress=progress,
     )
     del state
     store.catalog.add_edge(src.id, new.id, "converted-from")

@@ -50,13 +50,14 @@ from ckptstore.convert.safetensors import TensorSpec, hf_name_map
 from ckptstore.convert.writers import staged_output, write_hf, write_pt, write_safetensors
 from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, InvalidNameError
-from ckptstore.format import Manifest, iter_tensors, unflatten_state
+from ckptstore.format import Manifest, flatten_state, iter_tensors, unflatten_state
 from ckptstore.format.dcp.layout import is_dcp_manifest
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.tree import iter_tensor_refs, select_tree
 from ckptstore.ops.load import load_checkpoint
 from ckptstore.ops.replicas import manifest_of
 from ckptstore.ops.save import save_checkpoint
+from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint
 
 __all__ = [
@@ -313,6 +314,7 @@ def import_checkpoint(
     tags: Sequence[str] = (),
     parent: str | None = None,
     codec: str | None = None,
+    progress: Progress | None = None,
 ) -> Checkpoint:
     """Save a plain PyTorch checkpoint as a new version of ``run`` at ``step``.
 
@@ -331,6 +333,8 @@ def import_checkpoint(
         tags: Tags to record.
         parent: Reference of the checkpoint this one derives from.
         codec: Codec preset (default from the settings).
+        progress: Called with the tensor bytes of each chunk saved; one with ``set_total``
+            (:mod:`ckptstore.progress`) is first told the tensor bytes of the input.
 
     Returns:
         The committed checkpoint.
@@ -352,8 +356,10 @@ def import_checkpoint(
             )
     # hf weights go under "model", so that exporting as hf again gives the same names.
     state = {"model": source.state} if source.fmt == "hf" else source.state
+    if progress is not None:
+        announce_total(progress, _tensor_bytes(state))
     ck = save_checkpoint(store, run, step, state, metrics=metrics, tags=tags, parent=parent,
-                         codec=codec)
+                         codec=codec, progress=progress)
     store.catalog.record_event(
         "imported",
         checkpoint_id=ck.id,
@@ -361,6 +367,11 @@ def import_checkpoint(
     )
     logger.info("imported %s (%s) as %s", source_path, source.fmt, ck.ref)
     return ck
+
+
+def _tensor_bytes(state: Any) -> int:
+    """Bytes of the tensors in ``state`` (each once; what a save reports as progress)."""
+    return sum(t.nelement() * t.element_size() for t in flatten_state(state).tensors.values())
 
 
 def convert_checkpoint(store: StoreCore, ref: str, *, codec: str) -> Checkpoint:

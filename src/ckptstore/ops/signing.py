@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ckptstore.core import StoreCore
 from ckptstore.durable import replace_file, write_new_file
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, IntegrityError, StorageError
+from ckptstore.extras import require
 from ckptstore.format.constants import SIGNATURE_NAME
 from ckptstore.records import Checkpoint, ReplicaState, expected_digest
 
@@ -158,12 +159,20 @@ def _read_key_file(path: Path, what: str) -> bytes:
         ) from exc
 
 
+def _need_cryptography() -> None:
+    """Raise the error naming the 'sign' extra when cryptography is not installed."""
+    require("cryptography.hazmat.primitives.asymmetric.ed25519",
+            "signing (ckpt sign, verify-signature, keygen)")
+
+
 def load_private_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
     """Load an unencrypted PEM (PKCS#8) Ed25519 private key.
 
     Raises:
         ConfigError: If the file is missing, unreadable or not an Ed25519 private key.
+        MissingExtraError: If the 'sign' extra (cryptography) is not installed.
     """
+    _need_cryptography()
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -191,7 +200,9 @@ def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
 
     Raises:
         ConfigError: If the file is missing, unreadable or not an Ed25519 public key.
+        MissingExtraError: If the 'sign' extra (cryptography) is not installed.
     """
+    _need_cryptography()
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -231,7 +242,9 @@ def generate_keypair(out_dir: str | os.PathLike[str], name: str = "ckpt-signing"
     Raises:
         StorageError: If either file exists (keys are never overwritten) or the files
             cannot be written.
+        MissingExtraError: If the 'sign' extra (cryptography) is not installed.
     """
+    _need_cryptography()
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 

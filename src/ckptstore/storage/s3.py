@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -22,6 +23,7 @@ from typing import Any, ClassVar, TypeVar
 
 from ckptstore.durable import TEMP_PREFIX
 from ckptstore.errors import ConfigError, ConflictError, InvalidNameError, StorageError
+from ckptstore.extras import require
 from ckptstore.storage.base import (
     COMMIT_NAME,
     MANIFEST_NAME,
@@ -53,18 +55,14 @@ _ALWAYS_STANDARD = frozenset({COMMIT_NAME, MANIFEST_NAME})
 def _backend_errors() -> tuple[type[BaseException], ...]:
     """The exception types a backend call may raise besides our own errors."""
     types: list[type[BaseException]] = [OSError]
-    try:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        types += [BotoCoreError, ClientError]
-    except ImportError:  # pragma: no cover - s3fs always brings botocore
-        pass
-    try:
-        import aiohttp
-
+    # s3fs's own dependencies, looked up rather than imported: an error of theirs can only
+    # have been raised once s3fs loaded them, and ckptstore does not depend on them itself.
+    botocore = sys.modules.get("botocore.exceptions")
+    if botocore is not None:
+        types += [botocore.BotoCoreError, botocore.ClientError]
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None:
         types.append(aiohttp.ClientError)
-    except ImportError:  # pragma: no cover
-        pass
     return tuple(types)
 
 
@@ -164,12 +162,7 @@ class S3Tier(Tier):
         """The s3fs file system (created on first use, never shared with other tiers)."""
         with self._lock:
             if self._fs is None:
-                try:
-                    import s3fs
-                except ImportError as exc:
-                    raise ConfigError(
-                        f"tier {self.name} ({self.url}) needs s3fs: pip install 'ckptstore[s3]'"
-                    ) from exc
+                s3fs = require("s3fs", f"tier {self.name} ({self.url})")
                 # skip_instance_cache: s3fs would otherwise hand every caller with the same
                 # options one shared instance, listings cache and event loop included.
                 self._fs = s3fs.S3FileSystem(skip_instance_cache=True, **self._options)

@@ -1,4 +1,4 @@
-"""The catalog browser (``ckpt ui``) and the static HTML report (``ckpt report --html``).
+"""The catalog browser (``ckpt ui``) and the static HTML report (``ckpt report --html FILE``).
 
 Read-only, server-rendered HTML (Jinja2 templates shipped in this package) with inline SVG
 plots and lineage graphs: no JavaScript and no external resources. The live app needs

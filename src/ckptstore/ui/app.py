@@ -7,6 +7,7 @@ can never run code in the viewer's browser. :func:`serve` binds to loopback only
 has no authentication.
 """
 
+# ruff: noqa: E402  (the optional imports follow the check that names their extra)
 from __future__ import annotations
 
 import ipaddress
@@ -17,6 +18,12 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
+
+from ckptstore.extras import require
+
+# Before the imports below, so that without the 'ui' extra the error names it.
+require("fastapi", "the catalog browser (ckpt ui)")
+require("uvicorn", "the catalog browser (ckpt ui)")
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response

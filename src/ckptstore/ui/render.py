@@ -6,6 +6,7 @@ report needs nothing else. Autoescaping is on: run names, tags and metric names 
 users and must never become markup.
 """
 
+# ruff: noqa: E402  (the optional imports follow the check that names their extra)
 from __future__ import annotations
 
 import functools
@@ -13,6 +14,11 @@ import json
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from ckptstore.extras import require
+
+# Before the imports below, so that without the 'ui' extra the error names it.
+require("jinja2", "HTML pages (ckpt ui, ckpt report)")
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 from markupsafe import Markup

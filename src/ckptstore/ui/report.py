@@ -1,4 +1,4 @@
-"""``ckpt report --html``: every browser view in one self-contained static HTML file.
+"""``ckpt report --html FILE``: every browser view in one self-contained static HTML file.
 
 Links become in-page anchors; the CSS and all plots are inline, so the file can be mailed,
 attached to an issue or archived next to a paper without a server. Checkpoint sections are

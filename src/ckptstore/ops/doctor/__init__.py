@@ -43,6 +43,7 @@ from ckptstore.ops.doctor.replicas import check_replicas
 from ckptstore.ops.doctor.report import FINDING_KINDS, DoctorReport, Finding
 from ckptstore.ops.doctor.rows import check_copying, check_deleting, check_leases, check_pending
 from ckptstore.ops.doctor.run import DoctorRun
+from ckptstore.progress import Progress
 
 __all__ = ["FINDING_KINDS", "DoctorReport", "Finding", "doctor"]
 
@@ -56,6 +57,7 @@ def doctor(
     deep: bool = False,
     tiers: Iterable[str] | None = None,
     grace_s: float = 60.0,
+    progress: Progress | None = None,
 ) -> DoctorReport:
     """Reconcile the catalog with storage; with ``fix``, apply the safe repairs.
 
@@ -67,6 +69,8 @@ def doctor(
         tiers: Only these tiers (default: every configured tier).
         grace_s: Unfinished files and directories younger than this are left alone (a
             writer may still be working on them).
+        progress: Called with 1 after each copy checked; one with ``set_total``
+            (:mod:`ckptstore.progress`) is first told how many copies there are to check.
 
     Returns:
         The :class:`DoctorReport`; ``report.ok`` is True when nothing is wrong any more.
@@ -80,7 +84,7 @@ def doctor(
     check_pending(job, everything)
     check_copying(job, everything)
     check_deleting(job, everything)
-    check_replicas(job, everything)
+    check_replicas(job, everything, progress)
     # Repairs above changed rows: look again before judging what owns which files.
     everything = store.catalog.list(state=None) if fix else everything
     by_id = {ck.id: ck for ck in everything}

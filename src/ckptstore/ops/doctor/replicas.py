@@ -21,6 +21,7 @@ from ckptstore.format import Manifest, read_manifest, verify_checkpoint
 from ckptstore.format.zarrcheck import check_zarr_metadata, rewrite_zarr_metadata
 from ckptstore.ops.doctor.run import DoctorRun, is_temp, older_than
 from ckptstore.ops.replicas import manifest_on
+from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import Tier, is_not_found
 from ckptstore.storage.transfer import owned_files
@@ -30,23 +31,30 @@ __all__ = ["check_replicas"]
 logger = logging.getLogger(__name__)
 
 
-def check_replicas(job: DoctorRun, everything: list[Checkpoint]) -> None:
+def check_replicas(
+    job: DoctorRun, everything: list[Checkpoint], progress: Progress | None = None
+) -> None:
     """Check every PRESENT copy of every committed checkpoint on the run's tiers.
 
     Args:
         job: The run.
         everything: Every catalog row.
+        progress: Called with 1 after each copy checked; first told how many there are.
     """
-    for ck in everything:
-        if ck.state != CheckpointState.COMMITTED:
-            continue
-        job.count("checkpoints")
-        for replica in ck.replicas:
-            tier = job.tiers.get(replica.tier)
-            if tier is None or replica.state != ReplicaState.PRESENT:
-                continue
-            job.count("replicas")
-            _check_replica(job, ck, tier)
+    todo = [(ck, tier) for ck in everything if ck.state == CheckpointState.COMMITTED
+            for replica in ck.replicas
+            if replica.state == ReplicaState.PRESENT
+            and (tier := job.tiers.get(replica.tier)) is not None]
+    # Checking copies is the slow part (a deep check re-hashes each one): one unit each.
+    announce_total(progress, len(todo))
+    committed = sum(ck.state == CheckpointState.COMMITTED for ck in everything)
+    if committed:
+        job.count("checkpoints", committed)
+    for ck, tier in todo:
+        job.count("replicas")
+        _check_replica(job, ck, tier)
+        if progress is not None:
+            progress(1)
 
 
 def _check_replica(job: DoctorRun, ck: Checkpoint, tier: Tier) -> None:
