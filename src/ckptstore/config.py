@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from typing import Any
 
 from ckptstore.deltaspec import parse_delta
 from ckptstore.errors import ConfigError, InvalidNameError
+from ckptstore.numeric import MAX_INT64, decimal_or_none, float_or_none
 
 __all__ = ["Settings", "load_settings"]
 
@@ -218,19 +220,17 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         if name == "root":
             return Path(value).expanduser()
         if name in _INT_FIELDS:
-            number = int(value)
-            if number < 0 or (
-                name in ("chunk_bytes", "threads", "keyframe_every") and number == 0
-            ):
+            number = _as_int(value)
+            if name in ("chunk_bytes", "threads", "keyframe_every") and number == 0:
                 raise ValueError("must be positive")
             return number
         if name in _FLOAT_FIELDS:
-            return float(value)
+            return _as_float(value)
         if name == "keep_best":
             metric, mode, count = value
             if mode not in ("min", "max"):
                 raise ValueError("mode must be 'min' or 'max'")
-            return (str(metric), str(mode), int(count))
+            return (str(metric), str(mode), _as_int(count))
         if name in ("storage_options", "schedules"):
             if not isinstance(value, dict):
                 raise ValueError("must be a table")
@@ -242,8 +242,29 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
                 raise ValueError(f"must be one of {', '.join(_CODECS)}")
             return str(value)
         return str(value)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ConfigError(f"{origin}: invalid value for {name}: {value!r} ({exc})") from exc
+
+
+def _as_int(value: Any) -> int:
+    """A non-negative int from TOML (an int) or the environment (ASCII digits only)."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError("must be a non-negative integer")
+    number = decimal_or_none(value.strip()) if isinstance(value, str) else value
+    if number is None or not 0 <= number <= MAX_INT64:
+        raise ValueError(f"must be a non-negative integer written with the digits 0-9, "
+                         f"at most {MAX_INT64}")
+    return number
+
+
+def _as_float(value: Any) -> float:
+    """A finite, non-negative number from TOML or the environment (ASCII notation only)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError("must be a number")
+    number = float_or_none(value.strip()) if isinstance(value, str) else float(value)
+    if number is None or not math.isfinite(number) or number < 0:
+        raise ValueError("must be a finite number >= 0 written with the digits 0-9")
+    return number
 
 
 def _delta_value(value: Any) -> bool | str | dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import Literal
 
 from ckptstore.errors import InvalidNameError
 from ckptstore.names import validate_metric_name, validate_name
+from ckptstore.numeric import is_decimal, parse_decimal
 
 __all__ = ["Ref", "parse_ref"]
 
@@ -87,10 +88,12 @@ def parse_ref(text: object) -> Ref:
     validate_name(run)
     if sel == "latest":
         return Ref(kind="latest", text=text, run=run)
-    if sel.isdigit():
-        return Ref(kind="step", text=text, run=run, step=int(sel))
-    if sel[:1] == "v" and sel[1:].isdigit():
-        return Ref(kind="version", text=text, run=run, version=int(sel[1:]))
+    # ASCII digits only: str.isdigit() and int() also take a full-width or Arabic-Indic 3 for 3.
+    if is_decimal(sel):
+        return Ref(kind="step", text=text, run=run, step=parse_decimal(sel, "step"))
+    if sel[:1] == "v" and is_decimal(sel[1:]):
+        return Ref(kind="version", text=text, run=run,
+                   version=parse_decimal(sel[1:], "version"))
     if sel.startswith("best:"):
         parts = sel.split(":")
         if len(parts) == 2 or (len(parts) == 3 and parts[2] in ("min", "max")):

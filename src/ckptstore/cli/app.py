@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from ckptstore.cli import delta_commands, observe_commands, ops_commands, reliability_commands
-from ckptstore.cli.common import State, open_store, parse_where
+from ckptstore.cli.common import State, ascii_float, ascii_int, open_store, parse_where
 from ckptstore.cli.output import (
     LS_COLUMNS,
     LS_WIDE_COLUMNS,
@@ -79,8 +79,12 @@ def ls_cmd(
     run: Annotated[str | None, typer.Option("--run", "-r", help="Only this run.")] = None,
     experiment: Annotated[str | None, typer.Option(help="Only runs of this experiment.")] = None,
     tag: Annotated[str | None, typer.Option(help="Only checkpoints with this tag.")] = None,
-    min_step: Annotated[int | None, typer.Option(help="Smallest step.")] = None,
-    max_step: Annotated[int | None, typer.Option(help="Largest step.")] = None,
+    min_step: Annotated[
+        int | None, typer.Option(parser=ascii_int, help="Smallest step.")
+    ] = None,
+    max_step: Annotated[
+        int | None, typer.Option(parser=ascii_int, help="Largest step.")
+    ] = None,
     where: Annotated[
         list[str] | None,
         typer.Option(help="Metric filter such as 'loss<2.0' (repeatable; < <= > >= == !=)."),
@@ -90,7 +94,9 @@ def ls_cmd(
         str, typer.Option(help="step, version, created_at, stored_bytes, run, metric:<name>; "
                                "prefix '-' for descending.")
     ] = "run",
-    limit: Annotated[int | None, typer.Option(help="At most this many rows.")] = None,
+    limit: Annotated[
+        int | None, typer.Option(parser=ascii_int, help="At most this many rows.")
+    ] = None,
     wide: Annotated[bool, typer.Option("--wide", "-w", help="Also show time and id.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -307,7 +313,9 @@ def events_cmd(
     ref: Annotated[
         str | None, typer.Argument(help="Checkpoint reference (all if omitted).")
     ] = None,
-    limit: Annotated[int, typer.Option(help="At most this many events.")] = 50,
+    limit: Annotated[
+        int, typer.Option(parser=ascii_int, help="At most this many events.")
+    ] = 50,
     as_json: JsonOpt = False,
 ) -> None:
     """The audit log: saved, archived, pruned, restored, converted, verified."""
@@ -338,7 +346,8 @@ def gc_cmd(
     ctx: typer.Context,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report.")] = False,
     older_than: Annotated[
-        float, typer.Option(help="Hours after which a pending save of another host is dead.")
+        float, typer.Option(parser=ascii_float,
+                            help="Hours after which a pending save of another host is dead.")
     ] = 24.0,
     as_json: JsonOpt = False,
 ) -> None:

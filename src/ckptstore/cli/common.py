@@ -21,9 +21,18 @@ from rich.progress import (
 
 from ckptstore.config import Settings, load_settings
 from ckptstore.errors import InvalidNameError
+from ckptstore.numeric import MAX_INT64, decimal_or_none, float_or_none, parse_float
 from ckptstore.store import CheckpointStore
 
-__all__ = ["State", "open_store", "parse_where", "progress_bar", "spinner"]
+__all__ = [
+    "State",
+    "ascii_float",
+    "ascii_int",
+    "open_store",
+    "parse_where",
+    "progress_bar",
+    "spinner",
+]
 
 
 @dataclass
@@ -50,8 +59,34 @@ def open_store(ctx: typer.Context) -> Iterator[CheckpointStore]:
 
 
 _WHERE = re.compile(
-    r"^\s*([A-Za-z_][A-Za-z0-9_./-]*)\s*(<=|>=|==|!=|<|>)\s*([-+0-9.eE]+|nan|inf)\s*$"
+    r"^\s*([A-Za-z_][A-Za-z0-9_./-]*)\s*(<=|>=|==|!=|<|>)\s*([-+0-9.eE]+|nan|inf)\s*\Z",
+    re.ASCII,
 )
+
+
+def ascii_int(text: str | int) -> int:
+    """Parser of integer options: ASCII digits only (click's INT reads a full-width 3 as 3).
+
+    Raises:
+        ValueError: Reported by click as a usage error (exit 2).
+    """
+    if isinstance(text, int):  # the option's default, passed through as it is
+        return text
+    value = decimal_or_none(text.strip(), MAX_INT64)
+    if value is None:
+        raise ValueError(f"{text!r} is not a non-negative integer written with the digits "
+                         f"0-9 (at most {MAX_INT64})")
+    return value
+
+
+def ascii_float(text: str | float) -> float:
+    """Parser of number options: ASCII notation only (click's FLOAT reads a full-width 3)."""
+    if isinstance(text, int | float):  # the option's default
+        return float(text)
+    value = float_or_none(text.strip())
+    if value is None:
+        raise ValueError(f"{text!r} is not a number written with the digits 0-9 (e.g. 2.5)")
+    return value
 
 
 def parse_where(text: str) -> tuple[str, tuple[str, float]]:
@@ -66,7 +101,8 @@ def parse_where(text: str) -> tuple[str, tuple[str, float]]:
             f"cannot parse --where {text!r}: write <metric><op><number> with op one of "
             "< <= > >= == !=, e.g. --where 'loss<2.0'"
         )
-    return match.group(1), (match.group(2), float(match.group(3)))
+    return match.group(1), (match.group(2), parse_float(match.group(3), f"--where {text!r}",
+                                                        finite=False))
 
 
 @contextmanager

@@ -54,6 +54,7 @@ from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_
 from ckptstore.format.manifest import manifest_digest
 from ckptstore.format.verify import extra_files
 from ckptstore.names import validate_name
+from ckptstore.numeric import float_or_none, is_decimal
 from ckptstore.ops.delta import lossy_record
 from ckptstore.ops.reencode import check_original
 from ckptstore.ops.signing import SIGNATURE_NAME, SignatureDoc, check_signature, load_public_key
@@ -254,6 +255,19 @@ class _BundleTarInfo(tarfile.TarInfo):
             return super()._proc_member(tar)  # type: ignore[misc, no-any-return]
         finally:
             tar.header_chain -= 1
+
+    def _apply_pax_info(self, pax_headers: dict[str, str], encoding: str,
+                        errors: str) -> None:
+        # tarfile converts these with int()/float(), which read non-ASCII digits, and turns
+        # a value it cannot read into 0: a member's size must be plain ASCII digits.
+        for key, value in pax_headers.items():
+            if key in ("size", "uid", "gid") and not is_decimal(value):
+                raise IntegrityError(f"the bundle's PAX header sets {key} to {value[:40]!r}, "
+                                     "not a decimal number; refusing the bundle")
+            if key in ("mtime", "atime", "ctime") and float_or_none(value) is None:
+                raise IntegrityError(f"the bundle's PAX header sets {key} to {value[:40]!r}, "
+                                     "not a number; refusing the bundle")
+        super()._apply_pax_info(pax_headers, encoding, errors)  # type: ignore[misc]
 
     # PAX-encoded GNU sparse maps: version 1.0 is read from the member's data, number by
     # number, without bound. Bundles never hold sparse files, so none is even parsed.

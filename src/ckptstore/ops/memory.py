@@ -57,6 +57,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import Manifest, read_checkpoint, read_manifest, write_checkpoint
 from ckptstore.identity import host, pid_alive
+from ckptstore.numeric import decimal_or_none
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
 
 __all__ = [
@@ -445,8 +446,8 @@ class MemoryTier(StoreService):
                 continue
             for ck_dir in list(run_dir.iterdir()):
                 if ck_dir.name.startswith(_STAGING_PREFIX):
-                    pid = ck_dir.name.rsplit("-", 1)[-1]
-                    if pid.isdigit() and not pid_alive(int(pid)):
+                    pid = decimal_or_none(ck_dir.name.rsplit("-", 1)[-1])
+                    if pid is not None and pid > 0 and not pid_alive(pid):
                         shutil.rmtree(ck_dir, ignore_errors=True)
                         removed.append(ck_dir)
                     continue
