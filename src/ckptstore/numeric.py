@@ -96,7 +96,8 @@ def parse_decimal(
     if value is not None:
         return value
     if is_decimal(text):
-        raise error(f"{what} {_shown(text)} is out of range: at most {max_value}")
+        raise error(f"{what} {_shown(text)} is out of range: at most {max_value} can be "
+                    "stored")
     raise error(f"{what} must be a non-negative integer written with the digits 0-9, "
                 f"got {_shown(text)}")
 

@@ -414,10 +414,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)
     except CkptError as exc:
-        err_console.print(f"error: {exc}", markup=False, highlight=False)
+        # soft_wrap: one line however long (rich wraps at 80 columns when not on a terminal).
+        err_console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 1
     except OSError as exc:  # anything our own layers did not wrap
-        err_console.print(f"error: {exc}", markup=False, highlight=False)
+        err_console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 1
     return 0
 

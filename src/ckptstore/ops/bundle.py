@@ -40,6 +40,7 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
+from ckptstore.catalog.checks import check_metrics, check_step, check_tags
 from ckptstore.core import StoreCore
 from ckptstore.errors import (
     CheckpointNotFoundError,
@@ -360,6 +361,15 @@ def _parse_header(data: bytes, members: int) -> dict[str, Any]:
             raise IntegrityError(f"{BUNDLE_HEADER}: field {key!r} is missing or malformed")
     if "copy_digest" in header and not isinstance(header["copy_digest"], str):
         raise IntegrityError(f"{BUNDLE_HEADER}: field 'copy_digest' is malformed")
+    # What the catalog will record, checked against its columns here, at the boundary: a
+    # 400-digit metric would otherwise end in an OverflowError (float() of it).
+    try:
+        header["metrics"] = check_metrics(header["metrics"])
+        header["tags"] = list(check_tags(header["tags"]))
+        if "step" in header:
+            check_step(header["step"])
+    except InvalidNameError as exc:
+        raise IntegrityError(f"{BUNDLE_HEADER}: {exc}; refusing the bundle") from None
     return header
 
 
