@@ -248,6 +248,9 @@ def read_all(fd: int, limit: int) -> bytes:
 
 def _remove_tree(path: Path, root: Path) -> None:
     """Delete a checkpoint directory: marker first, never following links out of ``root``."""
+    if path.is_symlink() and root in path.parent.resolve().parents:
+        path.unlink()  # the link itself, never what it points to
+        return
     if path.is_symlink() or root not in path.resolve().parents:
         raise StorageError(f"refusing to delete {path}: it is a link or lies outside {root}")
     (path / COMMIT_NAME).unlink(missing_ok=True)
@@ -537,6 +540,8 @@ class _Doctor:
             return found
 
         problems = verify_checkpoint(local, manifest, locate=locate, deep=self.deep)
+        if local.is_symlink():  # reads would silently come from the link's target
+            problems.insert(0, "the checkpoint directory is a symlink")
         if problems:
             missing = all("missing" in p for p in problems)
             self._find("missing-replica" if missing else "damaged-replica", ck.id,
