@@ -3,7 +3,8 @@
 What it looks for (each is a :class:`Finding` of one ``kind``):
 
 * ``missing-replica``: the catalog says a copy is PRESENT, but its directory, marker,
-  manifest or files are not there (a row without data).
+  manifest or files are not there (a row without data); a copy with no file left at all is
+  reported as lost.
 * ``damaged-replica``: a PRESENT copy whose bytes differ from the manifest (size or hash).
 * ``zarr-metadata``: a local copy whose ``zarr.json`` documents do not describe the arrays
   the manifest records (a planted codec, a changed dtype or shape), or that holds Zarr v2
@@ -509,8 +510,8 @@ class _Doctor:
                         if local is not None else manifest_on(tier, ck, use_cache=False))
         except (CheckpointNotFoundError, IncompleteCheckpointError) as exc:
             self._find("missing-replica", ck.id,
-                       f"the catalog says {ck.ref} is PRESENT, but {exc}; {hint}",
-                       tier=tier.name, repair=self._mark_damaged(ck, tier.name))
+                       f"the catalog says {ck.ref} is PRESENT, but {self._lost(ck, tier, exc)}"
+                       f"; {hint}", tier=tier.name, repair=self._mark_damaged(ck, tier.name))
             return
         except IntegrityError as exc:
             self._find("damaged-replica", ck.id, f"{ck.ref}: {exc}; {hint}",
@@ -522,13 +523,25 @@ class _Doctor:
                 self._find("missing-replica", ck.id, f"{ck.ref}: cannot check the copy: {exc}",
                            tier=tier.name)
                 return
-            self._find("missing-replica", ck.id, f"{ck.ref}: {exc}; {hint}", tier=tier.name,
+            self._find("missing-replica", ck.id,
+                       f"{ck.ref}: {self._lost(ck, tier, exc)}; {hint}", tier=tier.name,
                        repair=self._mark_damaged(ck, tier.name))
             return
         if local is not None:
             self._check_local_copy(ck, tier, local, manifest, hint)
         else:
             self._check_remote_copy(ck, tier, manifest, hint)
+
+    def _lost(self, ck: Checkpoint, tier: Tier, exc: Exception) -> str:
+        """``exc`` as text, said plainly when the copy has no file left at all."""
+        try:
+            gone = not tier.list_prefix(tier.prefix_for(ck.run, ck.id))
+        except CkptError:
+            gone = False
+        if gone:
+            return (f"the copy is lost: no file of it is left on {tier.name} ({exc}); "
+                    "`ckpt prune` deletes such a copy like any other")
+        return str(exc)
 
     def _check_local_copy(self, ck: Checkpoint, tier: Tier, local: Path, manifest: Manifest,
                           hint: str) -> None:
