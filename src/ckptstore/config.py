@@ -30,6 +30,26 @@ The seed-style keys ``save_dir`` (hot), ``archive_dir`` (warm), ``keep_last`` an
 ``save_interval`` are accepted at the top level too, and a seed ``[compression_config]``
 table (``type = "diff"``, ``threshold``, ``quantize``) is read as ``delta``. Credentials
 are never read from here: S3 uses the environment / AWS credential chain.
+
+Where a store lives: one config file means one store, from whatever directory it is used.
+
+* Relative paths in a config file (``root``, ``hot``/``save_dir``, local ``warm``/``cold``
+  tiers, ``memory_tier_dir``, a ``sqlite:///`` catalog URL) are relative to the directory of
+  the config file, not to the current directory. Relative paths from ``CKPT_*`` variables and
+  arguments are relative to the current directory.
+* Without ``root``, the store root sits with the hot tier: ``<hot>/.ckptstore/`` (so the
+  embedded catalog is ``<hot>/.ckptstore/catalog.db``). A hidden directory inside the hot tier
+  cannot collide with a run (run names never start with a dot), and two hot tiers never share
+  a catalog. With neither ``root`` nor ``hot``, the root is ``ckpt/`` next to the config file
+  (``./ckpt`` of the current directory when there is no config file at all).
+* The hot tier records which store it belongs to in ``<hot>/.ckptstore.json``, the catalog
+  records the same store id; a store refuses a catalog that belongs to another store's hot
+  tier (:meth:`ckptstore.core.StoreCore.open`).
+
+Before this rule a config with ``save_dir`` but no ``root`` kept its catalog in ``./ckpt`` of
+whatever directory a command ran in; such a store is found again by setting ``root`` to that
+directory (or moving its ``catalog.db`` to ``<hot>/.ckptstore/``). Opening the new location
+with an empty catalog is refused while the hot tier holds checkpoints, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -47,11 +67,16 @@ from ckptstore.deltaspec import parse_delta
 from ckptstore.errors import ConfigError, InvalidNameError
 from ckptstore.numeric import MAX_INT64, decimal_or_none, float_or_none
 
-__all__ = ["Settings", "load_settings"]
+__all__ = ["STORE_DIR_NAME", "Settings", "load_settings"]
 
 logger = logging.getLogger(__name__)
 
 _CODECS = ("none", "lz4", "zstd-1", "zstd-3")
+
+#: Name of the store root inside the hot tier when no ``root`` is configured.
+STORE_DIR_NAME = ".ckptstore"
+# Settings that hold local paths (or URLs that may be local paths).
+_PATH_FIELDS = ("hot", "warm", "cold", "memory_tier_dir")
 
 
 @dataclass(frozen=True)
@@ -60,6 +85,8 @@ class Settings:
 
     Attributes:
         root: Store directory; the embedded catalog and the default hot tier live here.
+            Default: ``<hot>/.ckptstore`` when a hot tier is configured, else ``ckpt`` next
+            to the config file, else ``./ckpt`` (see the module docstring).
         catalog_url: SQLAlchemy URL of the catalog; default ``sqlite:///<root>/catalog.db``.
         hot: Hot tier location (local path or ``file://`` URL); default ``<root>/hot``.
         warm: Warm tier URL (``s3://bucket/prefix`` or a local path), optional.
@@ -304,10 +331,9 @@ def load_settings(config: str | os.PathLike[str] | None = None, **overrides: Any
             raise ConfigError(f"config file {source} does not exist") from exc
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config file {source}: {exc}") from exc
+        base = source.parent.resolve()
         for key, value in _flatten_file(data, source).items():
-            values[key] = _coerce(key, value, str(source))
-        if "root" in values and not values["root"].is_absolute():
-            values["root"] = (source.parent / values["root"]).resolve()
+            values[key] = _relative_to(base, key, _coerce(key, value, str(source)))
     for env, name in _ENV.items():
         if env in os.environ:
             if name.startswith("storage_options."):
@@ -322,7 +348,36 @@ def load_settings(config: str | os.PathLike[str] | None = None, **overrides: Any
         if key not in _FIELDS:
             raise ConfigError(f"unknown setting {key!r}")
         values[key] = _coerce(key, value, "argument")
+    if "root" not in values:
+        if values.get("hot"):
+            # One config, one store: the root (and the embedded catalog) go with the hot tier.
+            values["root"] = _local_path(values["hot"], "hot") / STORE_DIR_NAME
+        elif source is not None:
+            values["root"] = source.parent.resolve() / "ckpt"
     if source is not None:
         values["source"] = source
     logger.debug("settings resolved from %s", source or "defaults/environment")
     return Settings(**values)
+
+
+def _relative_to(base: Path, name: str, value: Any) -> Any:
+    """A config file's relative path made absolute against the file's directory ``base``."""
+    if value is None:
+        return value
+    if name == "root":
+        path = Path(value).expanduser()
+        return path if path.is_absolute() else (base / path).resolve()
+    if name in _PATH_FIELDS:
+        text = str(value)
+        prefix = "file://" if text.startswith("file://") else ""
+        rest = text[len(prefix):]
+        if "://" in rest or not rest:
+            return value  # s3:// and other remote URLs
+        path = Path(rest).expanduser()
+        return value if path.is_absolute() else prefix + str((base / path).resolve())
+    if name == "catalog_url" and isinstance(value, str) and value.startswith("sqlite:///"):
+        rest = value[len("sqlite:///"):]
+        path_text, sep, query = rest.partition("?")
+        if path_text and not path_text.startswith("/") and path_text != ":memory:":
+            return f"sqlite:///{(base / path_text).resolve()}{sep}{query}"
+    return value
