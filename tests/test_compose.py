@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from ckptstore.config import _ENV, load_settings
+from ckptstore.config import CONFIG_ENV, ENV_ENTRY_VARS, ENV_VARS, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,7 @@ def test_compose_services_and_keys() -> None:
         assert "healthcheck" in services[name], name
     env = services["prefect-worker"]["environment"]
     ckpt_keys = {k for k in env if k.startswith("CKPT_")}
-    unknown = ckpt_keys - set(_ENV) - {"CKPT_CONFIG"}
+    unknown = ckpt_keys - set(ENV_VARS.values()) - set(ENV_ENTRY_VARS) - {CONFIG_ENV}
     assert not unknown, f"compose uses config keys the code does not read: {unknown}"
     assert "AWS_SECRET_ACCESS_KEY" in env  # credentials come from the environment only
 

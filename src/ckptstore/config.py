@@ -1,5 +1,11 @@
 """Configuration: explicit argument > environment (``CKPT_*``) > config file > default.
 
+The config file is the one given explicitly (``--config``, ``open(config=...)``), else the
+one ``$CKPT_CONFIG`` names, else ``./ckptstore.toml`` when it exists (:func:`discover_config`).
+Every setting has a ``CKPT_*`` variable (:data:`ENV_VARS`); ``ckptstore.example.toml``
+documents every key, and ``ckpt config`` prints the resolved settings and where each came from
+(:func:`resolve_settings`).
+
 The config file is TOML. Keys may sit at the top level or under a ``[ckptstore]`` table::
 
     root = "./ckpt"                       # store directory (catalog.db and hot/ live here)
@@ -55,19 +61,32 @@ with an empty catalog is refused while the hot tier holds checkpoints, so nothin
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ckptstore.deltaspec import parse_delta
 from ckptstore.errors import ConfigError, InvalidNameError
 from ckptstore.numeric import MAX_INT64, decimal_or_none, float_or_none
 
-__all__ = ["STORE_DIR_NAME", "Settings", "load_settings"]
+__all__ = [
+    "CONFIG_ENV",
+    "DEFAULT_CONFIG_NAME",
+    "ENV_ENTRY_VARS",
+    "ENV_VARS",
+    "STORE_DIR_NAME",
+    "Origin",
+    "ResolvedSettings",
+    "Settings",
+    "discover_config",
+    "load_settings",
+    "resolve_settings",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -177,25 +196,44 @@ def _local_path(url: str, what: str) -> Path:
     return Path(url).expanduser().resolve()
 
 
-_ENV: dict[str, str] = {
-    "CKPT_ROOT": "root",
-    "CKPT_CATALOG_URL": "catalog_url",
-    "CKPT_HOT": "hot",
-    "CKPT_WARM": "warm",
-    "CKPT_COLD": "cold",
-    "CKPT_CODEC": "codec",
-    "CKPT_ARCHIVE_CODEC": "archive_codec",
-    "CKPT_CHUNK_BYTES": "chunk_bytes",
-    "CKPT_THREADS": "threads",
-    "CKPT_KEEP_LAST": "keep_last",
-    "CKPT_SAVE_INTERVAL": "save_interval",
-    "CKPT_STAGING_BUDGET_BYTES": "staging_budget_bytes",
-    "CKPT_MEMORY_TIER_BYTES": "memory_tier_bytes",
-    "CKPT_MEMORY_TIER_DIR": "memory_tier_dir",
-    "CKPT_DELTA": "delta",
-    "CKPT_KEYFRAME_EVERY": "keyframe_every",
-    "CKPT_DELTA_CACHE_BYTES": "delta_cache_bytes",
-    "CKPT_S3_ENDPOINT_URL": "storage_options.endpoint_url",
+#: Environment variable naming the config file (see :func:`discover_config`).
+CONFIG_ENV = "CKPT_CONFIG"
+#: Config file used when neither ``--config`` nor ``$CKPT_CONFIG`` names one.
+DEFAULT_CONFIG_NAME = "ckptstore.toml"
+
+#: The environment variable of every setting. Table settings take a JSON object
+#: (``CKPT_STORAGE_OPTIONS='{"endpoint_url": "http://minio:9000"}'``), ``CKPT_KEEP_BEST``
+#: takes ``METRIC:min|max:N`` and ``CKPT_DELTA`` a mode name, ``true``/``false`` or a JSON
+#: object. ``source`` is not a setting: ``$CKPT_CONFIG`` chooses the file.
+ENV_VARS: dict[str, str] = {
+    "root": "CKPT_ROOT",
+    "catalog_url": "CKPT_CATALOG_URL",
+    "hot": "CKPT_HOT",
+    "warm": "CKPT_WARM",
+    "cold": "CKPT_COLD",
+    "cold_storage_class": "CKPT_COLD_STORAGE_CLASS",
+    "storage_options": "CKPT_STORAGE_OPTIONS",
+    "codec": "CKPT_CODEC",
+    "archive_codec": "CKPT_ARCHIVE_CODEC",
+    "chunk_bytes": "CKPT_CHUNK_BYTES",
+    "threads": "CKPT_THREADS",
+    "keep_last": "CKPT_KEEP_LAST",
+    "keep_every": "CKPT_KEEP_EVERY",
+    "keep_best": "CKPT_KEEP_BEST",
+    "max_age_days": "CKPT_MAX_AGE_DAYS",
+    "save_interval": "CKPT_SAVE_INTERVAL",
+    "cold_after_days": "CKPT_COLD_AFTER_DAYS",
+    "schedules": "CKPT_SCHEDULES",
+    "staging_budget_bytes": "CKPT_STAGING_BUDGET_BYTES",
+    "memory_tier_bytes": "CKPT_MEMORY_TIER_BYTES",
+    "memory_tier_dir": "CKPT_MEMORY_TIER_DIR",
+    "delta": "CKPT_DELTA",
+    "keyframe_every": "CKPT_KEYFRAME_EVERY",
+    "delta_cache_bytes": "CKPT_DELTA_CACHE_BYTES",
+}
+#: Variables that set one entry of a table setting (applied after the table's own variable).
+ENV_ENTRY_VARS: dict[str, tuple[str, str]] = {
+    "CKPT_S3_ENDPOINT_URL": ("storage_options", "endpoint_url"),
 }
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
@@ -307,11 +345,65 @@ def _delta_value(value: Any) -> bool | str | dict[str, Any]:
     return dict(value) if isinstance(value, dict) else value
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Where a resolved setting came from.
+
+    Attributes:
+        kind: ``"argument"`` (an explicit value: ``open()`` keyword, ``--store``),
+            ``"env"``, ``"file"`` or ``"default"``.
+        detail: The variable, the config file, or how a default was derived.
+    """
+
+    kind: Literal["argument", "env", "file", "default"]
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class ResolvedSettings:
+    """Settings together with where each of them came from (``ckpt config`` prints this).
+
+    Attributes:
+        settings: The resolved settings.
+        origins: Field name -> :class:`Origin`, for every field but ``source``.
+        config: The config file read, if any.
+        config_found_by: How the file was chosen: ``"argument"``, ``"$CKPT_CONFIG"``,
+            ``"./ckptstore.toml"``, or ``""`` when no file was read.
+    """
+
+    settings: Settings
+    origins: dict[str, Origin]
+    config: Path | None
+    config_found_by: str
+
+
+def discover_config(config: str | os.PathLike[str] | None = None) -> tuple[Path | None, str]:
+    """The config file to read: ``config``, else ``$CKPT_CONFIG``, else ``./ckptstore.toml``.
+
+    Args:
+        config: An explicit path (``--config``, ``open(config=...)``).
+
+    Returns:
+        ``(path or None, how it was found)``; see :attr:`ResolvedSettings.config_found_by`.
+    """
+    # Absolute, so the flows a store starts find the same file from any directory.
+    if config is not None and os.fspath(config) != "":
+        return Path(config).expanduser().absolute(), "argument"
+    from_env = os.environ.get(CONFIG_ENV)
+    if from_env:
+        return Path(from_env).expanduser().absolute(), f"${CONFIG_ENV}"
+    local = Path(DEFAULT_CONFIG_NAME)
+    if local.is_file():
+        return local.resolve(), f"./{DEFAULT_CONFIG_NAME}"
+    return None, ""
+
+
 def load_settings(config: str | os.PathLike[str] | None = None, **overrides: Any) -> Settings:
     """Resolve settings from explicit overrides, ``CKPT_*`` variables and a TOML file.
 
     Args:
-        config: Path of a TOML config file; default ``$CKPT_CONFIG`` if set.
+        config: Path of a TOML config file; default ``$CKPT_CONFIG``, else
+            ``./ckptstore.toml`` when it exists (:func:`discover_config`).
         **overrides: Explicit values (highest precedence); ``None`` values are ignored.
 
     Returns:
@@ -320,44 +412,101 @@ def load_settings(config: str | os.PathLike[str] | None = None, **overrides: Any
     Raises:
         ConfigError: If the file is missing or malformed, or a value is invalid.
     """
+    return resolve_settings(config, **overrides).settings
+
+
+def resolve_settings(
+    config: str | os.PathLike[str] | None = None, **overrides: Any
+) -> ResolvedSettings:
+    """Like :func:`load_settings`, and also say where every setting came from.
+
+    Precedence: explicit argument > environment (``CKPT_*``, :data:`ENV_VARS`) > config file >
+    default. Table settings merge their entries across the sources in the same order.
+
+    Raises:
+        ConfigError: If the file is missing or malformed, or a value is invalid.
+    """
     values: dict[str, Any] = {}
-    path_text = config if config is not None else os.environ.get("CKPT_CONFIG")
-    source: Path | None = None
-    if path_text:
-        source = Path(path_text).expanduser()
+    origins: dict[str, Origin] = {}
+    source, found_by = discover_config(config)
+    if source is not None:
         try:
             data = tomllib.loads(source.read_text(encoding="utf-8"))
         except FileNotFoundError as exc:
-            raise ConfigError(f"config file {source} does not exist") from exc
+            how = "" if found_by == "argument" else f" (named by {found_by})"
+            raise ConfigError(f"config file {source}{how} does not exist") from exc
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config file {source}: {exc}") from exc
         base = source.parent.resolve()
         for key, value in _flatten_file(data, source).items():
             values[key] = _relative_to(base, key, _coerce(key, value, str(source)))
-    for env, name in _ENV.items():
+            origins[key] = Origin("file", str(source))
+    for name, env in ENV_VARS.items():
         if env in os.environ:
-            if name.startswith("storage_options."):
-                opts = dict(values.get("storage_options", {}))
-                opts[name.split(".", 1)[1]] = os.environ[env]
-                values["storage_options"] = opts
-            else:
-                values[name] = _coerce(name, os.environ[env], f"${env}")
+            value = _coerce(name, _from_env(name, env, os.environ[env]), f"${env}")
+            if name in _TABLE_FIELDS and name in values:
+                value = {**values[name], **value}
+            values[name] = value
+            origins[name] = Origin("env", f"${env}")
+    for env, (name, entry) in ENV_ENTRY_VARS.items():
+        if env in os.environ:
+            values[name] = {**values.get(name, {}), entry: os.environ[env]}
+            origins[name] = Origin("env", f"${env}")
     for key, value in overrides.items():
         if value is None:
             continue
-        if key not in _FIELDS:
+        if key not in _FIELDS or key == "source":
             raise ConfigError(f"unknown setting {key!r}")
         values[key] = _coerce(key, value, "argument")
-    if "root" not in values:
+        origins[key] = Origin("argument")
+    if "root" in values:
+        # Absolute, so the flows a store starts reopen the same store from any directory.
+        values["root"] = Path(values["root"]).expanduser().resolve()
+    else:
         if values.get("hot"):
             # One config, one store: the root (and the embedded catalog) go with the hot tier.
             values["root"] = _local_path(values["hot"], "hot") / STORE_DIR_NAME
+            origins["root"] = Origin("default", f"{STORE_DIR_NAME} inside the hot tier")
         elif source is not None:
             values["root"] = source.parent.resolve() / "ckpt"
+            origins["root"] = Origin("default", "ckpt/ next to the config file")
     if source is not None:
         values["source"] = source
+    # In the order of the Settings fields, for reports.
+    origins = {name: origins.get(name, Origin("default")) for name in _FIELDS if name != "source"}
     logger.debug("settings resolved from %s", source or "defaults/environment")
-    return Settings(**values)
+    return ResolvedSettings(Settings(**values), origins, source, found_by)
+
+
+_TABLE_FIELDS = ("storage_options", "schedules")
+
+
+def _from_env(name: str, env: str, text: str) -> Any:
+    """The raw value of a setting written as an environment variable's text."""
+    stripped = text.strip()
+    if name in _TABLE_FIELDS or (name == "delta" and stripped.startswith("{")):
+        try:
+            value = json.loads(stripped)
+        except ValueError as exc:
+            raise ConfigError(f"${env}: must be a JSON object, e.g. {_ENV_EXAMPLES[name]} "
+                              f"({exc})") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"${env}: must be a JSON object, e.g. {_ENV_EXAMPLES[name]}")
+        return value
+    if name == "keep_best":
+        parts = stripped.split(":")
+        if len(parts) != 3:
+            raise ConfigError(f"${env}: write METRIC:min|max:N, e.g. val_loss:min:3; "
+                              f"got {text!r}")
+        return parts
+    return text
+
+
+_ENV_EXAMPLES = {
+    "storage_options": '{"endpoint_url": "http://127.0.0.1:9000"}',
+    "schedules": '{"archive": "*/10 * * * *"}',
+    "delta": '{"threshold": 1e-4, "quantize": 8}',
+}
 
 
 def _relative_to(base: Path, name: str, value: Any) -> Any:
