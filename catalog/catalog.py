@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ckptstore.catalog.events import EventsMixin
+from ckptstore.catalog.identity import StoreIdentityMixin
 from ckptstore.catalog.labels import LabelsMixin
 from ckptstore.catalog.leases import LeasesMixin
 from ckptstore.catalog.lineage import LineageMixin
@@ -21,6 +22,7 @@ class Catalog(
     ReplicasMixin,
     LeasesMixin,
     EventsMixin,
+    StoreIdentityMixin,
 ):
     """The checkpoint catalog on SQLite (embedded) or PostgreSQL (shared).
 
@@ -42,7 +44,9 @@ class Catalog(
         * replicas: :meth:`replicas`, :meth:`set_replica`;
         * leases: :meth:`acquire_lease`, :meth:`release_lease`, :meth:`lease_holder`,
           :meth:`leases`;
-        * audit log: :meth:`record_event`, :meth:`events`.
+        * audit log: :meth:`record_event`, :meth:`events`;
+        * store identity: :meth:`store_identity`, :meth:`claim_store_identity`,
+          :meth:`set_store_hot_tier`, :meth:`is_empty`.
 
     Args:
         url: ``sqlite:///path/catalog.db`` (the parent directory is created) or

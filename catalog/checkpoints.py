@@ -16,7 +16,6 @@ processes flipping the same row cannot both succeed.
 from __future__ import annotations
 
 import logging
-import math
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
@@ -26,6 +25,8 @@ from sqlalchemy.orm import Session
 
 from ckptstore.catalog.checks import (
     check_checkpoint_id,
+    check_count,
+    check_finite,
     check_metrics,
     check_step,
     check_tags,
@@ -62,9 +63,8 @@ KINDS = ("full", "delta")
 
 
 def _check_bytes(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidNameError(f"{what} must be a non-negative int, got {value!r}")
-    return value
+    # BigInteger columns (models.py): larger values fail only in the driver.
+    return check_count(value, what)
 
 
 def _check_short_text(value: object, what: str, max_len: int) -> str:
@@ -140,13 +140,7 @@ class CheckpointsMixin(RunsMixin):
         parent = check_checkpoint_id(parent_id) if parent_id is not None else None
         base = check_checkpoint_id(base_id) if base_id is not None else None
         codec = _check_short_text(codec, "codec", 64)
-        if error_bound is not None and (
-            isinstance(error_bound, bool)
-            or not isinstance(error_bound, int | float)
-            or not math.isfinite(error_bound)
-            or error_bound < 0
-        ):
-            raise InvalidNameError(f"error_bound must be a finite number >= 0, got {error_bound!r}")
+        bound = None if error_bound is None else check_finite(error_bound, "error_bound")
         tier = check_tier(tier)
         writer = _check_short_text(writer or default_writer(), "writer", 300)
         now = utcnow()
@@ -172,7 +166,7 @@ class CheckpointsMixin(RunsMixin):
                     tags=sorted(tag_list),
                     codec=codec,
                     lossy=bool(lossy),
-                    error_bound=None if error_bound is None else float(error_bound),
+                    error_bound=bound,
                     writer=writer,
                     created_at=now,
                 )
@@ -263,10 +257,7 @@ class CheckpointsMixin(RunsMixin):
         if lossy is not None:
             extra["lossy"] = bool(lossy)
         if error_bound is not None:
-            bound = float(error_bound)
-            if not math.isfinite(bound) or bound < 0:
-                raise InvalidNameError(f"error_bound must be a finite number >= 0, got {bound}")
-            extra["error_bound"] = bound
+            extra["error_bound"] = check_finite(error_bound, "error_bound")
         if lossy_scope is not None:
             extra["lossy_scope"] = [
                 _check_short_text(p, "lossy_scope pattern", 300) for p in lossy_scope

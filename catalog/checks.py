@@ -3,6 +3,12 @@
 Names go through :mod:`ckptstore.names`; this module adds the catalog's own value rules
 (metrics are finite numbers, steps are non-negative ints, states and lineage kinds come from
 fixed sets). Every failure is an :class:`~ckptstore.errors.InvalidNameError` (a ``ValueError``).
+
+Integers are also checked against the range of the column they are bound to (models.py):
+``BigInteger`` columns (steps, byte counts) hold signed 64-bit values, ``Integer`` ones
+(versions) signed 32-bit values. Without the check a too large value fails only in the driver,
+as an ``OverflowError`` (SQLite) or ``sqlalchemy.exc.DataError`` (PostgreSQL), and differently
+on each backend.
 """
 
 from __future__ import annotations
@@ -15,14 +21,18 @@ from typing import Any
 
 from ckptstore.errors import InvalidNameError
 from ckptstore.names import validate_metric_name, validate_name, validate_tag
+from ckptstore.numeric import MAX_INT64
 from ckptstore.records import CheckpointState, ReplicaState
+from ckptstore.refs import MAX_STEP, MAX_VERSION
 
 __all__ = [
     "EDGE_KINDS",
     "check_checkpoint_id",
     "check_checkpoint_state",
+    "check_count",
     "check_json",
     "check_edge_kind",
+    "check_finite",
     "check_metric_value",
     "check_metrics",
     "check_positive",
@@ -30,6 +40,7 @@ __all__ = [
     "check_step",
     "check_tags",
     "check_tier",
+    "check_version",
 ]
 
 #: Kinds of :meth:`Catalog.add_edge` derivation edges.
@@ -47,6 +58,10 @@ def check_metric_value(name: str, value: object) -> float:
         raise InvalidNameError(f"metric {name!r} must be a number, got {type(value).__name__}")
     try:
         number = float(value)  # type: ignore[arg-type]  # numpy and torch scalars too
+    except OverflowError as e:  # an int beyond the float range, e.g. 10**400
+        raise InvalidNameError(
+            f"metric {name!r} is too large for a float column (about 1.8e308 at most)"
+        ) from e
     except (TypeError, ValueError) as e:
         raise InvalidNameError(
             f"metric {name!r} must be a number, got {type(value).__name__}"
@@ -75,20 +90,65 @@ def check_tags(tags: Iterable[str] | str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(validate_tag(t) for t in tags))
 
 
+def check_count(value: object, what: str, lo: int = 0, hi: int = MAX_INT64) -> int:
+    """An int in ``[lo, hi]`` (bools refused); ``hi`` is the range of the column it is bound to.
+
+    Raises:
+        InvalidNameError: If it is not an int or lies outside the range.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidNameError(f"{what} must be an int, got {_short(value)}")
+    if not lo <= value <= hi:
+        raise InvalidNameError(f"{what} must be between {lo} and {hi}, got {_short(value)}")
+    return value
+
+
 def check_step(step: object) -> int:
-    """A step: a non-negative int (bools refused)."""
+    """A step: a non-negative int that fits ``checkpoints.step`` (BIGINT; bools refused)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidNameError(f"step must be a non-negative int, got {step!r}")
+        raise InvalidNameError(f"step must be a non-negative int, got {_short(step)}")
+    if step > MAX_STEP:
+        raise InvalidNameError(f"step {_short(step)} is out of range: at most {MAX_STEP}")
     return step
+
+
+def check_version(version: object) -> int:
+    """A version: a positive int that fits ``checkpoints.version`` (INTEGER)."""
+    return check_count(version, "version", 1, MAX_VERSION)
 
 
 def check_positive(value: object, what: str) -> float:
     """A finite number greater than zero (TTLs, ages)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise InvalidNameError(f"{what} must be a positive number, got {value!r}")
-    if not math.isfinite(value):
-        raise InvalidNameError(f"{what} must be finite, got {value!r}")
-    return float(value)
+        raise InvalidNameError(f"{what} must be a positive number, got {_short(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the float range
+        number = math.inf
+    if not math.isfinite(number):
+        raise InvalidNameError(f"{what} must be finite, got {_short(value)}")
+    return number
+
+
+def check_finite(value: object, what: str) -> float:
+    """A finite number >= 0 (error bounds)."""
+    if isinstance(value, bool) or value is None:
+        raise InvalidNameError(f"{what} must be a number, got {_short(value)}")
+    try:
+        number = float(value)  # type: ignore[arg-type]  # numpy and torch scalars too
+    except (TypeError, ValueError, OverflowError) as e:
+        raise InvalidNameError(f"{what} must be a finite number >= 0, got {_short(value)}") from e
+    if not math.isfinite(number) or number < 0:
+        raise InvalidNameError(f"{what} must be a finite number >= 0, got {number}")
+    return number
+
+
+def _short(value: object) -> str:
+    # A 400-digit int makes an unreadable message; show its size instead.
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**100:
+        return f"an int of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check_checkpoint_id(value: object) -> str:

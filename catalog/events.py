@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ckptstore.catalog.checks import check_checkpoint_id, check_json
+from ckptstore.catalog.checks import check_checkpoint_id, check_count, check_json
 from ckptstore.catalog.core import CatalogCore, default_actor
 from ckptstore.catalog.models import EventRow, RunRow
 from ckptstore.catalog.resolve import resolve, resolve_any
@@ -88,8 +88,7 @@ class EventsMixin(CatalogCore):
         Returns:
             The events.
         """
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise InvalidNameError(f"limit must be a positive int, got {limit!r}")
+        limit = check_count(limit, "limit", 1)
         stmt = (
             select(
                 EventRow.kind,

@@ -55,6 +55,7 @@ __all__ = [
     "LineageEdgeRow",
     "ReplicaRow",
     "RunRow",
+    "StoreMetaRow",
     "UTCDateTime",
     "utcnow",
 ]
@@ -335,3 +336,13 @@ class LeaseRow(Base):
     purpose: Mapped[str] = mapped_column(String(64), primary_key=True)
     owner: Mapped[str] = mapped_column(String(300))
     expires_at: Mapped[datetime] = mapped_column()
+
+
+class StoreMetaRow(Base):
+    """One fact about the store this catalog belongs to (``store_id``, ``hot_tier``)."""
+
+    __tablename__ = "store_meta"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())

@@ -18,6 +18,7 @@ from sqlalchemy.orm import aliased
 
 from ckptstore.catalog.checks import (
     check_checkpoint_state,
+    check_count,
     check_metric_value,
     check_tags,
     check_tier,
@@ -36,7 +37,7 @@ from ckptstore.catalog.resolve import resolve
 from ckptstore.errors import InvalidNameError
 from ckptstore.names import validate_metric_name, validate_name
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, UsageRow
-from ckptstore.refs import Ref
+from ckptstore.refs import MAX_STEP, Ref
 
 __all__ = ["METRIC_OPS", "ORDER_FIELDS", "QueriesMixin"]
 
@@ -262,9 +263,7 @@ class QueriesMixin(CatalogCore):
             )
         stmt = _order_clause(stmt, order_by, first_tag)
         if limit is not None:
-            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-                raise InvalidNameError(f"limit must be a positive int, got {limit!r}")
-            stmt = stmt.limit(limit)
+            stmt = stmt.limit(check_count(limit, "limit", 1))
         with self._read() as s:
             return load_checkpoints(s, stmt)
 
@@ -299,5 +298,5 @@ class QueriesMixin(CatalogCore):
                 continue
             if isinstance(bound, bool) or not isinstance(bound, int):
                 raise InvalidNameError(f"step_range bounds must be ints or None, got {bound!r}")
-            clauses.append(cmp(C.step, bound))
+            clauses.append(cmp(C.step, check_count(bound, "step_range bound", 0, MAX_STEP)))
         return clauses

@@ -12,6 +12,7 @@ from ckptstore.catalog.core import CatalogCore
 from ckptstore.catalog.models import CheckpointRow, ReplicaRow, utcnow
 from ckptstore.catalog.resolve import resolve_any
 from ckptstore.errors import CheckpointNotFoundError, InvalidNameError
+from ckptstore.numeric import MAX_INT64
 from ckptstore.records import Replica, ReplicaState
 
 __all__ = ["ReplicasMixin"]
@@ -76,9 +77,11 @@ class ReplicasMixin(CatalogCore):
         tier = check_tier(tier)
         new_state = check_replica_state(state)
         if bytes is not None and (
-            isinstance(bytes, bool) or not isinstance(bytes, int) or bytes < 0
+            isinstance(bytes, bool) or not isinstance(bytes, int) or not 0 <= bytes <= MAX_INT64
         ):
-            raise InvalidNameError(f"replica bytes must be a non-negative int, got {bytes!r}")
+            raise InvalidNameError(
+                f"replica bytes must be an int between 0 and {MAX_INT64}, got {bytes!r}"[:200]
+            )
         if uri is not None and not isinstance(uri, str):
             raise InvalidNameError(f"replica uri must be a string, got {type(uri).__name__}")
         digest = (

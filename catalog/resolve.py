@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import Select, bindparam, func, select
 from sqlalchemy.orm import Session
 
+from ckptstore.catalog.checks import check_step, check_version
 from ckptstore.catalog.core import name_list, names_hint, runs_hint
 from ckptstore.catalog.loading import checkpoint_query, load_by_id, load_one
 from ckptstore.catalog.models import AliasRow, CheckpointMetricRow, CheckpointRow, RunRow
@@ -156,9 +157,10 @@ def resolve(session: Session, ref: Ref, *, attachments: bool = True) -> Checkpoi
     if ref.kind == "latest":
         stmt, params = _LATEST, {"run": ref.run}
     elif ref.kind == "step":
-        stmt, params = _AT_STEP, {"run": ref.run, "step": ref.step}
+        # parse_ref bounds the numbers; a Ref built by hand is checked here, before binding.
+        stmt, params = _AT_STEP, {"run": ref.run, "step": check_step(ref.step)}
     elif ref.kind == "version":
-        stmt, params = _AT_VERSION, {"run": ref.run, "version": ref.version}
+        stmt, params = _AT_VERSION, {"run": ref.run, "version": check_version(ref.version)}
     else:
         stmt = _BEST_MAX if ref.mode == "max" else _BEST_MIN
         params = {"run": ref.run, "metric": ref.metric}

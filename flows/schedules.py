@@ -29,7 +29,9 @@ _UNITS = {
     "h": 3600, "hr": 3600, "hour": 3600, "hours": 3600,
     "d": 86400, "day": 86400, "days": 86400,
 }
-_INTERVAL = re.compile(r"^\s*(?:@?every)\s+(\d+(?:\.\d+)?)\s*([a-z]+)\s*$", re.IGNORECASE)
+# re.ASCII: \d and \s would otherwise match non-ASCII digits and blanks (U+FF13, a full-width 3).
+_INTERVAL = re.compile(r"^\s*(?:@?every)\s+(\d+(?:\.\d+)?)\s*([a-z]+)\s*\Z",
+                       re.IGNORECASE | re.ASCII)
 
 
 class Schedule(Protocol):
@@ -88,6 +90,9 @@ def parse_schedule(text: str) -> IntervalSchedule | CronSchedule:
         ConfigError: If it is neither a valid interval nor a valid cron expression.
         MissingExtraError: For a cron expression when croniter is not installed.
     """
+    if not isinstance(text, str) or not text.isascii():
+        # int() and float() (and so croniter) read non-ASCII digits: a full-width 0 would read as 0.
+        raise ConfigError(f"invalid schedule {text!r}: write it with ASCII characters only")
     match = _INTERVAL.match(text)
     if match:
         amount, unit = float(match.group(1)), match.group(2).lower()

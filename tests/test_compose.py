@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from ckptstore import config as ckpt_config
 from ckptstore import identity
-from ckptstore.config import load_settings
+from ckptstore.config import CONFIG_ENV, ENV_ENTRY_VARS, ENV_VARS, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 STACK = ROOT / "scripts" / "stack"
@@ -50,7 +49,7 @@ def known_config_keys() -> set[str]:
     (src/ckptstore/config.py), the config file's path (CKPT_CONFIG, read there too), the
     node name (src/ckptstore/identity.py) and the JSON-log switch
     (src/ckptstore/observability/jsonlog.py)."""
-    return {*ckpt_config._ENV, "CKPT_CONFIG", identity.HOST_ENV, "CKPT_LOG_JSON"}
+    return {*ENV_VARS.values(), *ENV_ENTRY_VARS, CONFIG_ENV, identity.HOST_ENV, "CKPT_LOG_JSON"}
 
 
 @pytest.fixture(scope="module")

@@ -74,3 +74,166 @@ def test_delta_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         cfg.write_text(bad)
         with pytest.raises(ConfigError):
             load_settings(cfg)
+
+
+# ---------------------------------------------------------------------- keys, env, discovery
+EXAMPLE = Path(__file__).resolve().parents[1] / "ckptstore.example.toml"
+
+# A valid environment value of every setting, and what it resolves to.
+ENV_SAMPLES: dict[str, tuple[str, object]] = {
+    "root": ("store", None),
+    "catalog_url": ("sqlite:////tmp/x/catalog.db", "sqlite:////tmp/x/catalog.db"),
+    "hot": ("/tmp/x/hot", "/tmp/x/hot"),
+    "warm": ("s3://bucket/warm", "s3://bucket/warm"),
+    "cold": ("s3://bucket/cold", "s3://bucket/cold"),
+    "cold_storage_class": ("STANDARD_IA", "STANDARD_IA"),
+    "storage_options": ('{"endpoint_url": "http://127.0.0.1:9000"}',
+                        {"endpoint_url": "http://127.0.0.1:9000"}),
+    "codec": ("zstd-1", "zstd-1"),
+    "archive_codec": ("zstd-3", "zstd-3"),
+    "chunk_bytes": ("65536", 65536),
+    "threads": ("3", 3),
+    "keep_last": ("4", 4),
+    "keep_every": ("100", 100),
+    "keep_best": ("val_loss:max:2", ("val_loss", "max", 2)),
+    "max_age_days": ("7.5", 7.5),
+    "save_interval": ("500", 500),
+    "cold_after_days": ("3", 3.0),
+    "schedules": ('{"gc": "every 30s"}', {"gc": "every 30s"}),
+    "staging_budget_bytes": ("1048576", 1048576),
+    "memory_tier_bytes": ("0", 0),
+    "memory_tier_dir": ("/tmp/x/shm", "/tmp/x/shm"),
+    "delta": ('{"quantize": 8}', {"quantize": 8}),
+    "keyframe_every": ("5", 5),
+    "delta_cache_bytes": ("0", 0),
+}
+
+
+def _settings_fields() -> list[str]:
+    import dataclasses
+
+    from ckptstore.config import Settings
+
+    return [f.name for f in dataclasses.fields(Settings) if f.name != "source"]
+
+
+def test_every_setting_is_documented_and_has_an_env_var(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import re
+
+    from ckptstore.config import ENV_VARS, resolve_settings
+
+    example = EXAMPLE.read_text(encoding="utf-8")
+    missing_doc, missing_env = [], []
+    for name in _settings_fields():
+        documented = re.search(rf"(?m)^\s*#?\s*{name}\s*=", example) or re.search(
+            rf"(?m)^\[{name}\]", example)
+        if not documented:
+            missing_doc.append(name)
+        env = ENV_VARS.get(name)
+        if env is None or not env.startswith("CKPT_") or env not in example:
+            missing_env.append(name)
+    assert not missing_doc, f"keys missing from ckptstore.example.toml: {missing_doc}"
+    assert not missing_env, f"settings without a documented CKPT_* variable: {missing_env}"
+    assert set(ENV_SAMPLES) == set(_settings_fields())  # this test covers every setting
+    monkeypatch.chdir(tmp_path)
+    for name, (text, expected) in ENV_SAMPLES.items():
+        monkeypatch.setenv(ENV_VARS[name], text)
+        resolved = resolve_settings()
+        value = getattr(resolved.settings, name)
+        if name == "root":
+            assert value == tmp_path / "store"
+        else:
+            assert value == expected, name
+        assert resolved.origins[name].kind == "env", name
+        monkeypatch.delenv(ENV_VARS[name])
+
+
+@pytest.mark.parametrize(("var", "text"), [
+    ("CKPT_KEEP_BEST", "val_loss:3"), ("CKPT_KEEP_BEST", "val_loss:avg:3"),
+    ("CKPT_KEEP_EVERY", "-1"), ("CKPT_MAX_AGE_DAYS", "soon"), ("CKPT_MAX_AGE_DAYS", "nan"),
+    ("CKPT_STORAGE_OPTIONS", "endpoint_url=x"), ("CKPT_SCHEDULES", "[1, 2]"),
+    ("CKPT_DELTA", "{bad json"),
+])
+def test_bad_env_values_name_their_variable(monkeypatch: pytest.MonkeyPatch, var: str,
+                                            text: str) -> None:
+    monkeypatch.setenv(var, text)
+    with pytest.raises(ConfigError, match=var):
+        load_settings()
+
+
+def test_the_example_config_is_valid_with_every_key_uncommented(tmp_path: Path) -> None:
+    import re
+
+    text = re.sub(r"(?m)^# (\w+ = )", r"\1", EXAMPLE.read_text(encoding="utf-8"))
+    cfg = tmp_path / "all.toml"
+    cfg.write_text(text, encoding="utf-8")
+    s = load_settings(cfg)
+    assert s.catalog_url and s.cold_after_days == 30 and s.max_age_days == 30
+    assert s.storage_options == {"endpoint_url": "http://127.0.0.1:9000"}
+
+
+def test_config_discovery_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptstore.config import resolve_settings
+
+    monkeypatch.chdir(tmp_path)
+    assert resolve_settings().config is None and load_settings().codec == "lz4"
+    (tmp_path / "ckptstore.toml").write_text('codec = "zstd-1"\n')
+    found = resolve_settings()
+    assert found.config == tmp_path / "ckptstore.toml"
+    assert found.config_found_by == "./ckptstore.toml"
+    assert found.settings.codec == "zstd-1" and found.origins["codec"].kind == "file"
+    other = tmp_path / "other.toml"
+    other.write_text('codec = "zstd-3"\n')
+    monkeypatch.setenv("CKPT_CONFIG", str(other))
+    assert load_settings().codec == "zstd-3"  # $CKPT_CONFIG beats ./ckptstore.toml
+    explicit = tmp_path / "explicit.toml"
+    explicit.write_text('codec = "none"\n')
+    resolved = resolve_settings(explicit)
+    assert resolved.settings.codec == "none" and resolved.config_found_by == "argument"
+    monkeypatch.setenv("CKPT_CONFIG", str(tmp_path / "gone.toml"))
+    with pytest.raises(ConfigError, match="CKPT_CONFIG"):
+        load_settings()
+
+
+def test_ckpt_config_shows_sources_and_never_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from ckptstore.cli.app import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckptstore.toml").write_text(
+        'catalog_url = "postgresql+psycopg://ckpt:s3cr3t-pw@db:5432/ckpt?sslpassword=pw2x"\n'
+        'save_dir = "hot"\n'
+        '[storage_options]\nendpoint_url = "http://minio:9000"\nsecret = "AKIAsecretvalue"\n'
+        '[retention]\nkeep_last = 2\n'
+    )
+    monkeypatch.setenv("CKPT_THREADS", "3")
+    monkeypatch.setenv("CKPT_WARM", "s3://user:warm-pw@bucket/warm")
+    assert main(["config", "--json"]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out)
+    rows = doc["settings"]
+    assert doc["config"] == {"path": str(tmp_path / "ckptstore.toml"),
+                             "found_by": "./ckptstore.toml"}
+    assert rows["keep_last"] == {"value": 2, "from": "file",
+                                 "detail": str(tmp_path / "ckptstore.toml")}
+    assert rows["threads"]["from"] == "env" and rows["threads"]["value"] == 3
+    assert rows["codec"] == {"value": "lz4", "from": "default", "detail": ""}
+    assert rows["hot"]["value"] == str(tmp_path / "hot")
+    assert rows["root"]["value"] == str(tmp_path / "hot" / ".ckptstore")
+    assert rows["root"]["from"] == "default"
+    assert rows["storage_options"]["value"]["secret"] == "***"
+    assert set(rows) == set(_settings_fields())
+    assert main(["--store", str(tmp_path / "explicit"), "config", "--json"]) == 0
+    root = json.loads(capsys.readouterr().out)["settings"]["root"]
+    assert root == {"value": str(tmp_path / "explicit"), "from": "argument", "detail": ""}
+    assert main(["config"]) == 0
+    text = capsys.readouterr().out
+    assert "config file:" in text and "env ($CKPT_THREADS)" in text
+    for leaked in ("s3cr3t-pw", "pw2x", "AKIAsecretvalue", "warm-pw"):
+        assert leaked not in out and leaked not in text
+    assert "***" in text

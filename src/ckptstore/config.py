@@ -1,5 +1,11 @@
 """Configuration: explicit argument > environment (``CKPT_*``) > config file > default.
 
+The config file is the one given explicitly (``--config``, ``open(config=...)``), else the
+one ``$CKPT_CONFIG`` names, else ``./ckptstore.toml`` when it exists (:func:`discover_config`).
+Every setting has a ``CKPT_*`` variable (:data:`ENV_VARS`); ``ckptstore.example.toml``
+documents every key, and ``ckpt config`` prints the resolved settings and where each came from
+(:func:`resolve_settings`).
+
 The config file is TOML. Keys may sit at the top level or under a ``[ckptstore]`` table::
 
     root = "./ckpt"                       # store directory (catalog.db and hot/ live here)
@@ -30,26 +36,66 @@ DeepSpeed-style config keys are accepted at the top level too: ``save_dir`` (hot
 ``archive_dir`` (warm), ``keep_last`` and ``save_interval``, and a ``[compression_config]``
 table (``type = "diff"``, ``threshold``, ``quantize``) is read as ``delta``. Credentials
 are never read from here: S3 uses the environment / AWS credential chain.
+
+Where a store lives: one config file means one store, from whatever directory it is used.
+
+* Relative paths in a config file (``root``, ``hot``/``save_dir``, local ``warm``/``cold``
+  tiers, ``memory_tier_dir``, a ``sqlite:///`` catalog URL) are relative to the directory of
+  the config file, not to the current directory. Relative paths from ``CKPT_*`` variables and
+  arguments are relative to the current directory.
+* Without ``root``, the store root sits with the hot tier: ``<hot>/.ckptstore/`` (so the
+  embedded catalog is ``<hot>/.ckptstore/catalog.db``). A hidden directory inside the hot tier
+  cannot collide with a run (run names never start with a dot), and two hot tiers never share
+  a catalog. With neither ``root`` nor ``hot``, the root is ``ckpt/`` next to the config file
+  (``./ckpt`` of the current directory when there is no config file at all).
+* The hot tier records which store it belongs to in ``<hot>/.ckptstore.json``, the catalog
+  records the same store id; a store refuses a catalog that belongs to another store's hot
+  tier (:meth:`ckptstore.core.StoreCore.open`).
+
+Before this rule a config with ``save_dir`` but no ``root`` kept its catalog in ``./ckpt`` of
+whatever directory a command ran in; such a store is found again by setting ``root`` to that
+directory (or moving its ``catalog.db`` to ``<hot>/.ckptstore/``). Opening the new location
+with an empty catalog is refused while the hot tier holds checkpoints, so nothing is lost.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ckptstore.deltaspec import parse_delta
 from ckptstore.errors import ConfigError, InvalidNameError
+from ckptstore.numeric import MAX_INT64, decimal_or_none, float_or_none
 
-__all__ = ["Settings", "load_settings"]
+__all__ = [
+    "CONFIG_ENV",
+    "DEFAULT_CONFIG_NAME",
+    "ENV_ENTRY_VARS",
+    "ENV_VARS",
+    "STORE_DIR_NAME",
+    "Origin",
+    "ResolvedSettings",
+    "Settings",
+    "discover_config",
+    "load_settings",
+    "resolve_settings",
+]
 
 logger = logging.getLogger(__name__)
 
 _CODECS = ("none", "lz4", "zstd-1", "zstd-3")
+
+#: Name of the store root inside the hot tier when no ``root`` is configured.
+STORE_DIR_NAME = ".ckptstore"
+# Settings that hold local paths (or URLs that may be local paths).
+_PATH_FIELDS = ("hot", "warm", "cold", "memory_tier_dir")
 
 
 @dataclass(frozen=True)
@@ -58,6 +104,8 @@ class Settings:
 
     Attributes:
         root: Store directory; the embedded catalog and the default hot tier live here.
+            Default: ``<hot>/.ckptstore`` when a hot tier is configured, else ``ckpt`` next
+            to the config file, else ``./ckpt`` (see the module docstring).
         catalog_url: SQLAlchemy URL of the catalog; default ``sqlite:///<root>/catalog.db``.
         hot: Hot tier location (local path or ``file://`` URL); default ``<root>/hot``.
         warm: Warm tier URL (``s3://bucket/prefix`` or a local path), optional.
@@ -148,25 +196,44 @@ def _local_path(url: str, what: str) -> Path:
     return Path(url).expanduser().resolve()
 
 
-_ENV: dict[str, str] = {
-    "CKPT_ROOT": "root",
-    "CKPT_CATALOG_URL": "catalog_url",
-    "CKPT_HOT": "hot",
-    "CKPT_WARM": "warm",
-    "CKPT_COLD": "cold",
-    "CKPT_CODEC": "codec",
-    "CKPT_ARCHIVE_CODEC": "archive_codec",
-    "CKPT_CHUNK_BYTES": "chunk_bytes",
-    "CKPT_THREADS": "threads",
-    "CKPT_KEEP_LAST": "keep_last",
-    "CKPT_SAVE_INTERVAL": "save_interval",
-    "CKPT_STAGING_BUDGET_BYTES": "staging_budget_bytes",
-    "CKPT_MEMORY_TIER_BYTES": "memory_tier_bytes",
-    "CKPT_MEMORY_TIER_DIR": "memory_tier_dir",
-    "CKPT_DELTA": "delta",
-    "CKPT_KEYFRAME_EVERY": "keyframe_every",
-    "CKPT_DELTA_CACHE_BYTES": "delta_cache_bytes",
-    "CKPT_S3_ENDPOINT_URL": "storage_options.endpoint_url",
+#: Environment variable naming the config file (see :func:`discover_config`).
+CONFIG_ENV = "CKPT_CONFIG"
+#: Config file used when neither ``--config`` nor ``$CKPT_CONFIG`` names one.
+DEFAULT_CONFIG_NAME = "ckptstore.toml"
+
+#: The environment variable of every setting. Table settings take a JSON object
+#: (``CKPT_STORAGE_OPTIONS='{"endpoint_url": "http://minio:9000"}'``), ``CKPT_KEEP_BEST``
+#: takes ``METRIC:min|max:N`` and ``CKPT_DELTA`` a mode name, ``true``/``false`` or a JSON
+#: object. ``source`` is not a setting: ``$CKPT_CONFIG`` chooses the file.
+ENV_VARS: dict[str, str] = {
+    "root": "CKPT_ROOT",
+    "catalog_url": "CKPT_CATALOG_URL",
+    "hot": "CKPT_HOT",
+    "warm": "CKPT_WARM",
+    "cold": "CKPT_COLD",
+    "cold_storage_class": "CKPT_COLD_STORAGE_CLASS",
+    "storage_options": "CKPT_STORAGE_OPTIONS",
+    "codec": "CKPT_CODEC",
+    "archive_codec": "CKPT_ARCHIVE_CODEC",
+    "chunk_bytes": "CKPT_CHUNK_BYTES",
+    "threads": "CKPT_THREADS",
+    "keep_last": "CKPT_KEEP_LAST",
+    "keep_every": "CKPT_KEEP_EVERY",
+    "keep_best": "CKPT_KEEP_BEST",
+    "max_age_days": "CKPT_MAX_AGE_DAYS",
+    "save_interval": "CKPT_SAVE_INTERVAL",
+    "cold_after_days": "CKPT_COLD_AFTER_DAYS",
+    "schedules": "CKPT_SCHEDULES",
+    "staging_budget_bytes": "CKPT_STAGING_BUDGET_BYTES",
+    "memory_tier_bytes": "CKPT_MEMORY_TIER_BYTES",
+    "memory_tier_dir": "CKPT_MEMORY_TIER_DIR",
+    "delta": "CKPT_DELTA",
+    "keyframe_every": "CKPT_KEYFRAME_EVERY",
+    "delta_cache_bytes": "CKPT_DELTA_CACHE_BYTES",
+}
+#: Variables that set one entry of a table setting (applied after the table's own variable).
+ENV_ENTRY_VARS: dict[str, tuple[str, str]] = {
+    "CKPT_S3_ENDPOINT_URL": ("storage_options", "endpoint_url"),
 }
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
@@ -218,19 +285,17 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         if name == "root":
             return Path(value).expanduser()
         if name in _INT_FIELDS:
-            number = int(value)
-            if number < 0 or (
-                name in ("chunk_bytes", "threads", "keyframe_every") and number == 0
-            ):
+            number = _as_int(value)
+            if name in ("chunk_bytes", "threads", "keyframe_every") and number == 0:
                 raise ValueError("must be positive")
             return number
         if name in _FLOAT_FIELDS:
-            return float(value)
+            return _as_float(value)
         if name == "keep_best":
             metric, mode, count = value
             if mode not in ("min", "max"):
                 raise ValueError("mode must be 'min' or 'max'")
-            return (str(metric), str(mode), int(count))
+            return (str(metric), str(mode), _as_int(count))
         if name in ("storage_options", "schedules"):
             if not isinstance(value, dict):
                 raise ValueError("must be a table")
@@ -242,8 +307,29 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
                 raise ValueError(f"must be one of {', '.join(_CODECS)}")
             return str(value)
         return str(value)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ConfigError(f"{origin}: invalid value for {name}: {value!r} ({exc})") from exc
+
+
+def _as_int(value: Any) -> int:
+    """A non-negative int from TOML (an int) or the environment (ASCII digits only)."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError("must be a non-negative integer")
+    number = decimal_or_none(value.strip()) if isinstance(value, str) else value
+    if number is None or not 0 <= number <= MAX_INT64:
+        raise ValueError(f"must be a non-negative integer written with the digits 0-9, "
+                         f"at most {MAX_INT64}")
+    return number
+
+
+def _as_float(value: Any) -> float:
+    """A finite, non-negative number from TOML or the environment (ASCII notation only)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError("must be a number")
+    number = float_or_none(value.strip()) if isinstance(value, str) else float(value)
+    if number is None or not math.isfinite(number) or number < 0:
+        raise ValueError("must be a finite number >= 0 written with the digits 0-9")
+    return number
 
 
 def _delta_value(value: Any) -> bool | str | dict[str, Any]:
@@ -259,11 +345,65 @@ def _delta_value(value: Any) -> bool | str | dict[str, Any]:
     return dict(value) if isinstance(value, dict) else value
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Where a resolved setting came from.
+
+    Attributes:
+        kind: ``"argument"`` (an explicit value: ``open()`` keyword, ``--store``),
+            ``"env"``, ``"file"`` or ``"default"``.
+        detail: The variable, the config file, or how a default was derived.
+    """
+
+    kind: Literal["argument", "env", "file", "default"]
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class ResolvedSettings:
+    """Settings together with where each of them came from (``ckpt config`` prints this).
+
+    Attributes:
+        settings: The resolved settings.
+        origins: Field name -> :class:`Origin`, for every field but ``source``.
+        config: The config file read, if any.
+        config_found_by: How the file was chosen: ``"argument"``, ``"$CKPT_CONFIG"``,
+            ``"./ckptstore.toml"``, or ``""`` when no file was read.
+    """
+
+    settings: Settings
+    origins: dict[str, Origin]
+    config: Path | None
+    config_found_by: str
+
+
+def discover_config(config: str | os.PathLike[str] | None = None) -> tuple[Path | None, str]:
+    """The config file to read: ``config``, else ``$CKPT_CONFIG``, else ``./ckptstore.toml``.
+
+    Args:
+        config: An explicit path (``--config``, ``open(config=...)``).
+
+    Returns:
+        ``(path or None, how it was found)``; see :attr:`ResolvedSettings.config_found_by`.
+    """
+    # Absolute, so the flows a store starts find the same file from any directory.
+    if config is not None and os.fspath(config) != "":
+        return Path(config).expanduser().absolute(), "argument"
+    from_env = os.environ.get(CONFIG_ENV)
+    if from_env:
+        return Path(from_env).expanduser().absolute(), f"${CONFIG_ENV}"
+    local = Path(DEFAULT_CONFIG_NAME)
+    if local.is_file():
+        return local.resolve(), f"./{DEFAULT_CONFIG_NAME}"
+    return None, ""
+
+
 def load_settings(config: str | os.PathLike[str] | None = None, **overrides: Any) -> Settings:
     """Resolve settings from explicit overrides, ``CKPT_*`` variables and a TOML file.
 
     Args:
-        config: Path of a TOML config file; default ``$CKPT_CONFIG`` if set.
+        config: Path of a TOML config file; default ``$CKPT_CONFIG``, else
+            ``./ckptstore.toml`` when it exists (:func:`discover_config`).
         **overrides: Explicit values (highest precedence); ``None`` values are ignored.
 
     Returns:
@@ -272,36 +412,121 @@ def load_settings(config: str | os.PathLike[str] | None = None, **overrides: Any
     Raises:
         ConfigError: If the file is missing or malformed, or a value is invalid.
     """
+    return resolve_settings(config, **overrides).settings
+
+
+def resolve_settings(
+    config: str | os.PathLike[str] | None = None, **overrides: Any
+) -> ResolvedSettings:
+    """Like :func:`load_settings`, and also say where every setting came from.
+
+    Precedence: explicit argument > environment (``CKPT_*``, :data:`ENV_VARS`) > config file >
+    default. Table settings merge their entries across the sources in the same order.
+
+    Raises:
+        ConfigError: If the file is missing or malformed, or a value is invalid.
+    """
     values: dict[str, Any] = {}
-    path_text = config if config is not None else os.environ.get("CKPT_CONFIG")
-    source: Path | None = None
-    if path_text:
-        source = Path(path_text).expanduser()
+    origins: dict[str, Origin] = {}
+    source, found_by = discover_config(config)
+    if source is not None:
         try:
             data = tomllib.loads(source.read_text(encoding="utf-8"))
         except FileNotFoundError as exc:
-            raise ConfigError(f"config file {source} does not exist") from exc
+            how = "" if found_by == "argument" else f" (named by {found_by})"
+            raise ConfigError(f"config file {source}{how} does not exist") from exc
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config file {source}: {exc}") from exc
+        base = source.parent.resolve()
         for key, value in _flatten_file(data, source).items():
-            values[key] = _coerce(key, value, str(source))
-        if "root" in values and not values["root"].is_absolute():
-            values["root"] = (source.parent / values["root"]).resolve()
-    for env, name in _ENV.items():
+            values[key] = _relative_to(base, key, _coerce(key, value, str(source)))
+            origins[key] = Origin("file", str(source))
+    for name, env in ENV_VARS.items():
         if env in os.environ:
-            if name.startswith("storage_options."):
-                opts = dict(values.get("storage_options", {}))
-                opts[name.split(".", 1)[1]] = os.environ[env]
-                values["storage_options"] = opts
-            else:
-                values[name] = _coerce(name, os.environ[env], f"${env}")
+            value = _coerce(name, _from_env(name, env, os.environ[env]), f"${env}")
+            if name in _TABLE_FIELDS and name in values:
+                value = {**values[name], **value}
+            values[name] = value
+            origins[name] = Origin("env", f"${env}")
+    for env, (name, entry) in ENV_ENTRY_VARS.items():
+        if env in os.environ:
+            values[name] = {**values.get(name, {}), entry: os.environ[env]}
+            origins[name] = Origin("env", f"${env}")
     for key, value in overrides.items():
         if value is None:
             continue
-        if key not in _FIELDS:
+        if key not in _FIELDS or key == "source":
             raise ConfigError(f"unknown setting {key!r}")
         values[key] = _coerce(key, value, "argument")
+        origins[key] = Origin("argument")
+    if "root" in values:
+        # Absolute, so the flows a store starts reopen the same store from any directory.
+        values["root"] = Path(values["root"]).expanduser().resolve()
+    else:
+        if values.get("hot"):
+            # One config, one store: the root (and the embedded catalog) go with the hot tier.
+            values["root"] = _local_path(values["hot"], "hot") / STORE_DIR_NAME
+            origins["root"] = Origin("default", f"{STORE_DIR_NAME} inside the hot tier")
+        elif source is not None:
+            values["root"] = source.parent.resolve() / "ckpt"
+            origins["root"] = Origin("default", "ckpt/ next to the config file")
     if source is not None:
         values["source"] = source
+    # In the order of the Settings fields, for reports.
+    origins = {name: origins.get(name, Origin("default")) for name in _FIELDS if name != "source"}
     logger.debug("settings resolved from %s", source or "defaults/environment")
-    return Settings(**values)
+    return ResolvedSettings(Settings(**values), origins, source, found_by)
+
+
+_TABLE_FIELDS = ("storage_options", "schedules")
+
+
+def _from_env(name: str, env: str, text: str) -> Any:
+    """The raw value of a setting written as an environment variable's text."""
+    stripped = text.strip()
+    if name in _TABLE_FIELDS or (name == "delta" and stripped.startswith("{")):
+        try:
+            value = json.loads(stripped)
+        except ValueError as exc:
+            raise ConfigError(f"${env}: must be a JSON object, e.g. {_ENV_EXAMPLES[name]} "
+                              f"({exc})") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"${env}: must be a JSON object, e.g. {_ENV_EXAMPLES[name]}")
+        return value
+    if name == "keep_best":
+        parts = stripped.split(":")
+        if len(parts) != 3:
+            raise ConfigError(f"${env}: write METRIC:min|max:N, e.g. val_loss:min:3; "
+                              f"got {text!r}")
+        return parts
+    return text
+
+
+_ENV_EXAMPLES = {
+    "storage_options": '{"endpoint_url": "http://127.0.0.1:9000"}',
+    "schedules": '{"archive": "*/10 * * * *"}',
+    "delta": '{"threshold": 1e-4, "quantize": 8}',
+}
+
+
+def _relative_to(base: Path, name: str, value: Any) -> Any:
+    """A config file's relative path made absolute against the file's directory ``base``."""
+    if value is None:
+        return value
+    if name == "root":
+        path = Path(value).expanduser()
+        return path if path.is_absolute() else (base / path).resolve()
+    if name in _PATH_FIELDS:
+        text = str(value)
+        prefix = "file://" if text.startswith("file://") else ""
+        rest = text[len(prefix):]
+        if "://" in rest or not rest:
+            return value  # s3:// and other remote URLs
+        path = Path(rest).expanduser()
+        return value if path.is_absolute() else prefix + str((base / path).resolve())
+    if name == "catalog_url" and isinstance(value, str) and value.startswith("sqlite:///"):
+        rest = value[len("sqlite:///"):]
+        path_text, sep, query = rest.partition("?")
+        if path_text and not path_text.startswith("/") and path_text != ":memory:":
+            return f"sqlite:///{(base / path_text).resolve()}{sep}{query}"
+    return value

@@ -10,6 +10,11 @@ Call order: construct (or :meth:`StoreCore.open`) → operations, from any threa
 once. ``close`` closes the per-store services first (the async saver waits for pending
 saves, which still need the catalog), then the tiers, the metrics and the catalog.
 
+A catalog and a hot tier are one store only together. Both record the store's id (the
+catalog in ``store_meta``, the hot tier in ``.ckptstore.json``, see
+:mod:`ckptstore.storage.marker`), and :meth:`StoreCore.open` refuses a pair that disagrees
+(:func:`check_store_identity`): one config file then always means one store.
+
 The core knows its helpers only through the small interfaces defined here
 (:class:`StoreService`, :class:`FlowLauncher`), so it sits below the operations that
 implement them. Flows are reached through the ``ckptstore.launchers`` entry point, which keeps
@@ -22,12 +27,13 @@ import abc
 import importlib.metadata
 import logging
 import os
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Self
 
-from ckptstore.catalog import Catalog
-from ckptstore.config import Settings, load_settings
+from ckptstore.catalog import Catalog, mask_url, migrate
+from ckptstore.config import STORE_DIR_NAME, Settings, load_settings
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, StorageError
 from ckptstore.extras import missing_extra
 from ckptstore.format import KeyframeCache
@@ -35,8 +41,20 @@ from ckptstore.names import validate_name
 from ckptstore.observability.metrics import Metrics
 from ckptstore.records import Checkpoint, ReplicaState
 from ckptstore.storage import Tier, build_tiers
+from ckptstore.storage.marker import (
+    MARKER_NAME,
+    StoreMarker,
+    read_store_marker,
+    write_store_marker,
+)
 
-__all__ = ["LAUNCHER_GROUP", "FlowLauncher", "StoreCore", "StoreService"]
+__all__ = [
+    "LAUNCHER_GROUP",
+    "FlowLauncher",
+    "StoreCore",
+    "StoreService",
+    "check_store_identity",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -159,19 +177,32 @@ class StoreCore:
             newest revision.
 
         Raises:
-            ConfigError: If the configuration is invalid.
+            ConfigError: If the configuration is invalid, or the catalog and the hot tier
+                belong to different stores (see :func:`check_store_identity`).
             StorageError: If the hot tier cannot be created.
         """
         settings = load_settings(config, root=root, catalog_url=catalog_url, **overrides)
+        url = settings.resolved_catalog_url
+        hot = settings.hot_path
+        # Refused before anything is created: a new, empty catalog for a hot tier that
+        # already belongs to a store (or holds checkpoints of one) elsewhere.
+        _refuse_new_catalog_for_used_hot_tier(url, hot)
+        catalog = Catalog(url, upgrade=True)  # creates the directory of a new SQLite file
         try:
+            check_store_identity(catalog, hot)  # creates the hot tier with its marker
             settings.root.mkdir(parents=True, exist_ok=True)
-            settings.hot_path.mkdir(parents=True, exist_ok=True)
+        except StorageError:
+            catalog.close()
+            raise
         except OSError as exc:
+            catalog.close()
             raise StorageError(
-                f"cannot create the store directory {settings.hot_path}: {exc.strerror}; "
+                f"cannot create the store directory {settings.root}: {exc.strerror}; "
                 "check the path and its permissions"
             ) from exc
-        catalog = Catalog(settings.resolved_catalog_url, upgrade=True)
+        except BaseException:
+            catalog.close()
+            raise
         return cls(settings, catalog)
 
     @property
@@ -290,3 +321,175 @@ class StoreCore:
                 raise ConfigError(f"entry point {LAUNCHER_GROUP}:default is not a FlowLauncher")
             self._launcher = launcher
         return self._launcher
+
+
+# ---------------------------------------------------------------------- store identity
+def check_store_identity(catalog: Catalog, hot: Path) -> None:
+    """Make sure ``catalog`` and the hot tier at ``hot`` belong to the same store.
+
+    The catalog records a store id and the hot tier it was last opened with; the hot tier
+    records the store id in ``.ckptstore.json``. On open:
+
+    * both recorded, same id: the store (a hot tier found at a new path was moved: recorded);
+    * both recorded, different ids: refused;
+    * only the catalog: the marker is written, unless the catalog's own hot tier still
+      exists elsewhere with its marker (then this is another store's catalog: refused);
+    * only the hot tier: the catalog adopts its id if the marker names this catalog (a
+      catalog from before store ids, or re-created at the same URL), else refused;
+    * neither (a new store, or one created before store ids): a new id is recorded in
+      both, unless the catalog is empty while the hot tier holds checkpoints (its catalog is
+      elsewhere: refused).
+
+    Args:
+        catalog: The open catalog.
+        hot: The hot tier's root directory (created with its marker when missing).
+
+    Raises:
+        ConfigError: If they belong to different stores; the message says which hot tier the
+            catalog belongs to (or which catalog the hot tier does) and what to do.
+        StorageError: If the marker cannot be read or written.
+    """
+    here = str(hot)
+    for _attempt in range(3):
+        ident = catalog.store_identity()
+        marker = read_store_marker(hot)
+        if ident is not None:
+            if marker is None:
+                if (ident.hot_tier and ident.hot_tier != here
+                        and _marker_id(Path(ident.hot_tier)) == ident.store_id):
+                    raise ConfigError(_belongs_elsewhere(catalog, ident.store_id,
+                                                         ident.hot_tier, hot))
+                marker = write_store_marker(hot, StoreMarker(ident.store_id, catalog.url))
+            if marker.store_id != ident.store_id:
+                raise ConfigError(_mismatch(catalog, ident.store_id, ident.hot_tier, hot,
+                                            marker))
+            if ident.hot_tier != here:
+                logger.info("store %s: hot tier recorded at %s, now at %s", ident.store_id,
+                            ident.hot_tier or "-", here)
+                catalog.set_store_hot_tier(here)
+            return
+        if marker is not None:
+            if marker.catalog is not None and marker.catalog != catalog.url:
+                raise ConfigError(_foreign_hot(catalog.url, hot, marker))
+            store_id = marker.store_id
+        else:
+            if catalog.is_empty() and _holds_checkpoints(hot):
+                raise ConfigError(_orphaned_hot(catalog.url, hot))
+            store_id = str(uuid.uuid4())
+        claimed = catalog.claim_store_identity(store_id, here)
+        if claimed.store_id == store_id and claimed.hot_tier == here:
+            if marker is None:
+                written = write_store_marker(hot, StoreMarker(store_id, catalog.url))
+                if written.store_id != store_id:  # another catalog's process was faster
+                    raise ConfigError(_mismatch(catalog, store_id, here, hot, written))
+            logger.info("store %s: recorded its catalog %s and hot tier %s", store_id,
+                        catalog.url, here)
+            return
+        # Another process recorded an identity first: check against that one.
+    raise ConfigError(f"the store identity of catalog {catalog.url} keeps changing; retry")
+
+
+def _refuse_new_catalog_for_used_hot_tier(url: str, hot: Path) -> None:
+    """The checks of :func:`check_store_identity` that need no catalog, made before a new
+    catalog would be created for nothing (a refused open leaves nothing behind)."""
+    if not hot.is_dir():
+        return
+    marker = read_store_marker(hot)
+    masked = mask_url(url)
+    if marker is not None:
+        if marker.catalog not in (None, masked) and _catalog_is_new(url):
+            raise ConfigError(_foreign_hot(masked, hot, marker))
+    elif _holds_checkpoints(hot) and _catalog_is_new(url):
+        raise ConfigError(_orphaned_hot(masked, hot))
+
+
+def _catalog_is_new(url: str) -> bool:
+    """Whether the catalog at ``url`` has no schema yet (opening it would create one)."""
+    from ckptstore.catalog.engine import parse_catalog_url
+
+    parsed = parse_catalog_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        database = parsed.database or ""
+        if not database or database == ":memory:":
+            return True
+        path = Path(database)
+        return not path.exists() or path.stat().st_size == 0
+    return migrate.current(url) is None
+
+
+def _holds_checkpoints(hot: Path) -> bool:
+    """Whether the hot tier holds a checkpoint directory (``<run>/<uuid>/`` with a manifest or
+    a commit marker): data some catalog knows."""
+    try:
+        runs = [e for e in os.scandir(hot) if not e.name.startswith(".")
+                and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return False
+    for run in runs:
+        try:
+            with os.scandir(run.path) as entries:
+                for entry in entries:
+                    if not entry.is_dir(follow_symlinks=False) or not _is_uuid(entry.name):
+                        continue
+                    ck_dir = Path(entry.path)
+                    if (ck_dir / "manifest.json").exists() or (ck_dir / "COMMITTED").exists():
+                        return True
+        except OSError:
+            continue
+    return False
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _marker_id(hot: Path) -> str | None:
+    try:
+        marker = read_store_marker(hot) if hot.is_dir() else None
+    except (ConfigError, StorageError):
+        return None
+    return marker.store_id if marker is not None else None
+
+
+def _mismatch(catalog: Catalog, store_id: str, hot_tier: str, hot: Path,
+              marker: StoreMarker) -> str:
+    where = f", whose catalog is {marker.catalog}" if marker.catalog else ""
+    return (
+        f"catalog {catalog.url} belongs to store {store_id}, whose hot tier is "
+        f"{hot_tier or '(not recorded)'}; but the hot tier {hot} belongs to store "
+        f"{marker.store_id}{where}. Use the configuration of one store (its root, "
+        "catalog_url and hot together), so that its catalog and hot tier belong together"
+    )
+
+
+def _belongs_elsewhere(catalog: Catalog, store_id: str, hot_tier: str, hot: Path) -> str:
+    return (
+        f"catalog {catalog.url} belongs to store {store_id}, whose hot tier is {hot_tier} "
+        f"(it holds that store's {MARKER_NAME}), not {hot}: open that store's configuration, "
+        f"or set hot = {hot_tier!r}. If {hot} is meant to replace {hot_tier} as its hot "
+        f"tier, copy {Path(hot_tier) / MARKER_NAME} into {hot} first"
+    )
+
+
+def _foreign_hot(url: str, hot: Path, marker: StoreMarker) -> str:
+    return (
+        f"the hot tier {hot} belongs to store {marker.store_id}, whose catalog is "
+        f"{marker.catalog}, not {url}: set catalog_url (or root) to that catalog. If {url} "
+        f"really is that store's catalog (it moved), delete {hot / MARKER_NAME} and open the "
+        "store again"
+    )
+
+
+def _orphaned_hot(url: str, hot: Path) -> str:
+    return (
+        f"the hot tier {hot} holds checkpoints but no store marker ({MARKER_NAME}), and the "
+        f"catalog {url} is new and empty: the catalog of those checkpoints is elsewhere. A "
+        "configuration without `root` used to keep it in ./ckpt/catalog.db of whatever "
+        "directory a command ran in; it now lives with the hot tier. Set root (or "
+        "catalog_url) in the configuration to that catalog, or move its catalog.db to "
+        f"{hot / STORE_DIR_NAME}/"
+    )

@@ -11,6 +11,8 @@ import os
 import signal
 import threading
 
+from ckptstore.numeric import decimal_or_none
+
 __all__ = ["fault_point"]
 
 _counts: dict[str, int] = {}
@@ -32,5 +34,5 @@ def fault_point(name: str) -> None:
     with _lock:
         _counts[name] = _counts.get(name, 0) + 1
         count = _counts[name]
-    if count >= (int(nth) if nth.isdigit() else 1):
+    if count >= (decimal_or_none(nth) or 1):
         os.kill(os.getpid(), signal.SIGKILL)

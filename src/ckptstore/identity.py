@@ -16,6 +16,8 @@ import re
 import socket
 import uuid
 
+from ckptstore.numeric import decimal_or_none
+
 __all__ = ["HOST_ENV", "host", "owner_is_dead", "pid_alive", "unique_owner", "writer_id"]
 
 #: Environment variable naming this process's host.
@@ -64,5 +66,7 @@ def owner_is_dead(owner: str | None, *, on_host: str | None = None) -> bool:
     if not owner:
         return False
     here = on_host or host()
-    match = re.search(rf"(?:^|:){re.escape(here)}:(\d+)(?::|$)", owner)
-    return match is not None and not pid_alive(int(match.group(1)))
+    # [0-9], not \d: \d and int() also take non-ASCII digits, and a full-width digit is no pid.
+    match = re.search(rf"(?:^|:){re.escape(here)}:([0-9]+)(?::|\Z)", owner)
+    pid = decimal_or_none(match.group(1)) if match is not None else None
+    return pid is not None and pid > 0 and not pid_alive(pid)

@@ -9,7 +9,11 @@ Forms:
     ``run@best:<metric>:max``        highest value of the metric
     ``<alias>``                      a user alias such as ``prod`` (see ``store.alias``)
 
-Parsing is pure; resolving a parsed reference against the catalog is the catalog's job.
+Steps and versions are written with the ASCII digits 0-9 and must fit the catalog's columns
+(a step is at most 2**63 - 1, a version at most 2**31 - 1); a larger number is refused as an
+:class:`~ckptstore.errors.InvalidNameError` like any other malformed reference, since no
+checkpoint can have it. Parsing is pure; resolving a parsed reference against the catalog is
+the catalog's job.
 """
 
 from __future__ import annotations
@@ -20,8 +24,14 @@ from typing import Literal
 
 from ckptstore.errors import InvalidNameError
 from ckptstore.names import validate_metric_name, validate_name
+from ckptstore.numeric import MAX_INT32, MAX_INT64, is_decimal, parse_decimal
 
-__all__ = ["Ref", "parse_ref"]
+__all__ = ["MAX_STEP", "MAX_VERSION", "Ref", "parse_ref"]
+
+#: Largest step a checkpoint can have (``checkpoints.step`` is a signed 64-bit column).
+MAX_STEP = MAX_INT64
+#: Largest version a checkpoint can have (``checkpoints.version`` is a signed 32-bit column).
+MAX_VERSION = MAX_INT32
 
 RefKind = Literal["id", "latest", "step", "version", "best", "alias"]
 
@@ -87,10 +97,15 @@ def parse_ref(text: object) -> Ref:
     validate_name(run)
     if sel == "latest":
         return Ref(kind="latest", text=text, run=run)
-    if sel.isdigit():
-        return Ref(kind="step", text=text, run=run, step=int(sel))
-    if sel[:1] == "v" and sel[1:].isdigit():
-        return Ref(kind="version", text=text, run=run, version=int(sel[1:]))
+    # ASCII digits only: str.isdigit() and int() also take a full-width or Arabic-Indic 3 for 3.
+    # Bounded by the catalog's columns (catalog/models.py: step BIGINT, version INTEGER): a
+    # larger number can name no checkpoint, and binding it fails in the database driver.
+    if is_decimal(sel):
+        step = parse_decimal(sel, "step", max_value=MAX_STEP)
+        return Ref(kind="step", text=text, run=run, step=step)
+    if sel[:1] == "v" and is_decimal(sel[1:]):
+        version = parse_decimal(sel[1:], "version", max_value=MAX_VERSION)
+        return Ref(kind="version", text=text, run=run, version=version)
     if sel.startswith("best:"):
         parts = sel.split(":")
         if len(parts) == 2 or (len(parts) == 3 and parts[2] in ("min", "max")):

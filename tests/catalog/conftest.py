@@ -38,6 +38,8 @@ TABLES = (
     "checkpoints",
     "runs",
     "experiments",
+    # Which store the catalog belongs to: emptied too, so each test's store adopts it.
+    "store_meta",
 )
 
 

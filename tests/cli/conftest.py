@@ -8,7 +8,6 @@ import pytest
 from cli_support import Ckpt, FilledStore, Result, make_filled_store
 
 from ckptstore.cli.app import main
-from ckptstore.store import CheckpointStore
 
 
 @pytest.fixture
@@ -27,10 +26,16 @@ def ckpt(capsys: pytest.CaptureFixture[str]) -> Ckpt:
 @pytest.fixture(scope="session")
 def catalog_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An empty catalog already at the newest schema (copying it skips the migration, which
-    costs seconds on a loaded machine)."""
-    root = tmp_path_factory.mktemp("catalog-template")
-    CheckpointStore.open(root).close()
-    return root / "catalog.db"
+    costs seconds on a loaded machine).
+
+    Only migrated, never opened as a store: a store records its hot tier in its catalog, and
+    a copy of that catalog would belong to the template's hot tier, not the test's.
+    """
+    from ckptstore.catalog import migrate
+
+    path = tmp_path_factory.mktemp("catalog-template") / "catalog.db"
+    migrate.upgrade(f"sqlite:///{path}")
+    return path
 
 
 @pytest.fixture

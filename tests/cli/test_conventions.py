@@ -132,6 +132,8 @@ CASES = [
     Case("tiers", check=lambda d: {t["name"] for t in d} == {"hot", "warm"}),
     Case("report", ["--html", f"{W}/report.html"], lambda d: d["bytes"] > 0),
     Case("doctor", check=lambda d: d["ok"] is True),
+    Case("config", check=lambda d: d["settings"]["hot"]["value"].endswith("/hot")
+         and "from" in d["settings"]["codec"]),
 ]
 
 

@@ -36,6 +36,8 @@ def _check_hot(store: CheckpointStore, expected: dict[str, Any]) -> None:
     live = {ck.id for ck in store.list(state=CheckpointState.COMMITTED)
             if (r := ck.replica("hot")) is not None and r.state == ReplicaState.PRESENT}
     for run_dir in store.hot.iterdir():
+        if run_dir.name.startswith("."):  # the store's marker (run names never start so)
+            continue
         for ck_dir in run_dir.iterdir():
             if ck_dir.name in live:
                 continue

@@ -513,3 +513,23 @@ def parse_hostile(path: str, queue: Any) -> None:
         outcome = type(exc).__name__
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     queue.put((outcome, cpu, wall, (_status_kib("VmHWM") - base) / 1024))
+
+
+def import_bundle_measured(root: str, bundle: str, queue: Any) -> None:
+    """Import a (hostile) bundle; report (error type, message, peak RSS growth MiB)."""
+    from ckptstore.ops.bundle import import_bundle
+    from ckptstore.store import CheckpointStore
+
+    with CheckpointStore.open(root) as store:
+        try:
+            with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+                fh.write("5")  # reset the peak-RSS counter (VmHWM) to the current RSS
+        except OSError:
+            pass
+        base = _status_kib("VmRSS")
+        try:
+            import_bundle(store, bundle)
+            outcome, message = "ok", ""
+        except Exception as exc:  # the parent asserts on the type
+            outcome, message = type(exc).__name__, str(exc)[:300]
+        queue.put((outcome, message, (_status_kib("VmHWM") - base) / 1024))

@@ -66,12 +66,16 @@ def procs() -> multiprocessing.context.BaseContext:
 
 @pytest.fixture(scope="session")
 def _catalog_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An embedded catalog already upgraded to the newest schema (copied per test)."""
-    from ckptstore.store import CheckpointStore
+    """An embedded catalog already upgraded to the newest schema (copied per test).
 
-    root = tmp_path_factory.mktemp("catalog-template")
-    CheckpointStore.open(root).close()
-    return root / "catalog.db"
+    Only migrated, never opened as a store: a store records its hot tier in its catalog, and
+    a copy of that catalog would belong to the template's hot tier, not the test's.
+    """
+    from ckptstore.catalog import migrate
+
+    path = tmp_path_factory.mktemp("catalog-template") / "catalog.db"
+    migrate.upgrade(f"sqlite:///{path}")
+    return path
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from ckptstore.testing.invariants import check_invariants
 NBYTES = 512 * 1024
 SECONDS = 20.0 if FULL else 6.0
 TABLES = ("leases", "events", "aliases", "lineage_edges", "replicas", "checkpoint_metrics",
-          "checkpoint_tags", "checkpoints", "runs", "experiments")
+          "checkpoint_tags", "checkpoints", "runs", "experiments", "store_meta")
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -36,13 +36,17 @@ def backend(request: pytest.FixtureRequest, new_root: Any) -> tuple[Path, str | 
     if request.param == "sqlite":
         return root, None
     url = request.getfixturevalue("pg_url")
-    CheckpointStore.open(root, catalog_url=url).close()  # upgrade once
     from sqlalchemy import create_engine, text
 
+    from ckptstore.catalog import migrate
+
+    migrate.upgrade(url)  # once per module; a no-op afterwards
     engine = create_engine(url)
     with engine.begin() as conn:
+        # store_meta too: the catalog then belongs to no store, and this test's adopts it.
         conn.execute(text("TRUNCATE " + ", ".join(TABLES) + " CASCADE"))
     engine.dispose()
+    CheckpointStore.open(root, catalog_url=url).close()
     return root, url
 
 

@@ -325,3 +325,111 @@ def test_export_refuses_missing_and_delta(store: Any, w: Any, tmp_path: Path) ->
     with pytest.raises(CheckpointNotFoundError):
         export_bundle(store, "r@latest", tmp_path / "x.tar")
     assert not (tmp_path / "x.tar").exists()
+
+
+# ---------------------------------------------------------------------- header bombs
+_DECLARED = 512 * 1024 * 1024  # what a hostile extended header claims to hold
+_BLOCK = 1024 * 1024
+
+
+def _header(name: str, kind: bytes, size: int, **fields: Any) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.size = size
+    for key, value in fields.items():
+        setattr(info, key, value)
+    return info.tobuf(tarfile.GNU_FORMAT if kind in (tarfile.GNUTYPE_LONGNAME,
+                                                   tarfile.GNUTYPE_SPARSE)
+                      else tarfile.USTAR_FORMAT)
+
+
+def _stream(out: Any, size: int, pattern: bytes = b"\0") -> None:
+    """Write ``size`` bytes of ``pattern`` repeated, then pad to a tar block."""
+    block = (pattern * (_BLOCK // len(pattern) + 1))[:_BLOCK]
+    left = size
+    while left > 0:
+        out.write(block[: min(left, _BLOCK)])
+        left -= _BLOCK
+    out.write(b"\0" * (-size % tarfile.BLOCKSIZE))
+
+
+def _pax_record(key: str, value: str) -> bytes:
+    body = f" {key}={value}\n".encode()
+    n = len(body) + 1
+    while len(str(n)) + len(body) != n:
+        n = len(str(n)) + len(body)
+    return str(n).encode() + body
+
+
+def _bomb(kind: str, good: Path, out: Path) -> Path:
+    """A gzip bundle whose first headers ask tarfile for far more memory than they are worth,
+    followed by a complete, valid bundle (so only the headers can make the import fail)."""
+    import gzip
+
+    with gzip.open(out, "wb", compresslevel=1) as gz:
+        if kind in ("pax", "pax-global"):
+            kind_byte = tarfile.XHDTYPE if kind == "pax" else tarfile.XGLTYPE
+            gz.write(_header("././@PaxHeader", kind_byte, _DECLARED))
+            _stream(gz, _DECLARED)
+        elif kind == "gnu-longname":
+            gz.write(_header("././@LongLink", tarfile.GNUTYPE_LONGNAME, _DECLARED))
+            _stream(gz, _DECLARED)
+        elif kind == "pax-chain":
+            # 2,000 extended headers of 60 KiB each in front of one member.
+            record = _pax_record("comment", "x" * (60 * 1024))
+            for _ in range(2000):
+                gz.write(_header("././@PaxHeader", tarfile.XHDTYPE, len(record)))
+                gz.write(record + b"\0" * (-len(record) % tarfile.BLOCKSIZE))
+        elif kind == "pax-sparse":
+            # GNU sparse 1.0: the sparse map is read from the data, number by number.
+            record = (_pax_record("GNU.sparse.major", "1") + _pax_record("GNU.sparse.minor", "0")
+                      + _pax_record("GNU.sparse.name", "checkpoint/x")
+                      + _pax_record("GNU.sparse.realsize", "1"))
+            gz.write(_header("././@PaxHeader", tarfile.XHDTYPE, len(record)))
+            gz.write(record + b"\0" * (-len(record) % tarfile.BLOCKSIZE))
+            gz.write(_header("checkpoint/x", tarfile.REGTYPE, 32 * _BLOCK + 13))
+            gz.write(b"999999999999\n")
+            _stream(gz, 32 * _BLOCK, b"1\n")
+        elif kind == "gnu-sparse":
+            # An old-GNU sparse member whose header says "more sparse blocks follow", forever.
+            info = tarfile.TarInfo("checkpoint/x")
+            info.type = tarfile.GNUTYPE_SPARSE
+            buf = bytearray(info.tobuf(tarfile.GNU_FORMAT))
+            buf[482] = 1  # isextended
+            buf[148:156] = b" " * 8
+            buf[148:156] = b"%06o\0 " % sum(buf)
+            gz.write(bytes(buf))
+            block = bytearray(b"".join(b"%011o\0%011o\0" % (i + 1, 1) for i in range(21)))
+            block += b"\0" * (504 - len(block)) + b"\1" + b"\0" * 7
+            for _ in range(128 * 1024):
+                gz.write(bytes(block))
+        else:
+            raise AssertionError(kind)
+        gz.write(good.read_bytes())
+    return out
+
+
+@pytest.mark.parametrize("kind", ["pax", "gnu-longname", "pax-global", "pax-chain",
+                                  "pax-sparse", "gnu-sparse"])
+def test_extended_header_bombs_are_refused_before_allocating(
+    store: Any, new_root: Any, w: Any, procs: Any, tmp_path: Path, kind: str, figures: Any
+) -> None:
+    ck = store.save("r", 1, w.make_state(1, NBYTES))
+    good = export_bundle(store, ck.id, tmp_path / "good.tar")
+    hostile = _bomb(kind, good, tmp_path / f"{kind}.tar.gz")
+    assert hostile.stat().st_size < 8 * 1024 * 1024  # small on disk, huge when inflated
+    target = new_root("target")
+    CheckpointStore.open(target).close()
+    before = checks.dir_snapshot(target / "hot")
+    queue = procs.SimpleQueue()
+    child = checks.start_child(procs, w.import_bundle_measured, str(target), str(hostile),
+                               queue)
+    assert checks.join(child, 300.0) == 0
+    outcome, message, grown = queue.get()
+    figures.add("bad_inputs")
+    figures.set(f"bundle_{kind}", {"outcome": outcome, "rss_growth_mb": round(grown, 1)})
+    assert outcome in ("IntegrityError", "InvalidNameError"), (outcome, message, grown)
+    assert grown < 64, f"RSS grew {grown:.0f} MiB before the bundle was refused"
+    with CheckpointStore.open(target) as other:
+        assert other.list(state=None) == []  # nothing registered, not even FAILED
+    assert checks.dir_snapshot(target / "hot") == before  # nothing written

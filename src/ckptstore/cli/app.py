@@ -9,16 +9,21 @@ same exit code.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from ckptstore.cli import deltas, overview, transfer, trust
 from ckptstore.cli.common import (
     State,
+    ascii_float,
+    ascii_int,
     configure_logging,
     install_global_options,
     open_store,
@@ -45,8 +50,9 @@ app = typer.Typer(
     help=(
         "Manage PyTorch checkpoints: list, inspect, archive, prune, restore, convert.\n\n"
         "The store is chosen by --store PATH (a directory holding catalog.db and hot/), "
-        "--config FILE (TOML), or $CKPT_CONFIG / $CKPT_ROOT / $CKPT_CATALOG_URL; "
-        "default ./ckpt. References: a uuid, run@latest, run@<step>, run@v<version>, "
+        "--config FILE (TOML; else $CKPT_CONFIG, else ./ckptstore.toml), and the CKPT_* "
+        "variables ($CKPT_ROOT, $CKPT_CATALOG_URL, ...); default ./ckpt. `ckpt config` "
+        "shows what was resolved. References: a uuid, run@latest, run@<step>, run@v<version>, "
         "run@best:<metric>[:max] or an alias. The global options (--store, --config, "
         "--verbose) go before or after the command name. Every command that prints a result "
         "takes --json."
@@ -86,7 +92,9 @@ def _root(
         str | None, typer.Option("--store", "-s", help="Store directory (default ./ckpt).")
     ] = None,
     config: Annotated[
-        str | None, typer.Option("--config", "-c", help="TOML config file.")
+        str | None,
+        typer.Option("--config", "-c",
+                     help="TOML config file (default $CKPT_CONFIG, else ./ckptstore.toml)."),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress.")] = False,
     version: Annotated[
@@ -106,8 +114,12 @@ def ls_cmd(
     run: Annotated[str | None, typer.Option("--run", "-r", help="Only this run.")] = None,
     experiment: Annotated[str | None, typer.Option(help="Only runs of this experiment.")] = None,
     tag: Annotated[str | None, typer.Option(help="Only checkpoints with this tag.")] = None,
-    min_step: Annotated[int | None, typer.Option(help="Smallest step.")] = None,
-    max_step: Annotated[int | None, typer.Option(help="Largest step.")] = None,
+    min_step: Annotated[
+        int | None, typer.Option(parser=ascii_int, help="Smallest step.")
+    ] = None,
+    max_step: Annotated[
+        int | None, typer.Option(parser=ascii_int, help="Largest step.")
+    ] = None,
     where: Annotated[
         list[str] | None,
         typer.Option(help="Metric filter such as 'loss<2.0' (repeatable; < <= > >= == !=)."),
@@ -117,7 +129,9 @@ def ls_cmd(
         str, typer.Option(help="step, version, created_at, stored_bytes, run, metric:<name>; "
                                "prefix '-' for descending.")
     ] = "run",
-    limit: Annotated[int | None, typer.Option(help="At most this many rows.")] = None,
+    limit: Annotated[
+        int | None, typer.Option(parser=ascii_int, help="At most this many rows.")
+    ] = None,
     wide: Annotated[bool, typer.Option("--wide", "-w", help="Also show time and id.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -400,7 +414,9 @@ def events_cmd(
     ref: Annotated[
         str | None, typer.Argument(help="Checkpoint reference (all if omitted).")
     ] = None,
-    limit: Annotated[int, typer.Option(help="At most this many events.")] = 50,
+    limit: Annotated[
+        int, typer.Option(parser=ascii_int, help="At most this many events.")
+    ] = 50,
     as_json: JsonOpt = False,
 ) -> None:
     """The audit log: saved, archived, pruned, restored, converted, verified.
@@ -434,7 +450,8 @@ def gc_cmd(
     ctx: typer.Context,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report.")] = False,
     older_than: Annotated[
-        float, typer.Option(help="Hours after which a pending save of another host is dead.")
+        float, typer.Option(parser=ascii_float,
+                            help="Hours after which a pending save of another host is dead.")
     ] = 24.0,
     as_json: JsonOpt = False,
 ) -> None:
@@ -454,6 +471,91 @@ def gc_cmd(
         console.print(f"{verb} {path}")
     for ckpt_id in report.failed_rows:
         console.print(f"{'would mark' if dry_run else 'marked'} {ckpt_id} FAILED")
+
+
+# --------------------------------------------------------------------------- config
+@app.command("config")
+def config_cmd(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """Print the resolved settings and where each came from (argument, env, file, default).
+
+    Passwords in URLs and credential-like storage options are masked.
+
+    JSON: {"config": {"path", "found_by"}, "settings": {name: {"value", "from", "detail"}}}.
+    """
+    from ckptstore.config import resolve_settings
+
+    state: State = ctx.obj
+    resolved = resolve_settings(state.config, root=state.store)
+    settings = resolved.settings
+    report: dict[str, dict[str, Any]] = {}
+    for name, origin in resolved.origins.items():
+        value = getattr(settings, name)
+        detail = origin.detail
+        if name == "catalog_url" and value is None:
+            value, detail = settings.resolved_catalog_url, "the embedded catalog under root"
+        elif name == "hot" and value is None:
+            value, detail = str(settings.hot_path), "<root>/hot"
+        report[name] = {"value": _redacted(_plain(value)), "from": origin.kind,
+                        "detail": detail}
+    found = {"path": str(resolved.config) if resolved.config else None,
+             "found_by": resolved.config_found_by or None}
+    if as_json:
+        print_json({"config": found, "settings": report})
+        return
+    if resolved.config is not None:
+        console.print(f"config file: {resolved.config} ({resolved.config_found_by})",
+                      markup=False, highlight=False, soft_wrap=True)
+    else:
+        console.print("config file: none (no --config, $CKPT_CONFIG or ./ckptstore.toml)",
+                      markup=False, highlight=False)
+    print_table(
+        ["setting", "value", "from"],
+        ((escape(name), escape(_display(row["value"])),
+          escape(row["from"] + (f" ({row['detail']})" if row["detail"] else "")))
+         for name, row in report.items()),
+        no_wrap=("setting",),
+    )
+
+
+def _plain(value: Any) -> Any:
+    """A setting as plain JSON-able data."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def _redacted(value: Any, key: str = "") -> Any:
+    """``value`` without credentials: URL passwords and secret storage options masked."""
+    from ckptstore.catalog import mask_url
+    from ckptstore.storage.base import is_secret_option
+
+    if key and is_secret_option(key) and value not in (None, ""):
+        return "***"
+    if isinstance(value, str):
+        if "://" in value and "@" in value:
+            value = mask_url(value)
+        # A password passed as a URL query parameter (?password=...) is not part of userinfo.
+        return _SECRET_QUERY.sub(lambda m: f"{m.group(1)}=***", value)
+    if isinstance(value, dict):
+        return {k: _redacted(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redacted(v) for v in value]
+    return value
+
+
+_SECRET_QUERY = re.compile(r"(?i)\b(password|passwd|secret|token|sslpassword)=[^&\s]+")
+
+
+def _display(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, dict | list):
+        return json.dumps(value)
+    return str(value)
 
 
 # --------------------------------------------------------------------------- db

@@ -26,10 +26,13 @@ from rich.progress import (
 
 from ckptstore.config import Settings, load_settings
 from ckptstore.errors import InvalidNameError
+from ckptstore.numeric import MAX_INT64, decimal_or_none, float_or_none, parse_float
 from ckptstore.store import CheckpointStore
 
 __all__ = [
     "State",
+    "ascii_float",
+    "ascii_int",
     "configure_logging",
     "install_global_options",
     "open_store",
@@ -77,7 +80,8 @@ _GLOBAL_PARAMETERS = [
     inspect.Parameter(
         "global_config", inspect.Parameter.KEYWORD_ONLY, default=None,
         annotation=Annotated[str | None, typer.Option(
-            "--config", "-c", help="TOML config file." + _AFTER)],
+            "--config", "-c",
+            help="TOML config file (default $CKPT_CONFIG, else ./ckptstore.toml)." + _AFTER)],
     ),
     inspect.Parameter(
         "global_verbose", inspect.Parameter.KEYWORD_ONLY, default=False,
@@ -146,8 +150,34 @@ def open_store(ctx: typer.Context) -> Iterator[CheckpointStore]:
 
 
 _WHERE = re.compile(
-    r"^\s*([A-Za-z_][A-Za-z0-9_./-]*)\s*(<=|>=|==|!=|<|>)\s*([-+0-9.eE]+|nan|inf)\s*$"
+    r"^\s*([A-Za-z_][A-Za-z0-9_./-]*)\s*(<=|>=|==|!=|<|>)\s*([-+0-9.eE]+|nan|inf)\s*\Z",
+    re.ASCII,
 )
+
+
+def ascii_int(text: str | int) -> int:
+    """Parser of integer options: ASCII digits only (click's INT reads a full-width 3 as 3).
+
+    Raises:
+        ValueError: Reported by click as a usage error (exit 2).
+    """
+    if isinstance(text, int):  # the option's default, passed through as it is
+        return text
+    value = decimal_or_none(text.strip(), MAX_INT64)
+    if value is None:
+        raise ValueError(f"{text!r} is not a non-negative integer written with the digits "
+                         f"0-9 (at most {MAX_INT64})")
+    return value
+
+
+def ascii_float(text: str | float) -> float:
+    """Parser of number options: ASCII notation only (click's FLOAT reads a full-width 3)."""
+    if isinstance(text, int | float):  # the option's default
+        return float(text)
+    value = float_or_none(text.strip())
+    if value is None:
+        raise ValueError(f"{text!r} is not a number written with the digits 0-9 (e.g. 2.5)")
+    return value
 
 
 def parse_where(text: str) -> tuple[str, tuple[str, float]]:
@@ -162,7 +192,8 @@ def parse_where(text: str) -> tuple[str, tuple[str, float]]:
             f"cannot parse --where {text!r}: write <metric><op><number> with op one of "
             "< <= > >= == !=, e.g. --where 'loss<2.0'"
         )
-    return match.group(1), (match.group(2), float(match.group(3)))
+    return match.group(1), (match.group(2), parse_float(match.group(3), f"--where {text!r}",
+                                                        finite=False))
 
 
 class _Bar:

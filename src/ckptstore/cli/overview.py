@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from ckptstore.cli.common import open_store
+from ckptstore.cli.common import ascii_int, open_store
 from ckptstore.cli.output import console, err_console, human_bytes, print_json, print_table
 from ckptstore.errors import InvalidNameError
 
@@ -36,7 +36,8 @@ def tiers_cmd(
         ),
     ] = False,
     probe_mib: Annotated[
-        int | None, typer.Option(help="Probe blob size in MiB (default by backend).")
+        int | None,
+        typer.Option(parser=ascii_int, help="Probe blob size in MiB (default by backend)."),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -103,7 +104,7 @@ def tiers_cmd(
 def ui_cmd(
     ctx: typer.Context,
     host: Annotated[str, typer.Option(help="Loopback address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8787,
+    port: Annotated[int, typer.Option(parser=ascii_int, help="TCP port.")] = 8787,
 ) -> None:
     """Browse the catalog in a web browser (read-only; bound to this machine only)."""
     from ckptstore.ui.app import check_loopback, serve

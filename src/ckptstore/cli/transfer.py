@@ -13,9 +13,10 @@ from typing import Annotated, Any
 
 import typer
 
-from ckptstore.cli.common import open_store, progress_bar, spinner
+from ckptstore.cli.common import ascii_float, ascii_int, open_store, progress_bar, spinner
 from ckptstore.cli.output import console, err_console, human_bytes, print_json
 from ckptstore.errors import InvalidNameError
+from ckptstore.numeric import decimal_or_none, float_or_none
 
 __all__ = ["register"]
 
@@ -47,7 +48,8 @@ def archive_cmd(
     ] = None,
     demote_after_days: Annotated[
         float | None,
-        typer.Option(help="Also move warm copies older than this many days to the cold tier."),
+        typer.Option(parser=ascii_float,
+                     help="Also move warm copies older than this many days to the cold tier."),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -100,14 +102,18 @@ def prune_cmd(
     ctx: typer.Context,
     run: Annotated[str | None, typer.Option("--run", "-r", help="Only this run.")] = None,
     tier: Annotated[str, typer.Option(help="Tier to prune.")] = "hot",
-    keep_last: Annotated[int | None, typer.Option(help="Keep the newest N per run.")] = None,
+    keep_last: Annotated[
+        int | None, typer.Option(parser=ascii_int, help="Keep the newest N per run.")
+    ] = None,
     keep_every: Annotated[
-        int | None, typer.Option(help="Keep steps that are multiples of K.")
+        int | None, typer.Option(parser=ascii_int, help="Keep steps that are multiples of K.")
     ] = None,
     keep_best: Annotated[
         str | None, typer.Option(help="METRIC:min|max:N, e.g. val_loss:min:3.")
     ] = None,
-    max_age_days: Annotated[float | None, typer.Option(help="Delete older than this.")] = None,
+    max_age_days: Annotated[
+        float | None, typer.Option(parser=ascii_float, help="Delete older than this.")
+    ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan only.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -132,11 +138,12 @@ def prune_cmd(
             overrides["max_age_days"] = max_age_days
         if keep_best is not None:
             parts = keep_best.split(":")
-            if len(parts) != 3 or parts[1] not in ("min", "max") or not parts[2].isdigit():
+            count = decimal_or_none(parts[2]) if len(parts) == 3 else None
+            if count is None or parts[1] not in ("min", "max"):
                 raise InvalidNameError(
                     f"--keep-best {keep_best!r}: write METRIC:min|max:N, e.g. val_loss:min:3"
                 )
-            overrides["keep_best"] = (parts[0], parts[1], int(parts[2]))
+            overrides["keep_best"] = (parts[0], parts[1], count)
         if overrides:
             from dataclasses import replace
 
@@ -332,7 +339,7 @@ def import_cmd(
     ctx: typer.Context,
     path: Annotated[Path, typer.Argument(help=".pt/.bin/.safetensors file, HF or DCP folder.")],
     run: Annotated[str, typer.Option("--run", "-r", help="Run to file it under.")],
-    step: Annotated[int, typer.Option(help="Step to record.")],
+    step: Annotated[int, typer.Option(parser=ascii_int, help="Step to record.")],
     fmt: Annotated[
         str | None, typer.Option("--format", "-f", help="pt, safetensors, hf or dcp (auto).")
     ] = None,
@@ -354,10 +361,11 @@ def import_cmd(
     metrics: dict[str, float] = {}
     for item in metric or []:
         name, sep, value = item.partition("=")
-        try:
-            metrics[name] = float(value)
-        except ValueError:
+        number = float_or_none(value)
+        if number is None:
             sep = ""
+        else:
+            metrics[name] = number
         if not sep:
             raise InvalidNameError(f"--metric {item!r}: write NAME=VALUE, e.g. loss=1.25")
     with open_store(ctx) as store, progress_bar(f"importing {path.name}",

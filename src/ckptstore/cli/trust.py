@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from ckptstore.cli.common import open_store, progress_bar
+from ckptstore.cli.common import ascii_float, open_store, progress_bar
 from ckptstore.cli.output import console, human_bytes, print_json
 
 __all__ = ["register"]
@@ -30,7 +30,8 @@ def doctor_cmd(
         list[str] | None, typer.Option("--tier", help="Only this tier (repeatable).")
     ] = None,
     grace: Annotated[
-        float, typer.Option(help="Leave unfinished files younger than this many seconds.")
+        float, typer.Option(parser=ascii_float,
+                            help="Leave unfinished files younger than this many seconds.")
     ] = 60.0,
     as_json: JsonOpt = False,
 ) -> None:

@@ -6,6 +6,11 @@ without an intermediate copy) and verifies the crc32c trailer against both the b
 and the manifest. Any mismatch, missing or truncated file raises
 :class:`~ckptstore.errors.IntegrityError`: a damaged chunk never reads as zeros.
 
+Chunk files are opened without following a final symlink, and the directories between a
+checkpoint directory and its chunk files (``<array>/c``) must be real directories: a planted
+symlink there would make a load read another directory's files silently. Either is an
+:class:`~ckptstore.errors.IntegrityError` naming the checkpoint and the array.
+
 Chunks held by other checkpoints (dedup ``src``, and the base chunk of a delta-encoded chunk)
 are read from the owner's directory by array and index, checked against the size and crc32c
 recorded in *this* checkpoint's manifest. The owner need not be a committed checkpoint any
@@ -70,6 +75,7 @@ class ChunkReader:
         self.manifest = manifest
         self._locate = locate
         self._bases: dict[str, Path | MissingBaseError] = {}
+        self._real_dirs: set[tuple[Path, str]] = set()
         self._lock = threading.Lock()
         self._local = threading.local()
 
@@ -82,6 +88,7 @@ class ChunkReader:
             MissingBaseError: If the chunk lives in another checkpoint that cannot be found.
         """
         root = self.directory if chunk.src is None else self._base_dir(chunk.src)
+        self._check_dirs(root, array, chunk.i)
         return root / array.chunk_path(chunk.i)
 
     def base_path(self, array: ArrayEntry, index: int, base: BaseChunk) -> Path:
@@ -90,7 +97,39 @@ class ChunkReader:
         Raises:
             MissingBaseError: If the base's checkpoint cannot be found.
         """
-        return self._base_dir(base.src) / array.chunk_path(index)
+        root = self._base_dir(base.src)
+        self._check_dirs(root, array, index)
+        return root / array.chunk_path(index)
+
+    def _check_dirs(self, root: Path, array: ArrayEntry, index: int) -> None:
+        """Refuse a symlink (or anything but a directory) between ``root`` and the chunk files.
+
+        Checked once per checkpoint directory and array; a missing directory is left to the
+        open, which reports the chunk as missing.
+
+        Raises:
+            IntegrityError: If ``<array>`` or ``<array>/c`` is a symlink or not a directory.
+        """
+        if (root, array.name) in self._real_dirs:
+            return
+        path = root
+        for part in (*array.name.split("/"), "c"):
+            path = path / part
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                raise storage_error(path, "inspect chunk directory", exc) from exc
+            if stat.S_ISLNK(mode):
+                raise self.damaged(array, index, path,
+                                   "lies in a symlinked directory (chunk directories must be "
+                                   "real directories inside the checkpoint)")
+            if not stat.S_ISDIR(mode):
+                raise self.damaged(array, index, path, "lies under a path that is not a "
+                                                       "directory")
+        with self._lock:
+            self._real_dirs.add((root, array.name))
 
     def _base_dir(self, ckpt_id: str) -> Path:
         with self._lock:
@@ -346,7 +385,7 @@ class ChunkReader:
             paths = [self.chunk_path(array, chunk)]
             if chunk.base is not None:
                 paths.append(self.base_path(array, index, chunk.base))
-        except MissingBaseError:
+        except IntegrityError:  # MissingBaseError too; the read reports it
             return
         for path in paths:
             try:

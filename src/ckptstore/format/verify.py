@@ -71,8 +71,9 @@ def verify_checkpoint(
     for rel in [ZARR_JSON, MANIFEST_NAME, COMMIT_NAME] + [
         f"{name}/{ZARR_JSON}" for name in manifest.arrays
     ]:
-        if not (directory / rel).is_file():
-            problems.append(f"{rel}: missing")
+        problem = _not_regular(directory / rel)
+        if problem is not None:
+            problems.append(f"{rel}: {problem}")
     reader = ChunkReader(directory, manifest, locate)
     jobs = [(array, chunk.i) for array in manifest.arrays.values() for chunk in array.chunks]
 
@@ -93,12 +94,29 @@ def verify_checkpoint(
     return problems
 
 
+def _not_regular(path: Path) -> str | None:
+    """Why ``path`` is not a plain file (a symlink counts as not), or None when it is one."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return f"cannot stat: {exc}"
+    if stat.S_ISLNK(mode):
+        return "is a symlink"
+    return None if stat.S_ISREG(mode) else "is not a regular file"
+
+
 def _check_extra(directory: Path, deep: bool, entry: FileEntry) -> str | None:
     rel, nbytes, crc = entry
     path = directory / rel
     try:
         if not deep or crc is None:
-            size = os.stat(path).st_size
+            # lstat: a symlink planted in the file's place must not pass on its target's size.
+            problem = _not_regular(path)
+            if problem is not None:
+                return f"{rel}: {problem}"
+            size = os.lstat(path).st_size
             return None if size == nbytes else f"{rel}: is {size} bytes, expected {nbytes}"
         # Non-blocking, no link following: a planted FIFO must not hang verification.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
@@ -128,11 +146,17 @@ def _check_chunk(reader: ChunkReader, array: ArrayEntry, index: int, deep: bool)
         return f"{label}: {exc}"
     if not deep:
         try:
-            size = os.stat(path).st_size
+            # lstat: the deep read refuses a symlinked chunk file (O_NOFOLLOW); so does this.
+            st = os.lstat(path)
         except FileNotFoundError:
             return f"{label}: missing ({path})"
         except OSError as exc:
             return f"{label}: cannot stat {path}: {exc}"
+        if stat.S_ISLNK(st.st_mode):
+            return f"{label}: is a symlink ({path})"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{label}: is not a regular file ({path})"
+        size = st.st_size
         if size != chunk.nbytes:
             return f"{label}: is {size} bytes, expected {chunk.nbytes}"
         return None

@@ -493,7 +493,10 @@ def _finite_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float] | Non
         return None
     out: dict[str, float] = {}
     for name, value in metrics.items():
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond the float range: as good as infinite
+            number = math.inf
         if math.isfinite(number):
             out[name] = number
         else:

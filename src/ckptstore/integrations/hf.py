@@ -163,10 +163,16 @@ def metrics_from_log_history(log_history: Sequence[Mapping[str, Any]], step: int
         for name, value in entry.items():
             if name == "step" or name in out or isinstance(value, bool):
                 continue
-            if not isinstance(value, int | float) or not math.isfinite(value):
+            if not isinstance(value, int | float):
+                continue
+            try:
+                number = float(value)
+            except OverflowError:  # an int beyond the float range
+                continue
+            if not math.isfinite(number):
                 continue
             with contextlib.suppress(CkptError):
-                out[validate_metric_name(name)] = float(value)
+                out[validate_metric_name(name)] = number
     return out
 
 

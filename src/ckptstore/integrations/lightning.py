@@ -172,8 +172,9 @@ def _put(out: dict[str, float], name: Any, value: Any) -> None:
     try:
         number = float(value.item() if isinstance(value, torch.Tensor) else value)
         validate_metric_name(name)
-    except (TypeError, ValueError, RuntimeError, CkptError):
-        return  # not a scalar, or a name the catalog cannot hold: not recorded
+    except (TypeError, ValueError, OverflowError, RuntimeError, CkptError):
+        # Not a scalar, an int beyond the float range, or a name the catalog cannot hold.
+        return
     if math.isfinite(number):
         out[str(name)] = number
 

@@ -44,7 +44,7 @@ from ckptstore.core import StoreCore, StoreService
 from ckptstore.errors import CkptError, ConfigError
 from ckptstore.format import flatten_state
 from ckptstore.observability.timing import off_training_path
-from ckptstore.ops.save import save_checkpoint
+from ckptstore.ops.save import check_save_args, save_checkpoint
 from ckptstore.ops.staging import (
     BufferKey,
     StagingPool,
@@ -231,6 +231,8 @@ class AsyncSaver(StoreService):
         # Refuse pickle-only objects here, like a synchronous save, instead of deep-copying
         # them and failing later in the background (a walk of the tree: ~1 ms for 600 tensors).
         flatten_state(state)
+        # Like a synchronous save, refuse a bad step or metric now, not in the background.
+        check_save_args(run, step, save_kwargs.get("metrics"), save_kwargs.get("tags", ()))
         plan = plan_staging(state)
         buffers = self.pool.acquire(plan.keys, should_stop=lambda: self._closed)
         acquired = time.perf_counter()

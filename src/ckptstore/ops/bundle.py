@@ -13,7 +13,12 @@ bytes against ``manifest_digest`` (and the signature over it), and that both des
 chunks (:func:`ckptstore.ops.reencode.check_same_content`); the imported checkpoint keeps the
 original digest and its hot replica records the re-encoded one.
 
-Importing treats the tar as hostile. Before anything is written it refuses members with
+Importing treats the tar as hostile. Reading the tar itself is bounded first: Python's
+``tarfile`` reads a PAX extended header or a GNU long name whole, at whatever size its header
+declares, and follows sparse maps of any length, so :class:`_BundleTarInfo` refuses extended
+headers over a few KiB, chains of them, global headers beyond a small total and every sparse
+format *before* ``tarfile`` allocates anything for them (a 2 MB ``.tar.gz`` can otherwise
+inflate a 512 MiB header). Before anything is written it then refuses members with
 absolute paths, ``..``, backslashes or odd names, anything but regular files (links, devices,
 FIFOs), members larger than their kind allows (each chunk exactly the size its manifest
 records), duplicates and unexpected files; it bounds the member count and checks the manifest
@@ -35,6 +40,7 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
+from ckptstore.catalog.checks import check_metrics, check_step, check_tags
 from ckptstore.core import StoreCore
 from ckptstore.durable import fsync_fd, fsync_tree, rename_into_place
 from ckptstore.errors import (
@@ -49,6 +55,7 @@ from ckptstore.format import Manifest, read_manifest, verify_checkpoint
 from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, ZARR_JSON
 from ckptstore.format.manifest import manifest_digest
 from ckptstore.names import validate_name
+from ckptstore.numeric import float_or_none, is_decimal
 from ckptstore.ops.delta import lossy_record
 from ckptstore.ops.reencode import check_original
 from ckptstore.ops.signing import SIGNATURE_NAME, SignatureDoc, check_signature, load_public_key
@@ -76,6 +83,16 @@ _DEFAULT_MAX_MEMBERS = 200_000
 # json.loads builds them, so a small hostile manifest cannot take gigabytes.
 _MAX_JSON_ITEMS = 4_000_000
 _COPY_BLOCK = 4 * 1024 * 1024
+# Extended tar headers, bounded before tarfile reads them (it reads each one whole). Our
+# exporter writes at most one small PAX header per member (a name over 100 characters); GNU
+# tar writes a long-name header, and git-style tools a small global one.
+_MAX_PAX_HEADER = 64 * 1024  # one PAX extended header
+_MAX_LONG_NAME = 4096  # one GNU long name or long link (member names are at most 1024)
+_MAX_HEADER_CHAIN = 8  # extended headers in front of one member
+_MAX_GLOBAL_HEADERS = 64 * 1024  # all PAX global headers together (they accumulate)
+# All extended headers of the archive together: what they carry (long names) stays in memory
+# with every member until the import ends. 8 MiB is ~30,000 names of 250 characters.
+_MAX_EXTENDED_TOTAL = 8 * 1024 * 1024
 
 
 # ---------------------------------------------------------------------- export
@@ -178,6 +195,94 @@ def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *
     return out
 
 
+# ---------------------------------------------------------------------- import: reading the tar
+class _BundleTarFile(tarfile.TarFile):
+    """A read-only ``TarFile`` that counts what its extended headers cost (see below)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Set before TarFile.__init__, which already reads the first member.
+        self.header_chain = 0
+        self.global_header_bytes = 0
+        self.extended_bytes = 0
+        kwargs["tarinfo"] = _BundleTarInfo
+        super().__init__(*args, **kwargs)
+
+
+class _BundleTarInfo(tarfile.TarInfo):
+    """``TarInfo`` that checks an extended header's declared size before it is read.
+
+    ``TarInfo._proc_member`` is tarfile's documented extension point ("can be overridden in a
+    subclass"); it runs once per header block, before ``_proc_pax``/``_proc_gnulong`` read the
+    header's payload with a single ``read(size)``.
+    """
+
+    def _proc_member(self, tar: _BundleTarFile) -> tarfile.TarInfo:  # type: ignore[override]
+        size = self.size
+        if self.type == tarfile.GNUTYPE_SPARSE:
+            raise IntegrityError(f"bundle member {self.name!r} is a sparse file; refusing it")
+        if self.type in (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK):
+            if size > _MAX_LONG_NAME:
+                raise InvalidNameError(
+                    f"the bundle declares a {size}-byte GNU long name; member names are at "
+                    f"most {_MAX_LONG_NAME} bytes, refusing the bundle"
+                )
+        elif self.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE):
+            if size > _MAX_PAX_HEADER:
+                raise IntegrityError(
+                    f"the bundle declares a {size}-byte PAX extended header (at most "
+                    f"{_MAX_PAX_HEADER} are allowed); refusing the bundle"
+                )
+            if self.type == tarfile.XGLTYPE:
+                # Global headers stay in memory for the rest of the archive.
+                tar.global_header_bytes += size
+                if tar.global_header_bytes > _MAX_GLOBAL_HEADERS:
+                    raise IntegrityError(
+                        f"the bundle's PAX global headers exceed {_MAX_GLOBAL_HEADERS} bytes; "
+                        "refusing the bundle"
+                    )
+        else:
+            return super()._proc_member(tar)  # type: ignore[misc, no-any-return]
+        tar.extended_bytes += size
+        if tar.extended_bytes > _MAX_EXTENDED_TOTAL:
+            raise IntegrityError(
+                f"the bundle's extended tar headers exceed {_MAX_EXTENDED_TOTAL} bytes in "
+                "total; refusing the bundle"
+            )
+        # An extended header applies to the next header, which tarfile reads recursively:
+        # bound the chain (memory held per member, and the recursion depth).
+        tar.header_chain += 1
+        try:
+            if tar.header_chain > _MAX_HEADER_CHAIN:
+                raise IntegrityError(
+                    f"the bundle has more than {_MAX_HEADER_CHAIN} extended headers in front "
+                    "of one member; refusing the bundle"
+                )
+            return super()._proc_member(tar)  # type: ignore[misc, no-any-return]
+        finally:
+            tar.header_chain -= 1
+
+    def _apply_pax_info(self, pax_headers: dict[str, str], encoding: str,
+                        errors: str) -> None:
+        # tarfile converts these with int()/float(), which read non-ASCII digits, and turns
+        # a value it cannot read into 0: a member's size must be plain ASCII digits.
+        for key, value in pax_headers.items():
+            if key in ("size", "uid", "gid") and not is_decimal(value):
+                raise IntegrityError(f"the bundle's PAX header sets {key} to {value[:40]!r}, "
+                                     "not a decimal number; refusing the bundle")
+            if key in ("mtime", "atime", "ctime") and float_or_none(value) is None:
+                raise IntegrityError(f"the bundle's PAX header sets {key} to {value[:40]!r}, "
+                                     "not a number; refusing the bundle")
+        super()._apply_pax_info(pax_headers, encoding, errors)  # type: ignore[misc]
+
+    # PAX-encoded GNU sparse maps: version 1.0 is read from the member's data, number by
+    # number, without bound. Bundles never hold sparse files, so none is even parsed.
+    def _sparse(self, *_args: Any) -> None:
+        raise IntegrityError("the bundle holds a sparse file (GNU sparse PAX headers); "
+                             "bundles hold regular files only, refusing it")
+
+    _proc_gnusparse_00 = _proc_gnusparse_01 = _proc_gnusparse_10 = _sparse
+
+
 # ---------------------------------------------------------------------- import: checks
 def _member_name(info: tarfile.TarInfo) -> str:
     """The member's path, or InvalidNameError if it could escape or is not one of ours."""
@@ -230,11 +335,11 @@ def _read_member(tar: tarfile.TarFile, info: tarfile.TarInfo, limit: int) -> byt
     return data
 
 
-def _bounded_json(data: bytes, what: str) -> Any:
+def _bounded_json(data: bytes, what: str, max_items: int = _MAX_JSON_ITEMS) -> Any:
     items = data.count(b",") + data.count(b"{") + data.count(b"[")
-    if items > _MAX_JSON_ITEMS:
+    if items > max_items:
         raise IntegrityError(
-            f"{what} holds over {_MAX_JSON_ITEMS} JSON values ({items}); refusing to parse it"
+            f"{what} holds over {max_items} JSON values ({items}); refusing to parse it"
         )
     try:
         return json.loads(data)
@@ -244,8 +349,11 @@ def _bounded_json(data: bytes, what: str) -> Any:
         raise IntegrityError(f"{what} is not valid JSON: {exc}") from None
 
 
-def _parse_header(data: bytes) -> dict[str, Any]:
-    header = _bounded_json(data, f"the bundle header {BUNDLE_HEADER}")
+def _parse_header(data: bytes, members: int) -> dict[str, Any]:
+    # The header lists every member (three JSON values each) plus metrics and tags: bound
+    # its values by the member count, so a small bundle cannot carry a huge header.
+    header = _bounded_json(data, f"the bundle header {BUNDLE_HEADER}",
+                           min(_MAX_JSON_ITEMS, 4 * members + 4096))
     if not isinstance(header, dict) or (header.get("format"), header.get("version")) != (
         _FORMAT, _VERSION
     ):
@@ -257,6 +365,15 @@ def _parse_header(data: bytes) -> dict[str, Any]:
             raise IntegrityError(f"{BUNDLE_HEADER}: field {key!r} is missing or malformed")
     if "copy_digest" in header and not isinstance(header["copy_digest"], str):
         raise IntegrityError(f"{BUNDLE_HEADER}: field 'copy_digest' is malformed")
+    # What the catalog will record, checked against its columns here, at the boundary: a
+    # 400-digit metric would otherwise end in an OverflowError (float() of it).
+    try:
+        header["metrics"] = check_metrics(header["metrics"])
+        header["tags"] = list(check_tags(header["tags"]))
+        if "step" in header:
+            check_step(header["step"])
+    except InvalidNameError as exc:
+        raise IntegrityError(f"{BUNDLE_HEADER}: {exc}; refusing the bundle") from None
     return header
 
 
@@ -421,7 +538,7 @@ def import_bundle(
     if not path.is_file():
         raise StorageError(2, f"bundle {path} does not exist or is not a file")
     try:
-        with tarfile.open(path, "r:*") as tar:
+        with _BundleTarFile.open(path, "r:*") as tar:
             return _import(store, tar, path, run, public_key, max_members, progress)
     except tarfile.TarError as exc:
         raise IntegrityError(f"{path} is not a valid tar bundle ({exc})") from exc
@@ -434,7 +551,7 @@ def _import(store: StoreCore, tar: tarfile.TarFile, path: Path, run: str | None,
     members = _scan(tar, max_members)
     if BUNDLE_HEADER not in members:
         raise IntegrityError(f"{path} has no {BUNDLE_HEADER}: it is not a ckptstore bundle")
-    header = _parse_header(_read_member(tar, members[BUNDLE_HEADER], _MAX_HEADER))
+    header = _parse_header(_read_member(tar, members[BUNDLE_HEADER], _MAX_HEADER), len(members))
     for rel in (MANIFEST_NAME, COMMIT_NAME):
         if _PREFIX + rel not in members:
             raise IntegrityError(f"the bundle has no {rel}; refusing it")

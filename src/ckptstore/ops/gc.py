@@ -19,6 +19,7 @@ from pathlib import Path
 from ckptstore.core import StoreCore
 from ckptstore.format.constants import COMMIT_NAME
 from ckptstore.identity import host, owner_is_dead, unique_owner
+from ckptstore.numeric import is_decimal
 from ckptstore.ops.leases import acquire_lease
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
 
@@ -62,7 +63,7 @@ def writer_is_dead(core: StoreCore, ck: Checkpoint, *, older_than_s: float) -> b
         return True
     writer = ck.writer or ""
     w_host, _, w_pid = writer.rpartition(":")
-    if w_host == host() and w_pid.isdigit():
+    if w_host == host() and is_decimal(w_pid):
         return owner_is_dead(writer)
     return time.time() - ck.created_at.timestamp() > older_than_s
 

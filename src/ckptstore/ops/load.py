@@ -118,6 +118,8 @@ def verify_hot(core: StoreCore, ref: str, *, deep: bool = True) -> builtins.list
         problems = verify_dcp(directory, manifest, deep=deep)
     else:
         problems = verify_checkpoint(directory, manifest, locate=core.locate, deep=deep)
+    if directory.is_symlink():  # reads would silently come from the link's target
+        problems.insert(0, f"{directory}: the checkpoint directory is a symlink")
     core.catalog.record_event(
         "verified",
         checkpoint_id=ck.id,

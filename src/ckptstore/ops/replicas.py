@@ -10,7 +10,10 @@
   (dedup, and the base chunks of delta-encoded chunks), so deleting one checkpoint's copy
   never breaks another.
 * :func:`delete_replica`: the one safe way to delete a copy; it also frees the kept chunk
-  files of already deleted checkpoints once nothing reads them any more.
+  files of already deleted checkpoints once nothing reads them any more. Deleting a copy
+  that is already gone (its files removed by hand, a lost disk) completes: the replica is
+  recorded DELETED and the ``replica_deleted`` event says ``already_gone``.
+* :func:`copy_is_absent`: whether a copy has no file at all on its tier (a lost copy).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from ckptstore.storage import (
 
 __all__ = [
     "ChunkId",
+    "copy_is_absent",
     "delete_replica",
     "dependents",
     "manifest_of",
@@ -213,6 +217,33 @@ def _reads_on(store: StoreCore, ck: Checkpoint, tier: str) -> Manifest | None:
     return manifest_of(store, ck, tier=tier)
 
 
+def copy_is_absent(store: StoreCore, ck: Checkpoint, tier: str) -> bool:
+    """Whether the copy of ``ck`` on ``tier`` has no file left at all (it is lost).
+
+    Raises:
+        ConfigError: If the tier is not configured.
+        StorageError: If the tier cannot be listed (that says nothing about the copy).
+    """
+    target = tier_of(store, tier)
+    return not target.list_prefix(target.prefix_for(ck.run, ck.id))
+
+
+def _live_reads(store: StoreCore, ck: Checkpoint, tier: str) -> Manifest | None:
+    """:func:`_reads_on`, except that a lost copy (no file left on the tier) reads nothing.
+
+    Without that exception, one copy whose files were removed by hand made every deletion
+    on the tier fail: what it reads could not be known, though it reads nothing any more.
+    """
+    try:
+        return _reads_on(store, ck, tier)
+    except CheckpointNotFoundError:
+        if copy_is_absent(store, ck, tier):
+            logger.info("the %s copy of %s (%s) is lost (no file left); it reads nothing",
+                        tier, ck.ref, ck.id)
+            return None
+        raise
+
+
 def referenced_chunks(
     store: StoreCore,
     tier: str,
@@ -250,7 +281,7 @@ def referenced_chunks(
         replica = ck.replica(tier)
         if ck.id in skip or replica is None or replica.state not in _LIVE:
             continue
-        manifest = _reads_on(store, ck, tier)
+        manifest = _live_reads(store, ck, tier)
         if manifest is not None:
             out.update(ref for ref in manifest.chunk_refs() if ref[0] != ck.id)
     return out
@@ -263,7 +294,7 @@ def dependents(store: StoreCore, ck: Checkpoint, tier: str) -> list[Checkpoint]:
         replica = other.replica(tier)
         if other.id == ck.id or replica is None or replica.state not in _LIVE:
             continue
-        manifest = _reads_on(store, other, tier)
+        manifest = _live_reads(store, other, tier)
         if manifest is not None and ck.id in manifest.referenced_checkpoints():
             out.append(other)
     return out
@@ -337,6 +368,11 @@ def delete_replica(
                 f"refusing to delete the {tier} copy of {ck.ref} ({ck.id}): it is the last "
                 "verified copy; archive or restore it to another tier first"
             )
+    prefix = target.prefix_for(ck.run, ck.id)
+    if not target.list_prefix(prefix):
+        # Already gone (removed by hand, a lost disk, or an earlier run of this delete):
+        # nothing to delete and nothing any other checkpoint could still read from it.
+        return _record_gone(store, ck, tier, target, prefix, actor)
     keep_ids = {
         (array, index)
         for owner, array, index in referenced_chunks(store, tier, exclude=[ck.id])
@@ -352,7 +388,6 @@ def delete_replica(
     # Read before deleting: which other checkpoints' kept chunks this copy was reading.
     readers_of = _foreign_owners(store, target, ck)
     store.catalog.set_replica(ck.id, tier, state=ReplicaState.DELETING)
-    prefix = target.prefix_for(ck.run, ck.id)
     keep = {target.key_for(ck.run, ck.id, f"{array}/c/{index}") for array, index in keep_ids}
     # The marker goes first and alone: from here on the copy is visibly incomplete.
     marker = target.key_for(ck.run, ck.id, COMMIT_NAME)
@@ -375,6 +410,26 @@ def delete_replica(
                 "freed_chunks": freed},
     )
     return deleted + freed
+
+
+def _record_gone(store: StoreCore, ck: Checkpoint, tier: str, target: Tier, prefix: str,
+                 actor: str | None) -> int:
+    """Finish deleting a copy that has no file left: record it DELETED, say so in the log."""
+    replica = ck.replica(tier)
+    target.abort_multipart_uploads(prefix)
+    if replica is not None and replica.state != ReplicaState.DELETED:
+        store.catalog.set_replica(ck.id, tier, state=ReplicaState.DELETED, bytes=0)
+    logger.info("the %s copy of %s (%s) was already gone (no file under %s); recorded it as "
+                "deleted", tier, ck.ref, ck.id, prefix)
+    store.catalog.record_event(
+        "replica_deleted",
+        checkpoint_id=ck.id,
+        actor=actor,
+        detail={"tier": tier, "files": 0, "kept_chunks": 0, "freed_chunks": 0,
+                "already_gone": True,
+                "was": replica.state.value if replica is not None else None},
+    )
+    return 0
 
 
 def _foreign_owners(store: StoreCore, target: Tier, ck: Checkpoint) -> set[str]:

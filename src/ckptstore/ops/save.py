@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ckptstore.catalog.checks import check_metrics, check_step
 from ckptstore.core import StoreCore
-from ckptstore.errors import CkptError, InvalidNameError, StorageError
+from ckptstore.errors import CkptError, StorageError
 from ckptstore.faultpoints import fault_point
 from ckptstore.format import flatten_state, write_checkpoint
 from ckptstore.identity import writer_id
@@ -26,9 +27,30 @@ from ckptstore.ops.delta import LATEST, Latest, lossy_record, plan_save
 from ckptstore.ops.memory import stage_after_commit
 from ckptstore.records import Checkpoint
 
-__all__ = ["save_checkpoint"]
+__all__ = ["check_save_args", "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
+
+
+def check_save_args(
+    run: str, step: object, metrics: Mapping[str, object] | None, tags: Sequence[str]
+) -> tuple[int, dict[str, float]]:
+    """Validate what a save records, before anything is written or catalogued.
+
+    The catalog checks these too, but a save creates the run (``experiment``) and stages
+    state before it begins the checkpoint row: a step beyond the ``BIGINT`` column or a
+    metric beyond the float range must fail first, leaving nothing behind.
+
+    Returns:
+        The step and the metrics as ``{name: float}``.
+
+    Raises:
+        InvalidNameError: For a bad run name, tag, step or metric.
+    """
+    validate_name(run)
+    for tag in tags:
+        validate_tag(tag)
+    return check_step(step), check_metrics(metrics)
 
 
 def save_checkpoint(
@@ -57,11 +79,7 @@ def save_checkpoint(
         UnsafeObjectError: If the state holds an object that would need pickle.
         StorageError: If the hot tier fails (disk full, permissions); nothing is committed.
     """
-    validate_name(run)
-    for tag in tags:
-        validate_tag(tag)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidNameError(f"step must be a non-negative int, got {step!r}")
+    step, metrics = check_save_args(run, step, metrics, tags)
     codec = codec or core.settings.codec
     # Refuse pickle-only objects before anything is written or catalogued.
     flatten_state(state)

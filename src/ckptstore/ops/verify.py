@@ -151,7 +151,9 @@ def check_replica(store: StoreCore, ck: Checkpoint, tier: Tier, *,
             assert found is not None
             return found
 
-        return (verify_checkpoint(local, manifest, locate=locate, deep=deep)
+        # A checkpoint directory replaced by a link reads another directory's files.
+        linked = [f"{local}: the checkpoint directory is a symlink"] if local.is_symlink() else []
+        return (linked + verify_checkpoint(local, manifest, locate=locate, deep=deep)
                 + original_problems(local, manifest, ck.manifest_digest))
     with tempfile.TemporaryDirectory(prefix="ckpt-verify-") as tmp:
         root = Path(tmp)

@@ -32,6 +32,7 @@ __all__ = [
     "check_key",
     "is_not_found",
     "is_retryable",
+    "is_secret_option",
     "scrub_secrets",
 ]
 
@@ -63,6 +64,11 @@ _SECRET_ENV_VARS = (
     "AWS_SECURITY_TOKEN",
     "AWS_ACCESS_KEY_ID",
 )
+
+
+def is_secret_option(name: str) -> bool:
+    """Whether a ``storage_options`` key holds a secret (its value must never be shown)."""
+    return name.lower() in _SECRET_OPTION_KEYS
 
 
 def check_checkpoint_id(ckpt_id: str) -> str:

@@ -4,6 +4,11 @@ Writes go to a hidden temporary file in the target directory, are fsynced, and a
 published with ``link()``, which fails if the name exists: that gives atomic, write-once
 files without a check-then-write race. The directory is fsynced afterwards so the new name
 survives a crash.
+
+Reads and writes refuse symlinks (a key must name a plain file inside the root). Deletes never
+follow one either, but they do not refuse it: a symlink planted in a checkpoint directory (in
+a file's place, a directory's, or the checkpoint directory's itself) is unlinked as the link it
+is, so that deleting the checkpoint can always finish.
 """
 
 from __future__ import annotations
@@ -240,25 +245,67 @@ class LocalTier(Tier):
                         keys.append(key)
         return sorted(keys)
 
+    def _link_above(self, key: str) -> Path | None:
+        """The first symlink among the directories between the root and ``key``, if any."""
+        path = self.root
+        for part in key.rstrip("/").split("/")[:-1]:
+            path = path / part
+            if path.is_symlink():
+                return path
+        return None
+
     def delete(self, key: str) -> bool:
-        """Delete one file; False if it did not exist."""
-        path = self._path(key)
+        """Delete one file; False if it did not exist.
+
+        A symlink in the file's place is unlinked itself (never its target). Under a
+        symlinked directory the key names nothing inside the tier: False, nothing touched
+        (:meth:`delete_prefix` removes such a link).
+        """
+        check_key(key)
+        path = self.root / key
         with self._wrap("delete", key):
+            if self._link_above(key) is not None:
+                return False
             try:
-                path.unlink()
+                path.unlink()  # unlink() never follows a final symlink
             except FileNotFoundError:
                 return False
             _fsync_dir_if_supported(path.parent, gone_ok=True)
             return True
 
     def delete_prefix(self, prefix: str) -> int:
-        """Delete a checkpoint directory's files (marker first), then its empty folders."""
-        count = super().delete_prefix(prefix)
+        """Delete a checkpoint directory's files (marker first), then its empty folders.
+
+        Symlinks are unlinked, never followed: a checkpoint directory that is itself a link
+        is removed as a link, and links to directories inside it are removed with the files.
+        """
+        if not prefix or not prefix.endswith("/"):
+            return super().delete_prefix(prefix)  # refuses it
+        check_key(prefix, prefix=True)
         base = self.root / prefix.rstrip("/")
         with self._wrap("delete", prefix):
+            above = self._link_above(prefix.rstrip("/") + "/x")
+            if above is not None and above != base:
+                # A symlinked run directory: its checkpoints are not inside this tier.
+                logger.warning("%s tier: %s is a symlink; not deleting through it",
+                               self.name, above)
+                return 0
+            if base.is_symlink():
+                base.unlink()
+                _fsync_dir_if_supported(base.parent, gone_ok=True)
+                return 1
+        count = super().delete_prefix(prefix)
+        with self._wrap("delete", prefix):
             if base.is_dir() and not base.is_symlink():
-                # Leftover temp files of dead writers, and the now empty folders.
-                for dirpath, _dirs, files in os.walk(base, topdown=False):
+                # Leftover temp files of dead writers, links to directories (os.walk lists
+                # them with the directories and never descends into them), then the now
+                # empty folders.
+                for dirpath, dirs, files in os.walk(base, topdown=False):
+                    for name in dirs:
+                        link = os.path.join(dirpath, name)
+                        if os.path.islink(link):
+                            os.unlink(link)
+                            count += 1
                     for fname in files:
                         if fname.startswith(TEMP_PREFIX):
                             os.unlink(os.path.join(dirpath, fname))

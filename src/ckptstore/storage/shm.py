@@ -23,6 +23,7 @@ from pathlib import Path
 from ckptstore.errors import StorageError
 from ckptstore.format.constants import COMMIT_NAME
 from ckptstore.identity import pid_alive
+from ckptstore.numeric import decimal_or_none
 
 __all__ = [
     "DEFAULT_MEMORY_ROOT",
@@ -212,8 +213,8 @@ class SharedMemoryArea:
                 continue
             for ck_dir in list(run_dir.iterdir()):
                 if ck_dir.name.startswith(_STAGING_PREFIX):
-                    pid = ck_dir.name.rsplit("-", 1)[-1]
-                    if pid.isdigit() and not pid_alive(int(pid)):
+                    pid = decimal_or_none(ck_dir.name.rsplit("-", 1)[-1])
+                    if pid is not None and pid > 0 and not pid_alive(pid):
                         yield ck_dir, True
                     continue
                 if not ck_dir.name.startswith("."):

@@ -27,6 +27,7 @@ from pathlib import Path
 from ckptstore.core import StoreCore
 from ckptstore.errors import CheckpointNotFoundError, CkptError
 from ckptstore.format import iter_tensors, verify_checkpoint
+from ckptstore.numeric import decimal_or_none
 from ckptstore.ops.reencode import read_copy_manifest
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 
@@ -135,11 +136,12 @@ def _local_dir(store: StoreCore, ck: Checkpoint, tier: str, uri: str) -> Path | 
 def _writer_dead(writer: str | None) -> bool:
     if not writer:
         return False
-    host, _, pid = writer.rpartition(":")
-    if host != socket.gethostname() or not pid.isdigit():
+    host, _, pid_text = writer.rpartition(":")
+    pid = decimal_or_none(pid_text)
+    if host != socket.gethostname() or not pid:
         return False  # another host's process: not ours to judge
     try:
-        os.kill(int(pid), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except PermissionError:
@@ -153,9 +155,10 @@ def _kept_chunks_only(ck_dir: Path, still: set[tuple[str, str, int]]) -> bool:
         if not path.is_file():
             continue
         parts = path.relative_to(ck_dir).parts
-        if len(parts) != 3 or parts[1] != "c" or not parts[2].isdigit():
+        index = decimal_or_none(parts[2]) if len(parts) == 3 and parts[1] == "c" else None
+        if index is None:
             return False
-        if (ck_dir.name, parts[0], int(parts[2])) not in still:
+        if (ck_dir.name, parts[0], index) not in still:
             return False
     return True
 

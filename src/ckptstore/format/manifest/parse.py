@@ -10,6 +10,7 @@ open files or allocate memory.
 
 from __future__ import annotations
 
+import itertools
 import re
 from datetime import datetime
 from typing import Any, TypedDict
@@ -435,4 +436,27 @@ def _parse_tensors(raw: Any, arrays: dict[str, ArrayEntry]) -> dict[str, TensorE
             f"{where}: chunk range does not match its offset",
         )
         tensors[key] = TensorEntry(key, array.name, offset, numel, shape, array.torch_dtype, *span)
+    _check_disjoint(tensors)
     return tensors
+
+
+def _check_disjoint(tensors: dict[str, TensorEntry]) -> None:
+    """Refuse two tensors whose elements overlap in one array.
+
+    The writer places every tensor in its own range (tied weights are stored once and
+    referenced), so an overlap means a hand-made manifest: loading it would hand out two
+    tensors sharing bytes, and a partial load or a delta against it would be wrong.
+    """
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for t in tensors.values():
+        if t.numel:  # an empty tensor occupies no bytes
+            spans.setdefault(t.array, []).append((t.offset, t.offset + t.numel, t.key))
+    for array, ranges in spans.items():
+        ranges.sort()
+        # Sorted by start, any overlap shows between neighbours.
+        for (_, end, first), (start, _, second) in itertools.pairwise(ranges):
+            require(
+                start >= end,
+                f"tensors {short(first)} and {short(second)} overlap in array {array} "
+                f"(elements from {start} to {end})",
+            )

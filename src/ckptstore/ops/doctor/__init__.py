@@ -3,7 +3,8 @@
 What it looks for (each is a :class:`Finding` of one ``kind``):
 
 * ``missing-replica``: the catalog says a copy is PRESENT, but its directory, marker,
-  manifest or files are not there (a row without data).
+  manifest or files are not there (a row without data); a copy with no file left at all is
+  reported as lost.
 * ``damaged-replica``: a PRESENT copy whose bytes differ from the manifest (size or hash).
 * ``zarr-metadata``: a local copy whose ``zarr.json`` documents do not describe the arrays
   the manifest records (a planted codec, a changed dtype or shape), or that holds Zarr v2

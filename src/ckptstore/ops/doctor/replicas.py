@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ckptstore.errors import (
     CheckpointNotFoundError,
+    CkptError,
     IncompleteCheckpointError,
     IntegrityError,
     StorageError,
@@ -68,7 +69,7 @@ def _check_replica(job: DoctorRun, ck: Checkpoint, tier: Tier) -> None:
                     if local is not None else manifest_on(tier, ck, use_cache=False))
     except (CheckpointNotFoundError, IncompleteCheckpointError) as exc:
         job.find("missing-replica", ck.id,
-                 f"the catalog says {ck.ref} is PRESENT, but {exc}; {hint}",
+                 f"the catalog says {ck.ref} is PRESENT, but {_lost(ck, tier, exc)}; {hint}",
                  tier=tier.name, repair=job.mark_damaged(ck, tier.name))
         return
     except IntegrityError as exc:
@@ -81,8 +82,8 @@ def _check_replica(job: DoctorRun, ck: Checkpoint, tier: Tier) -> None:
             job.find("missing-replica", ck.id, f"{ck.ref}: cannot check the copy: {exc}",
                      tier=tier.name)
             return
-        job.find("missing-replica", ck.id, f"{ck.ref}: {exc}; {hint}", tier=tier.name,
-                 repair=job.mark_damaged(ck, tier.name))
+        job.find("missing-replica", ck.id, f"{ck.ref}: {_lost(ck, tier, exc)}; {hint}",
+                 tier=tier.name, repair=job.mark_damaged(ck, tier.name))
         return
     if local is not None:
         _check_local_copy(job, ck, tier, local, manifest, hint)
@@ -100,6 +101,8 @@ def _check_local_copy(job: DoctorRun, ck: Checkpoint, tier: Tier, local: Path, m
         return found
 
     problems = verify_checkpoint(local, manifest, locate=locate, deep=job.deep)
+    if local.is_symlink():  # reads would silently come from the link's target
+        problems.insert(0, "the checkpoint directory is a symlink")
     if problems:
         missing = all("missing" in p for p in problems)
         job.find("missing-replica" if missing else "damaged-replica", ck.id,
@@ -144,3 +147,15 @@ def _check_remote_copy(job: DoctorRun, ck: Checkpoint, tier: Tier, manifest: Man
         job.find("missing-replica" if missing else "damaged-replica", ck.id,
                  f"{ck.ref}: {'; '.join(problems[:3])}; {hint}", tier=tier.name,
                  repair=job.mark_damaged(ck, tier.name))
+
+
+def _lost(ck: Checkpoint, tier: Tier, exc: Exception) -> str:
+    """``exc`` as text, said plainly when the copy has no file left at all."""
+    try:
+        gone = not tier.list_prefix(tier.prefix_for(ck.run, ck.id))
+    except CkptError:
+        gone = False
+    if gone:
+        return (f"the copy is lost: no file of it is left on {tier.name} ({exc}); "
+                "`ckpt prune` deletes such a copy like any other")
+    return str(exc)

@@ -52,6 +52,9 @@ def older_than(path: Path, grace_s: float) -> bool:
 
 def remove_tree(path: Path, root: Path) -> None:
     """Delete a checkpoint directory: marker first, never following links out of ``root``."""
+    if path.is_symlink() and root in path.parent.resolve().parents:
+        path.unlink()  # the link itself, never what it points to
+        return
     if path.is_symlink() or root not in path.resolve().parents:
         raise StorageError(f"refusing to delete {path}: it is a link or lies outside {root}")
     (path / COMMIT_NAME).unlink(missing_ok=True)

@@ -236,7 +236,13 @@ def _record(store: StoreCore, action: PlannedAction, owner: str) -> None:
 
 def _remove_local_dir(path: Path) -> None:
     try:
+        if path.is_symlink():
+            # A link planted in the directory's place: remove the link, never its target
+            # (rmtree refuses a link, which left the row DELETING for good).
+            path.unlink()
+            return
         # The commit marker goes first, so a half-deleted directory never looks committed.
+        # rmtree unlinks links inside the directory without following them.
         (path / COMMIT_NAME).unlink(missing_ok=True)
         shutil.rmtree(path)
     except FileNotFoundError:
