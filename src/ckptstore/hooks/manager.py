@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -38,6 +39,8 @@ from ckptstore.ops.retention import apply_retention
 from ckptstore.retention import RetentionPolicy
 
 if TYPE_CHECKING:
+    from ckptstore.observability.serving import MetricsServer
+    from ckptstore.observability.tensorboard import TensorBoardSink
     from ckptstore.ops.progressive import ProgressiveLoad
     from ckptstore.records import Checkpoint
     from ckptstore.store import CheckpointStore
@@ -81,6 +84,10 @@ class CheckpointManager:
         policy: The save policy (steps and/or seconds, plus on-demand requests).
         resumed_from: The checkpoint :meth:`restore_latest` loaded, if any.
         last_checkpoint: The most recently committed checkpoint of this manager.
+        metrics_server: The Prometheus endpoint started for ``metrics_port`` (None otherwise);
+            stopped by :meth:`close`.
+        tensorboard: The TensorBoard sink started for ``tensorboard_dir`` (None otherwise);
+            flushed and closed by :meth:`close`.
     """
 
     def __init__(
@@ -102,6 +109,9 @@ class CheckpointManager:
         config: Mapping[str, Any] | None = None,
         prune_fn: PruneFn | None = None,
         policy: SavePolicy | None = None,
+        metrics_port: int | None = None,
+        metrics_addr: str = "127.0.0.1",
+        tensorboard_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         """Attach a manager to ``run`` of ``store``.
 
@@ -125,9 +135,18 @@ class CheckpointManager:
             prune_fn: Retention hook ``prune_fn(store, run)``; default applies
                 ``keep_last``/``keep_best`` through ``ckptstore.ops.retention``.
             policy: A custom save policy; replaces ``save_interval``/``save_every_seconds``.
+            metrics_port: Serve the store's Prometheus series at
+                ``http://<metrics_addr>:<port>/metrics`` while the manager is open (0 picks a
+                free port; read it from :attr:`metrics_server`). Needs ``ckptstore[metrics]``.
+            metrics_addr: Address the endpoint binds; the default keeps it on this machine.
+            tensorboard_dir: Write every save's timings and sizes to a TensorBoard event file
+                there (``ckpt/save/seconds``, ``ckpt/save/blocked_seconds``, ... per step)
+                while the manager is open. Needs ``ckptstore[tensorboard]``.
 
         Raises:
-            ConfigError: For a non-positive interval or count, or a bad ``keep_best``.
+            ConfigError: For a non-positive interval or count, a bad ``keep_best``, or a
+                metrics endpoint / TensorBoard directory whose extra is not installed.
+            StorageError: If ``metrics_port`` is already in use.
             InvalidNameError: For a bad run name.
         """
         settings = store.settings
@@ -177,8 +196,43 @@ class CheckpointManager:
         if config is not None:
             fields["config"] = dict(config)
         store.run(run, **fields)
+        self.metrics_server: MetricsServer | None = None
+        self.tensorboard: TensorBoardSink | None = None
+        self._start_observability(metrics_port, metrics_addr, tensorboard_dir)
         if handle_sigterm:
             self._install_sigterm()
+
+    # ------------------------------------------------------------------ observability
+    def _start_observability(
+        self,
+        port: int | None,
+        addr: str,
+        tensorboard_dir: str | os.PathLike[str] | None,
+    ) -> None:
+        """Start the endpoint and the sink; on any failure nothing stays running."""
+        metrics = self.store.metrics
+        try:
+            if port is not None:
+                if metrics.prom is None:
+                    raise ConfigError(
+                        f"metrics_port={port} needs prometheus_client: "
+                        "pip install 'ckptstore[metrics]'"
+                    )
+                self.metrics_server = metrics.serve_metrics(port, addr)
+            if tensorboard_dir is not None:
+                # TensorBoardSink raises ConfigError naming ckptstore[tensorboard] without it.
+                self.tensorboard = metrics.attach_tensorboard(tensorboard_dir)
+        except BaseException:
+            self._stop_observability()
+            raise
+
+    def _stop_observability(self) -> None:
+        server, self.metrics_server = self.metrics_server, None
+        if server is not None:
+            self.store.metrics.stop_server(server)
+        sink, self.tensorboard = self.tensorboard, None
+        if sink is not None:
+            self.store.metrics.detach_tensorboard(sink)
 
     # ------------------------------------------------------------------ resume
     def restore_latest(
@@ -402,7 +456,8 @@ class CheckpointManager:
             saver_for(self.store).wait(handles)
 
     def close(self) -> None:
-        """Wait for pending saves and restore the SIGTERM handler; the store stays open.
+        """Wait for pending saves, stop the metrics endpoint and TensorBoard sink the manager
+        started, and restore the SIGTERM handler; the store stays open.
 
         Raises:
             CkptError: The first failure of this manager's saves not yet reported.
@@ -414,6 +469,8 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._uninstall_sigterm()
+            # After the wait: the last saves' timings still reach the endpoint and the file.
+            self._stop_observability()
 
     def __enter__(self) -> CheckpointManager:
         return self
