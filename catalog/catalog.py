@@ -6,6 +6,7 @@ from ckptstore.catalog.events import EventsMixin
 from ckptstore.catalog.labels import LabelsMixin
 from ckptstore.catalog.leases import LeasesMixin
 from ckptstore.catalog.lineage import LineageMixin
+from ckptstore.catalog.metric_history import HistoryMixin
 from ckptstore.catalog.pruning import PruningMixin
 from ckptstore.catalog.queries import QueriesMixin
 from ckptstore.catalog.replicas import ReplicasMixin
@@ -21,6 +22,7 @@ class Catalog(
     ReplicasMixin,
     LeasesMixin,
     EventsMixin,
+    HistoryMixin,
 ):
     """The checkpoint catalog on SQLite (embedded) or PostgreSQL (shared).
 
@@ -42,7 +44,10 @@ class Catalog(
         * replicas: :meth:`replicas`, :meth:`set_replica`;
         * leases: :meth:`acquire_lease`, :meth:`release_lease`, :meth:`lease_holder`,
           :meth:`leases`;
-        * audit log: :meth:`record_event`, :meth:`events`.
+        * audit log: :meth:`record_event`, :meth:`events`;
+        * metric history: :meth:`record_history`, :meth:`metric_history`,
+          :meth:`metric_history_names`,
+          :meth:`truncate_history`.
 
     Args:
         url: ``sqlite:///path/catalog.db`` (the parent directory is created) or
