@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError
 from ckptstore.hooks.policies import AnyOf, EveryNSeconds, EveryNSteps, OnDemand, SavePolicy
 from ckptstore.ops.async_save import SaveHandle, saver_for
+from ckptstore.ops.history import DEFAULT_HISTORY_POINTS, MetricHistory
 from ckptstore.ops.retention import apply_retention
 from ckptstore.retention import RetentionPolicy
 
@@ -88,6 +89,8 @@ class CheckpointManager:
             stopped by :meth:`close`.
         tensorboard: The TensorBoard sink started for ``tensorboard_dir`` (None otherwise);
             flushed and closed by :meth:`close`.
+        history: The run's metric-history recorder (None with ``history=False``); a
+            :class:`~ckptstore.hooks.LossMonitor` given this manager records through it.
     """
 
     def __init__(
@@ -112,6 +115,8 @@ class CheckpointManager:
         metrics_port: int | None = None,
         metrics_addr: str = "127.0.0.1",
         tensorboard_dir: str | os.PathLike[str] | None = None,
+        history: bool = True,
+        history_points: int = DEFAULT_HISTORY_POINTS,
     ) -> None:
         """Attach a manager to ``run`` of ``store``.
 
@@ -142,6 +147,12 @@ class CheckpointManager:
             tensorboard_dir: Write every save's timings and sizes to a TensorBoard event file
                 there (``ckpt/save/seconds``, ``ckpt/save/blocked_seconds``, ... per step)
                 while the manager is open. Needs ``ckptstore[tensorboard]``.
+            history: Record the ``metrics`` passed to :meth:`step` at every step as the run's
+                metric history (the training curve ``ckpt ui`` plots), written to the
+                catalog in batches after each save and on close (see
+                :mod:`ckptstore.ops.history`).
+            history_points: The most points the catalog keeps per metric of the run (older
+                stretches are merged, min and max kept).
 
         Raises:
             ConfigError: For a non-positive interval or count, a bad ``keep_best``, or a
@@ -196,6 +207,9 @@ class CheckpointManager:
         if config is not None:
             fields["config"] = dict(config)
         store.run(run, **fields)
+        self.history = (
+            MetricHistory(store, run, max_points=history_points) if history else None
+        )
         self.metrics_server: MetricsServer | None = None
         self.tensorboard: TensorBoardSink | None = None
         self._start_observability(metrics_port, metrics_addr, tensorboard_dir)
@@ -310,6 +324,13 @@ class CheckpointManager:
         return progressive
 
     def _resumed(self, ck: Checkpoint) -> None:
+        if self.history is not None:
+            try:
+                # The curve shows the path the run took: what was logged after the resumed
+                # step belongs to the abandoned attempt.
+                self.history.rewind(ck.step)
+            except CkptError:
+                logger.exception("could not rewind the metric history of %s", self.run)
         self.resumed_from = ck
         self._parent_pending = ck.id
         self.policy.saved(ck.step, time.monotonic())
@@ -339,6 +360,8 @@ class CheckpointManager:
         """
         self._check_open()
         self._last_state_fn = state_fn
+        if metrics and self.history is not None:
+            self.history.add_many(step, metrics)
         if self._preempted:
             self._save_and_exit(step, state_fn, metrics)
         if not self.policy.should_save(step, time.monotonic()):
@@ -432,6 +455,11 @@ class CheckpointManager:
                 self._prune(self.store, self.run)
             except Exception:
                 logger.exception("pruning the hot tier of %s after %s failed", self.run, ck.ref)
+        if self.history is not None:
+            try:
+                self.history.flush()
+            except CkptError:
+                logger.exception("could not record the metric history of %s", self.run)
         for hook in self._hooks:
             try:
                 hook(ck)
@@ -471,6 +499,8 @@ class CheckpointManager:
             self._uninstall_sigterm()
             # After the wait: the last saves' timings still reach the endpoint and the file.
             self._stop_observability()
+            if self.history is not None:
+                self.history.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
