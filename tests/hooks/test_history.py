@@ -49,13 +49,15 @@ def test_the_curve_is_written_in_batches_at_save_time(
     store: CheckpointStore, async_save: bool
 ) -> None:
     steps, interval, bound = 5000, 500, 100
-    with history_writes(store) as writes:
-        with CheckpointManager(store, "curve", save_interval=interval, async_save=async_save,
-                               handle_sigterm=False, history_points=bound) as mgr:
-            for step in range(1, steps + 1):
-                mgr.step(step, _state, metrics={"loss": loss_at(step), "lr": 1e-3})
-            recorder = mgr.history
-            assert recorder is not None
+    with (
+        history_writes(store) as writes,
+        CheckpointManager(store, "curve", save_interval=interval, async_save=async_save,
+                          handle_sigterm=False, history_points=bound) as mgr,
+    ):
+        for step in range(1, steps + 1):
+            mgr.step(step, _state, metrics={"loss": loss_at(step), "lr": 1e-3})
+        recorder = mgr.history
+        assert recorder is not None
     # One catalog transaction per save (10) and one on close at most: never one per step.
     assert recorder.writes <= steps // interval + 1
     assert len(writes) <= 4 * recorder.writes  # a few statements each (insert/update/rewrite)

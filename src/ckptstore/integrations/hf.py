@@ -1,6 +1,12 @@
 """Hugging Face transformers adapter: ingest each ``checkpoint-N`` folder the ``Trainer``
 writes into the store, and write one back for ``resume_from_checkpoint``.
 
+This path writes every checkpoint twice (the folder, then the store). To write it once,
+straight into the store, use :class:`ckptstore.integrations.hf_trainer.CkptStoreTrainer`
+(a ``Trainer`` subclass; same checkpoint layout, resumes from ``"run@latest"``). The callback
+remains for what that subclass does not cover: several processes, DeepSpeed, FSDP and
+``push_to_hub``, which need the ``Trainer``'s own folders.
+
 Usage::
 
     store = CheckpointStore.open("./ckpt")
