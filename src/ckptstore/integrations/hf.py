@@ -67,6 +67,7 @@ __all__ = [
     "CkptStoreCallback",
     "materialize_hf_checkpoint",
     "metrics_from_log_history",
+    "python_rng_state",
     "read_trainer_folder",
 ]
 
@@ -169,6 +170,17 @@ def metrics_from_log_history(log_history: Sequence[Mapping[str, Any]], step: int
     return out
 
 
+def python_rng_state(state: Sequence[Any]) -> tuple[Any, ...]:
+    """Python's ``random`` state as ``random.setstate`` takes it.
+
+    A Trainer folder holds ``(version, tuple of 625 ints, gauss_next)``;
+    :class:`~ckptstore.integrations.hf_trainer.CkptStoreTrainer` stores the middle part as
+    one int64 array. Both come back as the tuple form.
+    """
+    version, internal, gauss = state
+    return (version, tuple(int(x) for x in internal), gauss)
+
+
 def _untie(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """safetensors refuses two names on one storage: give repeated tensors their own copy."""
     seen: set[int] = set()
@@ -234,6 +246,9 @@ def materialize_hf_checkpoint(
             if key in state:
                 torch.save(state[key], tmp / name)
         for name, rng in (state.get("rng_state") or {}).items():
+            if isinstance(rng, dict) and "python" in rng:
+                # The Trainer's loader passes it to random.setstate, which wants the tuple.
+                rng = {**rng, "python": python_rng_state(rng["python"])}
             torch.save(rng, tmp / _safe_name(name))
         if "trainer_state" in state:
             _write_text(tmp / _TRAINER_STATE,

@@ -28,6 +28,7 @@ back as a ``checkpoint-N`` folder, and either kind resumes this trainer):
 ``scaler``            the gradient scaler's ``state_dict()`` under mixed precision
 ``rng_state``         ``{"rng_state.pth": {"python", "numpy", "cpu", "cuda"}}``: the
                       generators the ``Trainer`` itself saves, as tuples and arrays
+                      (Python's state vector as one int64 array)
 ``trainer_state``     ``dataclasses.asdict(state)`` exactly as ``trainer_state.json``
 ``training_args``     ``args.to_json_string()`` as JSON (for the record; never read back)
 ``hf``                layout version, weights file name, folder name, writer
@@ -45,7 +46,11 @@ Mapping of the ``Trainer``'s options:
 * **metrics**: each checkpoint records the newest value of every number in
   ``state.log_history`` up to its step (``loss``, ``learning_rate``, ``eval_loss``...), as
   the callback does; the logged training ``loss`` also goes into the run's metric history
-  (:mod:`ckptstore.ops.history`), batched at each save.
+  (:mod:`ckptstore.ops.history`), one catalog write per save.
+* **after the commit**, off the training path (on a background thread of the trainer, or
+  on the store's save thread with ``async_save``): the best-model alias, retention and the
+  loss history below. The training loop waits for the durable commit only;
+  ``train`` returns after all of it is done.
 * **save_total_limit** is applied by the store's retention on the hot tier after each commit:
   the newest ``save_total_limit`` checkpoints stay, the best one counted among them as the
   ``Trainer`` counts it (with ``save_total_limit=1`` and a best that is not the newest, both
@@ -79,6 +84,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -97,6 +103,7 @@ from ckptstore.integrations.hf import (
     _TRAINER_STATE,
     _WEIGHTS,
     metrics_from_log_history,
+    python_rng_state,
 )
 from ckptstore.names import validate_name
 from ckptstore.ops.async_save import SaveHandle
@@ -201,6 +208,8 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
         self._codec = codec
         self._async = async_save
         self._pending: list[SaveHandle] = []
+        self._chores: ThreadPoolExecutor | None = None
+        self._chores_pending: list[Future[None]] = []
         self._parent_pending: str | None = None
         self._resume: _Resume | None = None
         self._lock = threading.Lock()
@@ -241,7 +250,8 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
                                         kwargs)
         self._resume = self._open_resume(ck)
         try:
-            return self._train_and_wait(self._resume.folder, trial, ignore_keys_for_eval, kwargs)
+            return self._train_and_wait(self._resume.folder, trial, ignore_keys_for_eval,
+                                        kwargs)
         finally:
             shutil.rmtree(self._resume.folder, ignore_errors=True)
             self._resume = None
@@ -369,7 +379,7 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
             logger.info("%s holds no RNG state; the resume is not bit-exact",
                         resume.checkpoint.ref)
             return
-        random.setstate(rng["python"])
+        random.setstate(python_rng_state(rng["python"]))
         np.random.set_state(rng["numpy"])
         torch.random.set_rng_state(rng["cpu"])
         if torch.cuda.is_available():
@@ -475,9 +485,26 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
         return True
 
     def _after_commit(self, ck: Checkpoint, best: str | None) -> None:
-        """Alias the best checkpoint, then apply ``save_total_limit``; each part isolated."""
+        """Record the commit; the housekeeping after it does not hold up training.
+
+        With ``async_save`` this already runs on the store's background save thread; a
+        synchronous save hands it to the trainer's own background thread, so the training
+        loop waits for the durable commit only, not for the pruning of older checkpoints.
+        """
         self.saved.append(ck)
         logger.info("saved %s at step %s", ck.ref, ck.step)
+        if self._async:
+            self._housekeeping(ck, best)
+            return
+        with self._lock:
+            if self._chores is None:
+                self._chores = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hf-chores")
+            self._chores_pending = [f for f in self._chores_pending if not f.done()]
+            self._chores_pending.append(self._chores.submit(self._housekeeping, ck, best))
+
+    def _housekeeping(self, ck: Checkpoint, best: str | None) -> None:
+        """Alias the best checkpoint, apply ``save_total_limit``, write the loss history;
+        each part isolated (the checkpoint is committed whatever happens here)."""
         if best is not None:
             try:
                 self.store.alias(ck.id if best == f"{self.run}@{ck.step}" else best,
@@ -494,11 +521,20 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
                 apply_retention(self.store, run=self.run, tier="hot",
                                 policy=RetentionPolicy(keep_last=keep))
             except Exception:
-                # The checkpoint is committed; retention runs again after the next save.
+                # Retention runs again after the next save.
                 logger.exception("retention of %s after %s failed", self.run, ck.ref)
+        self._flush_history()
+
+    def _flush_history(self) -> None:
+        if self._history is None:
+            return
+        try:
+            self._history.flush()
+        except CkptError:
+            logger.exception("could not record the loss history of %s", self.run)
 
     def _record_history(self) -> None:
-        """Hand the training losses logged since the last save to the metric history."""
+        """Buffer the training losses logged since the last save (written after the commit)."""
         history = self._history
         if history is None:
             return
@@ -508,32 +544,43 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
             step, loss = entry.get("step"), entry.get("loss")
             if isinstance(step, int) and isinstance(loss, int | float):
                 history.add(step, float(loss))
-        history.flush()
 
     # ------------------------------------------------------------------ waiting
     def wait(self) -> list[Checkpoint]:
-        """Wait for background saves; return the checkpoints committed so far.
+        """Wait for background saves and the housekeeping after them (retention, alias,
+        loss history); return the checkpoints committed so far.
 
         Raises:
             CkptError: The first background save failure not yet reported.
         """
         with self._lock:
             pending, self._pending = self._pending, []
+            chores, self._chores_pending = self._chores_pending, []
         errors: list[BaseException] = []
         for handle in pending:
             try:
                 handle.result()
             except BaseException as exc:
                 errors.append(exc)
+        for chore in chores:
+            chore.result()  # _housekeeping logs its own failures
+        self._record_history()
+        self._flush_history()
         if errors:
             raise errors[0]
         return list(self.saved)
 
 
 def _rng_states() -> dict[str, Any]:
-    """The generators ``Trainer._save_rng_state`` saves in a single process."""
+    """The generators ``Trainer._save_rng_state`` saves in a single process.
+
+    Python's Mersenne Twister state (625 ints) is kept as one int64 array instead of a tuple
+    of 625 numbers: one tensor to store instead of 625 tree entries. Resuming and
+    ``materialize_hf_checkpoint`` turn it back into the tuple ``random.setstate`` wants.
+    """
+    version, internal, gauss = random.getstate()
     states: dict[str, Any] = {
-        "python": random.getstate(),
+        "python": (version, np.asarray(internal, dtype=np.int64), gauss),
         "numpy": np.random.get_state(),
         "cpu": torch.random.get_rng_state(),
     }
