@@ -46,7 +46,7 @@ class Catalog(
           :meth:`leases`;
         * audit log: :meth:`record_event`, :meth:`events`;
         * metric history: :meth:`record_history`, :meth:`metric_history`,
-          :meth:`metric_history_names`,
+          :meth:`metric_history_names`, :meth:`metric_history_runs`,
           :meth:`truncate_history`.
 
     Args:

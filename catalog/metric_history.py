@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 from ckptstore.catalog.checks import check_json, check_metric_value, check_step
 from ckptstore.catalog.core import MAX_BOUND_IDS, CatalogCore
 from ckptstore.catalog.models import MetricHistoryRow as H
+from ckptstore.catalog.models import RunRow
 from ckptstore.errors import InvalidNameError
 from ckptstore.names import validate_metric_name, validate_name
 from ckptstore.records import MetricPoint
@@ -290,6 +291,20 @@ class HistoryMixin(CatalogCore):
             ).scalars()
             points = [_from_row(r).point() for r in rows]
         return points if max_points is None else downsample(points, max_points)
+
+    def metric_history_runs(self, name: str = "loss") -> list[str]:
+        """Names of the runs that recorded a series ``name``, sorted.
+
+        Raises:
+            InvalidNameError: For a bad metric name.
+        """
+        metric = validate_metric_name(name)
+        with self._read() as s:
+            rows = s.scalars(
+                select(RunRow.name).join(H, H.run_id == RunRow.id).where(H.name == metric)
+                .distinct()
+            )
+            return sorted(rows)
 
     def metric_history_names(self, run: str) -> list[str]:
         """Names of the run's recorded series, sorted.

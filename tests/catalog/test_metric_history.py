@@ -32,6 +32,10 @@ def test_short_series_is_stored_exactly(catalog: Catalog) -> None:
     ]
     assert catalog.metric_history_names("r") == ["loss", "lr"]
     assert catalog.metric_history("r", "nothing") == []
+    catalog.ensure_run("other")
+    catalog.record_history("other", {"lr": [(0, 0.2)]})
+    assert catalog.metric_history_runs() == ["r"]
+    assert catalog.metric_history_runs("lr") == ["other", "r"]
 
 
 def test_a_long_series_stays_bounded_and_keeps_every_spike(catalog: Catalog) -> None:

@@ -305,7 +305,8 @@ class LossMonitor:
     def _fire(self, anomaly: Anomaly) -> None:
         self.anomalies.append(anomaly)
         if self.history is not None:
-            self.history.alert(anomaly.step, anomaly.loss, anomaly.kind, anomaly.reason)
+            self.history.alert(anomaly.step, anomaly.loss, anomaly.kind, anomaly.reason,
+                               self.metric)
         logger.warning("loss anomaly at step %s: %s", anomaly.step, anomaly.reason)
         if self.on_alert is not None:
             self.on_alert(anomaly.step, anomaly.loss, anomaly.reason)

@@ -130,7 +130,8 @@ class MetricHistory:
             except (TypeError, ValueError):
                 logger.debug("metric %s=%r is not a number; not recorded", name, value)
 
-    def alert(self, step: int, value: float, kind: str, reason: str) -> None:
+    def alert(self, step: int, value: float, kind: str, reason: str, name: str = "loss"
+              ) -> None:
         """Record a loss-monitor alert as a ``loss-anomaly`` event of the run (soon, off
         this thread).
 
@@ -139,6 +140,7 @@ class MetricHistory:
             value: The value that fired (NaN/inf are recorded as text).
             kind: ``spike`` or ``nonfinite``.
             reason: The monitor's explanation.
+            name: The series the alert belongs to.
         """
         number = float(value)
         detail = {
@@ -146,6 +148,7 @@ class MetricHistory:
             "loss": number if math.isfinite(number) else str(number),
             "kind": kind,
             "reason": reason,
+            "metric": name,
             "time": datetime.now(UTC).isoformat(),
         }
         with self._lock:
