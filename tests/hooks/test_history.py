@@ -155,3 +155,25 @@ def test_without_history_nothing_is_recorded(store: CheckpointStore) -> None:
     assert store.catalog.metric_history("quiet") == []
     with pytest.raises(ConfigError, match="max_points"):
         CheckpointManager(store, "quiet", handle_sigterm=False, history_points=1)
+
+
+def test_tensor_values_are_read_at_flush_time_as_they_were(store: CheckpointStore) -> None:
+    """A tensor loss is not read on the training thread (for CUDA that would wait for the
+    device every step): it is copied and read at the flush, with the value of its step even
+    when the caller's tensor changes in place afterwards."""
+    store.run("tensors")
+    recorder = MetricHistory(store, "tensors")
+    running = torch.zeros(())
+    for step in range(1, 6):
+        running.fill_(float(step) / 10)
+        assert recorder.add(step, running)  # the same tensor object, changed in place
+    assert not recorder.add(6, torch.ones(2))  # not a scalar
+    assert recorder.add(7, torch.tensor(float("inf")))  # only known to be bad at the flush
+    assert recorder.add(8, torch.tensor(0.8, dtype=torch.float64))
+    assert recorder.flush() == 6
+    points = store.catalog.metric_history("tensors")
+    as_float32 = [float(torch.tensor(step / 10)) for step in range(1, 6)]
+    assert [(p.step_last, p.last) for p in points] == [
+        *zip(range(1, 6), as_float32, strict=True), (8, 0.8)
+    ]
+    assert recorder.dropped == 2

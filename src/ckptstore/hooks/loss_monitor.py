@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from ckptstore.errors import CkptError, ConfigError
+from ckptstore.names import validate_metric_name
 from ckptstore.ops.history import MetricHistory
 
 if TYPE_CHECKING:
@@ -199,6 +200,7 @@ class LossMonitor:
         Raises:
             ConfigError: For an invalid window, threshold, action, or a ``"save"`` action
                 with neither a manager nor a store, run and state_fn.
+            InvalidNameError: For an invalid ``metric`` name.
         """
         if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 4:
             raise ConfigError(f"window_size must be an int >= 4, got {window_size!r}")
@@ -225,7 +227,7 @@ class LossMonitor:
         self.cooldown = window_size if cooldown is None else cooldown
         self.sigmas = sigmas
         self.direction: Literal["up", "both"] = direction
-        self.metric = metric
+        self.metric = validate_metric_name(metric)
         self.history: MetricHistory | None = None
         self._own_history = False
         if history:

@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+import torch
+
 from ckptstore.catalog.metric_history import DEFAULT_HISTORY_POINTS
 from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, ConfigError
@@ -79,7 +81,7 @@ class MetricHistory:
         self.flush_every = flush_every
         self.writes = 0
         self.dropped = 0
-        self._points: dict[str, list[tuple[int, float]]] = {}
+        self._points: dict[str, list[tuple[int, float | torch.Tensor]]] = {}
         self._events: list[tuple[str, dict[str, Any]]] = []
         self._buffered = 0
         self._last: dict[str, int] = {}
@@ -93,17 +95,29 @@ class MetricHistory:
     def add(self, step: int, value: Any, name: str = "loss") -> bool:
         """Buffer ``value`` of metric ``name`` at ``step`` (cheap; never touches the catalog).
 
+        A one-element tensor is copied where it lives (detached; the copy is queued on the
+        device, nothing waits) and read at the next flush, off this thread: reading a CUDA
+        loss here would wait for the device at every step. The copy keeps the value of this
+        step even if the caller's tensor is updated in place later.
+
         Args:
             step: Training step (>= 0).
             value: A number or a one-element tensor.
             name: Metric name.
 
         Returns:
-            True when the value was kept; False for a non-finite value or a step already
-            recorded for that metric.
+            True when the value was kept; False for a non-finite value (one known now), a
+            step already recorded for that metric, or a tensor of more than one element.
         """
-        number = float(value)
-        if not math.isfinite(number) or step < 0:
+        number: float | torch.Tensor
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                self.dropped += 1
+                return False
+            number = value.detach().clone()
+        else:
+            number = float(value)
+        if step < 0 or (isinstance(number, float) and not math.isfinite(number)):
             self.dropped += 1
             return False
         with self._lock:
@@ -177,7 +191,8 @@ class MetricHistory:
                 return 0
             try:
                 written = self.store.catalog.record_history(
-                    self.run, points, events=events, max_points=self.max_points
+                    self.run, self._resolved(points), events=events,
+                    max_points=self.max_points,
                 )
             except CkptError:
                 self._put_back(points, events)
@@ -185,7 +200,23 @@ class MetricHistory:
             self.writes += 1
             return written
 
-    def _put_back(self, points: dict[str, list[tuple[int, float]]],
+    def _resolved(self, points: dict[str, list[tuple[int, float | torch.Tensor]]]
+                  ) -> dict[str, list[tuple[int, float]]]:
+        """Plain finite floats: device tensors read (one transfer per series), NaN/inf dropped."""
+        out: dict[str, list[tuple[int, float]]] = {}
+        for name, values in points.items():
+            read = iter(_read([v for _, v in values if isinstance(v, torch.Tensor)]))
+            kept = []
+            for step, value in values:
+                number = float(next(read)) if isinstance(value, torch.Tensor) else value
+                if math.isfinite(number):
+                    kept.append((step, number))
+                else:
+                    self.dropped += 1
+            out[name] = kept
+        return out
+
+    def _put_back(self, points: dict[str, list[tuple[int, float | torch.Tensor]]],
                   events: list[tuple[str, dict[str, Any]]]) -> None:
         with self._lock:
             for name, values in points.items():
@@ -257,3 +288,14 @@ class MetricHistory:
         self._flush_quietly()
         with self._lock:
             self._closed = True
+
+
+def _read(tensors: list[torch.Tensor]) -> list[float]:
+    """The values of one-element tensors, in one device-to-host transfer when they share a
+    device."""
+    if not tensors:
+        return []
+    try:
+        return [float(v) for v in torch.stack([t.reshape(()).double() for t in tensors]).cpu()]
+    except RuntimeError:  # tensors on different devices
+        return [float(t) for t in tensors]
