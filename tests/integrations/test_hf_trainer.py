@@ -122,10 +122,12 @@ def test_resume_from_a_store_reference_is_bit_exact(
 ) -> None:
     _, losses, final = uninterrupted
     with CheckpointStore.open(tmp_path / "store") as store:
-        first = _trainer(store, "part", tmp_path / "out", callbacks=[_StopAt(4)],
+        # Stopped at step 5, one step after its last checkpoint: that step is lost.
+        first = _trainer(store, "part", tmp_path / "out", callbacks=[_StopAt(5)],
                          async_save=True)
         first.train()
-        assert [ck.step for ck in first.saved] == [2, 4] and first.state.global_step == 4
+        assert [ck.step for ck in first.saved] == [2, 4] and first.state.global_step == 5
+        assert store.catalog.metric_history("part")[-1].step_last == 5
 
         # A new process would build everything again; nothing may be unpickled on the way.
         def no_unpickling(*args: Any, **kwargs: Any) -> Any:
@@ -144,8 +146,10 @@ def test_resume_from_a_store_reference_is_bit_exact(
         # The first save after the resume records where it came from.
         last = store.get("part@latest")
         assert last.step == STEPS and last.parent_id == resumed.resumed_from.id
-        # The curve shows the run's path once, not the abandoned steps twice.
-        assert [(p.step_last, p.last) for p in store.catalog.metric_history("part")] == losses
+        # The curve shows the run's path once: the abandoned step 5 was rewound.
+        curve = store.catalog.metric_history("part")
+        assert [(p.step_last, p.last) for p in curve] == losses
+        assert all(p.count == 1 for p in curve)
 
         # resume_from_checkpoint=True is the newest checkpoint of the trainer's run.
         again = _trainer(store, "part", tmp_path / "out")

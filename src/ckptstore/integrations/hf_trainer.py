@@ -268,8 +268,17 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
             except CkptError:
                 logger.exception("a pending save failed while training was failing")
             raise
+        finally:
+            self._stop_chores()
         self.wait()
         return out
+
+    def _stop_chores(self) -> None:
+        """Let the housekeeping thread finish and end it (a later save starts a new one)."""
+        with self._lock:
+            chores, self._chores = self._chores, None
+        if chores is not None:
+            chores.shutdown(wait=True)
 
     def _store_checkpoint(self, value: str | bool | None) -> Checkpoint | None:
         """The store checkpoint ``value`` names, or None for "not a store resume"."""
@@ -313,6 +322,13 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
         self.resumed_from = ck
         self._parent_pending = ck.id
         self._history_seen = len(trainer_state.get("log_history") or ())
+        if self._history is not None and ck.run == self.run:
+            try:
+                # The curve shows the path the run took: values logged after the resumed
+                # step belong to the abandoned attempt.
+                self._history.rewind(ck.step)
+            except CkptError:
+                logger.exception("could not rewind the loss history of %s", self.run)
         logger.info("resuming %s from %s (step %s)", self.run, ck.ref, ck.step)
         return _Resume(ck, state, folder, best)
 
@@ -343,8 +359,9 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
             return
         target: Any = self.model if model is None else model
         # strict=False and the warnings helper, as the Trainer loads its own folder: tied
-        # weights a safetensors file left out are re-tied there.
-        result = target.load_state_dict(resume.state["model"], False)
+        # weights a safetensors file left out are re-tied there. Popped: the loaded copy
+        # would otherwise stay in memory for the whole training run.
+        result = target.load_state_dict(resume.state.pop("model"), False)
         self._issue_warnings_after_load(result)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -357,8 +374,8 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
         if "optimizer" in state and "scheduler" in state:
             optimizer: Any = self.optimizer
             scheduler: Any = self.lr_scheduler
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
+            optimizer.load_state_dict(state.pop("optimizer"))
+            scheduler.load_state_dict(state.pop("scheduler"))
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         resume = self._resuming(checkpoint)
@@ -367,7 +384,7 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
             return
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None and "scaler" in resume.state:
-            scaler.load_state_dict(resume.state["scaler"])
+            scaler.load_state_dict(resume.state.pop("scaler"))
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         resume = self._resuming(checkpoint)
