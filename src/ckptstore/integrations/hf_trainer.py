@@ -96,7 +96,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_pt_utils import set_rng_state_for_device
 from transformers.trainer_utils import SaveStrategy
 
-from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError
+from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError, StorageError
 from ckptstore.integrations.hf import (
     _FORMAT,
     _PREFIX,
@@ -243,6 +243,7 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
             InvalidNameError: If the string is neither a directory nor a valid reference.
             CkptError: If the checkpoint was not saved from a ``Trainer``, or a background
                 save failed.
+            StorageError: If the trainer state cannot be handed to the ``Trainer``.
         """
         ck = self._store_checkpoint(resume_from_checkpoint)
         if ck is None:
@@ -311,14 +312,19 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
             trainer_state["best_model_checkpoint"] = None
         else:
             best = None
-        folder = tempfile.mkdtemp(prefix=f"ckpt-resume-{ck.step}-")
+        folder = ""
         try:
+            folder = tempfile.mkdtemp(prefix=f"ckpt-resume-{ck.step}-")
             Path(folder, _TRAINER_STATE).write_text(
                 json.dumps(trainer_state, indent=2, sort_keys=True) + "\n", encoding="utf-8"
             )
-        except OSError:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
+        except OSError as exc:
+            if folder:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise StorageError(
+                f"cannot write the trainer state of {ck.ref} for the Trainer to read: {exc}; "
+                "check the temporary directory (TMPDIR) has space"
+            ) from exc
         self.resumed_from = ck
         self._parent_pending = ck.id
         self._history_seen = len(trainer_state.get("log_history") or ())
