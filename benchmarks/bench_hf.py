@@ -17,7 +17,7 @@ next global step, with ``save_total_limit=2`` for all (rotation is part of a sav
 - *store*: ``CkptStoreTrainer(codec="none")`` writing the same state, uncompressed like the
   plain folder, as one store checkpoint (durable, catalogued, metrics recorded): the number
   the target is about. The best-model alias, retention and the loss history run after the
-  commit on the trainer's background thread (see ``ckptstore/integrations/hf_trainer.py``);
+  commit on the trainer's background thread (see ``src/ckptstore/integrations/hf_trainer.py``);
 - *store-lz4* (reported, no target): the same with the store's default codec, lz4;
 - *store-async* (reported, no target): ``CkptStoreTrainer(codec="none",
   async_save=True)``: the time the training loop is blocked (staging), and the time until

@@ -344,7 +344,7 @@ class MetricHistoryRow(Base):
     A series keeps at most a bounded number of rows: every row of a series covers the steps
     ``[bucket_start, bucket_start + width)`` for the same power-of-two ``width``, and when a
     series would grow past its bound the width doubles and neighbouring buckets merge
-    (``catalog/history.py``). A bucket aggregates what was logged in it: count, sum, min, max
+    (``catalog/metric_history.py``). A bucket aggregates what was logged in it: count, sum, min, max
     and the last value, so a curve can be drawn as the mean with a min-max band and a spike
     never disappears in the downsampling.
     """

@@ -6,7 +6,7 @@ Create Date: 2026-12-01 16:00:00+00:00
 
 A new table ``metric_history``: the training-metric series of each run (the loss curve
 between checkpoints), downsampled into a bounded number of buckets per series
-(``catalog/history.py``). Only a new table, so upgrading changes no existing row;
+(``catalog/metric_history.py``). Only a new table, so upgrading changes no existing row;
 downgrading drops the series (checkpoints keep their own metrics).
 """
 

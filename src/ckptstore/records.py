@@ -166,7 +166,7 @@ class Event:
 class MetricPoint:
     """One point of a run's metric history: what was logged in a span of steps.
 
-    A stored series is downsampled (see ``catalog/history.py``), so a point may stand for
+    A stored series is downsampled (see ``catalog/metric_history.py``), so a point may stand for
     many logged values; ``count == 1`` is a single logged value.
 
     Attributes:

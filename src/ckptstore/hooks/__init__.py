@@ -2,8 +2,8 @@
 
 The async saver, the memory tier, progressive restore and the metric-history recorder are
 operations of the store (:mod:`ckptstore.ops`); they are re-exported here because a training
-script reaches for them together with the manager. Nothing here imports Prefect: archive flows are started through
-``store.trigger``.
+script reaches for them together with the manager. Nothing here imports Prefect: archive
+flows are started through ``store.trigger``.
 """
 
 from __future__ import annotations
