@@ -7,6 +7,7 @@ from ckptstore.catalog.identity import StoreIdentityMixin
 from ckptstore.catalog.labels import LabelsMixin
 from ckptstore.catalog.leases import LeasesMixin
 from ckptstore.catalog.lineage import LineageMixin
+from ckptstore.catalog.metric_history import HistoryMixin
 from ckptstore.catalog.pruning import PruningMixin
 from ckptstore.catalog.queries import QueriesMixin
 from ckptstore.catalog.replicas import ReplicasMixin
@@ -23,6 +24,7 @@ class Catalog(
     LeasesMixin,
     EventsMixin,
     StoreIdentityMixin,
+    HistoryMixin,
 ):
     """The checkpoint catalog on SQLite (embedded) or PostgreSQL (shared).
 
@@ -46,7 +48,10 @@ class Catalog(
           :meth:`leases`;
         * audit log: :meth:`record_event`, :meth:`events`;
         * store identity: :meth:`store_identity`, :meth:`claim_store_identity`,
-          :meth:`set_store_hot_tier`, :meth:`is_empty`.
+          :meth:`set_store_hot_tier`, :meth:`is_empty`;
+        * metric history: :meth:`record_history`, :meth:`metric_history`,
+          :meth:`metric_history_names`, :meth:`metric_history_runs`,
+          :meth:`truncate_history`.
 
     Args:
         url: ``sqlite:///path/catalog.db`` (the parent directory is created) or

@@ -75,7 +75,12 @@ class EventsMixin(CatalogCore):
         return Event(kind=kind, at=at, checkpoint_id=cid, actor=who, detail=payload, run=run_name)
 
     def events(
-        self, ref: str | Ref | None = None, *, run: str | None = None, limit: int = 100
+        self,
+        ref: str | Ref | None = None,
+        *,
+        run: str | None = None,
+        kind: str | None = None,
+        limit: int = 100,
     ) -> list[Event]:
         """Audit-log entries, newest first.
 
@@ -83,6 +88,7 @@ class EventsMixin(CatalogCore):
             ref: Only events of this checkpoint. An id works in any state (the history of a
                 pruned checkpoint stays readable); other references must resolve.
             run: Only events of this run (checkpoint events included).
+            kind: Only events of this kind (``loss-anomaly``, ``pruned``, ...).
             limit: At most this many.
 
         Returns:
@@ -107,6 +113,8 @@ class EventsMixin(CatalogCore):
                 stmt = stmt.where(EventRow.checkpoint_id == self._event_target(s, ref))
             if run is not None:
                 stmt = stmt.where(EventRow.run_id == self._run_id(s, validate_name(run)))
+            if kind is not None:
+                stmt = stmt.where(EventRow.kind == kind)
             return [
                 Event(
                     kind=r.kind,

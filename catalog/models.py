@@ -53,6 +53,7 @@ __all__ = [
     "ExperimentRow",
     "LeaseRow",
     "LineageEdgeRow",
+    "MetricHistoryRow",
     "ReplicaRow",
     "RunRow",
     "StoreMetaRow",
@@ -346,3 +347,31 @@ class StoreMetaRow(Base):
     key: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[str] = mapped_column(Text)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
+
+
+class MetricHistoryRow(Base):
+    """One bucket of a run's training-metric series (the loss curve between checkpoints).
+
+    A series keeps at most a bounded number of rows: every row of a series covers the steps
+    ``[bucket_start, bucket_start + width)`` for the same power-of-two ``width``, and when a
+    series would grow past its bound the width doubles and neighbouring buckets merge
+    (``catalog/metric_history.py``). A bucket aggregates what was logged in it: count, sum, min, max
+    and the last value, so a curve can be drawn as the mean with a min-max band and a spike
+    never disappears in the downsampling.
+    """
+
+    __tablename__ = "metric_history"
+
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    name: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    bucket_start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    width: Mapped[int] = mapped_column(BigInteger)
+    step_first: Mapped[int] = mapped_column(BigInteger)
+    step_last: Mapped[int] = mapped_column(BigInteger)
+    count: Mapped[int] = mapped_column(BigInteger)
+    total: Mapped[float] = mapped_column(Float)
+    vmin: Mapped[float] = mapped_column(Float)
+    vmax: Mapped[float] = mapped_column(Float)
+    last: Mapped[float] = mapped_column(Float)

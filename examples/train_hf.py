@@ -1,11 +1,14 @@
-"""Fine-tune a tiny BERT with the Hugging Face Trainer, ingest its checkpoints into a store,
-then resume from a store reference.
+"""Fine-tune a tiny BERT with the Hugging Face Trainer, its checkpoints written once, straight
+into a store, then resume from a store reference.
 
-``CkptStoreCallback`` reads each ``checkpoint-N`` folder the Trainer writes (weights,
-optimizer, scheduler, RNG state, trainer state, other files) into one checkpoint of the run,
-with the logged metrics, in the background. ``materialize_hf_checkpoint`` writes such a
-checkpoint back as a folder that ``trainer.train(resume_from_checkpoint=...)`` accepts, so a
-run can resume anywhere the store is reachable, even after its output directory is gone.
+``CkptStoreTrainer`` is a ``transformers.Trainer`` whose checkpoint saves go into the store
+instead of ``checkpoint-N`` folders: weights, optimizer, scheduler, RNG states and trainer
+state become one checkpoint of the run per save step, with the logged metrics, and the
+training loss goes into the run's metric history (``ckpt ui`` plots it). ``save_total_limit``
+is applied by the store's retention. ``trainer.train(resume_from_checkpoint="run@latest")``
+resumes with the Trainer's own resume, bit-exactly, anywhere the store is reachable.
+(``ckptstore.integrations.hf.CkptStoreCallback`` is the alternative that ingests the folders
+the plain Trainer writes; it writes every checkpoint twice.)
 
 The model is built from a config (no download) and trained on synthetic data.
 
@@ -35,7 +38,7 @@ try:
 except ImportError:  # pragma: no cover - shown to people running the example without it
     sys.exit("this example needs transformers: pip install 'ckptstore[hf]'")
 
-from ckptstore.integrations.hf import CkptStoreCallback, materialize_hf_checkpoint
+from ckptstore.integrations.hf_trainer import CkptStoreTrainer
 from ckptstore.store import CheckpointStore
 
 logger = logging.getLogger("train_hf")
@@ -55,8 +58,9 @@ class Synthetic(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": ids, "labels": torch.tensor(int(ids[0]) % 2)}
 
 
-def make_trainer(output_dir: str, steps: int, save_every: int) -> Any:
-    """A Trainer for a 1-layer BERT classifier built from its config."""
+def make_trainer(store: CheckpointStore, run: str, output_dir: str, steps: int,
+                 save_every: int) -> Any:
+    """A store-writing Trainer for a 1-layer BERT classifier built from its config."""
     transformers.set_seed(0)
     config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
                                      num_attention_heads=2, intermediate_size=64)
@@ -66,7 +70,8 @@ def make_trainer(output_dir: str, steps: int, save_every: int) -> Any:
         per_device_train_batch_size=8, report_to=[], use_cpu=True, disable_tqdm=True,
         save_total_limit=2,
     )
-    return transformers.Trainer(model=model, args=args, train_dataset=Synthetic())
+    return CkptStoreTrainer(model=model, args=args, train_dataset=Synthetic(),
+                            store=store, run=run)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,16 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     transformers.logging.set_verbosity_error()
     with CheckpointStore.open(args.store) as store, tempfile.TemporaryDirectory() as scratch:
-        # The Trainer's own folders are scratch: the store keeps the checkpoints.
-        trainer = make_trainer(str(Path(scratch) / "out"), args.steps, args.save_every)
-        callback = CkptStoreCallback(store, run=args.run, delete_folder=False)
-        trainer.add_callback(callback)
-        resume = None
+        # output_dir gets no checkpoint folder: the store keeps the checkpoints.
+        trainer = make_trainer(store, args.run, str(Path(scratch) / "out"), args.steps,
+                               args.save_every)
         if args.resume:
-            resume = materialize_hf_checkpoint(store, args.resume, Path(scratch) / "restored")
-            print(f"resuming from {args.resume} (written to {resume})")
-        trainer.train(resume_from_checkpoint=resume)
-        callback.close()
+            print(f"resuming from {args.resume}")
+        trainer.train(resume_from_checkpoint=args.resume)
         print(f"trained {args.run} to step {trainer.state.global_step}")
         for ck in store.list(run=args.run, order_by="created_at"):
             loss = ck.metrics.get("loss")

@@ -17,6 +17,7 @@ __all__ = [
     "CheckpointState",
     "Event",
     "Lease",
+    "MetricPoint",
     "Replica",
     "ReplicaState",
     "RunInfo",
@@ -159,6 +160,32 @@ class Event:
     actor: str | None = None
     detail: dict[str, Any] = field(default_factory=dict)
     run: str | None = None
+
+
+@dataclass(frozen=True)
+class MetricPoint:
+    """One point of a run's metric history: what was logged in a span of steps.
+
+    A stored series is downsampled (see ``catalog/metric_history.py``), so a point may stand for
+    many logged values; ``count == 1`` is a single logged value.
+
+    Attributes:
+        step_first: First step logged in the span.
+        step_last: Last step logged in the span.
+        count: How many values were logged in it.
+        mean: Their mean.
+        min: The smallest of them (a dip never disappears in the downsampling).
+        max: The largest of them (nor does a spike).
+        last: The value logged at ``step_last``.
+    """
+
+    step_first: int
+    step_last: int
+    count: int
+    mean: float
+    min: float
+    max: float
+    last: float
 
 
 @dataclass(frozen=True)

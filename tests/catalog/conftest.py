@@ -28,6 +28,7 @@ from ckptstore.records import Checkpoint
 
 # Dependents first, so TRUNCATE order never matters even without CASCADE.
 TABLES = (
+    "metric_history",
     "leases",
     "events",
     "aliases",

@@ -60,4 +60,10 @@ def test_hf_example_trains_and_resumes(
     assert example.main(["--store", str(root), "--steps", "6", "--save-every", "2",
                          "--resume", "bert-demo@latest"]) == 0
     with CheckpointStore.open(root) as store:
-        assert [ck.step for ck in store.list(run="bert-demo", order_by="created_at")] == [2, 4, 6]
+        # save_total_limit=2 through the store's retention: step 2 was pruned after step 6.
+        assert [ck.step for ck in store.list(run="bert-demo", order_by="created_at")] == [4, 6]
+        history = store.list(run="bert-demo", state=None, order_by="created_at")
+        assert [ck.step for ck in history] == [2, 4, 6]
+        last = store.get("bert-demo@latest")
+        assert last.parent_id == store.list(run="bert-demo", order_by="step")[0].id
+        assert sum(p.count for p in store.catalog.metric_history("bert-demo")) == 6

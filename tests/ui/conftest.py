@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,4 +55,58 @@ def ui_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UiStore]:
 @pytest.fixture(scope="module")
 def ui_server(ui_store: UiStore) -> Iterator[BackgroundUI]:
     with start_background(ui_store.store) as running:
+        yield running
+
+
+@dataclass(frozen=True)
+class CurveStore:
+    """Runs trained through CheckpointManager + LossMonitor, with their curves recorded."""
+
+    store: CheckpointStore
+    steps: int  # logged steps of alpha
+    alert_steps: tuple[int, ...]  # alpha's loss alerts
+
+
+def _loss(step: int, scale: float) -> float:
+    return scale * 2.0 / math.sqrt(step) + 0.01 * math.sin(step)
+
+
+@pytest.fixture(scope="session")
+def curve_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CurveStore]:
+    """alpha: 20,000 steps (a spike at 12,000, a NaN at 15,000), a checkpoint every 4,000;
+    beta: 6,000 steps; gamma: 3,000 steps; delta: checkpoints only, no curve."""
+    from ckptstore.hooks import CheckpointManager, LossMonitor
+
+    root: Path = tmp_path_factory.mktemp("curves") / "store"
+    store = CheckpointStore.open(root)
+    spike, nan = 12_000, 15_000
+
+    def state() -> dict[str, torch.Tensor]:
+        return {"w": torch.ones(8)}
+
+    try:
+        for run, steps, scale in (("alpha", 20_000, 1.0), ("beta", 6_000, 1.2),
+                                  ("gamma", 3_000, 0.8)):
+            with CheckpointManager(store, run, save_interval=4_000 if run == "alpha" else 2_000,
+                                   async_save=False, handle_sigterm=False,
+                                   history_points=1_000) as mgr:
+                monitor = LossMonitor(window_size=50, threshold=0.5, action="alert",
+                                      manager=mgr)
+                for step in range(1, steps + 1):
+                    loss = _loss(step, scale)
+                    if run == "alpha" and step == spike:
+                        loss = 40.0
+                    elif run == "alpha" and step == nan:
+                        loss = float("nan")
+                    monitor.update(step, loss)
+                    mgr.step(step, state, metrics={"loss": loss})
+        store.save("delta", 1, state())
+        yield CurveStore(store, 20_000, (spike, nan))
+    finally:
+        store.close()
+
+
+@pytest.fixture(scope="module")
+def curve_server(curve_store: CurveStore) -> Iterator[BackgroundUI]:
+    with start_background(curve_store.store) as running:
         yield running

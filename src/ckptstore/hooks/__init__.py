@@ -1,9 +1,9 @@
 """Training-loop side: CheckpointManager, LossMonitor and save policies.
 
-The async saver, the memory tier and progressive restore are operations of the store
-(:mod:`ckptstore.ops`); they are re-exported here because a training script reaches for them
-together with the manager. Nothing here imports Prefect: archive flows are started through
-``store.trigger``.
+The async saver, the memory tier, progressive restore and the metric-history recorder are
+operations of the store (:mod:`ckptstore.ops`); they are re-exported here because a training
+script reaches for them together with the manager. Nothing here imports Prefect: archive
+flows are started through ``store.trigger``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ckptstore.ops.async_save import (
     saver_for,
     wait_async,
 )
+from ckptstore.ops.history import MetricHistory
 from ckptstore.ops.memory import MemoryTier, attach_memory_tier, memory_tier_for
 from ckptstore.ops.progressive import ProgressiveLoad, load_progressive
 from ckptstore.ops.staging import StagingPool
@@ -32,6 +33,7 @@ __all__ = [
     "EveryNSteps",
     "LossMonitor",
     "MemoryTier",
+    "MetricHistory",
     "OnDemand",
     "ProgressiveLoad",
     "PruneFn",

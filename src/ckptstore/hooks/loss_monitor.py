@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from ckptstore.errors import CkptError, ConfigError
+from ckptstore.names import validate_metric_name
+from ckptstore.ops.history import MetricHistory
 
 if TYPE_CHECKING:
     from ckptstore.hooks.manager import CheckpointManager, StateFn
@@ -145,9 +147,14 @@ class LossMonitor:
     keeps it), through ``manager.save_now`` or else ``store.save``; ``"alert"`` only reports.
     Both log a warning and call ``on_alert(step, loss, reason)`` when given.
 
+    Every finite loss is recorded as the run's metric history and every firing as a
+    ``loss-anomaly`` event (``history=True``, the default), so ``ckpt ui`` draws the curve
+    with the alerts on it.
+
     Attributes:
         anomalies: The most recent firings (up to 100).
         last_checkpoint: The checkpoint (or pending handle) of the last anomaly save.
+        history: The recorder the losses and alerts go to, if any.
     """
 
     def __init__(
@@ -164,6 +171,8 @@ class LossMonitor:
         cooldown: int | None = None,
         sigmas: float = 5.0,
         direction: Literal["up", "both"] = "both",
+        history: bool = True,
+        metric: str = "loss",
     ) -> None:
         """Create a monitor.
 
@@ -180,10 +189,18 @@ class LossMonitor:
             cooldown: Steps during which the same kind does not fire again.
             sigmas: Noise standard deviations a spike must also exceed.
             direction: ``"up"`` ignores sudden drops; ``"both"`` reports them too.
+            history: Record every finite loss as the run's metric history and every firing
+                as a ``loss-anomaly`` event of the run, batched off the training path:
+                through ``manager.history`` with a manager, else through a recorder of
+                the monitor's own when ``store`` and ``run`` are given (written when its
+                buffer fills, at each firing and by :meth:`close`). Without a run there
+                is nothing to record against.
+            metric: Name of the series the loss is recorded under.
 
         Raises:
             ConfigError: For an invalid window, threshold, action, or a ``"save"`` action
                 with neither a manager nor a store, run and state_fn.
+            InvalidNameError: For an invalid ``metric`` name.
         """
         if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 4:
             raise ConfigError(f"window_size must be an int >= 4, got {window_size!r}")
@@ -210,6 +227,16 @@ class LossMonitor:
         self.cooldown = window_size if cooldown is None else cooldown
         self.sigmas = sigmas
         self.direction: Literal["up", "both"] = direction
+        self.metric = validate_metric_name(metric)
+        self.history: MetricHistory | None = None
+        self._own_history = False
+        if history:
+            if manager is not None:
+                self.history = manager.history
+            elif store is not None and run is not None:
+                store.run(run)
+                self.history = MetricHistory(store, run)
+                self._own_history = True
         self._window: deque[float] = deque(maxlen=window_size)
         self._last_fired: dict[str, int] = {}
         self.anomalies: deque[Anomaly] = deque(maxlen=100)
@@ -229,6 +256,10 @@ class LossMonitor:
             ConfigError: If it must save through a manager that has no state function yet.
         """
         value = float(loss)
+        if self.history is not None:
+            # Before the manager's own step(): this records the value, the manager's copy of
+            # the same step is then ignored.
+            self.history.add(step, value, self.metric)
         if not math.isfinite(value):
             kind, reason = "nonfinite", f"loss is {value}"
         else:
@@ -258,8 +289,26 @@ class LossMonitor:
         self._window.clear()
         self._last_fired.clear()
 
+    def flush(self) -> None:
+        """Write the recorded losses and alerts to the catalog now.
+
+        Raises:
+            CkptError: If the catalog cannot be written.
+        """
+        if self.history is not None:
+            self.history.flush()
+
+    def close(self) -> None:
+        """Write what the monitor's own recorder holds (a manager's is closed by the
+        manager); errors are logged."""
+        if self.history is not None and self._own_history:
+            self.history.close()
+
     def _fire(self, anomaly: Anomaly) -> None:
         self.anomalies.append(anomaly)
+        if self.history is not None:
+            self.history.alert(anomaly.step, anomaly.loss, anomaly.kind, anomaly.reason,
+                               self.metric)
         logger.warning("loss anomaly at step %s: %s", anomaly.step, anomaly.reason)
         if self.on_alert is not None:
             self.on_alert(anomaly.step, anomaly.loss, anomaly.reason)

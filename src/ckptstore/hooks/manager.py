@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -34,10 +35,13 @@ from typing import TYPE_CHECKING, Any
 from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError
 from ckptstore.hooks.policies import AnyOf, EveryNSeconds, EveryNSteps, OnDemand, SavePolicy
 from ckptstore.ops.async_save import SaveHandle, saver_for
+from ckptstore.ops.history import DEFAULT_HISTORY_POINTS, MetricHistory
 from ckptstore.ops.retention import apply_retention
 from ckptstore.retention import RetentionPolicy
 
 if TYPE_CHECKING:
+    from ckptstore.observability.serving import MetricsServer
+    from ckptstore.observability.tensorboard import TensorBoardSink
     from ckptstore.ops.progressive import ProgressiveLoad
     from ckptstore.records import Checkpoint
     from ckptstore.store import CheckpointStore
@@ -81,6 +85,12 @@ class CheckpointManager:
         policy: The save policy (steps and/or seconds, plus on-demand requests).
         resumed_from: The checkpoint :meth:`restore_latest` loaded, if any.
         last_checkpoint: The most recently committed checkpoint of this manager.
+        metrics_server: The Prometheus endpoint started for ``metrics_port`` (None otherwise);
+            stopped by :meth:`close`.
+        tensorboard: The TensorBoard sink started for ``tensorboard_dir`` (None otherwise);
+            flushed and closed by :meth:`close`.
+        history: The run's metric-history recorder (None with ``history=False``); a
+            :class:`~ckptstore.hooks.LossMonitor` given this manager records through it.
     """
 
     def __init__(
@@ -102,6 +112,11 @@ class CheckpointManager:
         config: Mapping[str, Any] | None = None,
         prune_fn: PruneFn | None = None,
         policy: SavePolicy | None = None,
+        metrics_port: int | None = None,
+        metrics_addr: str = "127.0.0.1",
+        tensorboard_dir: str | os.PathLike[str] | None = None,
+        history: bool = True,
+        history_points: int = DEFAULT_HISTORY_POINTS,
     ) -> None:
         """Attach a manager to ``run`` of ``store``.
 
@@ -125,9 +140,24 @@ class CheckpointManager:
             prune_fn: Retention hook ``prune_fn(store, run)``; default applies
                 ``keep_last``/``keep_best`` through ``ckptstore.ops.retention``.
             policy: A custom save policy; replaces ``save_interval``/``save_every_seconds``.
+            metrics_port: Serve the store's Prometheus series at
+                ``http://<metrics_addr>:<port>/metrics`` while the manager is open (0 picks a
+                free port; read it from :attr:`metrics_server`). Needs ``ckptstore[metrics]``.
+            metrics_addr: Address the endpoint binds; the default keeps it on this machine.
+            tensorboard_dir: Write every save's timings and sizes to a TensorBoard event file
+                there (``ckpt/save/seconds``, ``ckpt/save/blocked_seconds``, ... per step)
+                while the manager is open. Needs ``ckptstore[tensorboard]``.
+            history: Record the ``metrics`` passed to :meth:`step` at every step as the run's
+                metric history (the training curve ``ckpt ui`` plots), written to the
+                catalog in batches after each save and on close (see
+                :mod:`ckptstore.ops.history`).
+            history_points: The most points the catalog keeps per metric of the run (older
+                stretches are merged, min and max kept).
 
         Raises:
-            ConfigError: For a non-positive interval or count, or a bad ``keep_best``.
+            ConfigError: For a non-positive interval or count, a bad ``keep_best``, or a
+                metrics endpoint / TensorBoard directory whose extra is not installed.
+            StorageError: If ``metrics_port`` is already in use.
             InvalidNameError: For a bad run name.
         """
         settings = store.settings
@@ -177,8 +207,46 @@ class CheckpointManager:
         if config is not None:
             fields["config"] = dict(config)
         store.run(run, **fields)
+        self.history = (
+            MetricHistory(store, run, max_points=history_points) if history else None
+        )
+        self.metrics_server: MetricsServer | None = None
+        self.tensorboard: TensorBoardSink | None = None
+        self._start_observability(metrics_port, metrics_addr, tensorboard_dir)
         if handle_sigterm:
             self._install_sigterm()
+
+    # ------------------------------------------------------------------ observability
+    def _start_observability(
+        self,
+        port: int | None,
+        addr: str,
+        tensorboard_dir: str | os.PathLike[str] | None,
+    ) -> None:
+        """Start the endpoint and the sink; on any failure nothing stays running."""
+        metrics = self.store.metrics
+        try:
+            if port is not None:
+                if metrics.prom is None:
+                    raise ConfigError(
+                        f"metrics_port={port} needs prometheus_client: "
+                        "pip install 'ckptstore[metrics]'"
+                    )
+                self.metrics_server = metrics.serve_metrics(port, addr)
+            if tensorboard_dir is not None:
+                # TensorBoardSink raises ConfigError naming ckptstore[tensorboard] without it.
+                self.tensorboard = metrics.attach_tensorboard(tensorboard_dir)
+        except BaseException:
+            self._stop_observability()
+            raise
+
+    def _stop_observability(self) -> None:
+        server, self.metrics_server = self.metrics_server, None
+        if server is not None:
+            self.store.metrics.stop_server(server)
+        sink, self.tensorboard = self.tensorboard, None
+        if sink is not None:
+            self.store.metrics.detach_tensorboard(sink)
 
     # ------------------------------------------------------------------ resume
     def restore_latest(
@@ -256,6 +324,13 @@ class CheckpointManager:
         return progressive
 
     def _resumed(self, ck: Checkpoint) -> None:
+        if self.history is not None:
+            try:
+                # The curve shows the path the run took: what was logged after the resumed
+                # step belongs to the abandoned attempt.
+                self.history.rewind(ck.step)
+            except CkptError:
+                logger.exception("could not rewind the metric history of %s", self.run)
         self.resumed_from = ck
         self._parent_pending = ck.id
         self.policy.saved(ck.step, time.monotonic())
@@ -285,6 +360,8 @@ class CheckpointManager:
         """
         self._check_open()
         self._last_state_fn = state_fn
+        if metrics and self.history is not None:
+            self.history.add_many(step, metrics)
         if self._preempted:
             self._save_and_exit(step, state_fn, metrics)
         if not self.policy.should_save(step, time.monotonic()):
@@ -378,6 +455,11 @@ class CheckpointManager:
                 self._prune(self.store, self.run)
             except Exception:
                 logger.exception("pruning the hot tier of %s after %s failed", self.run, ck.ref)
+        if self.history is not None:
+            try:
+                self.history.flush()
+            except CkptError:
+                logger.exception("could not record the metric history of %s", self.run)
         for hook in self._hooks:
             try:
                 hook(ck)
@@ -406,7 +488,8 @@ class CheckpointManager:
             saver_for(self.store).wait(handles)
 
     def close(self) -> None:
-        """Wait for pending saves and restore the SIGTERM handler; the store stays open.
+        """Wait for pending saves, stop the metrics endpoint and TensorBoard sink the manager
+        started, and restore the SIGTERM handler; the store stays open.
 
         Raises:
             CkptError: The first failure of this manager's saves not yet reported.
@@ -418,6 +501,10 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._uninstall_sigterm()
+            # After the wait: the last saves' timings still reach the endpoint and the file.
+            self._stop_observability()
+            if self.history is not None:
+                self.history.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

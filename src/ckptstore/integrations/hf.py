@@ -1,6 +1,12 @@
 """Hugging Face transformers adapter: ingest each ``checkpoint-N`` folder the ``Trainer``
 writes into the store, and write one back for ``resume_from_checkpoint``.
 
+This path writes every checkpoint twice (the folder, then the store). To write it once,
+straight into the store, use :class:`ckptstore.integrations.hf_trainer.CkptStoreTrainer`
+(a ``Trainer`` subclass; same checkpoint layout, resumes from ``"run@latest"``). The callback
+remains for what that subclass does not cover: several processes, DeepSpeed, FSDP and
+``push_to_hub``, which need the ``Trainer``'s own folders.
+
 Usage::
 
     store = CheckpointStore.open("./ckpt")
@@ -68,6 +74,7 @@ __all__ = [
     "CkptStoreCallback",
     "materialize_hf_checkpoint",
     "metrics_from_log_history",
+    "python_rng_state",
     "read_trainer_folder",
 ]
 
@@ -176,6 +183,17 @@ def metrics_from_log_history(log_history: Sequence[Mapping[str, Any]], step: int
     return out
 
 
+def python_rng_state(state: Sequence[Any]) -> tuple[Any, ...]:
+    """Python's ``random`` state as ``random.setstate`` takes it.
+
+    A Trainer folder holds ``(version, tuple of 625 ints, gauss_next)``;
+    :class:`~ckptstore.integrations.hf_trainer.CkptStoreTrainer` stores the middle part as
+    one int64 array. Both come back as the tuple form.
+    """
+    version, internal, gauss = state
+    return (version, tuple(int(x) for x in internal), gauss)
+
+
 def _untie(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """safetensors refuses two names on one storage: give repeated tensors their own copy."""
     seen: set[int] = set()
@@ -242,6 +260,9 @@ def materialize_hf_checkpoint(
             if key in state:
                 torch.save(state[key], tmp / name)
         for name, rng in (state.get("rng_state") or {}).items():
+            if isinstance(rng, dict) and "python" in rng:
+                # The Trainer's loader passes it to random.setstate, which wants the tuple.
+                rng = {**rng, "python": python_rng_state(rng["python"])}
             torch.save(rng, tmp / _safe_name(name))
         if "trainer_state" in state:
             _write_text(tmp / _TRAINER_STATE,

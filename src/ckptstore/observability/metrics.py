@@ -170,6 +170,19 @@ class Metrics:
             old.close()
         return sink
 
+    def detach_tensorboard(self, sink: TensorBoardSink) -> None:
+        """Flush and close ``sink``; stop logging to it if it is the attached one.
+
+        A sink that was already replaced by a later :meth:`attach_tensorboard` is closed
+        there; closing it again is a no-op, so callers need not know who replaced it.
+
+        Args:
+            sink: A sink returned by :meth:`attach_tensorboard`.
+        """
+        if self._tensorboard is sink:
+            self._tensorboard = None
+        sink.close()
+
     @property
     def tensorboard(self) -> TensorBoardSink | None:
         """The attached TensorBoard sink, if any."""
@@ -427,6 +440,16 @@ class Metrics:
         handle = serve_registry(self._registry(), port, addr)
         self._servers.append(handle)
         return handle
+
+    def stop_server(self, server: MetricsServer) -> None:
+        """Stop one endpoint started by :meth:`serve_metrics` and release its port (idempotent).
+
+        Args:
+            server: The handle :meth:`serve_metrics` returned.
+        """
+        if server in self._servers:
+            self._servers.remove(server)
+            server.close()
 
     def write_textfile(self, path: str | os.PathLike[str]) -> None:
         """Write the exposition for node_exporter's textfile collector (atomic rename).

@@ -14,7 +14,7 @@ import queue
 import threading
 from typing import Any
 
-from ckptstore.extras import require
+from ckptstore.extras import missing_extra, require
 
 __all__ = ["TensorBoardSink"]
 
@@ -46,9 +46,13 @@ class TensorBoardSink:
         Raises:
             MissingExtraError: If the 'tensorboard' extra is not installed.
         """
-        # torch.utils.tensorboard imports the tensorboard package, which the extra brings.
+        # torch.utils.tensorboard imports the tensorboard package, which the extra brings;
+        # either missing is the same missing extra.
         require("tensorboard", "TensorBoard logging")
-        from torch.utils.tensorboard import SummaryWriter
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise missing_extra("tensorboard", "TensorBoard logging") from exc
 
         self.log_dir = os.fspath(log_dir)
         self._writer: Any = SummaryWriter(log_dir=self.log_dir)

@@ -1,6 +1,7 @@
 """The catalog browser: a small read-only FastAPI app rendering server-side HTML.
 
-Pages: ``/`` (runs), ``/runs/<run>``, ``/checkpoints/<id>``, ``/lineage``, ``/tiers``, and
+Pages: ``/`` (runs), ``/runs/<run>`` (with its training curve), ``/compare?run=a&run=b``
+(training curves overlaid), ``/checkpoints/<id>``, ``/lineage``, ``/tiers``, and
 ``/healthz``. Only GET routes exist, so the app cannot change the store; every response
 carries a Content-Security-Policy that forbids scripts, so catalog text (run names, tags)
 can never run code in the viewer's browser. :func:`serve` binds to loopback only: the app
@@ -25,7 +26,7 @@ from ckptstore.extras import require
 require("fastapi", "the catalog browser (ckpt ui)")
 require("uvicorn", "the catalog browser (ckpt ui)")
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 
 from ckptstore.catalog import mask_url
@@ -34,6 +35,7 @@ from ckptstore.ui.render import render
 from ckptstore.ui.views import (
     AppLinks,
     checkpoint_view,
+    compare_view,
     lineage_view,
     run_view,
     runs_view,
@@ -121,6 +123,14 @@ def create_app(store: CheckpointStore) -> FastAPI:
     @app.get("/runs/{name}", response_class=HTMLResponse)
     def run_page(name: str) -> HTMLResponse:
         return page("_run.html", f"Run {name}", run_view(store, name, links))
+
+    @app.get("/compare", response_class=HTMLResponse)
+    def compare_page(
+        run: list[str] = Query(default=[]),
+        metric: str = "loss",
+    ) -> HTMLResponse:
+        data = compare_view(store, run, links, metric=metric)
+        return page("_compare.html", f"Training curves: {data['metric']}", data)
 
     @app.get("/checkpoints/{ckpt_id}", response_class=HTMLResponse)
     def checkpoint_page(ckpt_id: str) -> HTMLResponse:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -62,6 +63,10 @@ class ReportLinks:
     def tiers(self) -> str:
         """``#tiers``."""
         return "#tiers"
+
+    def compare(self, runs: Sequence[str], metric: str = "loss") -> str:
+        """``""``: the comparison needs the live app (one page per choice of runs)."""
+        return ""
 
 
 def render_report(

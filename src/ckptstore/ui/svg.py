@@ -1,4 +1,4 @@
-"""Server-side SVG: a metric-over-steps line plot and a layered lineage DAG.
+"""Server-side SVG: a metric-over-steps line plot, the training curve, and a lineage DAG.
 
 Pure functions from plain data to SVG text (no JavaScript, no external resources), so the
 same markup works in the live browser and in the static report. Every piece of text that
@@ -14,10 +14,15 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ckptstore.records import MetricPoint
+
 __all__ = [
+    "CurveMarker",
+    "CurveSeries",
     "Edge",
     "Node",
     "PlotPoint",
+    "curve_plot",
     "dag_svg",
     "group_colors",
     "layered_layout",
@@ -175,6 +180,207 @@ def line_plot(
             "</title></circle>"
         )
         parts.append(f'<a href="{_e(p.href)}">{circle}</a>' if p.href else circle)
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+# --------------------------------------------------------------------------- curve
+@dataclass(frozen=True)
+class CurveSeries:
+    """One run's recorded series on a training-curve plot.
+
+    Attributes:
+        name: The run (legend text and ``data-run``).
+        points: The (downsampled) history, in step order.
+        color: Stroke colour (see :func:`group_colors`).
+    """
+
+    name: str
+    points: Sequence[MetricPoint]
+    color: str = _PALETTE[0]
+
+
+@dataclass(frozen=True)
+class CurveMarker:
+    """A checkpoint or a loss alert placed on a curve.
+
+    Attributes:
+        series: The run it belongs to (its curve gives the height when ``y`` is None).
+        x: Training step.
+        label: Tooltip text.
+        y: Value to place it at; None puts it on the series' curve (or at the top of the
+            plot for an alert on a NaN/inf loss, which has no height).
+        href: Link target, or None.
+        kind: ``checkpoint`` or ``alert`` (the CSS class and ``data-kind``).
+    """
+
+    series: str
+    x: float
+    label: str
+    y: float | None = None
+    href: str | None = None
+    kind: str = "checkpoint"
+
+
+def _value_at(points: Sequence[MetricPoint], step: float) -> float | None:
+    """The series' mean at ``step``, interpolated between neighbouring points."""
+    if not points:
+        return None
+    xs = [(p.step_first + p.step_last) / 2 for p in points]
+    if step <= xs[0]:
+        return points[0].mean
+    for i in range(1, len(points)):
+        if step <= xs[i]:
+            x0, x1 = xs[i - 1], xs[i]
+            t = 0.0 if x1 == x0 else (step - x0) / (x1 - x0)
+            return points[i - 1].mean + t * (points[i].mean - points[i - 1].mean)
+    return points[-1].mean
+
+
+def curve_plot(
+    series: Sequence[CurveSeries],
+    *,
+    title: str,
+    markers: Sequence[CurveMarker] = (),
+    x_label: str = "step",
+    width: int = 760,
+    height: int = 280,
+) -> str:
+    """The training curve of one or more runs, with checkpoints and alerts on it.
+
+    Each series is drawn as its mean (``<path class="curve-line">``) over a min-max band
+    (``<path class="curve-band">``: a spike merged into a downsampled point still shows).
+    Checkpoints are ``<circle class="ckpt-marker">`` (linked to their page), alerts are
+    ``<path class="alert-marker">`` triangles; both carry ``data-run`` and ``data-step``.
+
+    Args:
+        series: The runs' series (non-finite values are skipped).
+        title: Plot title (the metric).
+        markers: Checkpoints and alerts.
+        x_label: X axis label.
+        width: SVG width in px.
+        height: SVG height in px.
+
+    Returns:
+        ``<svg class="curve">`` markup.
+    """
+    left, right, top, bottom = 60, 14, 26, 34
+    legend = len(series) > 1
+    if legend:
+        top += 16
+    drawn = [
+        CurveSeries(s.name, [p for p in s.points if math.isfinite(p.mean) and math.isfinite(
+            p.min) and math.isfinite(p.max)], s.color)
+        for s in series
+    ]
+    head = (
+        f'<svg class="curve" xmlns="http://www.w3.org/2000/svg" width="{width}" '
+        f'height="{height}" viewBox="0 0 {width} {height}" role="img" '
+        f'data-metric="{_e(title)}" aria-label="{_e(title)} over {_e(x_label)}">'
+        f'<text class="title" x="{left}" y="16">{_e(title)}</text>'
+    )
+    every = [p for s in drawn for p in s.points]
+    if not every:
+        return (
+            head + f'<text class="empty" x="{width / 2:.0f}" y="{height / 2:.0f}" '
+            'text-anchor="middle">no values recorded</text></svg>'
+        )
+    by_name = {s.name: s for s in drawn}
+    placed: list[tuple[CurveMarker, float, float | None]] = []
+    for m in markers:
+        if not math.isfinite(m.x):
+            continue
+        y = m.y if m.y is not None and math.isfinite(m.y) else None
+        if y is None and m.kind != "alert":
+            owner = by_name.get(m.series)
+            y = _value_at(owner.points, m.x) if owner is not None else None
+            if y is None:
+                continue
+        placed.append((m, m.x, y))
+    xs = [float(p.step_first) for p in every] + [float(p.step_last) for p in every]
+    xs += [x for _, x, _ in placed]
+    ys = [p.min for p in every] + [p.max for p in every]
+    ys += [y for _, _, y in placed if y is not None]
+    x_lo, x_hi = min(xs), max(xs)
+    y_lo, y_hi = min(ys), max(ys)
+    if x_hi == x_lo:
+        x_lo, x_hi = x_lo - 1, x_hi + 1
+    pad = (y_hi - y_lo) * 0.06 if y_hi > y_lo else (abs(y_lo) * 0.1 or 1.0)
+    y_lo, y_hi = y_lo - pad, y_hi + pad
+    plot_w, plot_h = width - left - right, height - top - bottom
+
+    def sx(x: float) -> float:
+        return left + (x - x_lo) / (x_hi - x_lo) * plot_w
+
+    def sy(y: float) -> float:
+        return top + (1 - (y - y_lo) / (y_hi - y_lo)) * plot_h
+
+    parts = [head]
+    if legend:
+        x = float(left)
+        for s in drawn:
+            parts.append(
+                f'<g class="legend-item" data-run="{_e(s.name)}"><rect x="{x:.0f}" y="22" '
+                f'width="10" height="10" style="fill:{s.color}"/><text x="{x + 14:.0f}" '
+                f'y="31">{_e(s.name)}</text></g>'
+            )
+            x += 24 + 7 * len(s.name)
+    parts.append(
+        f'<g class="axes"><line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" '
+        f'y2="{top + plot_h}"/><line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}"/>'
+    )
+    for tick in nice_ticks(y_lo, y_hi, 4):
+        y = sy(tick)
+        parts.append(
+            f'<line class="grid" x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}"/>'
+            f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">'
+            f"{_num(tick)}</text>"
+        )
+    for tick in nice_ticks(x_lo, x_hi, 6):
+        parts.append(
+            f'<text class="tick" x="{sx(tick):.1f}" y="{top + plot_h + 16}" '
+            f'text-anchor="middle">{_num(tick)}</text>'
+        )
+    parts.append(
+        f'<text class="axis-label" x="{left + plot_w}" y="{height - 4}" text-anchor="end">'
+        f"{_e(x_label)}</text></g>"
+    )
+    for s in drawn:
+        if not s.points:
+            continue
+        mids = [((p.step_first + p.step_last) / 2, p) for p in s.points]
+        upper = " ".join(f"L{sx(x):.1f},{sy(p.max):.1f}" for x, p in mids)
+        lower = " ".join(f"L{sx(x):.1f},{sy(p.min):.1f}" for x, p in reversed(mids))
+        band = "M" + upper[1:] + " " + lower + " Z"
+        line = " ".join(
+            f"{'M' if i == 0 else 'L'}{sx(x):.1f},{sy(p.mean):.1f}" for i, (x, p) in
+            enumerate(mids)
+        )
+        parts.append(
+            f'<g class="curve-series" data-run="{_e(s.name)}" data-points="{len(s.points)}">'
+            f'<path class="curve-band" d="{band}" style="fill:{s.color}"/>'
+            f'<path class="curve-line" d="{line}" style="stroke:{s.color}"/>'
+            f"<title>{_e(s.name)}: {_e(title)}</title></g>"
+        )
+    colors = {s.name: s.color for s in drawn}
+    for m, x, y in placed:
+        color = colors.get(m.series, _PALETTE[0])
+        step = str(int(x)) if x.is_integer() else repr(x)
+        attrs = f'data-run="{_e(m.series)}" data-step="{step}" data-kind="{_e(m.kind)}"'
+        tip = f"<title>{_e(m.label)}</title>"
+        if m.kind == "alert":
+            cx, cy = sx(x), sy(y) if y is not None else float(top + 6)
+            shape = (
+                f'<path class="alert-marker" {attrs} d="M{cx:.1f},{cy - 7:.1f} '
+                f'L{cx + 6:.1f},{cy + 4:.1f} L{cx - 6:.1f},{cy + 4:.1f} Z">{tip}</path>'
+            )
+        else:
+            assert y is not None  # placed only with a height
+            shape = (
+                f'<circle class="ckpt-marker" {attrs} cx="{sx(x):.1f}" cy="{sy(y):.1f}" '
+                f'r="4" style="stroke:{color}">{tip}</circle>'
+            )
+        parts.append(f'<a href="{_e(m.href)}">{shape}</a>' if m.href else shape)
     parts.append("</svg>")
     return "".join(parts)
 

@@ -11,24 +11,39 @@ import itertools
 import logging
 import shlex
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from ckptstore.errors import CkptError
-from ckptstore.records import Checkpoint, CheckpointState
-from ckptstore.ui.svg import Edge, Node, PlotPoint, dag_svg, group_colors, line_plot
+from ckptstore.names import validate_metric_name, validate_name
+from ckptstore.ops.history import ALERT_EVENT
+from ckptstore.records import Checkpoint, CheckpointState, Event
+from ckptstore.ui.svg import (
+    CurveMarker,
+    CurveSeries,
+    Edge,
+    Node,
+    PlotPoint,
+    curve_plot,
+    dag_svg,
+    group_colors,
+    line_plot,
+)
 
 if TYPE_CHECKING:
     from ckptstore.store import CheckpointStore
 
 __all__ = [
+    "CURVE_POINTS",
+    "MAX_COMPARE",
     "MAX_GRAPH_NODES",
     "MAX_PLOTS",
     "AppLinks",
     "Links",
     "checkpoint_view",
+    "compare_view",
     "lineage_view",
     "restore_snippets",
     "run_view",
@@ -44,6 +59,12 @@ MAX_PLOTS = 6
 MAX_GRAPH_SCAN = 5000
 #: Boxes drawn in the lineage graph.
 MAX_GRAPH_NODES = 300
+#: Points drawn per training curve (the catalog may hold more; neighbours merge for display).
+CURVE_POINTS = 600
+#: Loss alerts read per run for its curve.
+MAX_ALERTS = 500
+#: Runs overlaid on one comparison plot.
+MAX_COMPARE = 8
 _HISTORY_STATES = frozenset(
     {CheckpointState.COMMITTED, CheckpointState.DELETING, CheckpointState.DELETED}
 )
@@ -72,6 +93,10 @@ class Links(Protocol):
         """The tiers and usage page."""
         ...
 
+    def compare(self, runs: Sequence[str], metric: str = "loss") -> str:
+        """The training curves of ``runs`` overlaid; ``""`` when the page is not available."""
+        ...
+
 
 @dataclass(frozen=True)
 class AppLinks:
@@ -96,6 +121,11 @@ class AppLinks:
     def tiers(self) -> str:
         """``/tiers``."""
         return "/tiers"
+
+    def compare(self, runs: Sequence[str], metric: str = "loss") -> str:
+        """``/compare?run=a&run=b[&metric=m]``."""
+        query = [("run", r) for r in runs] + ([("metric", metric)] if metric != "loss" else [])
+        return "/compare" + (f"?{urlencode(query)}" if query else "")
 
 
 def _metric_text(metrics: dict[str, float], limit: int = 3) -> str:
@@ -205,7 +235,16 @@ def run_view(
     if all_checkpoints is None:
         all_checkpoints = store.list(state=None, order_by="-created_at", limit=MAX_GRAPH_SCAN)
     children = [c for c in all_checkpoints if c.parent_id in own and c.run != name]
+    curves, alerts = _run_curves(store, name, cks, links)
+    compare_with = [
+        {"run": other, "href": links.compare([name, other])}
+        for other in _runs_with_history(store) if other != name
+    ]
     return {
+        "curves": curves,
+        "alerts": alerts[:20],
+        "alert_count": len(alerts),
+        "compare_links": [c for c in compare_with if c["href"]][:MAX_COMPARE * 2],
         "run": info,
         "checkpoints": [_ck_row(c, links) for c in cks],
         "metric_names": metric_names,
@@ -220,6 +259,128 @@ def run_view(
             {"ck": c, "href": links.checkpoint(c.id), "run_href": links.run(c.run)}
             for c in sorted(children, key=lambda c: (c.run, c.version))
         ],
+    }
+
+
+# --------------------------------------------------------------------------- curves
+def _alerts(store: CheckpointStore, run: str) -> list[Event]:
+    try:
+        return store.catalog.events(run=run, kind=ALERT_EVENT, limit=MAX_ALERTS)
+    except CkptError:
+        logger.debug("alerts of %s unavailable", run, exc_info=True)
+        return []
+
+
+def _runs_with_history(store: CheckpointStore, metric: str = "loss") -> list[str]:
+    try:
+        return store.catalog.metric_history_runs(metric)
+    except CkptError:
+        logger.debug("metric history unavailable", exc_info=True)
+        return []
+
+
+def _markers(run: str, cks: Iterable[Checkpoint], alerts: Iterable[Event], metric: str,
+             links: Links) -> list[CurveMarker]:
+    """Checkpoints of ``run`` and its alerts on ``metric`` as curve markers."""
+    out = [
+        CurveMarker(run, float(c.step), f"{c.ref}: checkpoint at step {c.step}",
+                    href=links.checkpoint(c.id) or None)
+        for c in cks
+    ]
+    for event in alerts:
+        detail = event.detail
+        step = detail.get("step")
+        if not isinstance(step, int) or detail.get("metric", "loss") != metric:
+            continue
+        value = detail.get("loss")
+        out.append(CurveMarker(
+            run, float(step), f"{detail.get('kind', 'alert')} at step {step}: "
+            f"{detail.get('reason', '')}",
+            y=float(value) if isinstance(value, int | float) else None, kind="alert",
+        ))
+    return out
+
+
+def _run_curves(store: CheckpointStore, run: str, cks: Sequence[Checkpoint], links: Links
+                ) -> tuple[list[dict[str, Any]], list[Event]]:
+    """The run's training curves (one per recorded metric) and its loss alerts."""
+    try:
+        names = store.catalog.metric_history_names(run)
+    except CkptError:
+        logger.debug("metric history of %s unavailable", run, exc_info=True)
+        return [], []
+    alerts = _alerts(store, run) if names else []
+    color = group_colors([run])[run]
+    curves = []
+    for metric in names[:MAX_PLOTS]:
+        points = store.catalog.metric_history(run, metric, max_points=CURVE_POINTS)
+        markers = _markers(run, cks, alerts, metric, links)
+        curves.append({
+            "metric": metric,
+            "logged": sum(p.count for p in points),
+            "svg": curve_plot([CurveSeries(run, points, color)], title=metric,
+                              markers=markers),
+        })
+    return curves, alerts
+
+
+def compare_view(
+    store: CheckpointStore, runs: Sequence[str], links: Links, *, metric: str = "loss"
+) -> dict[str, Any]:
+    """Several runs' training curves overlaid on one plot, with their checkpoints and alerts.
+
+    Args:
+        store: The store.
+        runs: Run names (duplicates dropped; at most :data:`MAX_COMPARE`).
+        links: Link builder.
+        metric: The series to compare.
+
+    Returns:
+        ``{"svg", "runs", "metric", "metrics", "toggles", "truncated"}``; ``svg`` is empty
+        when no run is chosen.
+
+    Raises:
+        CheckpointNotFoundError: If a run does not exist.
+        InvalidNameError: If a run or metric name is invalid.
+    """
+    metric = validate_metric_name(metric)
+    chosen = list(dict.fromkeys(validate_name(r) for r in runs))
+    truncated = len(chosen) > MAX_COMPARE
+    chosen = chosen[:MAX_COMPARE]
+    colors = group_colors(chosen)
+    series: list[CurveSeries] = []
+    markers: list[CurveMarker] = []
+    rows = []
+    metrics: set[str] = set()
+    for run in chosen:
+        store.catalog.get_run(run)  # a clear "no such run" before anything is drawn
+        metrics.update(store.catalog.metric_history_names(run))
+        points = store.catalog.metric_history(run, metric, max_points=CURVE_POINTS)
+        cks = store.list(run=run, order_by="step")
+        alerts = _alerts(store, run)
+        series.append(CurveSeries(run, points, colors[run]))
+        markers += _markers(run, cks, alerts, metric, links)
+        others = [r for r in chosen if r != run]
+        rows.append({
+            "name": run, "href": links.run(run), "color": colors[run],
+            "logged": sum(p.count for p in points), "checkpoints": len(cks),
+            "alerts": sum(1 for a in alerts if a.detail.get("metric", "loss") == metric),
+            "remove_href": links.compare(others, metric),
+        })
+    available = _runs_with_history(store, metric)
+    return {
+        "svg": curve_plot(series, title=metric, markers=markers) if series else "",
+        "runs": rows,
+        "metric": metric,
+        "metrics": [
+            {"name": m, "href": links.compare(chosen, m), "current": m == metric}
+            for m in sorted(metrics | {metric})
+        ],
+        "toggles": [
+            {"name": r, "href": links.compare([*chosen, r], metric)}
+            for r in available if r not in chosen
+        ][:50],
+        "truncated": truncated,
     }
 
 

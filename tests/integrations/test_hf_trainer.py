@@ -1,0 +1,214 @@
+"""CkptStoreTrainer with a real Trainer on CPU: each checkpoint goes to the store once (no
+``checkpoint-N`` folder), and the Trainer's own resume works from a store reference,
+bit-exactly."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from ckptstore.errors import CheckpointNotFoundError  # noqa: E402
+from ckptstore.integrations.hf import materialize_hf_checkpoint  # noqa: E402
+from ckptstore.integrations.hf_trainer import CkptStoreTrainer  # noqa: E402
+from ckptstore.records import CheckpointState  # noqa: E402
+from ckptstore.store import CheckpointStore  # noqa: E402
+
+STEPS = 6
+
+
+class _Data(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(index)
+        return {"input_ids": torch.randint(0, 100, (8,), generator=gen),
+                "labels": torch.tensor(index % 2)}
+
+
+class _StopAt(transformers.TrainerCallback):  # type: ignore[misc]
+    """Ends training after ``step`` (after its save), like a preemption would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if state.global_step == self.step:
+            control.should_training_stop = True
+        return control
+
+
+def _model() -> Any:
+    transformers.set_seed(0)
+    # Dropout stays on (BERT's default 0.1): the resume must restore the RNG states too.
+    config = transformers.BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=32)
+    return transformers.BertForSequenceClassification(config)
+
+
+def _args(out: Path, **extra: Any) -> Any:
+    opts: dict[str, Any] = {
+        "output_dir": str(out), "max_steps": STEPS, "save_steps": 2, "report_to": [],
+        "use_cpu": True, "per_device_train_batch_size": 4, "logging_steps": 1,
+        "disable_tqdm": True, **extra,
+    }
+    return transformers.TrainingArguments(**opts)
+
+
+def _trainer(store: CheckpointStore, run: str, out: Path, *, callbacks: Any = None,
+             async_save: bool = False, **extra: Any) -> CkptStoreTrainer:
+    return CkptStoreTrainer(
+        model=_model(), args=_args(out, **extra), train_dataset=_Data(),
+        eval_dataset=_Data() if "eval_strategy" in extra else None,
+        callbacks=callbacks, store=store, run=run, async_save=async_save,
+    )
+
+
+def _losses(trainer: Any) -> list[tuple[int, float]]:
+    return [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
+
+
+def _weights(trainer: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
+    """One uninterrupted 6-step run saving at 2, 4 and 6: (base dir, losses, weights)."""
+    base = tmp_path_factory.mktemp("hf-trainer")
+    with CheckpointStore.open(base / "store") as store:
+        trainer = _trainer(store, "full", base / "out")
+        trainer.train()
+        assert [ck.step for ck in trainer.saved] == [2, 4, 6]
+    return base, _losses(trainer), _weights(trainer)
+
+
+def test_each_save_is_one_store_checkpoint_and_no_folder(
+    uninterrupted: tuple[Path, Any, Any],
+) -> None:
+    base, losses, final = uninterrupted
+    assert [s for s, _ in losses] == list(range(1, STEPS + 1))
+    out = base / "out"
+    # Written once: the Trainer's output_dir holds no checkpoint folder.
+    assert not out.exists() or not [p for p in out.iterdir() if p.name.startswith("checkpoint")]
+    with CheckpointStore.open(base / "store") as store:
+        cks = store.list(run="full", order_by="step")
+        assert [c.step for c in cks] == [2, 4, 6] and all("hf" in c.tags for c in cks)
+        assert {"loss", "learning_rate", "grad_norm"} <= set(cks[-1].metrics)
+        assert cks[-1].metrics["loss"] == losses[-1][1]
+        state = store.load("full@latest")
+        assert set(state) >= {"model", "config", "optimizer", "scheduler", "rng_state",
+                              "trainer_state", "training_args", "hf"}
+        assert state["hf"]["writer"] == "CkptStoreTrainer"
+        assert state["trainer_state"]["global_step"] == STEPS
+        assert state["config"]["hidden_size"] == 16
+        assert all(torch.equal(state["model"][k], final[k]) for k in final)
+        rng = state["rng_state"]["rng_state.pth"]
+        assert rng["numpy"][0] == "MT19937" and rng["python"][1].shape == (625,)
+        # The logged training loss also went to the run's metric history, at each save.
+        curve = store.catalog.metric_history("full")
+        assert [(p.step_last, p.last) for p in curve] == losses
+
+
+def test_resume_from_a_store_reference_is_bit_exact(
+    uninterrupted: tuple[Path, Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, losses, final = uninterrupted
+    with CheckpointStore.open(tmp_path / "store") as store:
+        # Stopped at step 5, one step after its last checkpoint: that step is lost.
+        first = _trainer(store, "part", tmp_path / "out", callbacks=[_StopAt(5)],
+                         async_save=True)
+        first.train()
+        assert [ck.step for ck in first.saved] == [2, 4] and first.state.global_step == 5
+        assert store.catalog.metric_history("part")[-1].step_last == 5
+
+        # A new process would build everything again; nothing may be unpickled on the way.
+        def no_unpickling(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("torch.load called during a store resume")
+
+        monkeypatch.setattr(torch, "load", no_unpickling)
+        resumed = _trainer(store, "part", tmp_path / "out")
+        resumed.train(resume_from_checkpoint="part@latest")
+        monkeypatch.undo()
+        assert resumed.resumed_from is not None and resumed.resumed_from.step == 4
+        assert resumed.state.global_step == STEPS
+        # Same losses at every step as the uninterrupted run, and the same final weights.
+        assert _losses(resumed) == losses
+        after = _weights(resumed)
+        assert all(torch.equal(after[k], final[k]) for k in final)
+        # The first save after the resume records where it came from.
+        last = store.get("part@latest")
+        assert last.step == STEPS and last.parent_id == resumed.resumed_from.id
+        # The curve shows the run's path once: the abandoned step 5 was rewound.
+        curve = store.catalog.metric_history("part")
+        assert [(p.step_last, p.last) for p in curve] == losses
+        assert all(p.count == 1 for p in curve)
+
+        # resume_from_checkpoint=True is the newest checkpoint of the trainer's run.
+        again = _trainer(store, "part", tmp_path / "out")
+        again.train(resume_from_checkpoint=True)
+        assert again.resumed_from is not None and again.resumed_from.step == STEPS
+
+
+def test_a_store_checkpoint_materializes_for_the_plain_trainer(
+    uninterrupted: tuple[Path, Any, Any], tmp_path: Path
+) -> None:
+    base, losses, final = uninterrupted
+    with CheckpointStore.open(base / "store") as store:
+        folder = materialize_hf_checkpoint(store, "full@2", tmp_path / "restored")
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth",
+            "trainer_state.json", "config.json"} <= set(os.listdir(folder))
+    plain = transformers.Trainer(model=_model(), args=_args(tmp_path / "out"),
+                                 train_dataset=_Data())
+    plain.train(resume_from_checkpoint=folder)
+    assert _losses(plain) == losses
+    after = _weights(plain)
+    assert all(torch.equal(after[k], final[k]) for k in final)
+
+
+def test_save_total_limit_and_best_model_through_retention_and_an_alias(
+    tmp_path: Path,
+) -> None:
+    with CheckpointStore.open(tmp_path / "store") as store:
+        trainer = _trainer(
+            store, "best", tmp_path / "out", max_steps=8, save_total_limit=1,
+            eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
+            # "Greater is better" on a falling loss puts the best before the newest
+            # checkpoint, the case where the limit and the best interact.
+            metric_for_best_model="eval_loss", greater_is_better=True,
+        )
+        trainer.train()
+        assert [ck.step for ck in trainer.saved] == [2, 4, 6, 8]
+        evals = {e["step"]: e["eval_loss"] for e in trainer.state.log_history
+                 if "eval_loss" in e}
+        best_step = max(evals, key=lambda s: (evals[s], -s))
+        assert best_step != 8
+        assert trainer.state.best_model_checkpoint == f"best@{best_step}"
+        best = store.get("best.best")
+        assert best.step == best_step
+        live = {c.step for c in store.list(run="best")}
+        # save_total_limit=1: the newest and the best (protected by its alias) remain.
+        assert live == {8, best_step}
+        gone = [c for c in store.list(run="best", state=None) if c.step not in live]
+        assert gone and all(c.state == CheckpointState.DELETED for c in gone)
+        # load_best_model_at_end loaded the best weights from the store.
+        weights = store.load("best.best", keys=["model/*"])["model"]
+        now = trainer.model.state_dict()
+        assert all(torch.equal(now[k], weights[k]) for k in weights)
+
+
+def test_unknown_references_are_clear_errors(tmp_path: Path) -> None:
+    with CheckpointStore.open(tmp_path / "store") as store:
+        trainer = _trainer(store, "fresh", tmp_path / "out")
+        with pytest.raises(CheckpointNotFoundError, match="has no checkpoint in the store"):
+            trainer.train(resume_from_checkpoint=True)
+        with pytest.raises(CheckpointNotFoundError):
+            trainer.train(resume_from_checkpoint="fresh@v7")
+        assert store.list(run="fresh") == []
