@@ -10,7 +10,7 @@ The config file is TOML. Keys may sit at the top level or under a ``[ckptstore]`
 
     root = "./ckpt"                       # store directory (catalog.db and hot/ live here)
     catalog_url = "postgresql+psycopg://postgres@127.0.0.1:5432/ckpt"
-    codec = "lz4"
+    codec = "auto"                        # per array: raw fp32, Blosc-LZ4 where bf16 shrinks
 
     [tiers]
     hot = "file:///nvme/ckpt"
@@ -90,7 +90,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_CODECS = ("none", "lz4", "zstd-1", "zstd-3")
+_CODECS = ("auto", "none", "lz4", "zstd-1", "zstd-3")
+# Re-encoding an archived copy picks one codec for every array.
+_ARCHIVE_CODECS = _CODECS[1:]
 
 #: Name of the store root inside the hot tier when no ``root`` is configured.
 STORE_DIR_NAME = ".ckptstore"
@@ -112,7 +114,9 @@ class Settings:
         cold: Cold tier URL, optional.
         cold_storage_class: S3 storage class used when writing to the cold tier.
         storage_options: Options for fsspec/s3fs (``endpoint_url``, ...); no credentials.
-        codec: Codec preset for saves on the hot tier.
+        codec: Codec preset for saves on the hot tier: ``auto`` (the default) chooses per
+            array (fp32 raw, bf16/fp16 Blosc-LZ4 when it shrinks them), or one of ``none``,
+            ``lz4``, ``zstd-1``, ``zstd-3`` for every array.
         archive_codec: Codec preset the archive flow re-encodes with (None keeps the hot one).
         chunk_bytes: Target chunk size in bytes.
         threads: Writer/reader threads.
@@ -145,7 +149,7 @@ class Settings:
     cold: str | None = None
     cold_storage_class: str | None = "GLACIER"
     storage_options: dict[str, Any] = field(default_factory=dict)
-    codec: str = "lz4"
+    codec: str = "auto"
     archive_codec: str | None = None
     chunk_bytes: int = 8 * 1024 * 1024
     threads: int = 2
@@ -303,8 +307,9 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         if name == "delta":
             return _delta_value(value)
         if name == "codec" or name == "archive_codec":
-            if value not in _CODECS:
-                raise ValueError(f"must be one of {', '.join(_CODECS)}")
+            allowed = _CODECS if name == "codec" else _ARCHIVE_CODECS
+            if value not in allowed:
+                raise ValueError(f"must be one of {', '.join(allowed)}")
             return str(value)
         return str(value)
     except (TypeError, ValueError, OverflowError) as exc:

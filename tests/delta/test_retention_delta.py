@@ -25,7 +25,10 @@ _FAST_TMP = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 def _disk_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    """Bytes on disk: a chunk hard-linked into several checkpoints counts once."""
+    inodes = {(st.st_dev, st.st_ino): st.st_size
+              for p in root.rglob("*") if p.is_file() and (st := p.stat())}
+    return sum(inodes.values())
 
 
 def _check_hot(store: CheckpointStore, expected: dict[str, Any]) -> None:

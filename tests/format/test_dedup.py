@@ -1,4 +1,4 @@
-"""Chunk dedup against a base checkpoint, and reading deltas through locate."""
+"""Chunk dedup against a base checkpoint: shared chunks hard-linked, or read through locate."""
 
 from __future__ import annotations
 
@@ -13,12 +13,28 @@ import torch
 from ckptstore.errors import MissingBaseError
 from ckptstore.format import (
     BaseRef,
+    Manifest,
     chunk_files,
     read_checkpoint,
     verify_checkpoint,
 )
+from ckptstore.format.constants import ZARR_JSON
+from ckptstore.format.zarrmeta import ref_document
 
 CHUNK = 64 * 1024  # one tensor per chunk below
+
+
+def _as_reference_copy(directory: Path, manifest: Manifest) -> None:
+    """Remove the hard-linked shared chunks: the state of a copy that only references them
+    (an object-store copy, or a hot tier where links were impossible)."""
+    for array in manifest.arrays.values():
+        shared = [c for c in array.chunks if c.src is not None]
+        for chunk in shared:
+            (directory / array.chunk_path(chunk.i)).unlink()
+        if shared:
+            rel = f"{array.name}/{ZARR_JSON}"
+            data = ref_document(manifest, array.name, (directory / rel).read_bytes())
+            (directory / rel).write_bytes(data)
 
 
 def _states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -40,7 +56,15 @@ def test_unchanged_chunks_are_referenced_not_written(save: Any, codec: str) -> N
     written = [f for f in chunk_files(man_b) if "/c/" in f]
     assert len(written) == 4
     assert all((dir_b / f).is_file() for f in chunk_files(man_b))
+    # The shared chunks are hard links to a's files: b is complete on its own.
+    shared = [(a.chunk_path(c.i)) for a in man_b.arrays.values() for c in a.chunks if c.src]
+    assert len(shared) == 4
+    assert all((dir_b / rel).stat().st_ino == (dir_a / rel).stat().st_ino for rel in shared)
+    out = read_checkpoint(dir_b, man_b)
+    assert all(torch.equal(out[key], tensor) for key, tensor in b.items())
+    assert verify_checkpoint(dir_b, man_b) == []
 
+    _as_reference_copy(dir_b, man_b)
     locations = {man_a.id: dir_a}
     out = read_checkpoint(dir_b, man_b, locate=locations.__getitem__)
     for key, tensor in b.items():
@@ -56,6 +80,7 @@ def test_chains_point_at_the_physical_owner(save: Any) -> None:
     dir_c, man_c = save(c, name="c", chunk_bytes=CHUNK, base=BaseRef(man_b, dir_b))
     assert man_c.stored_bytes == 0
     assert man_c.referenced_checkpoints() == {man_a.id, man_b.id}
+    _as_reference_copy(dir_c, man_c)
     locations = {man_a.id: dir_a, man_b.id: dir_b}
     out = read_checkpoint(dir_c, man_c, locate=locations.__getitem__)
     assert all(torch.equal(out[k], v) for k, v in c.items())
@@ -65,6 +90,10 @@ def test_delta_without_its_base_raises_missing_base(save: Any, tmp_path: Path) -
     a, b = _states()
     dir_a, man_a = save(a, name="a", chunk_bytes=CHUNK)
     dir_b, man_b = save(b, name="b", chunk_bytes=CHUNK, base=BaseRef(man_a, dir_a))
+    shutil.rmtree(dir_a / "float32")
+    # Its shared chunks are hard links: b loads without its base.
+    assert torch.equal(read_checkpoint(dir_b, man_b)["t1"], b["t1"])
+    _as_reference_copy(dir_b, man_b)
     with pytest.raises(MissingBaseError, match=man_a.id):
         read_checkpoint(dir_b, man_b)
 
@@ -88,6 +117,7 @@ def test_a_deleted_base_chunk_is_a_missing_base(save: Any) -> None:
     a, b = _states()
     dir_a, man_a = save(a, name="a", chunk_bytes=CHUNK)
     dir_b, man_b = save(b, name="b", chunk_bytes=CHUNK, base=BaseRef(man_a, dir_a))
+    _as_reference_copy(dir_b, man_b)
     (dir_a / "float32" / "c" / "1").unlink()
     with pytest.raises(MissingBaseError, match=man_a.id):
         read_checkpoint(dir_b, man_b, locate=lambda _: dir_a)

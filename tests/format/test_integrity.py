@@ -147,7 +147,7 @@ HOSTILE = {
     "huge chunk": lambda d: d["arrays"]["float32"].update(chunk_len=2**40),
     "chunk count": lambda d: d["arrays"]["float32"]["chunks"].pop(),
     "bool as int": lambda d: d.update(step=True),
-    "format version": lambda d: d.update(format_version=2),
+    "format version": lambda d: d.update(format_version=99),
     "extra field": lambda d: d.update(evil=1),
     "missing field": lambda d: d.pop("tree"),
     "id": lambda d: d.update(id="not-a-uuid"),

@@ -11,7 +11,7 @@ import pytest
 import torch
 import zarr
 
-from ckptstore.format import CODEC_PRESETS, flatten_state
+from ckptstore.format import CODEC_PRESETS, FORMAT_VERSION, flatten_state
 from ckptstore.format.codecs import TRAILER, codec_spec, crc32c_update, encode
 
 # manifest.json and COMMITTED are not zarr nodes; zarr says so when it lists the group.
@@ -37,7 +37,7 @@ def test_plain_zarr_reads_every_array(save: Any, codec: str) -> None:
     directory, manifest = save(state, codec=codec, chunk_bytes=512)
     group = _open(directory)
     attrs = group.attrs.asdict()["ckptstore"]
-    assert attrs["id"] == manifest.id and attrs["format_version"] == 1
+    assert attrs["id"] == manifest.id and attrs["format_version"] == FORMAT_VERSION
     assert sorted(group.array_keys()) == sorted(manifest.arrays)
     flat = flatten_state(state).tensors
     for name, entry in manifest.arrays.items():

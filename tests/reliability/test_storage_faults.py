@@ -211,9 +211,15 @@ DAMAGE = ["flip-chunk", "flip-trailer", "truncate-chunk", "empty-chunk", "delete
           "delete-marker", "bad-marker"]
 
 
+def _w_chunk(store: CheckpointStore, ck: Any) -> str:
+    """Relative path of chunk 1 of the array holding model/w (an array of its own)."""
+    array = store.manifest(ck.id).tensors["model/w"].array
+    return f"{array}/c/1"
+
+
 def _damage(store: CheckpointStore, ck: Any, other: Any, how: str) -> None:
     directory = store.checkpoint_dir(ck.run, ck.id)
-    chunk = directory / "float32" / "c" / "1"
+    chunk = directory / _w_chunk(store, ck)
     if how == "flip-chunk":
         flip_bit(chunk, offset=chunk.stat().st_size // 2)
     elif how == "flip-trailer":
@@ -226,7 +232,8 @@ def _damage(store: CheckpointStore, ck: Any, other: Any, how: str) -> None:
         chunk.unlink()
     elif how == "swap-chunk":
         # A valid chunk (its own crc trailer matches) from another checkpoint.
-        shutil.copyfile(store.checkpoint_dir(other.run, other.id) / "float32" / "c" / "1", chunk)
+        shutil.copyfile(store.checkpoint_dir(other.run, other.id) / _w_chunk(store, other),
+                        chunk)
     elif how == "flip-manifest":
         flip_bit(directory / "manifest.json", seed=3)
     elif how == "truncate-manifest":
@@ -258,10 +265,10 @@ def test_damaged_copy_never_loads_a_wrong_tensor(new_root: Any, w: Any, how: str
                 attempt()
             message = str(info.value)
             if how.endswith("chunk") or how == "flip-trailer":
-                assert ck.id in message and "float32/c/1" in message, (name, message)
+                assert ck.id in message and _w_chunk(store, ck) in message, (name, message)
         problems = store.verify(ck.id) if how.endswith(("chunk", "trailer")) else None
         if problems is not None:
-            assert problems and all("float32/c/1" in p for p in problems)
+            assert problems and all(_w_chunk(store, ck) in p for p in problems)
         # The other checkpoint is untouched.
         checks.assert_loads_bit_exact(store, {other.id: (1, NBYTES)})
         figures.add("faults", {"damaged-file": 1})

@@ -84,12 +84,23 @@ class ChunkReader:
     def chunk_path(self, array: ArrayEntry, chunk: ChunkEntry) -> Path:
         """Absolute path of a chunk file.
 
+        A chunk of another checkpoint (``src``) is read from this checkpoint's own directory
+        when it is there (hard-linked by a version-2 writer), else from its owner's.
+
         Raises:
             MissingBaseError: If the chunk lives in another checkpoint that cannot be found.
         """
-        root = self.directory if chunk.src is None else self._base_dir(chunk.src)
+        return self._located(array, chunk)[0]
+
+    def _located(self, array: ArrayEntry, chunk: ChunkEntry) -> tuple[Path, str | None]:
+        """``(path, owner)``: where the chunk file is read from, and whose it is there."""
+        self._check_dirs(self.directory, array, chunk.i)
+        own = self.directory / array.chunk_path(chunk.i)
+        if chunk.src is None or os.path.lexists(own):
+            return own, None
+        root = self._base_dir(chunk.src)
         self._check_dirs(root, array, chunk.i)
-        return root / array.chunk_path(chunk.i)
+        return root / array.chunk_path(chunk.i), chunk.src
 
     def base_path(self, array: ArrayEntry, index: int, base: BaseChunk) -> Path:
         """Absolute path of the base chunk file of delta chunk ``index``.
@@ -206,7 +217,8 @@ class ChunkReader:
         if chunk.enc != "raw":
             self._read_delta(array, chunk, dests)
             return
-        self._read_file(array, chunk, self.chunk_path(array, chunk), chunk.src, dests)
+        path, owner = self._located(array, chunk)
+        self._read_file(array, chunk, path, owner, dests)
 
     def _open(self, array: ArrayEntry, index: int, path: Path, owner: str | None) -> int:
         try:

@@ -7,6 +7,12 @@ way (both release the GIL), early writeback so the final fsyncs find little to d
 a base checkpoint, a reference to an identical base chunk or a delta against it instead of
 the chunk. Going through zarr's own ``__setitem__`` measured ~2x slower.
 
+A chunk identical to the base's is recorded as the base's (``src``) and hard-linked into
+this checkpoint's own directory, so the copy stays a complete Zarr array for any reader and
+the file system's link count keeps the bytes alive as long as either checkpoint needs them.
+Where a link cannot be made (another file system), the chunk is only referenced and the
+array's ``zarr.json`` declares the chunk-reference codec (:mod:`ckptstore.format.zarrmeta`).
+
 :func:`write_chunk_file` is the one way any layout writes a Zarr chunk with the crc32c codec
 (the DCP layout uses it too), so the trailer and write-once rules are the same everywhere.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -72,6 +79,7 @@ class _Written:
     path: Path | None  # None when deduplicated against the base
     logical: int
     lossy: QuantResult | None = None  # error statistics of a lossily stored chunk
+    linked: bool = False  # a deduplicated chunk hard-linked into this directory
 
 
 @dataclass
@@ -99,7 +107,7 @@ class ChunkWriter:
     def __init__(
         self,
         directory: Path,
-        spec: CodecSpec,
+        specs: dict[str, CodecSpec],
         sources: dict[str, np.ndarray[Any, np.dtype[np.uint8]]],
         plans: dict[str, ArrayPlan],
         base: BaseRef | None,
@@ -109,13 +117,16 @@ class ChunkWriter:
         cache: KeyframeCache | None = None,
     ) -> None:
         self._directory = directory
-        self._spec = spec
+        self._specs = specs
         self._sources = sources
         self._plans = plans
         self._local = threading.local()
         self._gather_size = max((p.chunk_nbytes for p in plans.values()), default=0)
         self._base_id = base.manifest.id if base is not None else None
+        self._base_ref = base
         self._base: dict[str, ArrayEntry] = {}
+        #: Arrays some of whose chunks are only referenced, not in this directory.
+        self.incomplete: set[str] = set()
         self._delta = delta if delta is not None and delta.chained else None
         self._base_reader = (
             ChunkReader(base.directory, base.manifest, base.locate)
@@ -140,7 +151,7 @@ class ChunkWriter:
                 if (
                     old is not None
                     and old.chunk_len == plan.chunk_len
-                    and old.codec == spec.name
+                    and old.codec == specs[name].name
                     and old.torch_dtype == plan.info.name
                 ):
                     self._base[name] = old
@@ -164,6 +175,8 @@ class ChunkWriter:
                 for name, future in futures:
                     done = future.result()
                     results[name][done.entry.i] = done.entry
+                    if done.entry.src is not None and not done.linked:
+                        self.incomplete.add(name)
                     if done.lossy is not None:
                         self.errors.add(done.lossy, done.lossy.elements)
                     if done.path is not None:
@@ -193,6 +206,7 @@ class ChunkWriter:
         return buf
 
     def _write_chunk(self, plan: ArrayPlan, index: int) -> _Written:
+        spec = self._specs[plan.name]
         isz = plan.info.itemsize
         segments: list[Any] = [
             self._sources[member.key][first * isz : stop * isz]
@@ -211,7 +225,7 @@ class ChunkWriter:
         # Delta encoding needs the base's exact chunk: only raw-encoded ones qualify.
         encode = self._delta is not None and old is not None and old.enc == "raw"
         if len(segments) > 1 and (
-            self._spec.compressed or len(segments) > _GATHER_ABOVE or encode
+            spec.compressed or len(segments) > _GATHER_ABOVE or encode
         ):
             buf = self._buffer("gather", self._gather_size)
             pos = 0
@@ -221,7 +235,7 @@ class ChunkWriter:
             segments = [buf[:pos]]
 
         path = self._directory / chunk_rel(plan.name, index)
-        if old is None and not self._spec.compressed:
+        if old is None and not spec.compressed:
             streamed = self._stream_raw(path, index, segments, logical)
             if self._fill_cache:
                 assert self._cache is not None
@@ -243,25 +257,63 @@ class ChunkWriter:
                 assert self._cache is not None
                 self._cache.put(self._ckpt_id, plan.name, index, segments, digest)
             if old is not None and old.enc == "raw" and old.blake3 == digest:
-                return _Written(self._reference(old, digest), None, logical)
+                return self._reference(plan.name, old, digest, path, logical)
         if encode:
             assert old_array is not None and old is not None
-            delta, digest = self._write_delta(plan, index, old_array, old, segments[0], path,
-                                              logical, digest)
+            delta, digest = self._write_delta(plan, spec, index, old_array, old, segments[0],
+                                              path, logical, digest)
             if delta is not None:
                 return delta
         if digest is None:
             digest = blake3.blake3(segments[0]).hexdigest()
         payload: list[Any] = segments
-        if self._spec.compressed:
+        if spec.compressed:
             out = self._buffer("encoded", max_encoded_size(self._gather_size))
-            payload = [encode_into(self._spec, segments[0], isz, out)]
+            payload = [encode_into(spec, segments[0], isz, out)]
         crc, nbytes = self._write_file(path, payload)
         return _Written(ChunkEntry(index, nbytes, crc, digest, None), path, logical)
 
-    def _reference(self, old: ChunkEntry, digest: str) -> ChunkEntry:
-        """An entry that points at the base's (identical) file for this chunk."""
-        return ChunkEntry(old.i, old.nbytes, old.crc32c, digest, old.src or self._base_id)
+    def _reference(
+        self,
+        array: str,
+        old: ChunkEntry,
+        digest: str,
+        path: Path,
+        logical: int,
+        lossy: QuantResult | None = None,
+    ) -> _Written:
+        """Record the chunk as the base's (identical) file, hard-linked here when possible."""
+        owner = old.src or self._base_id
+        entry = ChunkEntry(old.i, old.nbytes, old.crc32c, digest, owner)
+        return _Written(entry, None, logical, lossy, linked=self._link(array, old, path))
+
+    def _link(self, array: str, old: ChunkEntry, path: Path) -> bool:
+        """Hard-link the base's file for ``old`` to ``path``; False where that is impossible."""
+        base = self._base_ref
+        if base is None:
+            return False
+        rel = chunk_rel(array, old.i)
+        # A version-2 base holds every chunk it uses (its own or a link); a version-1 one
+        # only its own, the rest is in the owner's directory.
+        candidates = [base.directory / rel]
+        if old.src is not None and base.locate is not None:
+            try:
+                candidates.append(Path(base.locate(old.src)) / rel)
+            except Exception:  # an owner that cannot be located: the chunk stays a reference
+                logger.debug("cannot locate checkpoint %s to link its chunk", old.src)
+        for source in candidates:
+            try:
+                if not stat.S_ISREG(os.lstat(source).st_mode):
+                    return False  # never carry a planted link or FIFO into this checkpoint
+                os.link(source, path, follow_symlinks=False)
+                return True
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                # EXDEV (another file system), EPERM/EMLINK: reference without a link.
+                logger.debug("cannot hard-link %s to %s (%s)", source, path, exc)
+                return False
+        return False
 
     def _write_file(self, path: Path, payload: list[Any]) -> tuple[int, int]:
         """Write ``payload`` + crc32c trailer to a new file; return (crc, bytes written)."""
@@ -270,6 +322,7 @@ class ChunkWriter:
     def _write_delta(
         self,
         plan: ArrayPlan,
+        array_spec: CodecSpec,
         index: int,
         old_array: ArrayEntry,
         old: ChunkEntry,
@@ -336,12 +389,12 @@ class ChunkWriter:
         if old.blake3 == digest:
             # Every change of a lossy chunk dropped (or, with no digest passed in, none made):
             # reference the base's file.
-            return _Written(self._reference(old, digest), None, logical, lossy), digest
+            return self._reference(plan.name, old, digest, path, logical, lossy), digest
         if payload is None:
             payload = payload_buf[:raw]
             xor_into(new, base, payload)
         out = self._buffer("encoded", max_encoded_size(self._gather_size + 64))
-        frame = encode_payload(payload, typesize, out, payload_codec(self._spec.name))
+        frame = encode_payload(payload, typesize, out, payload_codec(array_spec.name))
         if lossy is None and len(frame) > _XOR_WORTH * raw:
             return None, digest
         crc, nbytes = self._write_file(path, [frame])

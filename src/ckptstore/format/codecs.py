@@ -8,6 +8,13 @@ test checks zarr decodes our bytes identically.
 Why these settings (measured on model weights): bit-shuffle beats byte-shuffle on float
 weights at the same speed, LZ4 level 1 is as fast as any level and compresses within 1% of
 level 5 on weights, and zstd is offered for the archive tier where bytes cost more than CPU.
+
+The default, ``auto``, chooses per array (:func:`auto_codec`): 4- and 8-byte dtypes (fp32
+weights and optimizer moments, fp64, int64 counters) are stored raw, because lossless codecs
+gain only ~10% there and decoding would cost more than reading those bytes; 1- and 2-byte
+float dtypes (bf16, fp16, fp8) get Blosc-LZ4 with bit-shuffle when a sample of the array
+shrinks by 5% or more (bf16 weights: ~25%). A save against a base keeps the base's choice per
+array, so a chunk compares equal to its base chunk whenever its content does.
 """
 
 from __future__ import annotations
@@ -25,9 +32,13 @@ import numpy as np
 __all__ = [
     "BLOSC_HEADER",
     "BLOSC_MAX_OVERHEAD",
+    "ARRAY_CODECS",
+    "AUTO",
     "CODEC_PRESETS",
     "TRAILER",
     "CodecSpec",
+    "auto_codec",
+    "check_codec_setting",
     "codec_spec",
     "crc32c_update",
     "decode_into",
@@ -39,8 +50,16 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Names accepted for ``codec``.
-CODEC_PRESETS: tuple[str, ...] = ("none", "lz4", "zstd-1", "zstd-3")
+#: The default codec setting: chosen per array by :func:`auto_codec`.
+AUTO = "auto"
+#: Codecs an array's chunks are stored with.
+ARRAY_CODECS: tuple[str, ...] = ("none", "lz4", "zstd-1", "zstd-3")
+#: Names accepted for a save's ``codec`` setting.
+CODEC_PRESETS: tuple[str, ...] = (AUTO, *ARRAY_CODECS)
+#: ``auto`` compresses an array when a sample shrinks to this fraction or less.
+AUTO_MAX_RATIO = 0.95
+#: Bytes of an array ``auto`` compresses to decide.
+AUTO_SAMPLE_BYTES = 1 << 20
 
 #: The crc32c codec appends the checksum of the encoded bytes as 4 little-endian bytes.
 TRAILER = struct.Struct("<I")
@@ -84,17 +103,51 @@ _SPECS = {
 
 
 def codec_spec(name: str) -> CodecSpec:
-    """Return the preset called ``name``.
+    """Return the array codec called ``name``.
 
     Raises:
-        ValueError: If ``name`` is not one of :data:`CODEC_PRESETS`.
+        ValueError: If ``name`` is not one of :data:`ARRAY_CODECS` (``auto`` is resolved per
+            array by :func:`auto_codec` first).
     """
     try:
         return _SPECS[name]
     except KeyError:
+        if name == AUTO:
+            raise ValueError("codec 'auto' is chosen per array (auto_codec)") from None
         raise ValueError(
             f"unknown codec {name!r}; choose one of {', '.join(CODEC_PRESETS)}"
         ) from None
+
+
+def check_codec_setting(name: str) -> str:
+    """Return ``name`` if it is a codec setting a save accepts (``auto`` or an array codec).
+
+    Raises:
+        ValueError: Naming the choices.
+    """
+    if name not in CODEC_PRESETS:
+        raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_PRESETS)}")
+    return name
+
+
+def auto_codec(itemsize: int, is_float: bool, sample: Any) -> str:
+    """The codec ``auto`` stores an array with (see the module docstring).
+
+    Args:
+        itemsize: Bytes per element of the stored dtype.
+        is_float: Whether the elements are floating point.
+        sample: Up to :data:`AUTO_SAMPLE_BYTES` of the array's bytes (any buffer).
+
+    Returns:
+        ``"lz4"`` or ``"none"``.
+    """
+    data = _as_uint8(sample)
+    if itemsize > 2 or not is_float or len(data) < 4096:
+        return "none"
+    data = data[: AUTO_SAMPLE_BYTES - AUTO_SAMPLE_BYTES % itemsize]
+    out = np.empty(max_encoded_size(len(data)), dtype=np.uint8)
+    frame = encode_into(_SPECS["lz4"], data, itemsize, out)
+    return "lz4" if len(frame) <= AUTO_MAX_RATIO * len(data) else "none"
 
 
 def zarr_codecs(spec: CodecSpec, itemsize: int) -> list[Any]:

@@ -1,4 +1,4 @@
-"""Constants of the on-disk checkpoint format (version 1).
+"""Constants of the on-disk checkpoint format (version 2; version 1 is still read).
 
 Everything a reader and a writer must agree on lives here, so a change to the format is a
 change to one file plus :data:`FORMAT_VERSION`: file names inside a checkpoint directory,
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 __all__ = [
     "CHUNK_DIR",
+    "CHUNK_REF_CODEC",
     "COMMIT_NAME",
     "COMMIT_TMP_NAME",
     "DCP_ARRAY_GROUP",
@@ -20,6 +21,7 @@ __all__ = [
     "DCP_LAYOUT",
     "DCP_PACK_GROUP",
     "DEFAULT_CHUNK_BYTES",
+    "DELTA_CODEC",
     "FILES_KEY",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
@@ -30,15 +32,39 @@ __all__ = [
     "MAX_TREE_DEPTH",
     "MIN_CHUNK_BYTES",
     "ORIGINAL_MANIFEST_NAME",
+    "PER_TENSOR_MIN_BYTES",
+    "READABLE_VERSIONS",
     "REENCODED_FROM_KEY",
     "RESERVED_NAMES",
     "SIGNATURE_NAME",
+    "TENSOR_GROUP",
     "ZARR_JSON",
     "chunk_rel",
 ]
 
 #: Version of the layout described in docs/FORMAT.md; bumped on any incompatible change.
-FORMAT_VERSION = 1
+#: Version 2: one array per tensor of 1 MiB or more, deduplicated chunks hard-linked on
+#: local tiers, codecs that refuse plain readers where a copy is not self-contained, and the
+#: digest of every ``zarr.json`` in the manifest.
+FORMAT_VERSION = 2
+#: Versions this build reads (and the writers of older versions wrote).
+READABLE_VERSIONS = (1, 2)
+
+#: Group holding the arrays of tensors that get an array of their own (version 2).
+TENSOR_GROUP = "tensors"
+#: Tensors of at least this many bytes get an array of their own, so their chunks never mix
+#: with another tensor's: a frozen tensor's chunks then deduplicate whatever its neighbours
+#: do. Smaller tensors are packed together per dtype (a chunk file each would cost more).
+PER_TENSOR_MIN_BYTES = 1024 * 1024
+
+#: Names of the Zarr v3 codecs ckptstore declares in a ``zarr.json`` whose array a plain
+#: reader cannot reconstruct from that copy alone (docs/FORMAT.md, "Exact or loud"). A reader
+#: without ckptstore does not know them and refuses the array; with ckptstore installed they
+#: are registered (:mod:`ckptstore.format.zarrcodecs`) and refuse it with an explanation.
+#: ``CHUNK_REF_CODEC``: some chunks live in another checkpoint's directory on this tier;
+#: ``DELTA_CODEC``: some chunks are stored as deltas against a base checkpoint's chunks.
+CHUNK_REF_CODEC = "ckptstore.chunk_ref"
+DELTA_CODEC = "ckptstore.delta"
 
 #: Chunk size the writer aims at. 8 MiB measured best for durable saves on the reference
 #: machine (4 MiB costs more files and fsyncs, 16 MiB hurts parallel load).

@@ -17,11 +17,19 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import string
 from collections.abc import Iterable, Sequence
 
-__all__ = ["escape_component", "join_key", "key_matches", "render_path"]
+import blake3
+
+__all__ = ["escape_component", "escape_node_name", "join_key", "key_matches", "render_path"]
 
 logger = logging.getLogger(__name__)
+
+# Characters a Zarr node name keeps as they are; everything else is %-escaped.
+_NODE_SAFE = frozenset(string.ascii_letters + string.digits + "._-")
+# Longer escaped names are cut and suffixed with a hash (file systems limit a name to 255).
+_MAX_NODE_NAME = 160
 
 
 def escape_component(component: object) -> str:
@@ -71,3 +79,24 @@ def _ancestors(key: str) -> Iterable[str]:
     while end != -1:
         yield key[:end]
         end = key.find("/", end + 1)
+
+
+def escape_node_name(name: str) -> str:
+    """Zarr node name for a tensor key or a DCP fqn: injective, filesystem-safe, bounded.
+
+    Letters, digits and ``._-`` stay; every other byte of the UTF-8 form becomes ``%XX``.
+    A leading ``__`` (reserved by zarr) and the names ``.``/``..`` are escaped too. Names
+    longer than 160 characters are cut and suffixed with ``~`` and a hash of the name (``~``
+    never survives escaping, so this cannot collide with an escaped name).
+    """
+    if not name:
+        return "%"  # a lone '%' is never produced by escaping a non-empty name
+    out = [c if c in _NODE_SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in name]
+    escaped = "".join(out)
+    if escaped.startswith("__"):
+        escaped = "%5F" + escaped[1:]
+    if escaped in (".", ".."):
+        escaped = escaped.replace(".", "%2E")
+    if len(escaped) > _MAX_NODE_NAME:
+        escaped = escaped[:_MAX_NODE_NAME] + "~" + blake3.blake3(name.encode()).hexdigest()[:32]
+    return escaped

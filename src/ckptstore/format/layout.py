@@ -1,17 +1,22 @@
 """Packing geometry: which tensor goes where in which array, and how arrays are chunked.
 
-Tensors are grouped by dtype into one flat 1-D array per dtype, in flatten order. Each
-array is cut into equal chunks (a regular Zarr grid) whose length is balanced so the padded
-tail of the last chunk wastes fewer than ``n_chunks`` elements.
+Chunk dedup and delta encoding work per chunk, so chunk boundaries follow tensor boundaries
+wherever that is affordable:
 
-Two groups get arrays of their own, because chunk dedup and delta encoding work per chunk:
+* a tensor of :data:`~ckptstore.format.constants.PER_TENSOR_MIN_BYTES` (1 MiB) or more gets
+  a flat 1-D array of its own, ``tensors/<escaped key>``: a frozen weight's chunks are then
+  identical in every save whatever its neighbours do;
+* smaller tensors are packed together, one flat array per dtype named after it (``float32``,
+  ...), in flatten order: a chunk file each would cost more than it could save. When a
+  dtype's packed tensors span several chunks, the ones under 1/16 of a chunk (biases,
+  norms, LoRA adapters, step counters) go to ``<dtype>_small``: interleaved with larger
+  frozen ones, a few changing small tensors would otherwise touch nearly every chunk;
+* in lossy delta mode, the small floating-point tensors the lossy scope selects are packed
+  apart (``<dtype>_lossy``), so no chunk mixes approximate and exact values; a large one is
+  lossy or not as a whole.
 
-* ``<dtype>_small``: when a dtype spans several chunks, tensors under 1/16 of a chunk
-  (biases, norms, LoRA adapters, step counters) are packed apart from the large ones.
-  Interleaved with large frozen weights, a few changing small tensors would otherwise touch
-  nearly every chunk; packed together they change only their own few chunks.
-* ``<dtype>_lossy``: in lossy delta mode, the floating-point tensors the lossy scope selects,
-  so no chunk mixes approximate and exact values.
+Every array is cut into equal chunks (a regular Zarr grid) whose length is balanced so the
+padded tail of the last chunk wastes fewer than ``n_chunks`` elements.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ckptstore.format.constants import TENSOR_GROUP
 from ckptstore.format.dtypes import DtypeInfo, dtype_info
-from ckptstore.format.keys import key_matches
+from ckptstore.format.keys import escape_node_name, key_matches
 
 __all__ = [
     "LOSSY_DTYPES",
@@ -36,14 +42,15 @@ __all__ = [
     "balanced_chunk_len",
     "chunk_span",
     "plan_layout",
+    "tensor_array_name",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Array name suffixes of the two separately packed groups (see the module docstring).
+#: Array name suffixes of the separately packed groups (see the module docstring).
 SMALL_SUFFIX = "_small"
 LOSSY_SUFFIX = "_lossy"
-#: A tensor is small when it is under ``chunk_bytes / SMALL_DIVISOR`` bytes.
+#: A packed tensor is small when it is under ``chunk_bytes / SMALL_DIVISOR`` bytes.
 SMALL_DIVISOR = 16
 #: Dtypes whose values may be stored lossily.
 LOSSY_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
@@ -101,6 +108,8 @@ class ArrayPlan:
         chunk_len: Elements per chunk.
         members: Placements in packing order.
         array_name: The array name (default ``info.name``; a suffixed name for a group).
+        lossy: Whether it holds tensors of the lossy scope.
+        tensor: The key of the one tensor an array of its own holds; None for a packed one.
     """
 
     info: DtypeInfo
@@ -108,17 +117,14 @@ class ArrayPlan:
     chunk_len: int = 1
     members: list[Placement] = field(default_factory=list)
     array_name: str = ""
+    lossy: bool = False
+    tensor: str | None = None
     _starts: list[int] = field(default_factory=list, repr=False)
 
     @property
     def name(self) -> str:
         """The array name."""
         return self.array_name or self.info.name
-
-    @property
-    def lossy(self) -> bool:
-        """Whether this array holds the lossy group."""
-        return self.name.endswith(LOSSY_SUFFIX)
 
     @property
     def n_chunks(self) -> int:
@@ -147,35 +153,53 @@ class ArrayPlan:
             pos += 1
 
 
+def tensor_array_name(key: str) -> str:
+    """Name of the array of its own that tensor ``key`` gets: ``tensors/<escaped key>``."""
+    return f"{TENSOR_GROUP}/{escape_node_name(key)}"
+
+
 def _groups(
     tensors: Mapping[str, torch.Tensor],
     chunk_bytes: int,
     lossy_scope: Sequence[str] | None,
-) -> dict[str, tuple[DtypeInfo, str]]:
-    """Tensor key -> (dtype info, array name)."""
+    per_tensor_bytes: int | None,
+) -> dict[str, tuple[DtypeInfo, str, bool, bool]]:
+    """Tensor key -> (dtype info, array name, lossy, array of its own)."""
     infos: dict[str, DtypeInfo] = {}
     totals: dict[str, int] = {}
+    groups: dict[str, tuple[DtypeInfo, str, bool, bool]] = {}
     for key, tensor in tensors.items():
         info = dtype_info(tensor.dtype)
         if info is None:  # flatten_state refuses these; guard direct callers
             raise ValueError(f"tensor {key!r} has unsupported dtype {tensor.dtype}")
+        lossy = bool(lossy_scope) and info.name in LOSSY_DTYPES and key_matches(
+            key, lossy_scope or ())
+        nbytes = tensor.numel() * info.itemsize
+        if per_tensor_bytes is not None and nbytes >= per_tensor_bytes:
+            groups[key] = (info, tensor_array_name(key), lossy, True)
+            continue
         infos[key] = info
-        totals[info.name] = totals.get(info.name, 0) + tensor.numel() * info.itemsize
+        if not lossy:
+            totals[info.name] = totals.get(info.name, 0) + nbytes
     names: dict[str, str] = {}
     for key, info in infos.items():
         nbytes = tensors[key].numel() * info.itemsize
-        if lossy_scope and info.name in LOSSY_DTYPES and key_matches(key, lossy_scope):
+        lossy = bool(lossy_scope) and info.name in LOSSY_DTYPES and key_matches(
+            key, lossy_scope or ())
+        if lossy:
             names[key] = info.name + LOSSY_SUFFIX
         elif nbytes > 0 and nbytes * SMALL_DIVISOR < chunk_bytes < totals[info.name] // 2:
             names[key] = info.name + SMALL_SUFFIX
         else:
             names[key] = info.name
-    # A small group with nothing large beside it is just the dtype's array.
+    # A small group with nothing larger beside it is just the dtype's array.
     plain = set(names.values())
     for key, name in names.items():
         if name.endswith(SMALL_SUFFIX) and name[: -len(SMALL_SUFFIX)] not in plain:
             names[key] = name[: -len(SMALL_SUFFIX)]
-    return {key: (infos[key], names[key]) for key in tensors}
+    for key, name in names.items():
+        groups[key] = (infos[key], name, name.endswith(LOSSY_SUFFIX), False)
+    return {key: groups[key] for key in tensors}
 
 
 def plan_layout(
@@ -183,6 +207,7 @@ def plan_layout(
     chunk_bytes: int,
     *,
     lossy_scope: Sequence[str] | None = None,
+    per_tensor_bytes: int | None = None,
 ) -> dict[str, ArrayPlan]:
     """Assign every tensor an array and offset, and pick each array's chunk length.
 
@@ -193,17 +218,25 @@ def plan_layout(
     Args:
         tensors: Tensor key -> tensor, in packing order.
         chunk_bytes: Target chunk size in bytes.
-        lossy_scope: Key patterns of the tensors to pack into the lossy group, if any.
+        lossy_scope: Key patterns of the tensors of the lossy scope, if any.
+        per_tensor_bytes: Tensors of at least this many bytes get an array of their own
+            (the checkpoint writer passes
+            :data:`~ckptstore.format.constants.PER_TENSOR_MIN_BYTES`); None packs every
+            tensor (the DCP layout's per-rank packs).
 
     Returns:
         Array name -> plan, in order of first appearance.
     """
     plans: dict[str, ArrayPlan] = {}
-    for key, (info, name) in _groups(tensors, chunk_bytes, lossy_scope).items():
+    for key, (info, name, lossy, own) in _groups(
+        tensors, chunk_bytes, lossy_scope, per_tensor_bytes
+    ).items():
         tensor = tensors[key]
         plan = plans.get(name)
         if plan is None:
-            plan = plans[name] = ArrayPlan(info, array_name=name)
+            plan = plans[name] = ArrayPlan(
+                info, array_name=name, lossy=lossy, tensor=key if own else None
+            )
         numel = tensor.numel()
         plan.members.append(Placement(key, name, plan.length, numel, tuple(tensor.shape)))
         plan._starts.append(plan.length)

@@ -14,8 +14,9 @@ import blake3
 from ckptstore.errors import IntegrityError, MissingBaseError, StorageError
 from ckptstore.format.chunkio import ChunkReader, Locate
 from ckptstore.format.codecs import TRAILER, crc32c_update
-from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, ZARR_JSON
+from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME
 from ckptstore.format.manifest import ArrayEntry, FileEntry, Manifest
+from ckptstore.format.zarrcheck import check_zarr_metadata
 
 __all__ = ["chunk_files", "verify_checkpoint"]
 
@@ -39,8 +40,9 @@ def chunk_files(manifest: Manifest) -> list[str]:
         if chunk.src is None
     ]
     files += [entry.path for entry in manifest.files]
-    files += [f"{name}/{ZARR_JSON}" for name in manifest.arrays]
-    files += [ZARR_JSON, MANIFEST_NAME, COMMIT_NAME]
+    # Array documents first, then subgroups, the root group last.
+    files += list(reversed(manifest.metadata_files()))
+    files += [MANIFEST_NAME, COMMIT_NAME]
     return files
 
 
@@ -51,7 +53,12 @@ def _label(manifest: Manifest, array: ArrayEntry, index: int) -> str:
 
 
 def verify_checkpoint(
-    directory: Path, manifest: Manifest, *, locate: Locate | None = None, deep: bool = True
+    directory: Path,
+    manifest: Manifest,
+    *,
+    locate: Locate | None = None,
+    deep: bool = True,
+    metadata: bool = True,
 ) -> list[str]:
     """Check that every file the checkpoint needs is present and intact.
 
@@ -61,6 +68,8 @@ def verify_checkpoint(
         locate: Finds base checkpoints' directories (for delta chunks).
         deep: Read every chunk and check its crc32c and blake3; otherwise only check that
             files exist with the recorded sizes.
+        metadata: Also check every ``zarr.json`` against the manifest (False: a caller that
+            reports metadata problems apart, like doctor).
 
     Returns:
         One line per problem, e.g. ``"tensor model/w chunk float32/c/3: crc32c mismatch"``;
@@ -68,12 +77,15 @@ def verify_checkpoint(
     """
     directory = Path(directory)
     problems: list[str] = []
-    for rel in [ZARR_JSON, MANIFEST_NAME, COMMIT_NAME] + [
-        f"{name}/{ZARR_JSON}" for name in manifest.arrays
-    ]:
+    for rel in [*manifest.metadata_files(), MANIFEST_NAME, COMMIT_NAME]:
         problem = _not_regular(directory / rel)
         if problem is not None:
             problems.append(f"{rel}: {problem}")
+    # Every zarr.json is under the manifest's digests (or rebuilt from it, version 1): a
+    # plain Zarr reader trusts these documents, so an edited one is damage too.
+    if metadata:
+        problems += [p for p in check_zarr_metadata(directory, manifest)
+                     if not p.endswith(": missing")]
     reader = ChunkReader(directory, manifest, locate)
     jobs = [(array, chunk.i) for array in manifest.arrays.values() for chunk in array.chunks]
 

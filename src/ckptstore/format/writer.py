@@ -28,7 +28,14 @@ from ckptstore.durable import fsync_dir, storage_error, write_new_file
 from ckptstore.errors import CkptError, InvalidNameError, UnsafeObjectError
 from ckptstore.format.basecache import KeyframeCache
 from ckptstore.format.chunkwriter import ChunkWriter, ErrorStats
-from ckptstore.format.codecs import CodecSpec, codec_spec
+from ckptstore.format.codecs import (
+    AUTO,
+    AUTO_SAMPLE_BYTES,
+    CodecSpec,
+    auto_codec,
+    check_codec_setting,
+    codec_spec,
+)
 from ckptstore.format.constants import (
     CHUNK_DIR,
     DEFAULT_CHUNK_BYTES,
@@ -36,6 +43,7 @@ from ckptstore.format.constants import (
     MANIFEST_NAME,
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
+    PER_TENSOR_MIN_BYTES,
 )
 from ckptstore.format.delta import DeltaSpec
 from ckptstore.format.flatten import flatten_state
@@ -54,7 +62,7 @@ from ckptstore.format.manifest import (
     remember_manifest,
 )
 from ckptstore.format.marker import write_marker
-from ckptstore.format.zarrmeta import build_metadata
+from ckptstore.format.zarrmeta import ArrayMeta, build_metadata, document_variants
 
 __all__ = ["PHASES", "write_checkpoint"]
 
@@ -72,7 +80,7 @@ def write_checkpoint(
     ckpt_id: str,
     run: str,
     step: int,
-    codec: str = "lz4",
+    codec: str = "auto",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     threads: int = 2,
     base: BaseRef | None = None,
@@ -92,7 +100,9 @@ def write_checkpoint(
         ckpt_id: The checkpoint's uuid (canonical lower-case form).
         run: Run name, recorded in the manifest.
         step: Training step, recorded in the manifest.
-        codec: One of :data:`~ckptstore.format.codecs.CODEC_PRESETS`.
+        codec: One of :data:`~ckptstore.format.codecs.CODEC_PRESETS`: ``auto`` chooses per
+            array (:func:`~ckptstore.format.codecs.auto_codec`), keeping the base's choice
+            for an array the base has.
         chunk_bytes: Target chunk size in bytes.
         threads: Writer threads (one chunk per task).
         base: Committed checkpoint to deduplicate against: a chunk with the same array,
@@ -123,16 +133,25 @@ def write_checkpoint(
     """
     started = time.perf_counter()
     directory = Path(directory)
-    spec = _check_args(ckpt_id, run, step, codec, chunk_bytes, threads, base, depth)
+    _check_args(ckpt_id, run, step, codec, chunk_bytes, threads, base, depth)
     if sys.byteorder != "little":
         raise CkptError("the checkpoint format stores little-endian bytes; this host is not")
     extra_doc = _normalise_extra(extra)
     flat = flatten_state(state)
     scope = delta.scope if delta is not None and delta.lossy else None
-    plans = plan_layout(flat.tensors, chunk_bytes, lossy_scope=scope)
+    plans = plan_layout(
+        flat.tensors, chunk_bytes, lossy_scope=scope,
+        per_tensor_bytes=PER_TENSOR_MIN_BYTES,
+    )
     sources = {key: _byte_view(t) for key, t in flat.tensors.items()}
+    specs = {name: _array_codec(codec, plan, sources, base) for name, plan in plans.items()}
     docs = build_metadata(
-        ckpt_id, [(p.name, p.length, p.chunk_len, p.info) for p in plans.values()], spec
+        ckpt_id,
+        [
+            ArrayMeta(p.name, p.length, p.chunk_len, p.info, specs[p.name], p.tensor,
+                      p.members[0].shape if p.tensor is not None else None)
+            for p in plans.values()
+        ],
     )
 
     def fault(name: str) -> None:
@@ -141,12 +160,17 @@ def write_checkpoint(
 
     _make_dirs(directory, plans)
     fault("chunks_started")
-    chunk_writer = ChunkWriter(directory, spec, sources, plans, base, delta,
+    chunk_writer = ChunkWriter(directory, specs, sources, plans, base, delta,
                                 ckpt_id=ckpt_id, cache=base_cache)
     chunks, stored_bytes = chunk_writer.run(threads, progress)
     fault("chunks_written")
 
-    for rel, data in docs.items():
+    # The documents as this copy needs them: an array with delta-encoded chunks, or with
+    # chunks only referenced (not linked here), declares a codec plain readers refuse.
+    on_disk, metadata, metadata_ref = document_variants(
+        ckpt_id, docs, chunks, chunk_writer.incomplete
+    )
+    for rel, data in on_disk.items():
         write_new_file(directory / rel, data)
     fault("metadata_written")
 
@@ -155,7 +179,6 @@ def write_checkpoint(
         flat.tree,
         plans,
         chunks,
-        spec,
         chunk_bytes,
         stored_bytes,
         ckpt_id=ckpt_id,
@@ -164,12 +187,18 @@ def write_checkpoint(
         base=base,
         extra=extra_doc,
         delta=_delta_info(delta, depth, chunk_writer.errors),
+        codec=codec,
+        specs=specs,
+        metadata=metadata,
+        metadata_ref=metadata_ref,
     )
     manifest_bytes = manifest.to_json()
     write_new_file(directory / MANIFEST_NAME, manifest_bytes)
     for plan in plans.values():
         fsync_dir(directory / plan.name / CHUNK_DIR)
         fsync_dir(directory / plan.name)
+    for group in {p.name.rpartition("/")[0] for p in plans.values()} - {""}:
+        fsync_dir(directory / group)
     fsync_dir(directory)
     fsync_dir(directory.parent)
     fault("manifest_written")
@@ -201,7 +230,7 @@ def _check_args(
     threads: int,
     base: BaseRef | None,
     depth: int,
-) -> CodecSpec:
+) -> None:
     if not is_checkpoint_id(ckpt_id):
         raise InvalidNameError(f"checkpoint id {ckpt_id!r} must be a lower-case uuid string")
     if not isinstance(run, str) or not run or len(run) > 1024:
@@ -219,9 +248,34 @@ def _check_args(
     if not isinstance(depth, int) or depth < 0:
         raise InvalidNameError(f"depth must be a non-negative int, got {depth!r}")
     try:
-        return codec_spec(codec)
+        check_codec_setting(codec)
     except ValueError as exc:
         raise InvalidNameError(str(exc)) from None
+
+
+def _array_codec(
+    codec: str,
+    plan: ArrayPlan,
+    sources: dict[str, np.ndarray[Any, np.dtype[np.uint8]]],
+    base: BaseRef | None,
+) -> CodecSpec:
+    """The codec an array's chunks are stored with (``auto`` resolved for this array)."""
+    if codec != AUTO:
+        return codec_spec(codec)
+    old = base.manifest.arrays.get(plan.name) if base is not None else None
+    if old is not None and old.torch_dtype == plan.info.name:
+        return codec_spec(old.codec)  # the base's choice, so unchanged chunks compare equal
+    sample: list[Any] = []
+    need = AUTO_SAMPLE_BYTES
+    for member in plan.members:
+        if need <= 0:
+            break
+        data = sources[member.key][:need]
+        sample.append(data)
+        need -= len(data)
+    joined = np.concatenate(sample) if len(sample) > 1 else (sample[0] if sample else b"")
+    is_float = plan.info.torch_dtype.is_floating_point
+    return codec_spec(auto_codec(plan.info.itemsize, is_float, joined))
 
 
 def _normalise_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
@@ -285,7 +339,6 @@ def _build_manifest(
     tree: Any,
     plans: dict[str, ArrayPlan],
     chunks: dict[str, list[ChunkEntry]],
-    spec: CodecSpec,
     chunk_bytes: int,
     stored_bytes: int,
     *,
@@ -294,7 +347,11 @@ def _build_manifest(
     step: int,
     base: BaseRef | None,
     extra: dict[str, Any],
-    delta: DeltaInfo | None = None,
+    delta: DeltaInfo | None,
+    codec: str,
+    specs: dict[str, CodecSpec],
+    metadata: dict[str, str],
+    metadata_ref: dict[str, str],
 ) -> Manifest:
     arrays = {
         name: ArrayEntry(
@@ -304,7 +361,7 @@ def _build_manifest(
             itemsize=plan.info.itemsize,
             length=plan.length,
             chunk_len=plan.chunk_len,
-            codec=spec.name,
+            codec=specs[name].name,
             chunks=tuple(chunks[name]),
         )
         for name, plan in plans.items()
@@ -339,7 +396,7 @@ def _build_manifest(
         created_at=datetime.now(UTC).isoformat(),
         kind="delta" if referenced else "full",
         base_id=base.manifest.id if (referenced and base is not None) else None,
-        codec=spec.name,
+        codec=codec,
         chunk_bytes=chunk_bytes,
         arrays=arrays,
         tensors=entries,
@@ -348,6 +405,8 @@ def _build_manifest(
         stored_bytes=stored_bytes,
         extra=extra,
         delta=delta,
+        metadata=metadata,
+        metadata_ref=metadata_ref,
     )
 
 

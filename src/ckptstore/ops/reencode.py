@@ -60,9 +60,9 @@ from ckptstore.format import ArrayEntry, ChunkEntry, Manifest, TensorEntry, read
 from ckptstore.format.chunkio import ChunkReader
 from ckptstore.format.codecs import CODEC_PRESETS, TRAILER, codec_spec, crc32c_update, encode
 from ckptstore.format.constants import MAX_MANIFEST_BYTES, ZARR_JSON, chunk_rel
-from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.manifest import manifest_digest
-from ckptstore.format.zarrmeta import build_metadata
+from ckptstore.format.zarrmeta import array_metas, build_metadata
+from ckptstore.format.zarrmeta import digest as digest_of
 from ckptstore.storage import COMMIT_NAME, MANIFEST_NAME, LocalTier, Tier, is_not_found
 from ckptstore.storage.transfer import (
     ORIGINAL_MANIFEST_NAME,
@@ -131,6 +131,11 @@ def reencode_name(array: str, codec: str) -> str:
     A name that is already re-encoded keeps its original stem, so re-encoding a re-encoded
     copy (repair from another tier) does not stack suffixes.
     """
+    if "/" in array:
+        # A tensor's own array (``tensors/<escaped key>``): the group gets the suffix, since
+        # an escaped key may itself hold the separator.
+        group, leaf = array.split("/", 1)
+        return f"{group.split(_SEP, 1)[0]}{_SEP}{codec.replace('-', '')}/{leaf}"
     stem = array.split(_SEP, 1)[0] if _SEP in array else array
     name = f"{stem}{_SEP}{codec.replace('-', '')}"
     if len(name) > _MAX_NAME:  # not reachable with writer names; stays a valid identifier
@@ -318,8 +323,12 @@ def reencode_copy(
     }
     new = dataclasses.replace(
         manifest, kind="full", base_id=None, codec=codec, arrays=arrays, tensors=tensors,
-        stored_bytes=chunk_total, reencoded_from=origin,
+        stored_bytes=chunk_total, reencoded_from=origin, metadata={}, metadata_ref={},
     )
+    # Self-contained: every array's document is the plain one.
+    docs = build_metadata(ckpt_id, array_metas(new))
+    if new.format_version >= 2:
+        new = dataclasses.replace(new, metadata={rel: digest_of(d) for rel, d in docs.items()})
     data = new.to_json()
     # Our own output goes through the hostile-input parser once: a bug here must fail the
     # archive, not a restore months later.
@@ -329,12 +338,6 @@ def reencode_copy(
     # What every later reader checks (signatures transfer through it): check it now.
     check_same_content(original, new)
     total = chunk_total
-    metas = []
-    for a in arrays.values():
-        info = dtype_by_name(a.torch_dtype)
-        assert info is not None  # the manifest was validated
-        metas.append((a.name, a.length, a.chunk_len, info))
-    docs = build_metadata(ckpt_id, metas, codec_spec(codec))
     # Array documents first, the group's last, as the writer does.
     for rel in sorted(docs, key=lambda r: (r == ZARR_JSON, r)):
         key = dst.key_for(run, ckpt_id, rel)

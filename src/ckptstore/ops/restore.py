@@ -31,6 +31,7 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, verify_checkpoint
+from ckptstore.format.localize import link_shared_chunks
 from ckptstore.ops.leases import acquire_lease, lease_owner
 from ckptstore.ops.replicas import (
     delete_replica,
@@ -160,6 +161,9 @@ def _restore_from(
         assert found is not None
         return found
 
+    # Shared chunks were restored into their owners' directories: link them in, so the
+    # local copy is a complete Zarr group again, as a fresh save leaves it.
+    link_shared_chunks(directory, manifest, locate)
     problems = verify_checkpoint(directory, manifest, locate=locate, deep=deep)
     if problems:
         raise IntegrityError(

@@ -25,7 +25,8 @@ import crc32c
 
 from ckptstore.errors import ConflictError, IntegrityError, MissingBaseError
 from ckptstore.format import chunk_files
-from ckptstore.format.constants import ORIGINAL_MANIFEST_NAME, chunk_rel
+from ckptstore.format.constants import ORIGINAL_MANIFEST_NAME, ZARR_JSON, chunk_rel
+from ckptstore.format.zarrmeta import ref_document
 from ckptstore.storage.base import COMMIT_NAME, MANIFEST_NAME, Tier
 
 __all__ = [
@@ -147,6 +148,7 @@ def copy_keys(
     deep: bool = False,
     existing: set[str] | None = None,
     check_source: Callable[[str, bytes], str | None] | None = None,
+    rewrite: Callable[[str, bytes], bytes] | None = None,
 ) -> int:
     """Copy files ``src_key -> dst_key`` and verify each one on the destination.
 
@@ -165,6 +167,8 @@ def copy_keys(
         existing: Destination keys known to exist (skips one existence request per file).
         check_source: Called with ``(source key, bytes)``; returns a problem description
             when the source bytes are damaged, so damage is never propagated to a new copy.
+        rewrite: Called with ``(source key, checked bytes)``; returns the bytes the
+            destination file must hold (the ``zarr.json`` variant a copy needs).
 
     Returns:
         Total bytes of the files (written or already present).
@@ -186,6 +190,8 @@ def copy_keys(
                 f"{src.name} tier: {src_key} is damaged ({problem}); not copying it to "
                 f"{dst.name}. Run `ckpt verify` to repair the {src.name} copy from another one"
             )
+        if rewrite is not None:
+            data = rewrite(src_key, data)
         present = dst_key in existing if existing is not None else dst.exists(dst_key)
         return put_verified(dst, dst_key, data, deep=deep, present=present,
                             progress=progress, origin=src.name)
@@ -304,6 +310,12 @@ def source_checker(
                 expected[key_of(str(_field(base, "src")), rel)] = (
                     int(_field(base, "nbytes")), int(_field(base, "crc32c")))
     digest = str(getattr(manifest, "digest", "") or "")
+    # Version 2: a zarr.json is one of the documents the manifest records for it.
+    docs: dict[str, set[str]] = {}
+    for rel, value in (getattr(manifest, "metadata", None) or {}).items():
+        docs.setdefault(key_of(manifest.id, rel), set()).add(value)
+    for rel, value in (getattr(manifest, "metadata_ref", None) or {}).items():
+        docs.setdefault(key_of(manifest.id, rel), set()).add(value)
     manifest_key = key_of(manifest.id, MANIFEST_NAME)
     marker_key = key_of(manifest.id, COMMIT_NAME)
     original_key = key_of(manifest.id, ORIGINAL_MANIFEST_NAME)
@@ -318,6 +330,9 @@ def source_checker(
             trailer = int.from_bytes(data[-4:], "little") if len(data) >= 4 else -1
             if got != crc or trailer != crc:
                 return f"crc32c {got:#010x} differs from the manifest's {crc:#010x}"
+        elif key in docs:
+            if blake3.blake3(data).hexdigest() not in docs[key]:
+                return "a zarr.json that is not the document the manifest records"
         elif digest and key == manifest_key:
             got_digest = blake3.blake3(data).hexdigest()
             if got_digest != digest:
@@ -391,6 +406,31 @@ def require_foreign_chunks(
             )
 
 
+def _reference_documents(
+    manifest: ManifestLike, src: Tier, run: str, ckpt_id: str
+) -> Callable[[str, bytes], bytes] | None:
+    """The rewrite that gives a copy the documents it needs (format version 2).
+
+    A copy made here holds its own chunk files only; the chunks it shares with other
+    checkpoints stay in their owners' prefixes. Each array with such chunks therefore gets
+    its chunk-reference ``zarr.json``, which plain Zarr readers refuse, derived from the
+    source's plain document when the source held those chunks itself (docs/FORMAT.md).
+    """
+    refs: dict[str, str] = dict(getattr(manifest, "metadata_ref", None) or {})
+    if not refs:
+        return None
+    by_key = {src.key_for(run, ckpt_id, rel): rel for rel in refs}
+
+    def rewrite(key: str, data: bytes) -> bytes:
+        rel = by_key.get(key)
+        if rel is None or blake3.blake3(data).hexdigest() == refs[rel]:
+            return data
+        array = rel[: -len(ZARR_JSON) - 1]
+        return ref_document(manifest, array, data)  # type: ignore[arg-type]
+
+    return rewrite
+
+
 def copy_checkpoint(
     src: Tier,
     dst: Tier,
@@ -441,7 +481,8 @@ def copy_checkpoint(
     check = source_checker(manifest, lambda owner, rel: src.key_for(resolve(owner), owner, rel))
     data_files = files[:-2]
     total = copy_keys(src, dst, pairs(data_files), threads=threads, progress=progress,
-                      deep=deep, existing=existing, check_source=check)
+                      deep=deep, existing=existing, check_source=check,
+                      rewrite=_reference_documents(manifest, src, run, ckpt_id))
     total += copy_keys(src, dst, pairs([MANIFEST_NAME]), progress=progress, deep=deep,
                        existing=existing, check_source=check)
     # Everything above is on dst and read back intact: only now may the copy become visible.

@@ -38,9 +38,10 @@ from ckptstore.format.dcp.layout import (
 )
 from ckptstore.format.dcp.plan import ArraySpec, item_dtype_name
 from ckptstore.format.dcp.write import FSYNC_THREADS, Stored
-from ckptstore.format.dcp.zarrdocs import group_doc, root_doc
+from ckptstore.format.dcp.zarrdocs import dcp_documents, group_doc, root_doc
 from ckptstore.format.manifest import FileEntry
 from ckptstore.format.marker import write_marker
+from ckptstore.format.zarrmeta import digest
 
 __all__ = ["build_index", "commit_files"]
 
@@ -192,6 +193,10 @@ def commit_files(
         stored_bytes=index.stored_bytes,
         dcp=index,
         files=tuple(files),
+        # Every zarr.json under the manifest's digest; the ranks wrote the array documents
+        # with the same functions (format/dcp/zarrdocs.py).
+        metadata={rel: digest(doc)
+                  for rel, doc in dcp_documents(ckpt_id, index).items()},
     )
     data = manifest.to_json()
     write_new_file(directory / MANIFEST_NAME, data)

@@ -31,9 +31,8 @@ import logging
 import math
 from collections.abc import Sequence
 
-import blake3
-
 from ckptstore.format.constants import DCP_ARRAY_GROUP, DCP_PACK_GROUP
+from ckptstore.format.keys import escape_node_name
 from ckptstore.format.manifest import Manifest
 from ckptstore.format.manifest.dcpindex import (
     INDEX_VERSION,
@@ -71,8 +70,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
-_MAX_NAME = 160
 
 
 def is_dcp_manifest(manifest: Manifest) -> bool:
@@ -84,24 +81,8 @@ def is_dcp_manifest(manifest: Manifest) -> bool:
 
 
 def escape_fqn(fqn: str) -> str:
-    """Zarr node name for a fully qualified name (injective, filesystem-safe, bounded).
-
-    Letters, digits and ``._-`` stay; every other byte of the UTF-8 form becomes ``%XX``.
-    A leading ``__`` (reserved by zarr) and the names ``.``/``..`` are escaped too. Names
-    longer than 160 characters are cut and suffixed with ``~`` and a hash of the fqn (``~``
-    never survives escaping, so this cannot collide with an escaped name).
-    """
-    if not fqn:
-        return "%"  # a lone '%' is never produced by escaping a non-empty name
-    out = [c if c in _SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in fqn]
-    name = "".join(out)
-    if name.startswith("__"):
-        name = "%5F" + name[1:]
-    if name in (".", ".."):
-        name = name.replace(".", "%2E")
-    if len(name) > _MAX_NAME:
-        name = name[:_MAX_NAME] + "~" + blake3.blake3(fqn.encode()).hexdigest()[:32]
-    return name
+    """Zarr node name for a fully qualified name (see ``format.keys.escape_node_name``)."""
+    return escape_node_name(fqn)
 
 
 def array_path(fqn: str, piece: int | None = None) -> str:

@@ -16,10 +16,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckptstore.format.codecs import codec_spec, zarr_codecs
-from ckptstore.format.constants import DCP_LAYOUT, FORMAT_VERSION, MANIFEST_NAME, ZARR_JSON
+from ckptstore.format.constants import (
+    DCP_ARRAY_GROUP,
+    DCP_LAYOUT,
+    DCP_PACK_GROUP,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    ZARR_JSON,
+)
 from ckptstore.format.dtypes import dtype_by_name
+from ckptstore.format.manifest.dcpindex import DcpIndex
 
-__all__ = ["array_doc", "group_doc", "root_doc"]
+__all__ = ["array_doc", "dcp_documents", "group_doc", "root_doc"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,15 +97,34 @@ def group_doc(attributes: dict[str, Any] | None = None) -> bytes:
     return json.dumps(doc, indent=2).encode()
 
 
-def root_doc(ckpt_id: str) -> bytes:
+def root_doc(ckpt_id: str, format_version: int = FORMAT_VERSION) -> bytes:
     """The checkpoint's root group document, as the regular format writes it plus the layout."""
     return group_doc(
         {
             "ckptstore": {
-                "format_version": FORMAT_VERSION,
+                "format_version": format_version,
                 "id": ckpt_id,
                 "manifest": MANIFEST_NAME,
                 "layout": DCP_LAYOUT,
             }
         }
     )
+
+
+def dcp_documents(
+    ckpt_id: str, index: DcpIndex, format_version: int = FORMAT_VERSION
+) -> dict[str, bytes]:
+    """Every ``zarr.json`` of a DCP checkpoint (relative path -> bytes), from its index.
+
+    The ranks write the array documents and the coordinator the group ones, all through the
+    functions above, so the bytes (and the digests the manifest records) are these.
+    """
+    docs = {
+        ZARR_JSON: root_doc(ckpt_id, format_version),
+        f"{DCP_ARRAY_GROUP}/{ZARR_JSON}": group_doc(),
+        f"{DCP_PACK_GROUP}/{ZARR_JSON}": group_doc(),
+    }
+    for path, array in index.arrays.items():
+        docs[f"{path}/{ZARR_JSON}"] = array_doc(array.dtype, index.codec, array.shape,
+                                                array.chunk_shape)
+    return docs

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptstore.format.codecs import BLOSC_MAX_OVERHEAD, CODEC_PRESETS, TRAILER
+from ckptstore.format.codecs import ARRAY_CODECS, BLOSC_MAX_OVERHEAD, TRAILER
 from ckptstore.format.constants import (
     CHUNK_DIR,
     DCP_ARRAY_GROUP,
@@ -343,7 +343,7 @@ def _parse_index(doc: Any) -> DcpIndex:
             f"index version {short(top['version'])} is not supported")
     world_size = int_in(top["world_size"], "world_size", 1, 2**31)
     codec = top["codec"]
-    require(codec in CODEC_PRESETS, f"codec must be one of {CODEC_PRESETS}")
+    require(codec in ARRAY_CODECS, f"codec must be one of {ARRAY_CODECS}")
     version = top["dcp_version"]
     require(version is None or (isinstance(version, str) and len(version) < 64), "dcp_version")
     arrays = _parse_arrays(top["arrays"], codec)

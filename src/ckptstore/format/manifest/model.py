@@ -24,7 +24,7 @@ from typing import Any
 
 import blake3
 
-from ckptstore.format.constants import DCP_INDEX_KEY, FILES_KEY, REENCODED_FROM_KEY
+from ckptstore.format.constants import DCP_INDEX_KEY, FILES_KEY, REENCODED_FROM_KEY, ZARR_JSON
 from ckptstore.format.manifest.dcpindex import DcpIndex
 from ckptstore.format.manifest.parse import parse_manifest
 from ckptstore.format.manifest.records import ArrayEntry, DeltaInfo, FileEntry, TensorEntry
@@ -69,6 +69,12 @@ class Manifest:
             data files first.
         reencoded_from: For a copy re-encoded with another codec, the digest of the
             checkpoint's own (original) manifest; else None.
+        metadata: Version 2: relative path -> blake3 of every ``zarr.json`` of a
+            self-contained copy (for an array with delta-encoded chunks, the document that
+            declares the delta codec). Empty for version 1.
+        metadata_ref: Version 2: for each array some of whose chunks belong to other
+            checkpoints, the blake3 of the ``zarr.json`` a copy that does not hold those
+            chunk files itself must have (it declares the chunk-reference codec).
     """
 
     format_version: int
@@ -90,6 +96,8 @@ class Manifest:
     dcp: DcpIndex | None = None
     files: tuple[FileEntry, ...] = ()
     reencoded_from: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    metadata_ref: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # One home per datum: a format key with a value in extra would shadow (or be
@@ -123,6 +131,9 @@ class Manifest:
         if self.delta is not None:
             # Only when set: manifests written without a delta mode keep their exact bytes.
             doc["delta"] = self.delta.to_dict()
+        if self.format_version >= 2:
+            doc["metadata"] = self.metadata
+            doc["metadata_ref"] = self.metadata_ref
         return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode(
             "ascii"
         )
@@ -176,6 +187,17 @@ class Manifest:
     def lossy(self) -> bool:
         """Whether some values are stored approximately (see :attr:`delta`)."""
         return self.delta is not None and self.delta.lossy
+
+    def metadata_files(self) -> list[str]:
+        """Relative paths of every ``zarr.json`` of the regular layout: the root group, its
+        subgroups (``tensors``), then each array."""
+        groups: dict[str, None] = {"": None}
+        for name in self.arrays:
+            parts = name.split("/")
+            for i in range(1, len(parts)):
+                groups.setdefault("/".join(parts[:i]))
+        paths = [f"{g}/{ZARR_JSON}" if g else ZARR_JSON for g in groups]
+        return paths + [f"{name}/{ZARR_JSON}" for name in self.arrays]
 
     def tensors_in_chunk(self, array: str, index: int) -> list[str]:
         """Keys of the tensors with elements in chunk ``index`` of ``array`` (for messages)."""

@@ -15,9 +15,11 @@ import re
 from datetime import datetime
 from typing import Any, TypedDict
 
-from ckptstore.format.codecs import CODEC_PRESETS
+from ckptstore.format.codecs import ARRAY_CODECS, CODEC_PRESETS
 from ckptstore.format.constants import (
+    DCP_ARRAY_GROUP,
     DCP_INDEX_KEY,
+    DCP_PACK_GROUP,
     FILES_KEY,
     FORMAT_VERSION,
     MAX_CHUNK_BYTES,
@@ -26,8 +28,11 @@ from ckptstore.format.constants import (
     MAX_TENSORS,
     MAX_TREE_DEPTH,
     MIN_CHUNK_BYTES,
+    READABLE_VERSIONS,
     REENCODED_FROM_KEY,
     RESERVED_NAMES,
+    TENSOR_GROUP,
+    ZARR_JSON,
 )
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.layout import chunk_span
@@ -61,6 +66,12 @@ from ckptstore.format.validate import (
 __all__ = ["ManifestFields", "parse_manifest"]
 
 _ARRAY_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+# Version 2: a tensor's own array, ``tensors/<escaped key>`` (format.keys.escape_node_name).
+# A re-encoded copy suffixes the group: ``tensors__zstd3/<escaped key>``.
+_TENSOR_ARRAY_NAME = re.compile(
+    rf"^{TENSOR_GROUP}(?:__[a-z0-9]{{1,16}})?/(?!__)[A-Za-z0-9._%~-]{{1,200}}$"
+)
+_MAX_ARRAYS_V1 = 256
 _MAX_KEY_CHARS = 65536
 _MAX_RUN_CHARS = 1024
 _MAX_CHUNKS = 10_000_000
@@ -90,6 +101,8 @@ class ManifestFields(TypedDict):
     dcp: DcpIndex | None
     files: tuple[FileEntry, ...]
     reencoded_from: str | None
+    metadata: dict[str, str]
+    metadata_ref: dict[str, str]
 
 
 def parse_manifest(data: bytes) -> ManifestFields:
@@ -129,15 +142,16 @@ _TOP_FIELDS = frozenset(
 
 def _parse(doc: Any) -> ManifestFields:
     require(isinstance(doc, dict), "top level must be an object")
+    version = int_in(doc.get("format_version"), "format_version")
     require(
-        set(doc) - {"delta"} == _TOP_FIELDS,
-        f"fields must be {sorted(_TOP_FIELDS)} (and optionally delta)",
+        version in READABLE_VERSIONS,
+        f"format_version {version} is not supported (this build reads {READABLE_VERSIONS}, "
+        f"writes {FORMAT_VERSION}); upgrade ckptstore",
     )
-    version = int_in(doc["format_version"], "format_version")
+    top = _TOP_FIELDS if version == 1 else _TOP_FIELDS | {"metadata", "metadata_ref"}
     require(
-        version == FORMAT_VERSION,
-        f"format_version {version} is not supported (this build reads {FORMAT_VERSION}); "
-        "upgrade ckptstore",
+        set(doc) - {"delta"} == top,
+        f"fields must be {sorted(top)} (and optionally delta)",
     )
     ckpt_id = doc["id"]
     require(is_checkpoint_id(ckpt_id), "id must be a uuid")
@@ -154,9 +168,10 @@ def _parse(doc: Any) -> ManifestFields:
         "base_id must be a uuid for a delta and null for a full checkpoint",
     )
     codec = doc["codec"]
-    require(codec in CODEC_PRESETS, f"codec must be one of {CODEC_PRESETS}")
+    codecs = CODEC_PRESETS if version >= 2 else ARRAY_CODECS
+    require(codec in codecs, f"codec must be one of {codecs}")
     chunk_bytes = int_in(doc["chunk_bytes"], "chunk_bytes", MIN_CHUNK_BYTES, MAX_CHUNK_BYTES)
-    arrays = _parse_arrays(doc["arrays"], chunk_bytes, ckpt_id)
+    arrays = _parse_arrays(doc["arrays"], chunk_bytes, ckpt_id, version)
     tensors = _parse_tensors(doc["tensors"], arrays)
     srcs = {o for a in arrays.values() for c in a.chunks for o in c.owners() if o is not None}
     require(
@@ -168,6 +183,11 @@ def _parse(doc: Any) -> ManifestFields:
     require(isinstance(extra, dict), "extra must be an object")
     check_depth(extra, "extra", MAX_TREE_DEPTH)
     extra, dcp, files, reencoded_from = _format_keys(extra, arrays)
+    metadata: dict[str, str] = {}
+    metadata_ref: dict[str, str] = {}
+    if version >= 2:
+        metadata, metadata_ref = _parse_metadata(doc["metadata"], doc["metadata_ref"], arrays,
+                                                 dcp)
     try:
         validate_tree(doc["tree"], {k: t.torch_dtype for k, t in tensors.items()})
     except ValueError as exc:
@@ -192,7 +212,40 @@ def _parse(doc: Any) -> ManifestFields:
         "dcp": dcp,
         "files": files,
         "reencoded_from": reencoded_from,
+        "metadata": metadata,
+        "metadata_ref": metadata_ref,
     }
+
+
+def _parse_metadata(
+    raw: Any, raw_ref: Any, arrays: dict[str, ArrayEntry], dcp: DcpIndex | None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """``metadata``: the digest of every ``zarr.json``; ``metadata_ref``: of the arrays'
+    chunk-reference variants (only arrays with chunks of other checkpoints)."""
+    require(isinstance(raw, dict), "metadata must be an object")
+    require(isinstance(raw_ref, dict), "metadata_ref must be an object")
+    groups: set[str] = {""}
+    names = list(arrays) if dcp is None else [*dcp.arrays, DCP_ARRAY_GROUP, DCP_PACK_GROUP]
+    for name in names:
+        parts = name.split("/")
+        groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    expected = {f"{g}/{ZARR_JSON}" if g else ZARR_JSON for g in groups}
+    expected |= {f"{name}/{ZARR_JSON}" for name in names}
+    require(set(raw) == expected, "metadata must list exactly the zarr.json of every node")
+    metadata = {path: hex_digest(value, f"metadata {short(path)}") for path, value in raw.items()}
+    shared = {
+        f"{a.name}/{ZARR_JSON}"
+        for a in arrays.values()
+        if any(c.src is not None for c in a.chunks) and all(c.enc == "raw" for c in a.chunks)
+    }
+    require(
+        set(raw_ref) == shared,
+        "metadata_ref must list exactly the arrays with chunks of other checkpoints",
+    )
+    metadata_ref = {
+        path: hex_digest(value, f"metadata_ref {short(path)}") for path, value in raw_ref.items()
+    }
+    return metadata, metadata_ref
 
 
 def _format_keys(
@@ -306,13 +359,21 @@ _DELTA_CHUNK_FIELDS = _CHUNK_FIELDS | {"enc", "base"}
 _BASE_FIELDS = frozenset({"src", "nbytes", "crc32c", "blake3"})
 
 
-def _parse_arrays(raw: Any, chunk_bytes: int, ckpt_id: str) -> dict[str, ArrayEntry]:
+def _parse_arrays(
+    raw: Any, chunk_bytes: int, ckpt_id: str, version: int
+) -> dict[str, ArrayEntry]:
     require(isinstance(raw, dict), "arrays must be an object")
-    require(len(raw) <= 256, "too many arrays")
+    require(len(raw) <= (_MAX_ARRAYS_V1 if version == 1 else MAX_TENSORS), "too many arrays")
     arrays: dict[str, ArrayEntry] = {}
     total_chunks = 0
     for name, entry in raw.items():
-        require(bool(_ARRAY_NAME.match(name)), f"array name {short(name)} is not an identifier")
+        require(
+            isinstance(name, str) and (
+                bool(_ARRAY_NAME.match(name))
+                or (version >= 2 and bool(_TENSOR_ARRAY_NAME.match(name)))
+            ),
+            f"array name {short(name)} is not an identifier",
+        )
         where = f"array {name}"
         require(isinstance(entry, dict) and set(entry) == _ARRAY_FIELDS, f"{where}: bad fields")
         dtype_name = entry["torch_dtype"]
@@ -331,7 +392,7 @@ def _parse_arrays(raw: Any, chunk_bytes: int, ckpt_id: str) -> dict[str, ArrayEn
             f"{where}: chunk of {raw_nbytes} bytes exceeds chunk_bytes {chunk_bytes}",
         )
         codec = entry["codec"]
-        require(codec in CODEC_PRESETS, f"{where}: codec must be one of {CODEC_PRESETS}")
+        require(codec in ARRAY_CODECS, f"{where}: codec must be one of {ARRAY_CODECS}")
         chunks_raw = entry["chunks"]
         n_chunks = -(-length // chunk_len)
         require(

@@ -40,7 +40,7 @@ from ckptstore.core import StoreCore
 from ckptstore.durable import storage_error
 from ckptstore.errors import CkptError, ConfigError, IncompleteCheckpointError, InvalidNameError
 from ckptstore.faultpoints import fault_point
-from ckptstore.format.codecs import codec_spec
+from ckptstore.format.codecs import AUTO, codec_spec
 from ckptstore.format.constants import DCP_ARRAY_GROUP, DCP_PACK_GROUP
 from ckptstore.format.dcp.commit import build_index, commit_files
 from ckptstore.format.dcp.plan import ArraySpec, RankTask, assign_slots, item_dtype_name
@@ -118,6 +118,10 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
         self.tags = tuple(tags)
         self.parent = parent
         self.codec = codec or store.settings.codec
+        if self.codec == AUTO:
+            # The DCP layout stores a checkpoint with one codec; the per-array choice of
+            # ``auto`` keeps 4-byte and wider dtypes (most of a sharded state) raw.
+            self.codec = "none"
         try:
             codec_spec(self.codec)
         except ValueError as exc:

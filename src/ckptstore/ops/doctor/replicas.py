@@ -100,7 +100,8 @@ def _check_local_copy(job: DoctorRun, ck: Checkpoint, tier: Tier, local: Path, m
             raise CheckpointNotFoundError(f"base {ckpt_id} is not on {tier.name}")
         return found
 
-    problems = verify_checkpoint(local, manifest, locate=locate, deep=job.deep)
+    # Zarr metadata is its own finding below, with its own repair.
+    problems = verify_checkpoint(local, manifest, locate=locate, deep=job.deep, metadata=False)
     if local.is_symlink():  # reads would silently come from the link's target
         problems.insert(0, "the checkpoint directory is a symlink")
     if problems:
