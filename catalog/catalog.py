@@ -6,6 +6,7 @@ from ckptstore.catalog.events import EventsMixin
 from ckptstore.catalog.labels import LabelsMixin
 from ckptstore.catalog.leases import LeasesMixin
 from ckptstore.catalog.lineage import LineageMixin
+from ckptstore.catalog.parts import PartsMixin
 from ckptstore.catalog.pruning import PruningMixin
 from ckptstore.catalog.queries import QueriesMixin
 from ckptstore.catalog.replicas import ReplicasMixin
@@ -14,6 +15,7 @@ __all__ = ["Catalog"]
 
 
 class Catalog(
+    PartsMixin,
     PruningMixin,
     QueriesMixin,
     LineageMixin,
@@ -42,7 +44,11 @@ class Catalog(
         * replicas: :meth:`replicas`, :meth:`set_replica`;
         * leases: :meth:`acquire_lease`, :meth:`release_lease`, :meth:`lease_holder`,
           :meth:`leases`;
-        * audit log: :meth:`record_event`, :meth:`events`.
+        * audit log: :meth:`record_event`, :meth:`events`;
+        * parts of checkpoints saved across hosts, hosts, shared manifests:
+          :meth:`commit_parted`, :meth:`set_part`, :meth:`complete_parts`, :meth:`parts`,
+          :meth:`parts_on`, :meth:`part_ranks`, :meth:`manifest_bytes`,
+          :meth:`forget_parts`, :meth:`heartbeat`, :meth:`hosts`.
 
     Args:
         url: ``sqlite:///path/catalog.db`` (the parent directory is created) or

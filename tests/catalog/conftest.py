@@ -28,6 +28,9 @@ from ckptstore.records import Checkpoint
 
 # Dependents first, so TRUNCATE order never matters even without CASCADE.
 TABLES = (
+    "replica_parts",
+    "checkpoint_manifests",
+    "hosts",
     "leases",
     "events",
     "aliases",
