@@ -116,6 +116,9 @@ class StoreCore:
             :func:`ckptstore.ops.memory.memory_tier_for`).
         memory_tier_resolved: Whether :attr:`memory_tier` was already looked up from the
             settings (None then means "off").
+        peers: The background replication of parts to neighbour hosts (``replicas = 2``),
+            created by the first distributed save that needs it (see
+            :mod:`ckptstore.ops.dcp.peers`).
     """
 
     def __init__(self, settings: Settings, catalog: Catalog) -> None:
@@ -131,6 +134,7 @@ class StoreCore:
         self.saver: StoreService | None = None
         self.memory_tier: StoreService | None = None
         self.memory_tier_resolved = False
+        self.peers: StoreService | None = None
         self._launcher: FlowLauncher | None = None
         self.flows_launched = False
         self._tiers: dict[str, Tier] | None = None
@@ -198,6 +202,9 @@ class StoreCore:
             memory, self.memory_tier = self.memory_tier, None
             if memory is not None:
                 memory.close()
+            peers, self.peers = self.peers, None
+            if peers is not None:
+                peers.close()  # waits (bounded) for parts still on their way to a peer
             if self.flows_launched and self._launcher is not None:
                 config = str(self.settings.source) if self.settings.source else None
                 self._launcher.wait_idle(store_root=str(self.settings.root), config=config)
