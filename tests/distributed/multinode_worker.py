@@ -13,6 +13,8 @@ own hot directory), ``CKPT_ROOT``, ``CKPT_CATALOG_URL`` (PostgreSQL), ``CKPT_WAR
   of the lost node's part), ``mn@1`` without S3 (must fail naming the lost node), and
   ``mn@1`` with S3; into Shard(0) and Shard(1) DTensors and a fresh FSDP2 model, bit-exact.
 * ``tiny`` (2 nodes x 1 rank): one small parted checkpoint ``agents@1``.
+* ``s3hot`` (2 nodes x 1 rank, ``CKPT_HOT=s3://...``): every rank uploads its own shards
+  straight to object storage; the checkpoint loads back at Shard(0) and Shard(1).
 * ``kill`` (2 nodes x 1 rank): ``kill@1`` commits; the rank on the second node SIGKILLs
   itself after its first chunk of ``kill@2``; the survivor must fail fast and nothing may
   commit (the test then loads ``kill@1`` and has each node clean up).
@@ -186,8 +188,25 @@ def scenario_kill(out: Path, rank: int, ws: int) -> dict[str, Any]:
     return report
 
 
+def scenario_s3hot(out: Path, rank: int, ws: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (ws,))
+    state = _state(mesh, Shard(0), seed=5)
+    expected = _full(state)
+    diffs: dict[str, list[str]] = {}
+    with CheckpointStore.open() as store:  # CKPT_HOT is an s3:// URL: no local disk used
+        ck = save_distributed(store, "direct", 1, state, pack_below=PACK_BELOW)
+        for name, placement in (("shard0", Shard(0)), ("shard1", Shard(1))):
+            target = _state(mesh, placement, seed=99, zeros=True)
+            store.load(ck.id, into=target)
+            diffs[name] = _same(_full(target), expected)
+    if rank == 0:
+        torch.save(expected, out / "s3hot.pt")
+    return {"host": os.environ["CKPT_HOST"], "id": ck.id, "hosts": list(ck.hosts),
+            "diffs": diffs}
+
+
 SCENARIOS = {"save": scenario_save, "load": scenario_load, "tiny": scenario_tiny,
-             "kill": scenario_kill}
+             "kill": scenario_kill, "s3hot": scenario_s3hot}
 
 
 def main() -> int:

@@ -40,7 +40,7 @@ from pg_support import create_pg_database, drop_pg_database, require_pg
 from ckptstore import CheckpointStore
 from ckptstore.catalog import migrate
 from ckptstore.cli.app import main as ckpt
-from ckptstore.errors import IncompleteCheckpointError
+from ckptstore.errors import ConfigError, IncompleteCheckpointError
 from ckptstore.format.dcp.layout import rank_of_file
 from ckptstore.ops.archive import archive_checkpoints
 from ckptstore.ops.gc import prune_parts
@@ -329,28 +329,69 @@ def test_hot_retention_leaves_each_node_to_prune_its_own_parts(
         assert _worker_helpers()._same(store.load(mn1), refs["mn1"]) == []
 
 
-def test_a_rank_killed_mid_save_commits_nothing_and_each_node_cleans_up(
-    cluster: Cluster,
-) -> None:
+def _one_rank_per_node(cluster: Cluster, scenario: str,
+                       **extra: str) -> list[subprocess.Popen[str]]:
+    """One plain process per node (world size 2), without torchrun's agents: a rank that
+    dies then leaves the survivor running, as on a real cluster whose node crashed."""
     port = _free_port()
     procs = []
-    started = time.monotonic()
     for rank, node in enumerate(NODES):
         env = cluster.env(node)
         env.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
-                   GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                   GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   **extra)
         procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), "kill", str(cluster.out)], env=env,
+            [sys.executable, str(WORKER), scenario, str(cluster.out)], env=env,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             start_new_session=True,
         ))
     try:
-        codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
+        for p in procs:
+            p.wait(timeout=TIMEOUT_S)
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, 9)
                 p.wait()
+    return procs
+
+
+def test_ranks_without_local_disk_upload_their_shards_straight_to_s3(cluster: Cluster) -> None:
+    hot = cluster.warm.rsplit("/", 1)[0] + "/hot"
+    procs = _one_rank_per_node(cluster, "s3hot", CKPT_HOT=hot)
+    for p in procs:
+        assert p.returncode == 0, p.stderr.read() if p.stderr else ""
+    reports = [cluster.report("s3hot", 2, rank) for rank in (0, 1)]
+    for report in reports:
+        assert report["diffs"] == {"shard0": [], "shard1": []}
+    ckpt_id = reports[0]["id"]
+    with cluster.node("node-c", hot=hot) as store:
+        ck = store.get(ckpt_id)
+        assert ck.hosts == NODES
+        assert ck.replica("hot").uri.startswith(hot)  # type: ignore[union-attr]
+        parts = store.catalog.parts(ckpt_id, "hot")
+        assert {(p.part, p.stored_on, p.state) for p in parts} == {
+            (n, None, ReplicaState.PRESENT) for n in NODES}
+        tier = store.tier("hot")
+        keys = tier.list_prefix(tier.prefix_for("direct", ckpt_id))
+        groups = {k.split("/")[3] for k in keys
+                  if k.split("/")[2] == "dcp_ranks" and len(k.split("/")) > 4}
+        assert groups == {"r0", "r1"}  # one key prefix per rank
+        assert not any(p.exists() for p in cluster.hot.values() if (p / "direct").exists())
+        expected = torch.load(cluster.out / "s3hot.pt", weights_only=True)
+        assert _worker_helpers()._same(store.load(ckpt_id), expected) == []
+        with pytest.raises(ConfigError, match="only distributed saves"):
+            store.save("plain", 1, {"x": torch.ones(2)})
+        # Any host archives a copy every host can read as a whole.
+        assert archive_checkpoints(store, ref=ckpt_id).archived == [ckpt_id]
+
+
+def test_a_rank_killed_mid_save_commits_nothing_and_each_node_cleans_up(
+    cluster: Cluster,
+) -> None:
+    started = time.monotonic()
+    procs = _one_rank_per_node(cluster, "kill")
+    codes = [p.returncode for p in procs]
     assert codes[1] == -9  # killed by its fault point after its first chunk
     assert codes[0] == 0, procs[0].stderr.read() if procs[0].stderr else ""
     report = cluster.report("kill", 2, 0)

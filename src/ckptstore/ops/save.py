@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptstore.core import StoreCore
-from ckptstore.errors import CkptError, InvalidNameError, StorageError
+from ckptstore.errors import CkptError, ConfigError, InvalidNameError, StorageError
 from ckptstore.faultpoints import fault_point
 from ckptstore.format import flatten_state, write_checkpoint
 from ckptstore.identity import writer_id
@@ -56,7 +56,15 @@ def save_checkpoint(
         CheckpointNotFoundError: If an explicit ``base`` or ``parent`` does not resolve.
         UnsafeObjectError: If the state holds an object that would need pickle.
         StorageError: If the hot tier fails (disk full, permissions); nothing is committed.
+        ConfigError: If the hot tier is object storage (only distributed saves write there).
     """
+    if core.settings.hot_remote is not None:
+        raise ConfigError(
+            f"the hot tier is object storage ({core.settings.hot_remote}): only distributed "
+            "saves of sharded states write there (store.save(..., distributed=True) with "
+            "DTensor/FSDP state, or dcp.save with store.dcp_writer); set hot to a local path "
+            "for other saves"
+        )
     validate_name(run)
     for tag in tags:
         validate_tag(tag)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from ckptstore.errors import ConflictError
 from ckptstore.format.dcp.plan import RankTask
 from ckptstore.storage import Tier
 
@@ -66,5 +67,16 @@ class TierSink:
         self.ckpt_id = ckpt_id
 
     def put(self, rel: str, data: bytes) -> None:
-        """Create ``rel`` of the checkpoint on the tier (write-once)."""
-        self.tier.put_bytes(self.tier.key_for(self.run, self.ckpt_id, rel), data)
+        """Create ``rel`` of the checkpoint on the tier (write-once).
+
+        Raises:
+            ConflictError: If the object exists with other bytes.
+            StorageError: If the tier fails.
+        """
+        key = self.tier.key_for(self.run, self.ckpt_id, rel)
+        try:
+            self.tier.put_bytes(key, data)
+        except ConflictError:
+            # A request S3 applied and then answered 503 was retried: the object is there.
+            if self.tier.get_bytes(key) != data:
+                raise
