@@ -72,6 +72,7 @@ class FlowLauncher(abc.ABC):
         store_root: str,
         config: str | None,
         idempotency_key: str | None,
+        work_queue: str | None = None,
     ) -> None:
         """Enqueue one run of flow ``flow_name`` with ``params`` (plain values only).
 
@@ -81,6 +82,9 @@ class FlowLauncher(abc.ABC):
             store_root: The store directory the flow reopens the store from.
             config: The store's config file, if any.
             idempotency_key: Runs with the same key are started once.
+            work_queue: Run it on this host (its Prefect work queue, served by ``ckpt
+                agent`` there; an embedded worker runs only its own host's), for work only
+                that host can do: uploading the part of a checkpoint its disk holds.
 
         Raises:
             ConfigError: For an unknown flow.
