@@ -48,7 +48,7 @@ class Catalog(
         * parts of checkpoints saved across hosts, hosts, shared manifests:
           :meth:`commit_parted`, :meth:`set_part`, :meth:`complete_parts`, :meth:`parts`,
           :meth:`parts_on`, :meth:`part_ranks`, :meth:`manifest_bytes`,
-          :meth:`forget_parts`, :meth:`heartbeat`, :meth:`hosts`.
+          :meth:`forget_parts`, :meth:`part_usage`, :meth:`heartbeat`, :meth:`hosts`.
 
     Args:
         url: ``sqlite:///path/catalog.db`` (the parent directory is created) or

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from ckptstore.catalog.checkpoints import CheckpointsMixin, transition
@@ -384,6 +384,19 @@ class PartsMixin(CheckpointsMixin):
                 P.state == ReplicaState.DELETED,
             ))
             return int(getattr(result, "rowcount", 0) or 0)
+
+    def part_usage(self) -> list[tuple[str, str, str | None, int, int]]:
+        """PRESENT part copies by tier, part host and stored-on host (None: shared tier):
+        ``(tier, part, stored_on, checkpoints, bytes)`` rows, for ``ckpt tiers --hosts``."""
+        stmt = (
+            select(P.tier, P.part_host, P.stored_on, func.count(), func.sum(P.bytes))
+            .where(P.state == ReplicaState.PRESENT)
+            .group_by(P.tier, P.part_host, P.stored_on)
+        )
+        with self._read() as s:
+            rows = s.execute(stmt).all()
+        out = [(str(t), str(h), (str(o) or None), int(n), int(b or 0)) for t, h, o, n, b in rows]
+        return sorted(out, key=lambda r: (_tier_key(r[0]), r[1], r[2] or ""))
 
     # ------------------------------------------------------------------ hosts
     def heartbeat(self, host: str, role: str = "agent", *, at: datetime | None = None) -> None:

@@ -288,6 +288,42 @@ def test_archive_from_the_second_node_completes_and_verifies(
         assert _worker_helpers()._same(state, refs["mn1"]) == []
 
 
+def test_show_tiers_and_the_report_list_parts_per_host_and_tier(
+    cluster: Cluster, saved: dict[int, Any], archived_b: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mn1, mn2 = saved[0]["mn1"], saved[0]["mn2"]
+    env = {"CKPT_HOST": "node-c", "CKPT_HOT": str(cluster.hot["node-c"]),
+           "CKPT_CATALOG_URL": cluster.catalog_url, "CKPT_WARM": cluster.warm,
+           "CKPT_S3_ENDPOINT_URL": cluster.endpoint}
+    root = str(cluster.tmp / "root-node-c")
+    with _env(**env):
+        capsys.readouterr()
+        assert ckpt(["show", mn1, "--json", "--store", root]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["checkpoint"]["hosts"] == list(NODES)
+        assert doc["manifest"]["world_size"] == 4 and doc["manifest"]["tensors"] > 0
+        got = {(p["tier"], p["part"], p["stored_on"], p["state"]) for p in doc["parts"]}
+        assert got == {("hot", n, n, "PRESENT") for n in NODES} | {
+            ("warm", n, None, "PRESENT") for n in NODES}
+        assert ckpt(["show", mn2, "--store", root]) == 0
+        text = capsys.readouterr().out
+        flat = re.sub(r"[\s│┃]+", "", text)  # the table folds long cells at 80 columns
+        assert "parts(hot)" in flat and "node-bonnode-a,node-b" in flat, text
+        assert ckpt(["tiers", "--hosts", "--json", "--store", root]) == 0
+        hosts = {h["name"]: h for h in json.loads(capsys.readouterr().out)["hosts"]}
+        # Each node's disk holds its own parts of mn@1 and mn@2 and its neighbour's of mn@2.
+        assert {n: hosts[n]["stores"]["hot"]["checkpoints"] for n in NODES} == {
+            "node-a": 3, "node-b": 3}
+        assert {n: hosts[n]["parts"]["warm"]["checkpoints"] for n in NODES} == {
+            "node-a": 1, "node-b": 1}
+        assert ckpt(["report", "--html", str(cluster.tmp / "report.html"), "--store",
+                     root]) == 0
+    html = (cluster.tmp / "report.html").read_text()
+    assert 'class="parts"' in html and 'data-part="node-b"' in html
+    assert 'class="hosts"' in html and 'data-host="node-a"' in html
+
+
+
 @pytest.fixture(scope="module")
 def node_b_lost(cluster: Cluster, saved: dict[int, Any], archived_b: Any) -> dict[int, Any]:
     shutil.rmtree(cluster.hot["node-b"])
@@ -309,6 +345,29 @@ def test_after_losing_a_node_one_node_with_three_ranks_loads_bit_exact(
         # mn@1 without S3: node B's part exists nowhere this node reads.
         assert report["mn1_local"].startswith("IncompleteCheckpointError"), report["mn1_local"]
         assert "node-b" in report["mn1_local"]
+
+
+def test_doctor_reports_the_parts_of_a_host_gone_silent(
+    cluster: Cluster, saved: dict[int, Any], node_b_lost: dict[int, Any]
+) -> None:
+    from ckptstore.ops.doctor import doctor
+
+    mn1, mn2 = saved[0]["mn1"], saved[0]["mn2"]
+    with cluster.node("node-a", host_timeout_s=30.0) as store:
+        from datetime import UTC, datetime, timedelta
+
+        store.catalog.heartbeat("node-a", "agent")
+        store.catalog.heartbeat("node-b", "agent", at=datetime.now(UTC) - timedelta(hours=2))
+        report = doctor(store, tiers=["hot"])
+    lost = {f.subject: f.detail for f in report.findings if f.kind == "lost-part"}
+    assert set(lost) == {mn1, mn2}, report.render()
+    assert "host node-b holds its part" in lost[mn1] and "the complete warm copy" in lost[mn1]
+    # mn@2's part of node B is also on node A's disk (replicas = 2).
+    assert "hot on node-a" in lost[mn2]
+    assert not report.ok
+    # Nothing else is wrong: node A's own parts verify.
+    assert {f.kind for f in report.findings} == {"lost-part"}, report.render()
+
 
 
 def test_hot_retention_leaves_each_node_to_prune_its_own_parts(

@@ -53,6 +53,7 @@ __all__ = [
     "PartsSource",
     "gather_parts",
     "index_parts",
+    "of_ranks",
     "materialize",
     "part_files",
     "part_specs",
@@ -337,7 +338,7 @@ def verify_parts_here(store: StoreCore, ck: Checkpoint, *, deep: bool = True) ->
     problems = []
     for p in mine:
         wanted = set(ranks.get(p.part, []))
-        found = verify_dcp(directory, manifest, deep=deep, include=_of_ranks(wanted))
+        found = verify_dcp(directory, manifest, deep=deep, include=of_ranks(wanted))
         problems += [f"part of {p.part}: {line}" for line in found]
         store.catalog.set_part(ck.id, "hot", p.part, stored_on=me,
                                state=ReplicaState.DAMAGED if found else ReplicaState.PRESENT,
@@ -345,7 +346,8 @@ def verify_parts_here(store: StoreCore, ck: Checkpoint, *, deep: bool = True) ->
     return problems
 
 
-def _of_ranks(ranks: set[int]) -> Callable[[str], bool]:
+def of_ranks(ranks: set[int]) -> Callable[[str], bool]:
+    """Accepts the relative paths of the files those ranks wrote (``verify_dcp(include=)``)."""
     return lambda rel: rank_of_file(rel) in ranks
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote
 
 from ckptstore.errors import CkptError
+from ckptstore.ops.show import hosts_overview, part_dict
 from ckptstore.records import Checkpoint, CheckpointState
 from ckptstore.ui.svg import Edge, Node, PlotPoint, dag_svg, group_colors, line_plot
 
@@ -321,8 +322,15 @@ def checkpoint_view(store: CheckpointStore, ckpt_id: str, links: Links) -> dict[
         events = store.catalog.events(ck.id, limit=20)
     except CkptError:
         events = []
+    parts: list[dict[str, Any]] = []
+    if ck.parted:
+        try:
+            parts = [part_dict(p) for p in store.catalog.parts(ck.id)]
+        except CkptError:
+            logger.debug("parts of %s unavailable", ck.id, exc_info=True)
     return {
         "ck": ck,
+        "parts": parts,
         "run_href": links.run(ck.run),
         "manifest": manifest,
         "manifest_error": manifest_error,
@@ -429,7 +437,8 @@ def tiers_view(store: CheckpointStore, links: Links, *, scan: bool = False) -> d
         scan: Also list each tier to count objects (one LIST pass per tier).
 
     Returns:
-        ``{"usage", "tiers", "tiers_error", "scan"}``.
+        ``{"usage", "tiers", "tiers_error", "scan", "hosts"}`` (hosts: see
+        :func:`ckptstore.ops.show.hosts_overview`).
     """
     from ckptstore.observability.tiers import tier_statuses
 
@@ -439,7 +448,12 @@ def tiers_view(store: CheckpointStore, links: Links, *, scan: bool = False) -> d
         statuses = tier_statuses(store.settings, usage, listing=scan)
     except CkptError as exc:
         statuses, tiers_error = [], str(exc)
+    try:
+        hosts = hosts_overview(store)
+    except CkptError:
+        hosts = []
     return {
+        "hosts": hosts,
         "usage": [
             {"row": r, "href": links.run(r.run)} for r in usage
         ],
