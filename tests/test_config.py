@@ -44,7 +44,7 @@ def test_deepspeed_style_keys(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "text",
     ['codec = "gzip"', "threads = 0", 'unknown_key = 1', "[tiers]\nlukewarm = 'x'",
-     "keep_last = -1", 'hot = "s3://bucket/x"', "this is not toml"],
+     "keep_last = -1", 'hot = "gs://bucket/x"', "this is not toml", "replicas = 3"],
 )
 def test_bad_config(tmp_path: Path, text: str) -> None:
     cfg = tmp_path / "bad.toml"
@@ -74,3 +74,21 @@ def test_delta_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         cfg.write_text(bad)
         with pytest.raises(ConfigError):
             load_settings(cfg)
+
+
+def test_hot_tier_in_object_storage_and_replicas(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nodes without local disk: hot may be an s3:// URL (distributed saves upload there);
+    the local hot path is then scratch space under the root."""
+    cfg = tmp_path / "ckpt.toml"
+    cfg.write_text(f'root = "{tmp_path / "r"}"\nreplicas = 2\n[tiers]\nhot = "s3://b/hot"\n')
+    settings = load_settings(cfg)
+    assert settings.hot_remote == "s3://b/hot"
+    assert settings.hot_path == (tmp_path / "r" / "hot").resolve()
+    assert settings.tier_urls()["hot"] == "s3://b/hot"
+    assert settings.replicas == 2 and settings.host_timeout_s == 600.0
+    monkeypatch.setenv("CKPT_REPLICAS", "1")
+    monkeypatch.setenv("CKPT_HOST_TIMEOUT_S", "45")
+    settings = load_settings(cfg)
+    assert (settings.replicas, settings.host_timeout_s) == (1, 45.0)
+    assert load_settings(root=tmp_path).hot_remote is None
