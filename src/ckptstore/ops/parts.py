@@ -23,9 +23,12 @@ doctor, load, verify, show), with no process group involved:
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
+import os
 import shutil
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,7 +113,8 @@ def parted_manifest(store: StoreCore, ck: Checkpoint) -> tuple[Manifest, bytes]:
     return (cached if cached is not None else parse_verified(data, actual)), data
 
 
-def materialize(store: StoreCore, ck: Checkpoint) -> Path | None:
+def materialize(store: StoreCore, ck: Checkpoint, *, data: bytes | None = None
+                ) -> Path | None:
     """Give this host's part of a parted checkpoint its manifest and commit marker.
 
     DCP runs the commit on the coordinator only, so the other hosts' parts have no
@@ -118,11 +122,17 @@ def materialize(store: StoreCore, ck: Checkpoint) -> Path | None:
     of ``save_distributed``, or when the host first needs them: load, verify, archive).
     Idempotent; a directory that already holds the marker is left alone.
 
+    Args:
+        store: The store.
+        ck: The committed checkpoint.
+        data: Its manifest bytes when the caller has them (the coordinator; a broadcast):
+            checked against the digest like the catalog's.
+
     Returns:
         This host's directory of the checkpoint, or None when it holds no part here.
 
     Raises:
-        IntegrityError: If the catalogued manifest is damaged.
+        IntegrityError: If the manifest bytes are damaged.
         StorageError: If the files cannot be written.
     """
     if not ck.parted or store.settings.hot_remote is not None:
@@ -132,10 +142,39 @@ def materialize(store: StoreCore, ck: Checkpoint) -> Path | None:
         return directory
     if not directory.is_dir():
         return None
-    manifest, data = parted_manifest(store, ck)
-    write_shared(directory, manifest, data, exist_ok=True)
+    with _locked(directory):
+        # Another thread or process of this host (the save's background writer, an archive
+        # flow) may have finished it while this one waited.
+        if (directory / COMMIT_NAME).is_file():
+            return directory
+        digest = blake3.blake3(data).hexdigest() if data is not None else None
+        if data is not None and digest == ck.manifest_digest:
+            assert digest is not None
+            cached = known_manifest(digest, ck.id)
+            manifest = cached if cached is not None else parse_verified(data, digest)
+        else:
+            manifest, data = parted_manifest(store, ck)
+        write_shared(directory, manifest, data, exist_ok=True)
     logger.debug("materialised the manifest of %s on %s", ck.ref, host())
     return directory
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """An exclusive lock on a checkpoint directory, between threads and processes of a host.
+
+    ``flock`` on the directory itself: nothing is added to the checkpoint, and a killed
+    holder releases it with its file descriptors.
+    """
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as exc:
+        raise StorageError(f"cannot open {directory}: {exc.strerror or exc}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------------- reading

@@ -8,8 +8,9 @@
   checkpoint saved across hosts, reading each host's part from the best copy this host
   reaches (:mod:`ckptstore.ops.dcp.parts`).
 * After a save across hosts, :func:`save_distributed` hands every host's part its manifest
-  (one broadcast from the coordinator) and, with ``replicas = 2``, starts sending each
-  part to a neighbour host (:mod:`ckptstore.ops.dcp.peers`).
+  (one broadcast from the coordinator, written on a background thread) and, with
+  ``replicas = 2``, starts sending each part to a neighbour host
+  (:mod:`ckptstore.ops.dcp.peers`).
 * DCP reports a failure on any rank as a ``CheckpointException`` (a BaseException); it is
   turned into the CkptError of its cause, naming the failing ranks.
 """
@@ -35,15 +36,13 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest
-from ckptstore.format.constants import COMMIT_NAME
 from ckptstore.format.dcp.chunks import ChunkSource
-from ckptstore.format.dcp.commit import write_shared
 from ckptstore.format.dcp.read import load_full
 from ckptstore.format.manifest import parse_verified
 from ckptstore.ops.dcp.peers import peers_for, replicate_parts
 from ckptstore.ops.dcp.reader import REMOTE_READ_THREADS, SafeLoadPlanner, ZarrStorageReader
 from ckptstore.ops.dcp.writer import ZarrStorageWriter
-from ckptstore.ops.parts import parts_source
+from ckptstore.ops.parts import materialize, parts_source
 from ckptstore.ops.save import save_checkpoint
 from ckptstore.records import Checkpoint
 
@@ -205,12 +204,20 @@ def _share_manifest(store: StoreCore, writer: ZarrStorageWriter,
     """Broadcast the committed manifest from the coordinator; each host's lowest rank writes
     it, with the shared documents and the marker, into its host's part."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    payload: list[Any] = [writer.manifest_data if writer.is_coordinator else None]
+    # The committed record rides along: thousands of ranks need not each ask the catalog.
+    payload: list[Any] = [
+        (writer.manifest_data, writer.checkpoint) if writer.is_coordinator else None
+    ]
     dist.broadcast_object_list(payload, src=src, group=group)
-    data = payload[0]
-    ck = writer.checkpoint
-    if not isinstance(data, bytes):
-        raise IncompleteCheckpointError(f"the coordinator sent no manifest for {ck.ref}")
+    sent = payload[0]
+    if not (isinstance(sent, tuple) and len(sent) == 2 and isinstance(sent[0], bytes)
+            and isinstance(sent[1], Checkpoint)):
+        raise IncompleteCheckpointError(
+            f"the coordinator sent no manifest for checkpoint {writer.ckpt_id}")
+    data, ck = sent
+    if ck.id != writer.ckpt_id:
+        raise IntegrityError(
+            f"the coordinator sent checkpoint {ck.id}, this rank wrote {writer.ckpt_id}")
     digest = blake3.blake3(data).hexdigest()
     if digest != ck.manifest_digest:
         raise IntegrityError(
@@ -220,9 +227,9 @@ def _share_manifest(store: StoreCore, writer: ZarrStorageWriter,
     manifest = parse_verified(data, digest)
     part = writer.part
     if part is not None and part.leader:
-        directory = store.checkpoint_dir(ck.run, ck.id)
-        if not (directory / COMMIT_NAME).is_file():
-            write_shared(directory, manifest, data, exist_ok=True)
+        # Off the training path: every part is durable and the catalog holds the manifest;
+        # the next save and store.close() wait for it.
+        peers_for(store).start("manifest", lambda: materialize(store, ck, data=data))
     return ck, manifest
 
 

@@ -50,7 +50,8 @@ PEER_TIMEOUT_S = 600.0
 
 
 class PeerReplication(StoreService):
-    """The store's peer transfers: the leaders' gloo groups and the threads using them."""
+    """The background work of the store's saves across hosts: writing each host's manifest
+    copy, and the peer transfers (the leaders' gloo groups and the threads using them)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -69,7 +70,7 @@ class PeerReplication(StoreService):
             self._groups[leaders] = found
         return found
 
-    def start(self, name: str, target: Callable[[], None]) -> None:
+    def start(self, name: str, target: Callable[[], object]) -> None:
         """Run ``target`` on a daemon thread (errors are logged and kept in :attr:`errors`)."""
 
         def run() -> None:
@@ -136,8 +137,8 @@ def replicate_parts(
     leaders = _leaders(part)
     if len(leaders) < 2:
         return
+    # save_distributed waited for the previous save's transfers before this save began.
     service = peers_for(store)
-    service.wait()  # the previous save's transfers finish first: one at a time per host
 
     def global_rank(rank: int) -> int:
         return dist.get_global_rank(group, rank) if group is not None else rank

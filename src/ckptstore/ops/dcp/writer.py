@@ -62,7 +62,6 @@ from ckptstore.format.dcp.commit import (
     build_manifest,
     commit_files,
     shared_docs,
-    write_shared,
 )
 from ckptstore.format.dcp.plan import ArraySpec, RankTask, assign_slots, item_dtype_name
 from ckptstore.format.dcp.write import ChunkSink, write_rank
@@ -112,7 +111,10 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
         parent: Reference of the checkpoint this run resumed from.
         codec: Codec preset (default: the store's).
         experiment: Experiment to file the run under.
-        pack_below: Shards smaller than this many bytes are packed per rank.
+        pack_below: Shards smaller than this many bytes are packed per rank (default:
+            :data:`PACK_BELOW`; in a save across hosts, where no array is shared between
+            ranks anyway, the chunk size: a shard that fits one chunk costs no files of its
+            own).
 
     Raises:
         InvalidNameError: For a bad run name, step, tag or codec (on every rank, before any
@@ -133,7 +135,7 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
         parent: str | None = None,
         codec: str | None = None,
         experiment: str | None = None,
-        pack_below: int = PACK_BELOW,
+        pack_below: int | None = None,
     ) -> None:
         validate_name(run)
         for tag in tags:
@@ -152,7 +154,7 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
         except ValueError as exc:
             raise InvalidNameError(str(exc)) from None
         self.experiment = experiment
-        self.pack_below = int(pack_below)
+        self.pack_below = None if pack_below is None else int(pack_below)
         self.is_coordinator = False
         self._pending: Checkpoint | None = None  # coordinator: the row of the save under way
         self._directory: Path | None = None
@@ -248,9 +250,11 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
         catalog = self.store.catalog
         hosts, parted = self._topology(plans)
         remote = settings.hot_remote is not None
+        pack_below = self.pack_below
+        if pack_below is None:
+            pack_below = settings.chunk_bytes if parted else PACK_BELOW
         slots, specs = assign_slots(
-            plans, chunk_bytes=settings.chunk_bytes, pack_below=self.pack_below,
-            per_rank=parted,
+            plans, chunk_bytes=settings.chunk_bytes, pack_below=pack_below, per_rank=parted,
         )
         parent_id = catalog.get(self.parent).id if self.parent is not None else None
         if self.experiment is not None:
@@ -393,8 +397,11 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
             if self._remote:
                 uri = self._publish_remote(ck, manifest, data)
             else:
+                # The catalog holds the manifest every host materialises its part's copy
+                # from, right after the commit (off the save's critical path): every part
+                # is durable already, and the catalog is the one source of truth.
                 assert self._directory is not None
-                write_shared(self._directory, manifest, data, fault=fault_point)
+                fault_point("dcp.manifest_written")
                 uri = str(self._directory)
             remember_manifest(manifest, manifest.digest)
             self._committed = self.store.catalog.commit_parted(
@@ -547,8 +554,9 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
         part = self._part
         if (exc is None and self.materialize_on_exit and part is not None and part.parted
                 and part.leader and not part.remote and self.ckpt_id is not None):
-            # This host's part gets its manifest and marker now (one catalog read per host).
-            materialize(self.store, self.checkpoint)
+            # This host's part gets its manifest and marker now (the coordinator from the
+            # bytes it committed, the other hosts with one catalog read each).
+            materialize(self.store, self.checkpoint, data=self._manifest_data)
 
 
 def dcp_writer(store: StoreCore, run: str, step: int, **kw: Any) -> ZarrStorageWriter:
