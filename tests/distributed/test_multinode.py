@@ -288,6 +288,34 @@ def test_archive_from_the_second_node_completes_and_verifies(
         assert _worker_helpers()._same(state, refs["mn1"]) == []
 
 
+def test_a_damaged_chunk_of_a_local_part_is_read_from_s3_and_verify_reports_it(
+    cluster: Cluster, saved: dict[int, Any], archived_b: Any
+) -> None:
+    from ckptstore.ops.verify import verify_replicas
+
+    mn1 = saved[0]["mn1"]
+    directory = cluster.hot["node-a"] / "mn" / mn1
+    victim = next(p for p in sorted(directory.rglob("c.*"))
+                  if rank_of_file(str(p.relative_to(directory))) is not None)
+    original = victim.read_bytes()
+    victim.write_bytes(original[:-5] + bytes([original[-5] ^ 0xFF]) + original[-4:])
+    refs = torch.load(cluster.out / "ref.pt", weights_only=True)
+    try:
+        with cluster.node("node-a") as store:
+            report = verify_replicas(store, ref=mn1)
+            assert f"{mn1}@warm" in report.ok
+            assert f"{mn1}@hot" in report.damaged and f"{mn1}@hot" in report.unrepaired
+            part = next(p for p in store.catalog.parts(mn1, "hot") if p.part == "node-a")
+            assert part.state == ReplicaState.DAMAGED
+            # The load reads that chunk from S3 instead: bit-exact, never zeros.
+            assert _worker_helpers()._same(store.load(mn1), refs["mn1"]) == []
+    finally:
+        victim.write_bytes(original)
+    with cluster.node("node-a") as store:
+        assert f"{mn1}@hot" in verify_replicas(store, ref=mn1).ok
+        assert store.get(mn1).replica("hot").state == ReplicaState.PRESENT  # type: ignore[union-attr]
+
+
 def test_show_tiers_and_the_report_list_parts_per_host_and_tier(
     cluster: Cluster, saved: dict[int, Any], archived_b: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
