@@ -330,7 +330,12 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "shared").mkdir(parents=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    catalog = _pg_database(args.pg_url)
+    try:
+        catalog = _pg_database(args.pg_url)
+    except Exception as exc:  # no PostgreSQL here: say so, like a missing optional tool
+        print(f"skipped: saves across hosts need a PostgreSQL catalog and {args.pg_url} "
+              f"cannot be reached ({type(exc).__name__}); pass --pg-url")
+        return 0
     try:
         migrate.upgrade(catalog)
         with MotoS3(fail_fast=False) as s3:

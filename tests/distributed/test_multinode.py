@@ -41,8 +41,11 @@ from ckptstore import CheckpointStore
 from ckptstore.catalog import migrate
 from ckptstore.cli.app import main as ckpt
 from ckptstore.errors import ConfigError, IncompleteCheckpointError
+from ckptstore.format import read_manifest
+from ckptstore.format.dcp import verify_dcp
 from ckptstore.format.dcp.layout import rank_of_file
 from ckptstore.ops.archive import archive_checkpoints
+from ckptstore.ops.dcp import load_dcp
 from ckptstore.ops.gc import prune_parts
 from ckptstore.ops.restore import restore_checkpoint
 from ckptstore.ops.retention import apply_retention
@@ -413,6 +416,27 @@ def test_hot_retention_leaves_each_node_to_prune_its_own_parts(
         assert prune_parts(store) == [f"{mn1}:node-b"]
         assert store.get(mn1).replica("hot").state == ReplicaState.DELETED  # type: ignore[union-attr]
         refs = torch.load(cluster.out / "ref.pt", weights_only=True)
+        assert _worker_helpers()._same(store.load(mn1), refs["mn1"]) == []
+
+
+def test_restore_gathers_every_part_on_one_node(
+    cluster: Cluster, saved: dict[int, Any], node_b_lost: dict[int, Any]
+) -> None:
+    mn1 = saved[0]["mn1"]
+    refs = torch.load(cluster.out / "ref.pt", weights_only=True)
+    with cluster.node("node-c") as store:
+        # Into a directory of one's choosing: a complete, verified copy, nothing recorded.
+        target = restore_checkpoint(store, mn1, to=cluster.tmp / "gathered")
+        assert (target / "COMMITTED").is_file()
+        manifest = read_manifest(target, expected_digest=store.get(mn1).manifest_digest)
+        assert verify_dcp(target, manifest) == []
+        assert _worker_helpers()._same(load_dcp(target, manifest), refs["mn1"]) == []
+        # Onto this node's hot tier: every part recorded as kept here, the hot copy whole.
+        restore_checkpoint(store, mn1)
+        here = {p.part for p in store.catalog.parts(mn1, "hot")
+                if p.stored_on == "node-c" and p.state == ReplicaState.PRESENT}
+        assert here == set(NODES)
+        assert store.get(mn1).replica("hot").state == ReplicaState.PRESENT  # type: ignore[union-attr]
         assert _worker_helpers()._same(store.load(mn1), refs["mn1"]) == []
 
 

@@ -45,7 +45,7 @@ from ckptstore.format import Manifest
 from ckptstore.format.constants import COMMIT_NAME
 from ckptstore.format.dcp.chunks import ByteView, ChunkSource
 from ckptstore.format.dcp.commit import write_shared
-from ckptstore.format.dcp.layout import ArrayInfo, DcpIndex, chunk_file, rank_of_file
+from ckptstore.format.dcp.layout import ArrayInfo, chunk_file, rank_of_file
 from ckptstore.format.dcp.read import verify_dcp
 from ckptstore.format.manifest import known_manifest, parse_verified
 from ckptstore.identity import host
@@ -55,7 +55,6 @@ from ckptstore.storage import Tier
 __all__ = [
     "PartsSource",
     "gather_parts",
-    "index_parts",
     "of_ranks",
     "materialize",
     "part_files",
@@ -337,20 +336,6 @@ def parts_source(store: StoreCore, ck: Checkpoint) -> tuple[Manifest, PartsSourc
                                  store.checkpoint_dir(ck.run, ck.id))
 
 
-def index_parts(index: DcpIndex, ranks: Mapping[int, str]) -> dict[str, dict[str, int]]:
-    """Per part host: files and bytes of its chunk files (for ``ckpt show``)."""
-    out: dict[str, dict[str, int]] = {}
-    for path, size, _crc in index.files():
-        rank = rank_of_file(path)
-        owner = ranks.get(rank) if rank is not None else None
-        if owner is None:
-            continue
-        entry = out.setdefault(owner, {"files": 0, "bytes": 0})
-        entry["files"] += 1
-        entry["bytes"] += size
-    return out
-
-
 def verify_parts_here(store: StoreCore, ck: Checkpoint, *, deep: bool = True) -> list[str]:
     """Check the parts of a parted checkpoint this host's disk holds; record what was found.
 
@@ -510,6 +495,8 @@ def gather_parts(store: StoreCore, ck: Checkpoint, directory: Path, *,
             spec = sizes[part]
             store.catalog.set_part(ck.id, "hot", part, stored_on=me, state=ReplicaState.PRESENT,
                                    bytes=spec.bytes, files=spec.files, verified=True)
+        # Every part is on this host's disk now: the hot copy is whole again.
+        store.catalog.complete_parts(ck.id, "hot", uri=str(directory))
     return total
 
 
