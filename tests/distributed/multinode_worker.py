@@ -15,7 +15,8 @@ own hot directory), ``CKPT_ROOT``, ``CKPT_CATALOG_URL`` (PostgreSQL), ``CKPT_WAR
 * ``tiny`` (2 nodes x 1 rank): one small parted checkpoint ``agents@1``.
 * ``s3hot`` (2 nodes x 1 rank, ``CKPT_HOT=s3://...``): every rank uploads its own shards
   straight to object storage; the checkpoint loads back at Shard(0) and Shard(1).
-* ``kill`` (2 nodes x 1 rank): ``kill@1`` commits; the rank on the second node SIGKILLs
+* ``kill`` (2 nodes x 1 rank): ``kill@1`` commits (``dcp.save`` with ``store.dcp_writer``
+  as context manager); the rank on the second node SIGKILLs
   itself after its first chunk of ``kill@2``; the survivor must fail fast and nothing may
   commit (the test then loads ``kill@1`` and has each node clean up).
 
@@ -171,7 +172,13 @@ def scenario_kill(out: Path, rank: int, ws: int) -> dict[str, Any]:
     expected = _full(state)
     report: dict[str, Any] = {"host": os.environ["CKPT_HOST"]}
     with CheckpointStore.open() as store:
-        report["first"] = save_distributed(store, "kill", 1, state, pack_below=PACK_BELOW).id
+        # The first one through DCP's own API: the writer's context manager gives each
+        # node's part its manifest and marker on the way out.
+        import torch.distributed.checkpoint as dcp
+
+        with store.dcp_writer("kill", 1, pack_below=PACK_BELOW) as writer:
+            dcp.save(state, storage_writer=writer)
+        report["first"] = writer.checkpoint.id
         dist.barrier()
         if rank == 1:
             os.environ["CKPT_FAULT_POINT"] = "dcp.chunk_written:1"

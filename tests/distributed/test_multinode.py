@@ -510,6 +510,8 @@ def test_a_rank_killed_mid_save_commits_nothing_and_each_node_cleans_up(
     assert report["error_after_s"] < 60
     assert report["latest"] == report["first"]
     assert time.monotonic() - started < TIMEOUT_S
+    for node in NODES:  # dcp.save + the writer's context manager: each part has its marker
+        assert (cluster.hot[node] / "kill" / report["first"] / "COMMITTED").is_file(), node
     with cluster.node("node-a") as store:
         failed = [ck for ck in store.list(run="kill", state=None) if ck.version == 2]
         assert failed and failed[0].state == CheckpointState.FAILED
