@@ -291,6 +291,23 @@ def test_archive_from_the_second_node_completes_and_verifies(
         assert _worker_helpers()._same(state, refs["mn1"]) == []
 
 
+def test_a_signed_checkpoint_saved_across_hosts_loads_with_its_signature_anywhere(
+    cluster: Cluster, saved: dict[int, Any], archived_b: Any
+) -> None:
+    from ckptstore.ops.signing import generate_keypair, sign_checkpoint
+
+    mn1 = saved[0]["mn1"]
+    keys = cluster.tmp / "keys"
+    keys.mkdir(exist_ok=True)
+    generate_keypair(keys, "ops")
+    with cluster.node("node-a") as store:  # signed where a part (and its manifest) is
+        sign_checkpoint(store, mn1, keys / "ops.key")
+    refs = torch.load(cluster.out / "ref.pt", weights_only=True)
+    with cluster.node("node-c") as store:
+        state = store.load(mn1, require_signature=keys / "ops.pub")
+        assert _worker_helpers()._same(state, refs["mn1"]) == []
+
+
 def test_a_damaged_chunk_of_a_local_part_is_read_from_s3_and_verify_reports_it(
     cluster: Cluster, saved: dict[int, Any], archived_b: Any
 ) -> None:
