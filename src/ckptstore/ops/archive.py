@@ -321,6 +321,9 @@ def _run(
         visited.add(ckpt_id)
         listed = store.catalog.get_any(ckpt_id)
         if not remove_source and _by_parts(store, listed, src.name):
+            if reencode is not None:
+                report.not_reencoded[ckpt_id] = (
+                    "saved across hosts: each host's part is copied as it is")
             try:
                 report.bytes += _archive_parts(store, listed, src, dst, owner=owner,
                                                threads=threads, progress=counted, deep=deep,
