@@ -8,6 +8,7 @@ from ckptstore.catalog.labels import LabelsMixin
 from ckptstore.catalog.leases import LeasesMixin
 from ckptstore.catalog.lineage import LineageMixin
 from ckptstore.catalog.metric_history import HistoryMixin
+from ckptstore.catalog.parts import PartsMixin
 from ckptstore.catalog.pruning import PruningMixin
 from ckptstore.catalog.queries import QueriesMixin
 from ckptstore.catalog.replicas import ReplicasMixin
@@ -16,6 +17,7 @@ __all__ = ["Catalog"]
 
 
 class Catalog(
+    PartsMixin,
     PruningMixin,
     QueriesMixin,
     LineageMixin,
@@ -51,7 +53,11 @@ class Catalog(
           :meth:`set_store_hot_tier`, :meth:`is_empty`;
         * metric history: :meth:`record_history`, :meth:`metric_history`,
           :meth:`metric_history_names`, :meth:`metric_history_runs`,
-          :meth:`truncate_history`.
+          :meth:`truncate_history`;
+        * parts of checkpoints saved across hosts, hosts, shared manifests:
+          :meth:`commit_parted`, :meth:`set_part`, :meth:`complete_parts`, :meth:`parts`,
+          :meth:`parts_on`, :meth:`part_ranks`, :meth:`manifest_bytes`,
+          :meth:`forget_parts`, :meth:`part_usage`, :meth:`heartbeat`, :meth:`hosts`.
 
     Args:
         url: ``sqlite:///path/catalog.db`` (the parent directory is created) or

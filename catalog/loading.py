@@ -88,6 +88,7 @@ ROW_COLUMNS = (
     C.writer,
     C.created_at,
     C.committed_at,
+    C.part_hosts,
 )
 _COLUMNS = (
     *ROW_COLUMNS,
@@ -242,6 +243,7 @@ def _record(row: Row[Any], aliases: list[str], replicas: list[Replica]) -> Check
         writer,
         created_at,
         committed_at,
+        part_hosts,
         run_name,
         experiment_name,
     ) = typing_cast("tuple[Any, ...]", row)
@@ -270,6 +272,7 @@ def _record(row: Row[Any], aliases: list[str], replicas: list[Replica]) -> Check
         aliases=tuple(aliases),
         replicas=tuple(replicas),
         writer=writer,
+        hosts=tuple(part_hosts or ()),
     )
 
 

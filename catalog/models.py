@@ -30,6 +30,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -46,14 +47,17 @@ __all__ = [
     "NAMING_CONVENTION",
     "AliasRow",
     "Base",
+    "CheckpointManifestRow",
     "CheckpointMetricRow",
     "CheckpointRow",
     "CheckpointTagRow",
     "EventRow",
     "ExperimentRow",
+    "HostRow",
     "LeaseRow",
     "LineageEdgeRow",
     "MetricHistoryRow",
+    "ReplicaPartRow",
     "ReplicaRow",
     "RunRow",
     "StoreMetaRow",
@@ -211,6 +215,9 @@ class CheckpointRow(Base):
     writer: Mapped[str | None] = mapped_column(String(300), index=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
     committed_at: Mapped[datetime | None] = mapped_column()
+    # Sorted hosts whose ranks wrote a distributed checkpoint whose copies are tracked per
+    # host part (replica_parts); NULL when one directory holds the whole hot copy.
+    part_hosts: Mapped[list[str] | None] = mapped_column(JSON)
 
 
 class CheckpointTagRow(Base):
@@ -375,3 +382,61 @@ class MetricHistoryRow(Base):
     vmin: Mapped[float] = mapped_column(Float)
     vmax: Mapped[float] = mapped_column(Float)
     last: Mapped[float] = mapped_column(Float)
+
+
+class ReplicaPartRow(Base):
+    """One host's part of a parted checkpoint on one tier (``stored_on``: whose disk holds
+    it; ``""`` on a tier every host reaches, such as S3: a primary-key column cannot be NULL).
+
+    A save across hosts writes a few rows per host, never one per chunk, so the catalog work
+    of a save grows with the hosts, not with the checkpoint's size.
+    """
+
+    __tablename__ = "replica_parts"
+    __table_args__ = (
+        # What a host's agent asks: the parts its own disk holds.
+        Index("ix_replica_parts_stored_on_tier_state", "stored_on", "tier", "state"),
+    )
+
+    checkpoint_id: Mapped[str] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True
+    )
+    tier: Mapped[str] = mapped_column(String(64), primary_key=True)
+    part_host: Mapped[str] = mapped_column(String(255), primary_key=True)
+    stored_on: Mapped[str] = mapped_column(String(255), primary_key=True)
+    state: Mapped[ReplicaState] = mapped_column(_state_enum(ReplicaState, "replica_state"))
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    files: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    verified_at: Mapped[datetime | None] = mapped_column()
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
+
+
+class HostRow(Base):
+    """A host the catalog has heard from: agents' heartbeats and savers (``ckpt doctor``
+    reports parts held by hosts silent for longer than ``host_timeout_s``)."""
+
+    __tablename__ = "hosts"
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    first_seen: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
+    last_seen: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
+    role: Mapped[str] = mapped_column(String(32), default="", server_default="")
+
+
+class CheckpointManifestRow(Base):
+    """The manifest bytes of a parted checkpoint, and which ranks wrote each host's part.
+
+    No disk every host reaches holds the manifest, so any host reads it from here (checked
+    against ``digest``, the checkpoint's manifest digest) to materialise its part's
+    ``manifest.json`` and commit marker, or to load.
+    """
+
+    __tablename__ = "checkpoint_manifests"
+
+    checkpoint_id: Mapped[str] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True
+    )
+    digest: Mapped[str] = mapped_column(String(128))
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+    # {part host: [ranks]}: the ranks whose files make up each part.
+    parts: Mapped[dict[str, Any]] = mapped_column(JSON)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from ckptstore.errors import ConfigError
 from ckptstore.flows.registry import FLOWS, get_flow
 from ckptstore.flows.schedules import CronSchedule, IntervalSchedule, parse_schedule
+from ckptstore.identity import host
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
@@ -102,6 +103,7 @@ class _Job:
     params: dict[str, Any]
     key: str | None
     scheduled: bool = False
+    work_queue: str | None = None
 
 
 _STOP = object()
@@ -198,18 +200,22 @@ class EmbeddedRunner:
             # From the start: a flow queued while Prefect still warms up is reported too.
             atexit.register(self._at_exit)
 
-    def submit(self, flow_name: str, /, *, key: str | None = None, **params: Any) -> bool:
+    def submit(self, flow_name: str, /, *, key: str | None = None,
+               work_queue: str | None = None, **params: Any) -> bool:
         """Queue a flow run and return at once (no Prefect import, no I/O).
 
         Args:
             flow_name: Short flow name (``archive``, ``retention``, ``verify``, ``gc``, ...).
             key: Idempotency key: a job whose key is already queued (not yet started) is
                 dropped, like ``run_deployment``'s ``idempotency_key`` in server mode.
+            work_queue: The host that must run it (server mode: the work queue of that
+                host's agent). In embedded mode a job for another host is dropped: that
+                host's own processes (or its agent) do its part of the work.
             **params: Flow parameters (plain values); ``store_root``/``config`` default to
                 the runner's.
 
         Returns:
-            True when queued, False when dropped as a duplicate.
+            True when queued, False when dropped as a duplicate or another host's job.
 
         Raises:
             ConfigError: For an unknown flow or a closed runner.
@@ -218,6 +224,10 @@ class EmbeddedRunner:
             raise ConfigError(
                 f"unknown flow {flow_name!r}; known flows: {', '.join(sorted(FLOWS))}"
             )
+        if self.mode == "embedded" and work_queue is not None and work_queue != host():
+            logger.debug("flow %s is for host %s: its own processes or agent run it",
+                         flow_name, work_queue)
+            return False
         with self._lock:
             self._start_locked()
             if key is not None:
@@ -225,7 +235,7 @@ class EmbeddedRunner:
                     return False
                 self._queued_keys.add(key)
             self._outstanding += 1
-        self._queue.put(_Job(flow_name, dict(params), key))
+        self._queue.put(_Job(flow_name, dict(params), key, work_queue=work_queue))
         return True
 
     def pending(self) -> int:
@@ -392,6 +402,8 @@ class EmbeddedRunner:
                 timeout=0,
                 idempotency_key=job.key,
                 as_subflow=False,
+                # The host's own queue: only that host's agent (its Prefect worker) runs it.
+                work_queue_name=job.work_queue,
             ),
         )
         return str(flow_run.id)

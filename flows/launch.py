@@ -28,9 +28,11 @@ class PrefectLauncher(FlowLauncher):
         store_root: str,
         config: str | None,
         idempotency_key: str | None,
+        work_queue: str | None = None,
     ) -> None:
         """Enqueue one run; see :meth:`ckptstore.core.FlowLauncher.launch`."""
-        get_runner(store_root, config).submit(flow_name, key=idempotency_key, **dict(params))
+        get_runner(store_root, config).submit(flow_name, key=idempotency_key,
+                                              work_queue=work_queue, **dict(params))
 
     def wait_idle(self, *, store_root: str, config: str | None) -> bool:
         """Wait for this process's runner of the store; see :func:`wait_for_flows`."""

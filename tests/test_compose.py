@@ -216,7 +216,7 @@ def test_interpolated_variables_are_documented(compose: dict[str, Any]) -> None:
 
 def test_example_config_parses() -> None:
     settings = load_settings(ROOT / "ckptstore.example.toml")
-    assert settings.codec == "lz4"
+    assert settings.codec == "auto"
     assert settings.keep_best == ("val_loss", "min", 3)
     assert settings.schedules["archive"] == "*/10 * * * *"
 

@@ -12,7 +12,7 @@ from ckptstore.errors import ConfigError
 
 def test_defaults(tmp_path: Path) -> None:
     s = load_settings(root=tmp_path)
-    assert s.codec == "lz4"
+    assert s.codec == "auto"
     assert s.resolved_catalog_url.startswith("sqlite:///")
     assert s.hot_path == (tmp_path / "hot").resolve()
 
@@ -44,7 +44,7 @@ def test_deepspeed_style_keys(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "text",
     ['codec = "gzip"', "threads = 0", 'unknown_key = 1', "[tiers]\nlukewarm = 'x'",
-     "keep_last = -1", 'hot = "s3://bucket/x"', "this is not toml"],
+     "keep_last = -1", 'hot = "gs://bucket/x"', "this is not toml", "replicas = 3"],
 )
 def test_bad_config(tmp_path: Path, text: str) -> None:
     cfg = tmp_path / "bad.toml"
@@ -106,6 +106,8 @@ ENV_SAMPLES: dict[str, tuple[str, object]] = {
     "delta": ('{"quantize": 8}', {"quantize": 8}),
     "keyframe_every": ("5", 5),
     "delta_cache_bytes": ("0", 0),
+    "replicas": ("2", 2),
+    "host_timeout_s": ("45", 45.0),
 }
 
 
@@ -178,7 +180,7 @@ def test_config_discovery_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     from ckptstore.config import resolve_settings
 
     monkeypatch.chdir(tmp_path)
-    assert resolve_settings().config is None and load_settings().codec == "lz4"
+    assert resolve_settings().config is None and load_settings().codec == "auto"
     (tmp_path / "ckptstore.toml").write_text('codec = "zstd-1"\n')
     found = resolve_settings()
     assert found.config == tmp_path / "ckptstore.toml"
@@ -222,7 +224,7 @@ def test_ckpt_config_shows_sources_and_never_credentials(
     assert rows["keep_last"] == {"value": 2, "from": "file",
                                  "detail": str(tmp_path / "ckptstore.toml")}
     assert rows["threads"]["from"] == "env" and rows["threads"]["value"] == 3
-    assert rows["codec"] == {"value": "lz4", "from": "default", "detail": ""}
+    assert rows["codec"] == {"value": "auto", "from": "default", "detail": ""}
     assert rows["hot"]["value"] == str(tmp_path / "hot")
     assert rows["root"]["value"] == str(tmp_path / "hot" / ".ckptstore")
     assert rows["root"]["from"] == "default"
@@ -237,3 +239,21 @@ def test_ckpt_config_shows_sources_and_never_credentials(
     for leaked in ("s3cr3t-pw", "pw2x", "AKIAsecretvalue", "warm-pw"):
         assert leaked not in out and leaked not in text
     assert "***" in text
+
+
+def test_hot_tier_in_object_storage_and_replicas(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nodes without local disk: hot may be an s3:// URL (distributed saves upload there);
+    the local hot path is then scratch space under the root."""
+    cfg = tmp_path / "ckpt.toml"
+    cfg.write_text(f'root = "{tmp_path / "r"}"\nreplicas = 2\n[tiers]\nhot = "s3://b/hot"\n')
+    settings = load_settings(cfg)
+    assert settings.hot_remote == "s3://b/hot"
+    assert settings.hot_path == (tmp_path / "r" / "hot").resolve()
+    assert settings.tier_urls()["hot"] == "s3://b/hot"
+    assert settings.replicas == 2 and settings.host_timeout_s == 600.0
+    monkeypatch.setenv("CKPT_REPLICAS", "1")
+    monkeypatch.setenv("CKPT_HOST_TIMEOUT_S", "45")
+    settings = load_settings(cfg)
+    assert (settings.replicas, settings.host_timeout_s) == (1, 45.0)
+    assert load_settings(root=tmp_path).hot_remote is None

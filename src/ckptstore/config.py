@@ -139,6 +139,11 @@ class Settings:
         delta_cache_bytes: xor/lossy deltas: host memory for the latest keyframe's chunks,
             so a delta save encodes against them without reading the keyframe back (a
             larger keyframe is cached in part). 0 turns the cache off.
+        replicas: Copies of each host's part of a multi-host distributed checkpoint kept on
+            node-local hot tiers: 1 (its own host only) or 2 (also on a neighbour host, sent
+            over the process group after the commit; see docs/MULTINODE.md).
+        host_timeout_s: A host whose agent or saver has not been heard from for this long
+            counts as gone (``ckpt doctor`` reports the parts it holds).
         source: The config file this came from, if any.
     """
 
@@ -166,6 +171,8 @@ class Settings:
     delta: bool | str | dict[str, Any] = "dedup"
     keyframe_every: int = 10
     delta_cache_bytes: int = 1024**3
+    replicas: int = 1
+    host_timeout_s: float = 600.0
     source: Path | None = None
 
     @property
@@ -176,15 +183,21 @@ class Settings:
         return f"sqlite:///{(self.root / 'catalog.db').resolve()}"
 
     @property
+    def hot_remote(self) -> str | None:
+        """The hot tier's ``s3://`` URL when it is object storage (nodes without local disk,
+        distributed saves only), else None."""
+        return self.hot if self.hot is not None and self.hot.startswith("s3://") else None
+
+    @property
     def hot_path(self) -> Path:
-        """The hot tier as a local path."""
-        if self.hot is None:
+        """The hot tier as a local path (``<root>/hot`` scratch space when it is remote)."""
+        if self.hot is None or self.hot_remote is not None:
             return (self.root / "hot").resolve()
         return _local_path(self.hot, "hot")
 
     def tier_urls(self) -> dict[str, str]:
         """Configured tiers by name (``hot`` always present)."""
-        tiers = {"hot": str(self.hot_path)}
+        tiers = {"hot": self.hot_remote or str(self.hot_path)}
         if self.warm:
             tiers["warm"] = self.warm
         if self.cold:
@@ -234,6 +247,8 @@ ENV_VARS: dict[str, str] = {
     "delta": "CKPT_DELTA",
     "keyframe_every": "CKPT_KEYFRAME_EVERY",
     "delta_cache_bytes": "CKPT_DELTA_CACHE_BYTES",
+    "replicas": "CKPT_REPLICAS",
+    "host_timeout_s": "CKPT_HOST_TIMEOUT_S",
 }
 #: Variables that set one entry of a table setting (applied after the table's own variable).
 ENV_ENTRY_VARS: dict[str, tuple[str, str]] = {
@@ -243,8 +258,8 @@ ENV_ENTRY_VARS: dict[str, tuple[str, str]] = {
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 _INT_FIELDS = {"chunk_bytes", "threads", "keep_last", "keep_every", "save_interval",
                "staging_budget_bytes", "keyframe_every", "memory_tier_bytes",
-               "delta_cache_bytes"}
-_FLOAT_FIELDS = {"max_age_days", "cold_after_days"}
+               "delta_cache_bytes", "replicas"}
+_FLOAT_FIELDS = {"max_age_days", "cold_after_days", "host_timeout_s"}
 
 
 def _flatten_file(data: dict[str, Any], source: Path) -> dict[str, Any]:
@@ -292,6 +307,8 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             number = _as_int(value)
             if name in ("chunk_bytes", "threads", "keyframe_every") and number == 0:
                 raise ValueError("must be positive")
+            if name == "replicas" and number not in (1, 2):
+                raise ValueError("must be 1 (own host) or 2 (also a neighbour host)")
             return number
         if name in _FLOAT_FIELDS:
             return _as_float(value)

@@ -90,6 +90,7 @@ class FlowLauncher(abc.ABC):
         store_root: str,
         config: str | None,
         idempotency_key: str | None,
+        work_queue: str | None = None,
     ) -> None:
         """Enqueue one run of flow ``flow_name`` with ``params`` (plain values only).
 
@@ -99,6 +100,9 @@ class FlowLauncher(abc.ABC):
             store_root: The store directory the flow reopens the store from.
             config: The store's config file, if any.
             idempotency_key: Runs with the same key are started once.
+            work_queue: Run it on this host (its Prefect work queue, served by ``ckpt
+                agent`` there; an embedded worker runs only its own host's), for work only
+                that host can do: uploading the part of a checkpoint its disk holds.
 
         Raises:
             ConfigError: For an unknown flow.
@@ -134,6 +138,9 @@ class StoreCore:
             :func:`ckptstore.ops.memory.memory_tier_for`).
         memory_tier_resolved: Whether :attr:`memory_tier` was already looked up from the
             settings (None then means "off").
+        peers: The background replication of parts to neighbour hosts (``replicas = 2``),
+            created by the first distributed save that needs it (see
+            :mod:`ckptstore.ops.dcp.peers`).
     """
 
     def __init__(self, settings: Settings, catalog: Catalog) -> None:
@@ -149,6 +156,7 @@ class StoreCore:
         self.saver: StoreService | None = None
         self.memory_tier: StoreService | None = None
         self.memory_tier_resolved = False
+        self.peers: StoreService | None = None
         self._launcher: FlowLauncher | None = None
         self.flows_launched = False
         self._tiers: dict[str, Tier] | None = None
@@ -229,6 +237,9 @@ class StoreCore:
             memory, self.memory_tier = self.memory_tier, None
             if memory is not None:
                 memory.close()
+            peers, self.peers = self.peers, None
+            if peers is not None:
+                peers.close()  # waits (bounded) for parts still on their way to a peer
             if self.flows_launched and self._launcher is not None:
                 config = str(self.settings.source) if self.settings.source else None
                 self._launcher.wait_idle(store_root=str(self.settings.root), config=config)

@@ -16,9 +16,12 @@ __all__ = [
     "Checkpoint",
     "CheckpointState",
     "Event",
+    "HostInfo",
     "Lease",
     "MetricPoint",
+    "PartSpec",
     "Replica",
+    "ReplicaPart",
     "ReplicaState",
     "RunInfo",
     "UsageRow",
@@ -76,6 +79,69 @@ class Replica:
 
 
 @dataclass(frozen=True)
+class ReplicaPart:
+    """One host's part of a parted checkpoint (see :attr:`Checkpoint.hosts`) on one tier.
+
+    A distributed save across hosts writes every rank's shards to the hot tier of the rank's
+    own host: the checkpoint's hot copy is then one part per host, each on its own disk. The
+    warm copy is assembled part by part (each host uploads its own) and is complete only when
+    every part is in; the aggregate :class:`Replica` of the tier says so.
+
+    Attributes:
+        tier: Tier name.
+        part: The host whose ranks wrote the files of this part.
+        stored_on: The host whose disk holds this copy (the part's own host, or a peer that
+            keeps a replica of it); None on a tier every host reaches (S3).
+        state: Its life-cycle state.
+        bytes: Bytes of its files.
+        files: Number of its files.
+        verified_at: When it was last checked intact.
+    """
+
+    tier: str
+    part: str
+    stored_on: str | None
+    state: ReplicaState
+    bytes: int = 0
+    files: int = 0
+    verified_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """What one host's ranks wrote in a parted save, recorded at its commit.
+
+    Attributes:
+        host: The host.
+        ranks: Its ranks in the save's process group.
+        files: Files of its part.
+        bytes: Bytes of its part.
+    """
+
+    host: str
+    ranks: tuple[int, ...]
+    files: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """A host the catalog has heard from (agents' heartbeats, savers).
+
+    Attributes:
+        name: Host name (``CKPT_HOST`` or the hostname).
+        first_seen: First heartbeat.
+        last_seen: Latest heartbeat.
+        role: What last reported it (``agent``, ``saver``, ...).
+    """
+
+    name: str
+    first_seen: datetime
+    last_seen: datetime
+    role: str = ""
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     """A catalogued checkpoint (one version of one step of one run)."""
 
@@ -103,6 +169,15 @@ class Checkpoint:
     aliases: tuple[str, ...] = ()
     replicas: tuple[Replica, ...] = ()
     writer: str | None = None  # "host:pid" of the saving process; gc uses it to spot dead saves
+    # Hosts whose ranks wrote a distributed checkpoint, sorted, when its hot copy is split in
+    # parts (one per host: a save across hosts, or straight to object storage); () when one
+    # directory holds it all. See ReplicaPart.
+    hosts: tuple[str, ...] = ()
+
+    @property
+    def parted(self) -> bool:
+        """Whether the checkpoint's copies are tracked per host part (:class:`ReplicaPart`)."""
+        return bool(self.hosts)
 
     @property
     def ref(self) -> str:

@@ -29,6 +29,9 @@ from ckptstore.records import Checkpoint
 # Dependents first, so TRUNCATE order never matters even without CASCADE.
 TABLES = (
     "metric_history",
+    "replica_parts",
+    "checkpoint_manifests",
+    "hosts",
     "leases",
     "events",
     "aliases",

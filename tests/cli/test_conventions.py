@@ -22,7 +22,7 @@ from ckptstore.cli.app import app
 from ckptstore.store import CheckpointStore
 
 #: Commands that run until interrupted (servers): they print no result to put in JSON.
-SERVERS = {"serve", "ui"}
+SERVERS = {"serve", "ui", "agent"}
 
 
 def leaf_commands(group: Any = None, prefix: tuple[str, ...] = ()) -> dict[str, Any]:

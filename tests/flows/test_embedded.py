@@ -92,6 +92,23 @@ def test_submit_validates(tmp_path: Path) -> None:
         EmbeddedRunner(mode="cluster")  # type: ignore[arg-type]
 
 
+def test_embedded_worker_runs_only_its_own_hosts_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trigger for another host's part (a checkpoint saved across hosts) is that host's
+    to run: an embedded worker drops it; its own host's run is queued."""
+    monkeypatch.setenv("CKPT_HOST", "node-a")
+    runner = EmbeddedRunner(tmp_path / "store", mode="embedded", warm=False)
+    try:
+        assert runner.submit("gc", work_queue="node-b") is False
+        assert runner.pending() == 0 and runner._thread is None  # nothing started
+        assert runner.submit("gc", work_queue="node-a") is True
+        assert runner.wait_idle(120)
+        assert [r.ok for r in runner.results] == [True]
+    finally:
+        runner.close(wait=True, timeout=60)
+
+
 def test_schedule_parsing() -> None:
     assert parse_schedule("every 30s") == IntervalSchedule("every 30s", 30.0)
     assert parse_schedule("@every 2 minutes").seconds == 120.0

@@ -186,7 +186,9 @@ def show_cmd(
     JSON: {"checkpoint": the record (keys as in `ckpt ls --json`), "reproduction": the run's
     experiment, config, code_version, data_version, host, parents, metrics_at_save, edges,
     "manifest": format_version, codec, kind, tensors, dtypes, arrays, chunks, logical_bytes,
-    stored_bytes, delta (or {"error": ...}), "tensors" with --tensors: [key, dtype, shape]}.
+    stored_bytes, delta (or {"error": ...}), "tensors" with --tensors: [key, dtype, shape],
+    "parts" for a checkpoint saved across hosts: every copy of every host's part (tier, part,
+    stored_on (null on a shared tier), state, bytes, files, verified_at)}.
     """
     with open_store(ctx) as store:
         info = store.show(ref)
@@ -213,6 +215,7 @@ def show_cmd(
         ("tags", ", ".join(ck["tags"]) or "-"),
         ("pinned / aliases", f"{ck['pinned']} / {', '.join(ck['aliases']) or '-'}"),
         ("replicas", ", ".join(f"{r['tier']}:{r['state']}" for r in ck["replicas"]) or "-"),
+        *_part_rows(ck, info.get("parts") or []),
         ("lossy", f"yes, max abs error {ck['error_bound']} in {', '.join(ck['lossy_scope'])}"
                   if ck["lossy"] else "no"),
     ]
@@ -237,6 +240,26 @@ def show_cmd(
             ["tensor", "dtype", "shape"],
             ((t["key"], t["dtype"], t["shape"]) for t in info["tensors"]),
         )
+
+
+def _part_rows(ck: dict[str, Any], parts: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """``ckpt show`` rows of a checkpoint saved across hosts: its hosts, then per tier each
+    host's part and where its copies are."""
+    if not ck.get("hosts"):
+        return []
+    rows = [("hosts", ", ".join(ck["hosts"]))]
+    tiers: dict[str, dict[str, list[str]]] = {}
+    for p in parts:
+        where = p["stored_on"] or p["tier"]
+        tiers.setdefault(p["tier"], {}).setdefault(p["part"], []).append(
+            f"{where}:{p['state']}" if p["state"] != "PRESENT" else where)
+    for tier, by_part in tiers.items():
+        text = "; ".join(f"{part} on {', '.join(where)}" for part, where in sorted(by_part.items()))
+        missing = [h for h in ck["hosts"] if h not in by_part]
+        if missing:
+            text += f"; missing: {', '.join(missing)}"
+        rows.append((f"parts ({tier})", text))
+    return rows
 
 
 def _tensor_entry(entry: Any) -> dict[str, Any]:

@@ -8,13 +8,14 @@ tier under ``.ckpt-probe/``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from ckptstore.cli.common import ascii_int, open_store
 from ckptstore.cli.output import console, err_console, human_bytes, print_json, print_table
 from ckptstore.errors import InvalidNameError
+from ckptstore.ops.show import hosts_overview
 
 __all__ = ["register"]
 
@@ -39,6 +40,11 @@ def tiers_cmd(
         int | None,
         typer.Option(parser=ascii_int, help="Probe blob size in MiB (default by backend)."),
     ] = None,
+    hosts: Annotated[
+        bool,
+        typer.Option("--hosts", help="Also list every host: its last heartbeat and the parts "
+                     "of distributed checkpoints it holds, per tier."),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Each configured tier: reachable, free space, objects and bytes held, throughput.
@@ -49,7 +55,10 @@ def tiers_cmd(
     archive > 100 MB/s). Exits with 1 when a tier is unreachable.
 
     JSON: one object per tier (name, url, reachable, free_bytes, objects, listed_bytes,
-    catalog_checkpoints, catalog_bytes, probe, error).
+    catalog_checkpoints, catalog_bytes, probe, error). With --hosts: {"tiers": that list,
+    "hosts": one object per host (name, first_seen, last_seen, age_s, role, gone, stores:
+    tier -> {checkpoints, bytes} of part copies on its disk, parts: tier -> {checkpoints,
+    bytes} of copies of its parts anywhere)}.
     """
     from ckptstore.observability.tiers import tier_statuses
 
@@ -63,9 +72,11 @@ def tiers_cmd(
             probe=probe,
             probe_bytes=probe_mib * 2**20 if probe_mib else None,
         )
+        host_rows = hosts_overview(store) if hosts else []
     healthy = all(s.reachable for s in statuses)
     if as_json:
-        print_json([s.to_dict() for s in statuses])
+        tiers_json = [s.to_dict() for s in statuses]
+        print_json({"tiers": tiers_json, "hosts": host_rows} if hosts else tiers_json)
     else:
         columns = ["tier", "up", "free", "objects", "listed", "catalog"]
         if probe:
@@ -97,8 +108,32 @@ def tiers_cmd(
                 console.print(f"  {s.probe.verdict}", markup=False, highlight=False)
             if s.error:
                 err_console.print(f"  {s.name}: {s.error}", markup=False, highlight=False)
+        if hosts:
+            _print_hosts(host_rows)
     if not healthy:
         raise typer.Exit(1)
+
+
+def _print_hosts(rows: list[dict[str, Any]]) -> None:
+    """Hosts: last heartbeat, then per tier what their disks hold and where their parts are."""
+    if not rows:
+        console.print("no host has saved or sent a heartbeat yet")
+        return
+
+    def per_tier(by_tier: dict[str, dict[str, int]]) -> str:
+        return ", ".join(f"{t}: {v['checkpoints']} ({human_bytes(v['bytes'])})"
+                         for t, v in by_tier.items()) or "-"
+
+    print_table(
+        ["host", "last seen", "role", "disk holds", "its parts"],
+        [
+            [r["name"],
+             "-" if r["age_s"] is None else f"{r['age_s']:.0f} s ago" + (" GONE" if r["gone"]
+                                                                          else ""),
+             r["role"] or "-", per_tier(r["stores"]), per_tier(r["parts"])]
+            for r in rows
+        ],
+    )
 
 
 def ui_cmd(

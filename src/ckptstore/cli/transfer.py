@@ -1,5 +1,6 @@
 """CLI commands that move checkpoint data: between tiers (archive, prune, restore, verify),
-in and out of other formats (convert, import), and on a schedule (serve).
+in and out of other formats (convert, import), and on a schedule (serve, and agent: one per
+node of a cluster without shared disks).
 
 Each parses its options, calls one function of :mod:`ckptstore.ops` (or
 :mod:`ckptstore.convert` for files outside any store) and prints the result; no Prefect is
@@ -429,8 +430,49 @@ def serve_cmd(
     serve_all(ctx.obj.settings())
 
 
+def agent_cmd(
+    ctx: typer.Context,
+    pool: Annotated[
+        str,
+        typer.Option("--pool", metavar="NAME",
+                     help="Prefect process work pool (created if missing)."),
+    ],
+    interval: Annotated[
+        float, typer.Option(help="Seconds between two heartbeats of this host.")
+    ] = 30.0,
+    maintenance_interval: Annotated[
+        float,
+        typer.Option(help="Seconds between two runs of this host's gc (its parts of pruned "
+                     "checkpoints, files of failed saves)."),
+    ] = 300.0,
+    deploy: Annotated[
+        bool, typer.Option(help="Register the deployments on the pool first.")
+    ] = True,
+) -> None:
+    """Serve this node's work queue: run one per node of a cluster without shared disks.
+
+    Registers the deployments on --pool, makes sure the pool has a work queue named after
+    this host (CKPT_HOST, default the hostname) and runs a Prefect worker on it, so the
+    flows that only this host can run (uploading or pruning the parts of distributed
+    checkpoints its disk holds) run here. Records a heartbeat for the host every
+    --interval seconds (`ckpt doctor` reports parts on hosts gone silent) and runs this
+    host's gc every --maintenance-interval seconds. Runs until Ctrl-C or SIGTERM; needs
+    PREFECT_API_URL and the same config file (and PostgreSQL catalog) on every node.
+    """
+    from ckptstore.flows.registry import need_prefect
+
+    need_prefect("ckpt agent")
+    from ckptstore.flows.agent import run_agent
+
+    code = run_agent(ctx.obj.settings(), pool, interval_s=interval,
+                     maintenance_s=maintenance_interval, deploy=deploy)
+    if code:
+        raise typer.Exit(code)
+
+
 def register(app: typer.Typer) -> None:
-    """Add archive, prune, restore, verify, convert, import and serve to the ``ckpt`` app."""
+    """Add archive, prune, restore, verify, convert, import, serve and agent to the ``ckpt``
+    app."""
     app.command("archive")(archive_cmd)
     app.command("prune")(prune_cmd)
     app.command("restore")(restore_cmd)
@@ -438,3 +480,4 @@ def register(app: typer.Typer) -> None:
     app.command("convert")(convert_cmd)
     app.command("import")(import_cmd)
     app.command("serve")(serve_cmd)
+    app.command("agent")(agent_cmd)

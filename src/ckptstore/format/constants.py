@@ -20,6 +20,7 @@ __all__ = [
     "DCP_INDEX_KEY",
     "DCP_LAYOUT",
     "DCP_PACK_GROUP",
+    "DCP_RANK_GROUP",
     "DEFAULT_CHUNK_BYTES",
     "DELTA_CODEC",
     "FILES_KEY",
@@ -104,6 +105,10 @@ DCP_CHUNK_PREFIX = CHUNK_DIR + "."
 #: and each rank's packed small items.
 DCP_ARRAY_GROUP = "dcp"
 DCP_PACK_GROUP = "dcp_packs"
+#: Saves across hosts (or straight to object storage) put each rank's arrays in a group of
+#: its own, ``dcp_ranks/r<rank>/<name>``: every file then belongs to one rank (so to one
+#: host's part), and object keys spread over one prefix per rank (S3 throttles per prefix).
+DCP_RANK_GROUP = "dcp_ranks"
 #: Value of the root group's ``ckptstore.layout`` attribute in a DCP checkpoint.
 DCP_LAYOUT = "dcp"
 

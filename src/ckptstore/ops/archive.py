@@ -7,6 +7,14 @@ missing (files already on the destination that match are kept). A checkpoint nev
 verified copies: the source copy is deleted (demote only) after the destination copy is
 verified and recorded.
 
+A checkpoint saved across hosts (:mod:`ckptstore.ops.dcp.parts`) is archived part by part:
+each host uploads the parts its own disk holds (this function run on that host: ``ckpt
+archive``, its agent's flow, or the embedded worker of its training processes), each part
+under a lease of its own, checked against the manifest on the way and read back on the
+destination, and recorded as one ``replica_parts`` row. The copy becomes PRESENT (verified)
+only when the last part is in and the copy's manifest and marker are written: until then it
+is never used as a complete copy, and retention keeps the hot parts.
+
 Archive may re-encode (``reencode`` / the ``archive_codec`` setting): the copy is then written
 by :mod:`ckptstore.ops.reencode` as a self-contained copy whose chunks use the archive codec,
 with a manifest of its own whose digest the replica row records
@@ -20,11 +28,20 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import blake3
+import crc32c as _crc32c
 
 from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, ConfigError, MissingExtraError
-from ckptstore.format.constants import chunk_rel
+from ckptstore.format import Manifest
+from ckptstore.format.codecs import TRAILER
+from ckptstore.format.constants import MANIFEST_NAME, chunk_rel
+from ckptstore.format.dcp.commit import shared_docs
+from ckptstore.identity import host
 from ckptstore.ops.leases import acquire_lease, lease_owner
+from ckptstore.ops.parts import materialize, part_files, parted_manifest
 from ckptstore.ops.reencode import (
     ReencodeResult,
     check_codec,
@@ -42,7 +59,7 @@ from ckptstore.ops.replicas import (
 from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import COMMIT_NAME, Tier, copy_checkpoint, is_retryable
-from ckptstore.storage.transfer import copy_foreign_chunks
+from ckptstore.storage.transfer import copy_foreign_chunks, copy_keys, put_verified
 
 __all__ = ["ArchiveReport", "archive_checkpoints", "demote_checkpoints"]
 
@@ -70,6 +87,8 @@ class ArchiveReport:
             checkpoint holds it) and in the new copy.
         not_reencoded: Id -> why a copy was made as is although ``reencode`` was asked
             (already in that codec; a DCP layout).
+        parts: Id -> the host parts this run uploaded, for checkpoints saved across hosts
+            (the id is in ``archived`` once the copy is complete).
     """
 
     src: str
@@ -82,6 +101,7 @@ class ArchiveReport:
     reencode: str | None = None
     reencoded: dict[str, dict[str, int]] = field(default_factory=dict)
     not_reencoded: dict[str, str] = field(default_factory=dict)
+    parts: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -90,8 +110,10 @@ class ArchiveReport:
 
     def summary(self) -> str:
         """One line for logs and error notes."""
+        uploaded = sum(len(p) for p in self.parts.values())
         line = (
             f"{self.src} -> {self.tier}: {len(self.archived)} copied ({self.bytes} bytes), "
+            + (f"{uploaded} host parts uploaded, " if uploaded else "") +
             f"{len(self.removed)} source copies removed, {len(self.skipped)} skipped, "
             f"{len(self.failed)} failed"
         )
@@ -113,6 +135,11 @@ def _deleting(ck: Checkpoint, tier: str) -> bool:
     return replica is not None and replica.state == ReplicaState.DELETING
 
 
+def _by_parts(store: StoreCore, ck: Checkpoint, src: str) -> bool:
+    """Whether ``ck`` is archived from ``src`` part by part (saved across node-local disks)."""
+    return ck.parted and src == "hot" and store.settings.hot_remote is None
+
+
 def _candidates(
     store: StoreCore, *, run: str | None, ref: str | None, src: str, dst: str
 ) -> list[Checkpoint]:
@@ -122,7 +149,16 @@ def _candidates(
     else:
         found = store.catalog.list(run=run, state=CheckpointState.COMMITTED,
                                    order_by="created_at")
-    todo = [ck for ck in found if _present(ck, src) and not _present(ck, dst)]
+
+    def on_src(ck: Checkpoint) -> bool:
+        if _by_parts(store, ck, src):
+            # Parts survive on their hosts when another host's part is lost (DAMAGED).
+            replica = ck.replica(src)
+            return replica is not None and replica.state in (ReplicaState.PRESENT,
+                                                             ReplicaState.DAMAGED)
+        return _present(ck, src)
+
+    todo = [ck for ck in found if on_src(ck) and not _present(ck, dst)]
     return sorted(todo, key=lambda ck: (ck.created_at, ck.version))
 
 
@@ -283,6 +319,19 @@ def _run(
         if ckpt_id in visited:
             return
         visited.add(ckpt_id)
+        listed = store.catalog.get_any(ckpt_id)
+        if not remove_source and _by_parts(store, listed, src.name):
+            if reencode is not None:
+                report.not_reencoded[ckpt_id] = (
+                    "saved across hosts: each host's part is copied as it is")
+            try:
+                report.bytes += _archive_parts(store, listed, src, dst, owner=owner,
+                                               threads=threads, progress=counted, deep=deep,
+                                               lease_ttl_s=lease_ttl_s, report=report)
+            except CkptError as exc:
+                report.failed.setdefault(ckpt_id, str(exc))
+                raise
+            return
         lease = _Lease(store, ckpt_id, f"archive:{dst.name}", owner, lease_ttl_s)
         if not lease.acquire():
             holder = store.catalog.lease_holder(ckpt_id, f"archive:{dst.name}")
@@ -367,6 +416,162 @@ def _run(
         first.add_note(f"archive report: {report.summary()}; rerun to resume")
         raise first
     return report
+
+
+def _part_purpose(tier: str, part: str) -> str:
+    """Lease purpose for uploading one host's part (leases hold at most 64 characters)."""
+    purpose = f"archive:{tier}:{part}"
+    if len(purpose) <= 64:
+        return purpose
+    return f"archive:{tier}:#" + blake3.blake3(part.encode()).hexdigest()[:32]
+
+
+def _dcp_checker(manifest: Manifest, key_of: dict[str, str]) -> Any:
+    """Checks source files of a DCP-layout part against the manifest (size, crc32c)."""
+    assert manifest.dcp is not None
+    expect: dict[str, tuple[int, int | None]] = {
+        key_of[f.path]: (f.nbytes, None) for f in manifest.files if f.path in key_of
+    }
+    for rel, size, crc in manifest.dcp.files():
+        if rel in key_of:
+            expect[key_of[rel]] = (size, crc)
+
+    def check(key: str, data: bytes) -> str | None:
+        if key not in expect:
+            return None
+        size, crc = expect[key]
+        if len(data) != size:
+            return f"{len(data)} bytes, the manifest records {size}"
+        if crc is not None:
+            got = int(_crc32c.crc32c(data[: -TRAILER.size]))
+            trailer = TRAILER.unpack(data[-TRAILER.size:])[0] if len(data) >= TRAILER.size else -1
+            if got != crc or trailer != crc:
+                return f"crc32c {got:#010x} differs from the manifest's {crc:#010x}"
+        return None
+
+    return check
+
+
+def _archive_parts(
+    store: StoreCore,
+    ck: Checkpoint,
+    src: Tier,
+    dst: Tier,
+    *,
+    owner: str,
+    threads: int,
+    progress: Progress | None,
+    deep: bool,
+    lease_ttl_s: float,
+    report: ArchiveReport,
+) -> int:
+    """Upload the parts of ``ck`` this host holds to ``dst``; complete the copy when the last
+    part is in (whichever host uploads it). Returns the bytes uploaded."""
+    me = host()
+    rows = store.catalog.parts(ck.id)
+    here = sorted({p.part for p in rows if p.tier == src.name and p.stored_on == me
+                   and p.state == ReplicaState.PRESENT})
+    done = {p.part for p in rows if p.tier == dst.name and p.stored_on is None
+            and p.state == ReplicaState.PRESENT}
+    todo = [part for part in here if part not in done]
+    total = 0
+    if todo:
+        materialize(store, ck)
+        manifest, _ = parted_manifest(store, ck)
+        ranks = store.catalog.part_ranks(ck.id)
+        uri = dst.uri_for(ck.run, ck.id)
+        existing = set(dst.list_prefix(dst.prefix_for(ck.run, ck.id)))
+        for part in todo:
+            lease = _Lease(store, ck.id, _part_purpose(dst.name, part), owner, lease_ttl_s)
+            if not lease.acquire():
+                holder = store.catalog.lease_holder(ck.id, _part_purpose(dst.name, part))
+                report.skipped[ck.id] = f"part of {part}: lease held by {holder}"
+                continue
+            try:
+                files = part_files(manifest, ranks.get(part, []))
+                pairs = [(src.key_for(ck.run, ck.id, rel), dst.key_for(ck.run, ck.id, rel))
+                         for rel, _ in files]
+                store.catalog.set_part(ck.id, dst.name, part, stored_on=None,
+                                       state=ReplicaState.COPYING, uri=uri)
+
+                def tick(nbytes: int, lease: _Lease = lease) -> None:
+                    lease.touch()
+                    if progress is not None:
+                        progress(nbytes)
+
+                try:
+                    nbytes = copy_keys(
+                        src, dst, pairs, threads=threads, progress=tick, deep=deep,
+                        existing=existing,
+                        check_source=_dcp_checker(manifest, {rel: k for (rel, _), (k, _) in
+                                                             zip(files, pairs, strict=True)}),
+                    )
+                except BaseException:
+                    # Files already uploaded and read back stay: a rerun keeps those.
+                    store.catalog.set_part(ck.id, dst.name, part, stored_on=None,
+                                           state=ReplicaState.DELETED, bytes=0, files=0)
+                    raise
+                store.catalog.set_part(ck.id, dst.name, part, stored_on=None,
+                                       state=ReplicaState.PRESENT, bytes=nbytes,
+                                       files=len(files), verified=True)
+                store.catalog.record_event(
+                    "part_archived", checkpoint_id=ck.id, actor=owner,
+                    detail={"part": part, "host": me, "tier": dst.name, "bytes": nbytes,
+                            "files": len(files)},
+                )
+                report.parts.setdefault(ck.id, []).append(part)
+                total += nbytes
+                logger.info("uploaded the part of %s of %s (%s) to %s: %d files, %d bytes",
+                            part, ck.ref, ck.id, dst.name, len(files), nbytes)
+            finally:
+                lease.release()
+    elif not here:
+        report.skipped.setdefault(ck.id, f"no part of it on this host ({me})")
+    total += _complete_parts(store, ck, dst, owner=owner, deep=deep, lease_ttl_s=lease_ttl_s,
+                             report=report)
+    return total
+
+
+def _complete_parts(store: StoreCore, ck: Checkpoint, dst: Tier, *, owner: str, deep: bool,
+                    lease_ttl_s: float, report: ArchiveReport) -> int:
+    """Write the copy's shared files, manifest and marker once every part is on ``dst``,
+    then record it PRESENT (verified). Any host may do it; the first one does."""
+    current = store.catalog.get_any(ck.id)
+    if _present(current, dst.name):
+        return 0
+    rows = store.catalog.parts(ck.id, dst.name)
+    have = {p.part for p in rows if p.stored_on is None and p.state == ReplicaState.PRESENT}
+    missing = [h for h in current.hosts if h not in have]
+    if missing:
+        report.skipped.setdefault(
+            ck.id, f"{dst.name} copy incomplete: waiting for the parts of {', '.join(missing)}")
+        return 0
+    lease = _Lease(store, ck.id, f"archive:{dst.name}", owner, lease_ttl_s)
+    if not lease.acquire():
+        report.skipped.setdefault(ck.id, "another host is completing the copy")
+        return 0
+    try:
+        manifest, data = parted_manifest(store, current)
+        total = 0
+        for rel, doc in shared_docs(manifest).items():
+            total += put_verified(dst, dst.key_for(ck.run, ck.id, rel), doc, deep=deep)
+        total += put_verified(dst, dst.key_for(ck.run, ck.id, MANIFEST_NAME), data, deep=deep)
+        # Every part and the manifest are on dst and read back: only now the marker.
+        marker = (manifest.digest + "\n").encode("ascii")
+        total += put_verified(dst, dst.key_for(ck.run, ck.id, COMMIT_NAME), marker, deep=deep)
+        store.catalog.complete_parts(ck.id, dst.name, uri=dst.uri_for(ck.run, ck.id))
+        size = sum(p.bytes for p in rows if p.stored_on is None) + total
+        store.catalog.record_event(
+            "archived", checkpoint_id=ck.id, actor=owner,
+            detail={"from": "hot", "tier": dst.name, "bytes": size,
+                    "uri": dst.uri_for(ck.run, ck.id), "parts": sorted(have)},
+        )
+        report.archived.append(ck.id)
+        logger.info("archived %s (%s) to %s: all %d parts in", ck.ref, ck.id, dst.name,
+                    len(have))
+        return total
+    finally:
+        lease.release()
 
 
 def _remove_source(store: StoreCore, ck: Checkpoint, src: Tier, report: ArchiveReport,

@@ -5,6 +5,11 @@ doctor (:func:`classify_hot_dir`, :func:`writer_is_dead`): a PENDING row is dead
 writer process on this host is gone, when this process abandoned it, or when it is older than
 a grace period (writers on other hosts). gc removes the unfinished kinds; doctor reports every
 kind and repairs what is safe (:mod:`ckptstore.ops.doctor`). Committed data is never touched.
+
+A checkpoint saved across hosts has a part on each host's disk, and only that host can remove
+it: :func:`prune_parts` (part of every gc run, so of every host's agent) removes this host's
+parts of checkpoints whose hot copy is being deleted or that were pruned. A failed save's
+partial files on this host are removed like any failed save's directory.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from ckptstore.format.constants import COMMIT_NAME
 from ckptstore.identity import host, owner_is_dead, unique_owner
 from ckptstore.numeric import is_decimal
 from ckptstore.ops.leases import acquire_lease
+from ckptstore.ops.parts import remove_local_parts
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
 
 __all__ = [
@@ -30,6 +36,7 @@ __all__ = [
     "classify_hot_dir",
     "gc_hot",
     "hot_checkpoint_dirs",
+    "prune_parts",
     "writer_is_dead",
 ]
 
@@ -44,11 +51,12 @@ class GcReport:
     removed_dirs: list[str] = field(default_factory=list)
     failed_rows: list[str] = field(default_factory=list)
     dry_run: bool = False
+    pruned_parts: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
         """True when there was nothing to clean."""
-        return not self.removed_dirs and not self.failed_rows
+        return not self.removed_dirs and not self.failed_rows and not self.pruned_parts
 
 
 def writer_is_dead(core: StoreCore, ck: Checkpoint, *, older_than_s: float) -> bool:
@@ -144,6 +152,7 @@ def gc_hot(
         A :class:`GcReport`.
     """
     report = GcReport(dry_run=dry_run)
+    report.pruned_parts = prune_parts(core, dry_run=dry_run)
     rows = {ck.id: ck for ck in core.catalog.list(state=None)}
     for ck in rows.values():
         if ck.state == CheckpointState.PENDING and writer_is_dead(
@@ -184,6 +193,39 @@ def gc_hot(
         core.abandoned.difference_update(report.failed_rows)
     if not dry_run and not report.empty:
         core.catalog.record_event(
-            "gc", detail={"removed": len(report.removed_dirs), "failed": report.failed_rows}
+            "gc", detail={"removed": len(report.removed_dirs), "failed": report.failed_rows,
+                          "pruned_parts": report.pruned_parts, "host": host()}
         )
     return report
+
+
+def prune_parts(core: StoreCore, *, dry_run: bool = False) -> list[str]:
+    """Remove this host's parts of checkpoints saved across hosts that are being deleted.
+
+    A part goes when its checkpoint is pruned (DELETING, DELETED) or its hot copy is being
+    deleted (retention on another host started it). Parts still arriving from a peer
+    (COPYING) of a live checkpoint are left alone.
+
+    Returns:
+        ``"<checkpoint id>:<part host>"`` for every part removed (or that would be).
+    """
+    me = host()
+    live = (ReplicaState.PRESENT, ReplicaState.DAMAGED, ReplicaState.DELETING,
+            ReplicaState.COPYING)
+    found = core.catalog.parts_on(me, tier="hot", states=live)
+    pruned: list[str] = []
+    by_ckpt: dict[str, list[str]] = {}
+    for cid, part in found:
+        by_ckpt.setdefault(cid, []).append(part.part)
+    for cid, parts in by_ckpt.items():
+        ck = core.catalog.get_any(cid)
+        hot = ck.replica("hot")
+        gone = ck.state in (CheckpointState.DELETING, CheckpointState.DELETED,
+                            CheckpointState.FAILED)
+        if not gone and hot is not None and hot.state not in (ReplicaState.DELETING,
+                                                              ReplicaState.DELETED):
+            continue
+        pruned += [f"{cid}:{p}" for p in parts]
+        if not dry_run:
+            remove_local_parts(core, ck, parts=parts)
+    return pruned

@@ -19,8 +19,10 @@ from ckptstore.core import StoreCore
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.format import Manifest, read_checkpoint, read_manifest, verify_checkpoint
 from ckptstore.format.dcp import is_dcp_manifest, verify_dcp
-from ckptstore.ops.dcp import load_dcp
+from ckptstore.identity import host
+from ckptstore.ops.dcp import load_dcp, load_parted
 from ckptstore.ops.memory import load_from_memory, memory_replica_here
+from ckptstore.ops.parts import parted_manifest, verify_parts_here
 from ckptstore.ops.replicas import manifest_of
 from ckptstore.ops.restore import ensure_hot, hot_digest
 from ckptstore.ops.signing import verify_signature
@@ -48,6 +50,15 @@ def load_checkpoint(
             that ``require_signature`` asks for is missing or wrong.
     """
     ck = core.catalog.get(ref)
+    if ck.parted:
+        # Saved across hosts: each part is read from its best copy, none is restored whole.
+        if require_signature is not None:
+            verify_signature(core, ck.id, require_signature)
+        with core.metrics.timed("load", run=ck.run, tier="hot", step=ck.step,
+                                blocking=True) as timer:
+            state = load_parted(core, ck, keys=keys, into=into)
+            timer.add(bytes_logical=ck.logical_bytes, bytes_stored=ck.stored_bytes)
+        return state
     if require_signature is not None:
         # Before any tensor is read: nothing unvouched reaches the caller. A checkpoint only
         # an archive tier holds is restored first, so the copy that will be read (possibly
@@ -94,7 +105,10 @@ def read_any_manifest(core: StoreCore, ref: str) -> Manifest:
 
     From the fastest copy that holds it: no need to restore tensors to read the index.
     """
-    return manifest_of(core, core.catalog.get(ref))
+    ck = core.catalog.get(ref)
+    if ck.parted:
+        return parted_manifest(core, ck)[0]
+    return manifest_of(core, ck)
 
 
 def restore_latest(core: StoreCore, run: str, *, into: Any | None = None) -> Any | None:
@@ -112,6 +126,15 @@ def verify_hot(core: StoreCore, ref: str, *, deep: bool = True) -> builtins.list
     The result is recorded as a ``verified`` event.
     """
     ck = core.catalog.get(ref)
+    if ck.parted:
+        problems = verify_parts_here(core, ck, deep=deep)
+        core.catalog.record_event(
+            "verified",
+            checkpoint_id=ck.id,
+            detail={"tier": "hot", "host": host(), "ok": not problems,
+                    "problems": problems[:20]},
+        )
+        return problems
     directory = core.hot_dir_of(ck)
     manifest = read_manifest(directory, expected_digest=expected_digest(ck, "hot"))
     if is_dcp_manifest(manifest):

@@ -35,6 +35,8 @@ from ckptstore.errors import (
 from ckptstore.format import Manifest, read_manifest
 from ckptstore.format.constants import chunk_rel
 from ckptstore.format.manifest import known_manifest, parse_verified
+from ckptstore.identity import host
+from ckptstore.ops.parts import parted_manifest, remove_local_parts
 from ckptstore.records import (
     TIER_ORDER,
     Checkpoint,
@@ -177,6 +179,9 @@ def manifest_of(store: StoreCore, ck: Checkpoint, *, tier: str | None = None) ->
     cached = known_manifest(wanted, ck.id)
     if cached is not None:
         return cached
+    if ck.parted:
+        # No disk every host reaches holds it: the catalog does (checked against the digest).
+        return parted_manifest(store, ck)[0]
     tiers = store_tiers(store)
     errors: list[str] = []
 
@@ -345,6 +350,8 @@ def delete_replica(
         StorageError: If the tier fails; the replica stays DELETING and a rerun finishes.
     """
     ck = store.catalog.get_any(ck.id)
+    if ck.parted and tier == "hot" and store.settings.hot_remote is None:
+        return _delete_hot_parts(store, ck, actor=actor, force=force)
     if tier == "memory" and tier not in store_tiers(store):
         # A host-local copy in shared memory (ckptstore.ops.memory), never a verified
         # copy and not a storage tier: forget it; its files go here or on its own host.
@@ -401,6 +408,12 @@ def delete_replica(
         deleted += target.delete_prefix(prefix)
     target.abort_multipart_uploads(prefix)
     store.catalog.set_replica(ck.id, tier, state=ReplicaState.DELETED, bytes=0)
+    if ck.parted:
+        # The parts of a copy on a shared tier went with its prefix.
+        for part in store.catalog.parts(ck.id, tier):
+            if part.state != ReplicaState.DELETED:
+                store.catalog.set_part(ck.id, tier, part.part, stored_on=part.stored_on,
+                                       state=ReplicaState.DELETED, bytes=0, files=0)
     freed = release_chunks(store, tier, readers_of) if readers_of else 0
     store.catalog.record_event(
         "replica_deleted",
@@ -430,6 +443,36 @@ def _record_gone(store: StoreCore, ck: Checkpoint, tier: str, target: Tier, pref
                 "was": replica.state.value if replica is not None else None},
     )
     return 0
+
+
+def _delete_hot_parts(store: StoreCore, ck: Checkpoint, *, actor: str | None,
+                      force: bool) -> int:
+    """Delete the hot copy of a checkpoint saved across hosts: this host's parts now, the
+    other hosts' parts by their own agents (:func:`~ckptstore.ops.gc.prune_parts`).
+
+    The copy is DELETING from the first step; it becomes DELETED when the last host has
+    removed its parts. The last-verified-copy rule holds as for any copy.
+    """
+    replica = ck.replica("hot")
+    if (not force and ck.state == CheckpointState.COMMITTED and replica is not None
+            and replica.state in (ReplicaState.PRESENT, ReplicaState.DAMAGED)):
+        others = [r for r in ck.replicas if r.tier != "hot" and r.state == ReplicaState.PRESENT
+                  and r.verified_at is not None]
+        if not others:
+            raise ConflictError(
+                f"refusing to delete the hot parts of {ck.ref} ({ck.id}): no other verified "
+                "complete copy exists (a warm copy is complete only once every host has "
+                "uploaded its part); archive it from every host first"
+            )
+    store.catalog.set_replica(ck.id, "hot", state=ReplicaState.DELETING)
+    deleted = remove_local_parts(store, ck)
+    store.catalog.record_event(
+        "replica_deleted", checkpoint_id=ck.id, actor=actor,
+        detail={"tier": "hot", "files": deleted, "host": host(),
+                "pending_hosts": [p.stored_on for p in store.catalog.parts(ck.id, "hot")
+                                  if p.state != ReplicaState.DELETED]},
+    )
+    return deleted
 
 
 def _foreign_owners(store: StoreCore, target: Tier, ck: Checkpoint) -> set[str]:

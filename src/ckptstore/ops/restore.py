@@ -24,6 +24,7 @@ from ckptstore.core import StoreCore
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptError,
+    ConfigError,
     IncompleteCheckpointError,
     IntegrityError,
     LeaseHeldError,
@@ -32,7 +33,10 @@ from ckptstore.errors import (
 )
 from ckptstore.format import Manifest, verify_checkpoint
 from ckptstore.format.localize import link_shared_chunks
+from ckptstore.identity import host
+from ckptstore.names import validate_name
 from ckptstore.ops.leases import acquire_lease, lease_owner
+from ckptstore.ops.parts import gather_parts
 from ckptstore.ops.replicas import (
     delete_replica,
     manifest_on,
@@ -264,6 +268,8 @@ def restore_checkpoint(
     """
     ck = store.catalog.get(ref)
     actor = lease_owner(owner)
+    if ck.parted:
+        return _restore_parts(store, ck, to, actor)
     if to is not None:
         target = LocalTier(to, name="restore-target")
         # Reads the source tiers like a hot restore: retention must not delete under it.
@@ -275,6 +281,32 @@ def restore_checkpoint(
             store.catalog.release_lease(ck.id, "restore", actor)
     return _restore_hot(store, ck, threads=threads, progress=progress, deep=deep,
                         actor=actor, wait_s=wait_s, depth=0)
+
+
+def _restore_parts(store: StoreCore, ck: Checkpoint, to: str | os.PathLike[str] | None,
+                   actor: str) -> Path:
+    """Gather every part of a checkpoint saved across hosts into one directory: this host's
+    hot directory (each part then recorded as kept here too) or ``<to>/<run>/<id>``."""
+    if to is None and store.settings.hot_remote is not None:
+        raise ConfigError(
+            f"{ck.ref} lives in the hot tier in object storage ({store.settings.hot_remote}); "
+            "there is nothing to restore to the hot tier: load it, or restore it with --to DIR"
+        )
+    directory = (store.checkpoint_dir(ck.run, ck.id) if to is None
+                 else Path(to) / validate_name(ck.run) / ck.id)
+    _lease_against_retention(store, ck, "restore", actor, 600.0)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        nbytes = gather_parts(store, store.catalog.get_any(ck.id), directory,
+                              record=to is None)
+    finally:
+        store.catalog.release_lease(ck.id, "restore", actor)
+    store.catalog.record_event(
+        "restored", checkpoint_id=ck.id, actor=actor,
+        detail={"from": "parts", "tier": "hot" if to is None else None, "path": str(directory),
+                "bytes": nbytes, "host": host()},
+    )
+    return directory
 
 
 def _restore_hot(
@@ -373,6 +405,14 @@ def ensure_hot(store: StoreCore, ck: Checkpoint) -> Path:
     Raises:
         As :func:`restore_checkpoint`.
     """
+    if ck.parted:
+        # Saved across hosts: this host's directory holds only its own part(s); loads read
+        # each part where it is (ckptstore.ops.parts) instead of calling this.
+        raise IncompleteCheckpointError(
+            f"{ck.ref} ({ck.id}) was saved across hosts ({', '.join(ck.hosts)}) and no single "
+            "directory holds it: load it with store.load / store.dcp_reader, or gather it "
+            f"with `ckpt restore {ck.ref}` (or --to DIR)"
+        )
     replica = ck.replica("hot")
     if replica is not None and replica.state == ReplicaState.PRESENT:
         return store.checkpoint_dir(ck.run, ck.id)

@@ -17,7 +17,7 @@ from typing import Any
 
 from ckptstore.catalog.checks import check_metrics, check_step
 from ckptstore.core import StoreCore
-from ckptstore.errors import CkptError, StorageError
+from ckptstore.errors import CkptError, ConfigError, StorageError
 from ckptstore.faultpoints import fault_point
 from ckptstore.format import flatten_state, write_checkpoint
 from ckptstore.identity import writer_id
@@ -78,7 +78,15 @@ def save_checkpoint(
         CheckpointNotFoundError: If an explicit ``base`` or ``parent`` does not resolve.
         UnsafeObjectError: If the state holds an object that would need pickle.
         StorageError: If the hot tier fails (disk full, permissions); nothing is committed.
+        ConfigError: If the hot tier is object storage (only distributed saves write there).
     """
+    if core.settings.hot_remote is not None:
+        raise ConfigError(
+            f"the hot tier is object storage ({core.settings.hot_remote}): only distributed "
+            "saves of sharded states write there (store.save(..., distributed=True) with "
+            "DTensor/FSDP state, or dcp.save with store.dcp_writer); set hot to a local path "
+            "for other saves"
+        )
     step, metrics = check_save_args(run, step, metrics, tags)
     codec = codec or core.settings.codec
     # Refuse pickle-only objects before anything is written or catalogued.

@@ -447,7 +447,21 @@ def verify_signature(
         raise IntegrityError(f"checkpoint {ck.ref} has no manifest digest in the catalog")
     doc = _find_signature(store, ck, key_fingerprint(public_key))
     check_signature(doc, ck.id, ck.manifest_digest, public_key)
-    directory = _hot_dir(store, ck)
+    if ck.parted:
+        # Saved across hosts: the manifest every part is read with is the catalog's,
+        # checked against the signed digest here; with deep, so is every part on this host.
+        from ckptstore.ops.parts import parted_manifest, verify_parts_here
+
+        parted_manifest(store, ck)
+        problems = verify_parts_here(store, ck, deep=True) if deep else []
+        if problems:
+            raise IntegrityError(
+                f"checkpoint {ck.ref} is signed, but a part on this host is damaged: "
+                + "; ".join(problems[:3])
+            )
+        directory = None
+    else:
+        directory = _hot_dir(store, ck)
     if directory is not None:
         manifest = _hot_manifest(directory, ck)
         if deep:

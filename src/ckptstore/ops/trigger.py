@@ -43,6 +43,10 @@ def trigger_flow(
 
     :meth:`~ckptstore.core.StoreCore.close` waits for the flows started here.
 
+    Archiving a checkpoint saved across hosts starts one run per host, on that host's work
+    queue (``ckpt agent`` serves it there); an embedded worker runs only its own host's, so
+    call it on every host (every rank may: runs are deduplicated per host).
+
     Raises:
         ConfigError: For an unknown flow, when a tier the flow moves data to or from is not
             configured, or when no launcher can be loaded.
@@ -67,6 +71,16 @@ def trigger_flow(
     config = str(core.settings.source) if core.settings.source else None
     launcher = core.launcher()
     core.flows_launched = True
+    if (flow_name == "archive" and checkpoint is not None and checkpoint.parted
+            and params.get("src", "hot") == "hot" and core.settings.hot_remote is None):
+        # Saved across hosts: each host uploads its own part, so one run per host, on that
+        # host's work queue (its agent), deduplicated per host across every rank that asks.
+        for part_host in checkpoint.hosts:
+            launcher.launch(
+                flow_name, params, store_root=str(core.settings.root), config=config,
+                idempotency_key=f"{key}:{part_host}", work_queue=part_host,
+            )
+        return
     launcher.launch(
         flow_name, params, store_root=str(core.settings.root), config=config,
         idempotency_key=key,

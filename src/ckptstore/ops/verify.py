@@ -22,7 +22,9 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, verify_checkpoint
+from ckptstore.identity import host
 from ckptstore.ops.leases import lease_owner
+from ckptstore.ops.parts import verify_parts_here
 from ckptstore.ops.reencode import original_problems, reencode_copy
 from ckptstore.ops.replicas import (
     manifest_on,
@@ -267,6 +269,28 @@ def _repair(
     )
 
 
+def _verify_parts(store: StoreCore, ck: Checkpoint, name: str, deep: bool, owner: str,
+                  report: VerifyReport) -> None:
+    try:
+        problems = verify_parts_here(store, ck, deep=deep)
+    except CkptError as exc:
+        report.skipped[name] = f"could not check: {exc}"
+        return
+    store.catalog.record_event(
+        "verified", checkpoint_id=ck.id, actor=owner,
+        detail={"tier": "hot", "host": host(), "ok": not problems, "deep": deep,
+                "problems": problems[:20]},
+    )
+    if problems:
+        report.damaged[name] = problems
+        report.unrepaired[name] = (
+            "a damaged part is read from its other copies (a peer, the warm tier) meanwhile; "
+            f"`ckpt restore {ck.ref}` on this host gathers every part here again"
+        )
+    else:
+        report.ok.append(name)
+
+
 def verify_replicas(
     store: StoreCore,
     *,
@@ -320,6 +344,11 @@ def verify_replicas(
                 continue
             target = tiers[replica.tier]
             report.checked.append(name)
+            if ck.parted and replica.tier == "hot" and store.settings.hot_remote is None:
+                # Saved across hosts: this host checks the parts its own disk holds (and
+                # records each); the other hosts' parts are theirs to check.
+                _verify_parts(store, ck, name, deep, owner, report)
+                continue
             try:
                 problems = check_replica(store, ck, target, deep=deep)
             except CkptError as exc:

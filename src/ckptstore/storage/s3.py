@@ -6,6 +6,14 @@ listing or existence check first drops s3fs's listings cache, which would otherw
 objects written by other processes. Credentials never pass through here: s3fs takes them
 from the environment or the AWS credential chain, and ``storage_options`` holding secrets
 are refused.
+
+S3 throttles per key prefix (about 3,500 writes and 5,500 reads per second each) and answers
+``503 SlowDown`` beyond that. s3fs retries each request a few times on its own; when a
+request still gets SlowDown, :class:`PrefixThrottle` pauses every request of this tier to
+that prefix (the object's parent "directory": in the per-rank layout of saves across hosts,
+one array of one rank) with exponential backoff, while requests to other prefixes go on.
+Bounded: a request is tried at most :data:`SLOWDOWN_ATTEMPTS` times, waiting at most
+:data:`SLOWDOWN_MAX_DELAY_S` between two.
 """
 
 from __future__ import annotations
@@ -13,8 +21,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import random
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -34,7 +44,13 @@ from ckptstore.storage.base import (
     scrub_secrets,
 )
 
-__all__ = ["ARCHIVAL_STORAGE_CLASSES", "S3Tier"]
+__all__ = [
+    "ARCHIVAL_STORAGE_CLASSES",
+    "SLOWDOWN_ATTEMPTS",
+    "SLOWDOWN_MAX_DELAY_S",
+    "PrefixThrottle",
+    "S3Tier",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +92,83 @@ def _check_options(options: Mapping[str, Any], where: str = "storage_options") -
             )
         if isinstance(value, Mapping):
             _check_options(value, f"{where}.{name}")
+
+
+#: Tries of one request that S3 keeps answering SlowDown (after s3fs's own retries).
+SLOWDOWN_ATTEMPTS = 6
+#: Longest pause of a prefix after a SlowDown, and the first one.
+SLOWDOWN_MAX_DELAY_S = 20.0
+_SLOWDOWN_FIRST_DELAY_S = 0.25
+_THROTTLE_CODES = frozenset({"SlowDown", "503", "ServiceUnavailable", "Throttling",
+                             "ThrottlingException", "RequestLimitExceeded"})
+
+
+def _is_slowdown(exc: BaseException) -> bool:
+    if _error_code(exc) in _THROTTLE_CODES:
+        return True
+    current: BaseException | None = exc
+    for _ in range(8):
+        if current is None:
+            return False
+        text = str(current)
+        if "SlowDown" in text or "reduce your request rate" in text:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+class PrefixThrottle:
+    """Backs off per key prefix after ``503 SlowDown``; other prefixes are not slowed.
+
+    Thread-safe. Each prefix keeps its current delay: doubled (from 0.25 s up to
+    :data:`SLOWDOWN_MAX_DELAY_S`) on every SlowDown, halved on every success, forgotten
+    once it drops below the first step.
+
+    Attributes:
+        slowdowns: SlowDown answers seen, by prefix.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._delay: dict[str, float] = {}
+        self._until: dict[str, float] = {}
+        self.slowdowns: dict[str, int] = {}
+
+    @staticmethod
+    def prefix(key: str) -> str:
+        """The throttling prefix of a key: its parent "directory"."""
+        return key.rsplit("/", 1)[0] if "/" in key else ""
+
+    def wait(self, prefix: str) -> None:
+        """Sleep while ``prefix`` is paused."""
+        with self._lock:
+            until = self._until.get(prefix, 0.0)
+        pause = until - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+
+    def slowed(self, prefix: str) -> float:
+        """Record a SlowDown on ``prefix``; return the pause now in force."""
+        with self._lock:
+            delay = min(max(self._delay.get(prefix, 0.0) * 2, _SLOWDOWN_FIRST_DELAY_S),
+                        SLOWDOWN_MAX_DELAY_S)
+            self._delay[prefix] = delay
+            # Jitter: writers that were slowed together must not come back together.
+            self._until[prefix] = time.monotonic() + delay * random.uniform(0.5, 1.0)
+            self.slowdowns[prefix] = self.slowdowns.get(prefix, 0) + 1
+            return delay
+
+    def ok(self, prefix: str) -> None:
+        """Record a success on ``prefix``."""
+        with self._lock:
+            delay = self._delay.get(prefix)
+            if delay is None:
+                return
+            if delay / 2 < _SLOWDOWN_FIRST_DELAY_S:
+                self._delay.pop(prefix, None)
+                self._until.pop(prefix, None)
+            else:
+                self._delay[prefix] = delay / 2
 
 
 def _error_code(exc: BaseException) -> str:
@@ -145,6 +238,7 @@ class S3Tier(Tier):
         self._options = options
         self._fs: Any = None
         self._lock = threading.Lock()
+        self.throttle = PrefixThrottle()
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -230,6 +324,24 @@ class S3Tier(Tier):
             return func()
         raise AssertionError("unreachable")  # pragma: no cover - keeps mypy happy
 
+    def _throttled(self, action: str, key: str, func: Callable[[], _T]) -> _T:
+        """:meth:`_call` under the prefix's SlowDown backoff (see :class:`PrefixThrottle`)."""
+        prefix = self.throttle.prefix(key)
+        for attempt in range(1, SLOWDOWN_ATTEMPTS + 1):
+            self.throttle.wait(prefix)
+            try:
+                result = self._call(action, key, func)
+            except StorageError as exc:
+                if attempt == SLOWDOWN_ATTEMPTS or not _is_slowdown(exc):
+                    raise
+                delay = self.throttle.slowed(prefix)
+                logger.info("%s tier: SlowDown on %s/ (try %d); pausing that prefix %.2fs",
+                            self.name, prefix, attempt, delay)
+                continue
+            self.throttle.ok(prefix)
+            return result
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
     def _put_kwargs(self, key: str) -> dict[str, Any]:
         # The manifest and the marker stay in the default class: they are tiny, and tools
         # (verify, retention's reference scan) must read them without a restore request.
@@ -250,7 +362,7 @@ class S3Tier(Tier):
         path = self._path(key)
         try:
             extra = self._put_kwargs(key)
-            self._call(
+            self._throttled(
                 "write", key,
                 lambda: self.fs.pipe_file(path, bytes(data), mode="create", **extra),
             )
@@ -284,8 +396,8 @@ class S3Tier(Tier):
         """Download object ``key``."""
         check_key(key)
         # max_concurrency=1: one GET, without the HEAD s3fs sends to plan ranged reads.
-        data = self._call("read", key,
-                          lambda: self.fs.cat_file(self._path(key), max_concurrency=1))
+        data = self._throttled("read", key,
+                               lambda: self.fs.cat_file(self._path(key), max_concurrency=1))
         return bytes(data)
 
     def get_file(self, key: str, local: Path) -> int:

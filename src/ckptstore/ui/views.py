@@ -19,6 +19,7 @@ from urllib.parse import quote, urlencode
 from ckptstore.errors import CkptError
 from ckptstore.names import validate_metric_name, validate_name
 from ckptstore.ops.history import ALERT_EVENT
+from ckptstore.ops.show import hosts_overview, part_dict
 from ckptstore.records import Checkpoint, CheckpointState, Event
 from ckptstore.ui.svg import (
     CurveMarker,
@@ -482,8 +483,15 @@ def checkpoint_view(store: CheckpointStore, ckpt_id: str, links: Links) -> dict[
         events = store.catalog.events(ck.id, limit=20)
     except CkptError:
         events = []
+    parts: list[dict[str, Any]] = []
+    if ck.parted:
+        try:
+            parts = [part_dict(p) for p in store.catalog.parts(ck.id)]
+        except CkptError:
+            logger.debug("parts of %s unavailable", ck.id, exc_info=True)
     return {
         "ck": ck,
+        "parts": parts,
         "run_href": links.run(ck.run),
         "manifest": manifest,
         "manifest_error": manifest_error,
@@ -590,7 +598,8 @@ def tiers_view(store: CheckpointStore, links: Links, *, scan: bool = False) -> d
         scan: Also list each tier to count objects (one LIST pass per tier).
 
     Returns:
-        ``{"usage", "tiers", "tiers_error", "scan"}``.
+        ``{"usage", "tiers", "tiers_error", "scan", "hosts"}`` (hosts: see
+        :func:`ckptstore.ops.show.hosts_overview`).
     """
     from ckptstore.observability.tiers import tier_statuses
 
@@ -600,7 +609,12 @@ def tiers_view(store: CheckpointStore, links: Links, *, scan: bool = False) -> d
         statuses = tier_statuses(store.settings, usage, listing=scan)
     except CkptError as exc:
         statuses, tiers_error = [], str(exc)
+    try:
+        hosts = hosts_overview(store)
+    except CkptError:
+        hosts = []
     return {
+        "hosts": hosts,
         "usage": [
             {"row": r, "href": links.run(r.run)} for r in usage
         ],

@@ -114,6 +114,38 @@ class ChunkSource:
             os.close(fd)
         if got != nbytes:
             raise self.damaged(array, key, f"ended after {got} of {nbytes} bytes")
+        self._check(array, key, parts, trailer_bytes, crc, dest)
+
+    def accept(self, array: ArrayInfo, key: str, frame: Any, dest: ByteView) -> None:
+        """Like :meth:`read`, for a whole chunk file's bytes got elsewhere (another tier).
+
+        Sources other than the checkpoint directory (a part of a checkpoint saved across
+        hosts that lives in object storage) fetch the file and hand it here, so every chunk
+        passes the same checks wherever it came from.
+
+        Raises:
+            IntegrityError: If the bytes are not the chunk the index records, fail their crc
+                or will not decode.
+        """
+        record = array.chunks.get(key)
+        if record is None:
+            raise self.damaged(array, key, "is not in the index")
+        nbytes, crc = record
+        view = np.frombuffer(frame, dtype=np.uint8)
+        if len(view) != nbytes:
+            raise self.damaged(array, key, f"is {len(view)} bytes, expected {nbytes} (truncated?)")
+        body = view[: nbytes - TRAILER.size]
+        trailer_bytes = view[nbytes - TRAILER.size :].tobytes()
+        if not self.compressed:
+            if len(body) != len(dest):
+                raise self.damaged(array, key, f"holds {len(body)} bytes, expected {len(dest)}")
+            np.copyto(dest, body)
+            body = dest
+        self._check(array, key, [body], trailer_bytes, crc, dest)
+
+    def _check(self, array: ArrayInfo, key: str, parts: list[Any], trailer_bytes: bytes,
+               crc: int, dest: ByteView) -> None:
+        """crc32c against the trailer and the index, then decode (compressed chunks)."""
         actual = 0
         for part in parts:
             actual = crc32c_update(part, actual)

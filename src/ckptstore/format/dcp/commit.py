@@ -6,6 +6,11 @@ order is the format's: group ``zarr.json`` documents → ``manifest.json`` (hold
 so the manifest digest covers it) → directories fsynced → ``COMMITTED`` marker (written
 under a temporary name, then hard-linked: never partial, never overwritten). The caller
 then flips the catalog row to COMMITTED.
+
+The pieces are separate for saves across hosts: :func:`build_manifest` (pure), and
+:func:`write_shared`, which every host that holds a part runs on its own directory with the
+same manifest bytes (the coordinator at the commit, the others when they materialise their
+part's copy; :func:`shared_docs` regenerates the root and group documents from the manifest).
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ckptstore.durable import fsync_dir, write_new_file
+from ckptstore.durable import fsync_dir, replace_file, storage_error, write_new_file
 from ckptstore.errors import CkptError, IntegrityError
 from ckptstore.format import FORMAT_VERSION, Manifest, flatten_state
 from ckptstore.format.constants import (
+    COMMIT_NAME,
     DCP_ARRAY_GROUP,
     DCP_PACK_GROUP,
+    DCP_RANK_GROUP,
     MANIFEST_NAME,
     ZARR_JSON,
 )
@@ -43,7 +50,7 @@ from ckptstore.format.manifest import FileEntry
 from ckptstore.format.marker import write_marker
 from ckptstore.format.zarrmeta import digest
 
-__all__ = ["build_index", "commit_files"]
+__all__ = ["build_index", "build_manifest", "commit_files", "shared_docs", "write_shared"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +135,132 @@ def build_index(
     return index, meta_files
 
 
+def shared_docs(manifest: Manifest) -> dict[str, bytes]:
+    """The documents every copy of a DCP checkpoint holds besides its data: the root and
+    group ``zarr.json`` files, derived from the manifest (so a host that holds only its own
+    part regenerates exactly the bytes the coordinator wrote).
+    """
+    assert manifest.dcp is not None
+    docs = {
+        f"{DCP_ARRAY_GROUP}/{ZARR_JSON}": group_doc(),
+        f"{DCP_PACK_GROUP}/{ZARR_JSON}": group_doc(),
+    }
+    if any(path.startswith(DCP_RANK_GROUP + "/") for path in manifest.dcp.arrays):
+        docs[f"{DCP_RANK_GROUP}/{ZARR_JSON}"] = group_doc()
+    docs[ZARR_JSON] = root_doc(manifest.id)
+    return docs
+
+
+def build_manifest(
+    *,
+    ckpt_id: str,
+    run: str,
+    step: int,
+    chunk_bytes: int,
+    index: DcpIndex,
+    meta_files: list[tuple[str, int]],
+) -> Manifest:
+    """The manifest of a DCP save (pure: nothing is written).
+
+    Raises:
+        IntegrityError: If the assembled index is inconsistent (a rank's shards missing).
+    """
+    doc = index.to_json()
+    try:
+        DcpIndex.from_json(doc)  # the reader's checks, before anything is published
+    except IntegrityError as exc:
+        raise IntegrityError(f"refusing to commit checkpoint {ckpt_id}: {exc}") from None
+    groups = [f"{DCP_ARRAY_GROUP}/{ZARR_JSON}", f"{DCP_PACK_GROUP}/{ZARR_JSON}"]
+    if any(path.startswith(DCP_RANK_GROUP + "/") for path in index.arrays):
+        groups.append(f"{DCP_RANK_GROUP}/{ZARR_JSON}")
+    # Every file the checkpoint owns beyond the root documents, data files first: tier
+    # copies, verify and bundles go by this list (Manifest.files).
+    files = [FileEntry(p, n, c) for p, n, c in index.files()]
+    files += [FileEntry(p, n, None) for p, n in sorted(meta_files)]
+    files += [FileEntry(p, len(group_doc()), None) for p in groups]
+    return Manifest(
+        format_version=FORMAT_VERSION,
+        id=ckpt_id,
+        run=run,
+        step=step,
+        created_at=datetime.now(UTC).isoformat(),
+        kind="full",
+        base_id=None,
+        codec=index.codec,
+        chunk_bytes=chunk_bytes,
+        arrays={},
+        tensors={},
+        tree=flatten_state({}).tree,
+        logical_bytes=index.logical_bytes,
+        stored_bytes=index.stored_bytes,
+        dcp=index,
+        files=tuple(files),
+        # Every zarr.json under the manifest's digests: the ranks wrote the array and rank
+        # group documents with the same functions (format/dcp/zarrdocs.py).
+        metadata={rel: digest(doc) for rel, doc in dcp_documents(ckpt_id, index).items()},
+    )
+
+
+def _put_doc(path: Path, data: bytes, exist_ok: bool) -> None:
+    if exist_ok:
+        try:
+            if path.read_bytes() == data:
+                return  # an earlier materialisation of the same part got this far
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise storage_error(path, "read", exc) from exc
+        replace_file(path, data)
+        return
+    write_new_file(path, data)
+
+
+def write_shared(
+    directory: Path,
+    manifest: Manifest,
+    data: bytes,
+    *,
+    fault: Any = None,
+    exist_ok: bool = False,
+) -> None:
+    """Write the shared documents, ``manifest.json`` (``data``) and the marker into
+    ``directory``, in the format's order; everything else in it must already be durable.
+
+    Args:
+        directory: The checkpoint directory (on one host: that host's part).
+        manifest: The manifest.
+        data: Its bytes (``manifest.to_json()``; a host materialising its part passes the
+            bytes it got from the catalog, already checked against the digest).
+        fault: Called with ``"dcp.manifest_written"`` before the marker (crash tests).
+        exist_ok: Files already there with the same bytes are kept, others replaced (a
+            host materialising its part again after an interrupted attempt). The marker is
+            never replaced: once there, it holds this digest.
+
+    Raises:
+        StorageError: On OS errors; the marker is then not written.
+    """
+    docs = shared_docs(manifest)
+    for group in (DCP_ARRAY_GROUP, DCP_PACK_GROUP, DCP_RANK_GROUP):
+        if f"{group}/{ZARR_JSON}" in docs:
+            try:
+                (directory / group).mkdir(exist_ok=True)
+            except OSError as exc:
+                raise storage_error(directory / group, "create directory", exc) from exc
+    with ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="ckpt-dcp-commit") as pool:
+        list(pool.map(lambda kv: _put_doc(directory / kv[0], kv[1], exist_ok), docs.items()))
+    _put_doc(directory / MANIFEST_NAME, data, exist_ok)
+    for group in (DCP_ARRAY_GROUP, DCP_PACK_GROUP, DCP_RANK_GROUP):
+        if f"{group}/{ZARR_JSON}" in docs:
+            fsync_dir(directory / group)
+    fsync_dir(directory)
+    fsync_dir(directory.parent)
+    if fault is not None:
+        fault("dcp.manifest_written")
+    if exist_ok and (directory / COMMIT_NAME).is_file():
+        return
+    write_marker(directory, manifest.digest)
+
+
 def commit_files(
     directory: Path,
     *,
@@ -159,53 +292,7 @@ def commit_files(
             nothing is committed.
         StorageError: On OS errors; nothing is committed.
     """
-    doc = index.to_json()
-    try:
-        DcpIndex.from_json(doc)  # the reader's checks, before anything is published
-    except IntegrityError as exc:
-        raise IntegrityError(f"refusing to commit checkpoint {ckpt_id}: {exc}") from None
-    groups = {
-        f"{DCP_ARRAY_GROUP}/{ZARR_JSON}": group_doc(),
-        f"{DCP_PACK_GROUP}/{ZARR_JSON}": group_doc(),
-    }
-    with ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="ckpt-dcp-commit") as pool:
-        list(pool.map(lambda kv: write_new_file(directory / kv[0], kv[1]), groups.items()))
-        write_new_file(directory / ZARR_JSON, root_doc(ckpt_id))
-    # Every file the checkpoint owns beyond the root documents, data files first: tier
-    # copies, verify and bundles go by this list (Manifest.files).
-    files = [FileEntry(p, n, c) for p, n, c in index.files()]
-    files += [FileEntry(p, n, None) for p, n in sorted(meta_files)]
-    files += [FileEntry(p, len(d), None) for p, d in groups.items()]
-    manifest = Manifest(
-        format_version=FORMAT_VERSION,
-        id=ckpt_id,
-        run=run,
-        step=step,
-        created_at=datetime.now(UTC).isoformat(),
-        kind="full",
-        base_id=None,
-        codec=index.codec,
-        chunk_bytes=chunk_bytes,
-        arrays={},
-        tensors={},
-        tree=flatten_state({}).tree,
-        logical_bytes=index.logical_bytes,
-        stored_bytes=index.stored_bytes,
-        dcp=index,
-        files=tuple(files),
-        # Every zarr.json under the manifest's digest; the ranks wrote the array documents
-        # with the same functions (format/dcp/zarrdocs.py).
-        metadata={rel: digest(doc)
-                  for rel, doc in dcp_documents(ckpt_id, index).items()},
-    )
-    data = manifest.to_json()
-    write_new_file(directory / MANIFEST_NAME, data)
-    for group in (DCP_ARRAY_GROUP, DCP_PACK_GROUP):
-        fsync_dir(directory / group)
-    fsync_dir(directory)
-    fsync_dir(directory.parent)
-    if fault is not None:
-        fault("dcp.manifest_written")
-    write_marker(directory, manifest.digest)
+    manifest = build_manifest(ckpt_id=ckpt_id, run=run, step=step, chunk_bytes=chunk_bytes,
+                              index=index, meta_files=meta_files)
+    write_shared(directory, manifest, manifest.to_json(), fault=fault)
     return manifest
-

@@ -14,6 +14,16 @@ but its tensors are not in the packed per-dtype arrays. Instead::
     dcp_packs/r<rank>.<dtype>     small tensors/shards of one rank, packed flat (1-D)
     dcp_packs/r<rank>.bytes       non-tensor items of one rank: DCP's torch.save bytes (uint8)
 
+A save across hosts (or straight to object storage) puts every large shard in an array of
+its own inside its rank's group instead of the shared ``dcp/`` arrays, so every file belongs
+to exactly one rank, hence to one host's part, and object keys spread over one prefix per
+rank::
+
+    dcp_ranks/zarr.json                     group
+    dcp_ranks/r<rank>/zarr.json             group of one rank (written by that rank)
+    dcp_ranks/r<rank>/<escaped fqn>[@<k>]   one array per shard (its origin: the shard's
+                                            global offsets), chunked to about chunk_bytes
+
 Every chunk is ``bytes`` [+ ``blosc``] + ``crc32c`` with zarr's default chunk-key encoding
 (separator ``.``), so ``zarr.open_group(dir)`` reads every array. The index that says which
 piece of which tensor lives where is :attr:`Manifest.dcp
@@ -29,9 +39,10 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Sequence
 
-from ckptstore.format.constants import DCP_ARRAY_GROUP, DCP_PACK_GROUP
+from ckptstore.format.constants import DCP_ARRAY_GROUP, DCP_PACK_GROUP, DCP_RANK_GROUP
 from ckptstore.format.keys import escape_node_name
 from ckptstore.format.manifest import Manifest
 from ckptstore.format.manifest.dcpindex import (
@@ -65,6 +76,9 @@ __all__ = [
     "grid_pitch",
     "is_dcp_manifest",
     "pack_path",
+    "rank_array_path",
+    "rank_group",
+    "rank_of_file",
     "refine_chunk_shape",
 ]
 
@@ -94,6 +108,33 @@ def array_path(fqn: str, piece: int | None = None) -> str:
 def pack_path(rank: int, kind: str) -> str:
     """Relative path of a rank's pack array (``kind``: a dtype name or ``bytes``)."""
     return f"{DCP_PACK_GROUP}/r{rank}.{kind}"
+
+
+def rank_group(rank: int) -> str:
+    """Relative path of one rank's group in the per-rank layout (``dcp_ranks/r<rank>``)."""
+    return f"{DCP_RANK_GROUP}/r{rank}"
+
+
+def rank_array_path(rank: int, fqn: str, piece: int | None = None) -> str:
+    """Relative path of one shard's array in its rank's group (``piece``: the k-th shard of
+    ``fqn`` this rank holds, when it holds more than one)."""
+    name = escape_fqn(fqn)
+    return f"{rank_group(rank)}/{name}" if piece is None else f"{rank_group(rank)}/{name}@{piece}"
+
+
+_RANK_FILE = re.compile(
+    rf"^(?:{re.escape(DCP_RANK_GROUP)}/r([0-9]{{1,9}})/|{re.escape(DCP_PACK_GROUP)}/r([0-9]{{1,9}})\.)"
+)
+
+
+def rank_of_file(rel: str) -> int | None:
+    """The rank that wrote a file of the per-rank layout, or None for a file every part
+    shares (the root and group documents, ``manifest.json``, ``COMMITTED``) or one of the
+    shared ``dcp/`` arrays."""
+    match = _RANK_FILE.match(rel)
+    if match is None:
+        return None
+    return int(match.group(1) or match.group(2))
 
 
 def grid_pitch(shape: Sequence[int], boxes: Sequence[Box]) -> tuple[int, ...] | None:

@@ -12,6 +12,10 @@ every shard of every tensor and can choose, per tensor:
   file each (biases, norms, optimizer steps), so each rank packs its small shards by dtype
   into flat arrays, as the regular format does.
 
+With ``per_rank`` (saves across hosts, or straight to object storage) no array is shared
+between ranks: each large shard gets an array of its own in its rank's group
+(:func:`~ckptstore.format.dcp.layout.rank_array_path`), so every file belongs to one rank.
+
 The result is one :class:`RankTask` per rank, sent back to the ranks inside
 ``SavePlan.storage_data`` by DCP's own scatter, so no extra collective is needed. It also
 carries the checkpoint id the coordinator allocated in the catalog.
@@ -31,6 +35,7 @@ from ckptstore.format.dcp.layout import (
     Box,
     array_path,
     grid_pitch,
+    rank_array_path,
     refine_chunk_shape,
 )
 from ckptstore.format.dtypes import dtype_info
@@ -110,7 +115,7 @@ def item_dtype_name(dtype: object, fqn: str) -> str:
 
 
 def assign_slots(
-    plans: list[SavePlan], *, chunk_bytes: int, pack_below: int
+    plans: list[SavePlan], *, chunk_bytes: int, pack_below: int, per_rank: bool = False
 ) -> tuple[list[dict[SlotKey, Slot]], dict[str, ArraySpec]]:
     """Decide the array of every large shard in the global plan.
 
@@ -118,6 +123,8 @@ def assign_slots(
         plans: The deduplicated plans, one per rank, in rank order.
         chunk_bytes: Target chunk size.
         pack_below: Shards smaller than this many bytes are packed by their rank.
+        per_rank: Give every large shard an array of its own in its rank's group, never an
+            array another rank writes to (the layout of saves across hosts).
 
     Returns:
         Per rank, its slots; and every array by path.
@@ -156,6 +163,9 @@ def assign_slots(
         large = [(r, b) for r, b in nonempty if math.prod(b[1]) * itemsize >= pack_below]
         if not large:
             continue  # every shard is packed by its own rank
+        if per_rank:
+            _own_arrays(fqn, dtype, itemsize, large, chunk_bytes, slots, arrays)
+            continue
         pitch = grid_pitch(shape, [b for _, b in nonempty])
         if pitch is not None:
             spec = ArraySpec(
@@ -178,3 +188,27 @@ def assign_slots(
             arrays[spec.path] = spec
             slots[rank][(fqn, offsets)] = Slot(spec, write_meta=True)
     return slots, arrays
+
+
+def _own_arrays(
+    fqn: str,
+    dtype: str,
+    itemsize: int,
+    large: list[tuple[int, Box]],
+    chunk_bytes: int,
+    slots: list[dict[SlotKey, Slot]],
+    arrays: dict[str, ArraySpec],
+) -> None:
+    """One array per large shard, in its rank's group (``@k`` when a rank holds several)."""
+    by_rank: dict[int, list[Box]] = {}
+    for rank, box in large:
+        by_rank.setdefault(rank, []).append(box)
+    for rank, boxes in by_rank.items():
+        boxes.sort()
+        for k, (offsets, sizes) in enumerate(boxes):
+            spec = ArraySpec(
+                rank_array_path(rank, fqn, k if len(boxes) > 1 else None), dtype, sizes,
+                refine_chunk_shape(sizes, itemsize, chunk_bytes), offsets,
+            )
+            arrays[spec.path] = spec
+            slots[rank][(fqn, offsets)] = Slot(spec, write_meta=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import logging
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -93,6 +93,7 @@ def load_full(
     *,
     keys: Sequence[str] | None = None,
     threads: int = 2,
+    source: ChunkSource | None = None,
 ) -> dict[str, Any]:
     """Load a DCP checkpoint into full (unsharded) CPU tensors, without a process group.
 
@@ -107,6 +108,8 @@ def load_full(
         keys: fnmatch patterns over ``/``-joined key paths (``"model/*"``) or DCP fqns
             (``"model.layer.weight"``); only matching items are read.
         threads: Reader threads.
+        source: Where the chunks come from (default: ``directory``); a checkpoint saved
+            across hosts reads each host's part from wherever a copy of it is.
 
     Returns:
         The nested state (a flat ``{fqn: value}`` dict if DCP recorded no mapping).
@@ -117,7 +120,8 @@ def load_full(
         UnsafeObjectError: If a non-tensor item would need arbitrary unpickling.
     """
     index = index_of(manifest)
-    source = ChunkSource(directory, manifest.id, index)
+    if source is None:
+        source = ChunkSource(directory, manifest.id, index)
     names = list(index.tensors) + list(index.blobs)
     if keys is not None:
         patterns = [keys] if isinstance(keys, str) else list(keys)
@@ -161,13 +165,21 @@ def load_full(
 
 
 # --------------------------------------------------------------------------- verify
-def verify_dcp(directory: Path, manifest: Manifest, *, deep: bool = True) -> list[str]:
+def verify_dcp(
+    directory: Path,
+    manifest: Manifest,
+    *,
+    deep: bool = True,
+    include: Callable[[str], bool] | None = None,
+) -> list[str]:
     """Check every file of a DCP checkpoint against the index.
 
     Args:
         directory: The checkpoint directory.
         manifest: Its manifest.
         deep: Read every chunk and check its crc32c; otherwise sizes only.
+        include: Check only the files (relative paths) it accepts: the parts one host of a
+            save across hosts holds.
 
     Returns:
         One line per problem; empty when intact.
@@ -179,8 +191,9 @@ def verify_dcp(directory: Path, manifest: Manifest, *, deep: bool = True) -> lis
         return [str(exc)]
     problems: list[str] = []
     for path in index.arrays:
-        if not (directory / path / ZARR_JSON).is_file():
-            problems.append(f"{path}/{ZARR_JSON}: missing")
+        doc = f"{path}/{ZARR_JSON}"
+        if (include is None or include(doc)) and not (directory / doc).is_file():
+            problems.append(f"{doc}: missing")
 
     def check(entry: tuple[str, int, int]) -> str | None:
         rel, nbytes, crc = entry
@@ -203,7 +216,8 @@ def verify_dcp(directory: Path, manifest: Manifest, *, deep: bool = True) -> lis
         return None
 
     with ThreadPoolExecutor(2, thread_name_prefix="ckpt-dcp-verify") as pool:
-        problems += [p for p in pool.map(check, index.files()) if p is not None]
+        files = [f for f in index.files() if include is None or include(f[0])]
+        problems += [p for p in pool.map(check, files) if p is not None]
     if problems:
         logger.warning("checkpoint %s: %d problems", manifest.id, len(problems))
     return problems

@@ -8,6 +8,11 @@ are written on a small thread pool with early writeback, then fsynced on a wide 
 filesystem batches concurrent fsyncs into one journal commit; one at a time costs ~6 ms
 each on the reference machine), then their directories. Only then does ``write_data``
 return, so when the coordinator's ``finish`` runs every rank's data is durable.
+
+With a :class:`ChunkSink` (a hot tier in object storage) every file goes to the sink instead,
+whole, one request each, from the writer threads: the rank uploads its own shards in
+parallel, holding at most one encoded chunk per thread; the sink's ``put`` returns once the
+object is stored, which is S3's durability point.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -32,8 +37,10 @@ from ckptstore.durable import fsync_dir, fsync_file, storage_error, write_new_fi
 from ckptstore.errors import CkptError
 from ckptstore.format.chunkwriter import write_chunk_file
 from ckptstore.format.codecs import (
+    TRAILER,
     CodecSpec,
     codec_spec,
+    crc32c_update,
     encode_into,
     max_encoded_size,
 )
@@ -46,12 +53,13 @@ from ckptstore.format.dcp.layout import (
     chunk_key,
     chunks_of_piece,
     pack_path,
+    rank_group,
 )
 from ckptstore.format.dcp.plan import ArraySpec, RankTask, Slot
-from ckptstore.format.dcp.zarrdocs import array_doc
+from ckptstore.format.dcp.zarrdocs import array_doc, group_doc
 from ckptstore.format.layout import ArrayPlan, plan_layout
 
-__all__ = ["FSYNC_THREADS", "RankReport", "Stored", "write_rank"]
+__all__ = ["FSYNC_THREADS", "ChunkSink", "RankReport", "Stored", "write_rank"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +67,17 @@ logger = logging.getLogger(__name__)
 FSYNC_THREADS = 16
 
 ByteView = np.ndarray[Any, np.dtype[np.uint8]]
+
+
+class ChunkSink(Protocol):
+    """Where a rank's files go when they are not local files (a hot tier in object storage)."""
+
+    def put(self, rel: str, data: bytes) -> None:
+        """Store ``data`` as the new file ``rel`` (relative to the checkpoint), durably.
+
+        Raises:
+            StorageError: If it cannot be stored; ConflictError if it exists.
+        """
 
 
 @dataclass(frozen=True)
@@ -124,8 +143,10 @@ class _RankWriter:
         self,
         task: RankTask,
         fault: Callable[[str], None] | None,
+        sink: ChunkSink | None = None,
     ) -> None:
         self.task = task
+        self.sink = sink
         self.dir = Path(task.directory)
         self.spec: CodecSpec = codec_spec(task.codec)
         self.fault = fault
@@ -144,13 +165,16 @@ class _RankWriter:
 
     def ensure_dir(self, rel: str) -> None:
         """Create an array directory (another rank may create it at the same time)."""
+        if self.sink is not None:
+            return  # object stores have no directories
         path = self.dir / rel
         with self.dir_lock:
             if path in self.made_dirs:
                 return
             self.made_dirs.add(path)
         try:
-            path.mkdir(exist_ok=True)
+            # parents: a rank's group of the per-rank layout is made with its first array.
+            path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise storage_error(path, "create directory", exc) from exc
 
@@ -169,8 +193,17 @@ class _RankWriter:
                     pos += len(seg)
             out = self.buffer("encoded", max_encoded_size(len(data)))
             payload = [encode_into(self.spec, data, itemsize, out)]
-        path = self.dir / chunk_file(array, key)
-        crc, nbytes = write_chunk_file(path, payload)
+        rel = chunk_file(array, key)
+        path = self.dir / rel
+        if self.sink is not None:
+            crc = 0
+            for part in payload:
+                crc = crc32c_update(part, crc)
+            data = b"".join([*payload, TRAILER.pack(crc)])
+            self.sink.put(rel, data)
+            nbytes = len(data)
+        else:
+            crc, nbytes = write_chunk_file(path, payload)
         if self.fault is not None:
             self.fault("dcp.chunk_written")
         return _Written(array, key, path, nbytes, crc)
@@ -212,7 +245,10 @@ class _RankWriter:
 
     def write_doc(self, rel: str, data: bytes) -> tuple[str, int]:
         """Write one ``zarr.json`` durably; return its path and size."""
-        write_new_file(self.dir / rel, data)
+        if self.sink is not None:
+            self.sink.put(rel, data)
+        else:
+            write_new_file(self.dir / rel, data)
         return rel, len(data)
 
 
@@ -238,6 +274,7 @@ def write_rank(
     planner: SavePlanner,
     *,
     fault: Callable[[str], None] | None = None,
+    sink: ChunkSink | None = None,
 ) -> list[WriteResult]:
     """Write every item of this rank's final plan; return one WriteResult per item.
 
@@ -252,12 +289,14 @@ def write_rank(
         plan: The final local plan.
         planner: The save planner (resolves items to data).
         fault: Called with ``"dcp.chunk_written"`` after each chunk (crash tests).
+        sink: Where the files go instead of ``task.directory`` (a hot tier in object
+            storage); nothing is fsynced then: a stored object is durable.
 
     Raises:
         StorageError: On any OS error; files already written are left for the coordinator
             (or ``ckpt gc``) to remove with the uncommitted directory.
     """
-    writer = _RankWriter(task, fault)
+    writer = _RankWriter(task, fault, sink)
     rank = task.rank
     big: list[tuple[WriteItem, torch.Tensor, Slot]] = []
     packed: dict[str, torch.Tensor] = {}
@@ -327,6 +366,10 @@ def write_rank(
         (f"{path}/{ZARR_JSON}", array_doc(p.info.name, task.codec, (p.length,), (p.chunk_len,)))
         for path, p, _ in packs
     ]
+    group = rank_group(rank)
+    if any(slot.array.path.startswith(group + "/") for _, _, slot in big):
+        # The per-rank layout: this rank's group document is one of its own files.
+        docs.append((f"{group}/{ZARR_JSON}", group_doc()))
 
     with ThreadPoolExecutor(task.threads, thread_name_prefix="ckpt-dcp-write") as pool:
         written: list[_Written] = _run(pool, jobs)
@@ -334,9 +377,10 @@ def write_rank(
         meta_files: list[tuple[str, int]] = _run(
             pool, [partial(writer.write_doc, rel, data) for rel, data in docs]
         )
-    _fsync_all([w.path for w in written], sorted({w.path.parent for w in written}
-                                                  | {writer.dir / Path(r).parent
-                                                     for r, _ in meta_files}))
+    if sink is None:
+        _fsync_all([w.path for w in written], sorted({w.path.parent for w in written}
+                                                      | {writer.dir / Path(r).parent
+                                                         for r, _ in meta_files}))
     return _results(task, order, big, packs, written, meta_files)
 
 

@@ -124,6 +124,11 @@ def dcp_documents(
         f"{DCP_ARRAY_GROUP}/{ZARR_JSON}": group_doc(),
         f"{DCP_PACK_GROUP}/{ZARR_JSON}": group_doc(),
     }
+    # Groups between the root and the arrays (the per-rank layout's dcp_ranks/r<k>).
+    for path in index.arrays:
+        parts = path.split("/")
+        for i in range(1, len(parts)):
+            docs.setdefault(f"{'/'.join(parts[:i])}/{ZARR_JSON}", group_doc())
     for path, array in index.arrays.items():
         docs[f"{path}/{ZARR_JSON}"] = array_doc(array.dtype, index.codec, array.shape,
                                                 array.chunk_shape)

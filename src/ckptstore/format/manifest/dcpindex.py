@@ -29,6 +29,7 @@ from ckptstore.format.constants import (
     DCP_ARRAY_GROUP,
     DCP_CHUNK_PREFIX,
     DCP_PACK_GROUP,
+    DCP_RANK_GROUP,
 )
 from ckptstore.format.dtypes import DtypeInfo, dtype_by_name
 from ckptstore.format.validate import (
@@ -66,6 +67,7 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 _ARRAY_PATH = re.compile(
     rf"^(?:{re.escape(DCP_ARRAY_GROUP)}/[A-Za-z0-9._%~-]{{1,220}}(?:@[0-9]{{1,9}})?"
+    rf"|{re.escape(DCP_RANK_GROUP)}/r[0-9]{{1,9}}/[A-Za-z0-9._%~-]{{1,220}}(?:@[0-9]{{1,9}})?"
     rf"|{re.escape(DCP_PACK_GROUP)}/r[0-9]{{1,9}}\.[a-z0-9_]{{1,32}})$"
 )
 _CHUNK_KEY = re.compile(r"^(?:|[0-9]{1,12}(?:\.[0-9]{1,12}){0,63})$")

@@ -17,7 +17,11 @@ The layout on disk is :mod:`ckptstore.format.dcp`. Here, the torch side:
 * :mod:`~ckptstore.ops.dcp.reader`: :class:`ZarrStorageReader`, :class:`SafeLoadPlanner`;
 * :mod:`~ckptstore.ops.dcp.distributed`: the store's entry points (save_distributed,
   load_dcp) and the mapping of DCP's failures onto our errors;
-* :mod:`~ckptstore.ops.dcp.stage`: bounded staging buffers for ``dcp.async_save``.
+* :mod:`~ckptstore.ops.dcp.stage`: bounded staging buffers for ``dcp.async_save``;
+* :mod:`~ckptstore.ops.dcp.parts`: what ranks and the coordinator of a save across hosts
+  tell each other (the rest of such checkpoints: :mod:`ckptstore.ops.parts`);
+* :mod:`~ckptstore.ops.dcp.peers`: keeping each host's part on a neighbour too
+  (``replicas = 2``).
 
 Non-tensor items: DCP's planner hands us ``torch.save`` bytes; we store them as they are
 (never pickling anything ourselves). On load they go back to DCP's planner, which applies
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 from ckptstore.format.dcp.layout import is_dcp_manifest
 from ckptstore.format.dcp.read import load_full, verify_dcp
-from ckptstore.ops.dcp.distributed import load_dcp, needs_dcp, save_distributed
+from ckptstore.ops.dcp.distributed import load_dcp, load_parted, needs_dcp, save_distributed
 from ckptstore.ops.dcp.reader import SafeLoadPlanner, ZarrStorageReader, dcp_reader
 from ckptstore.ops.dcp.writer import PACK_BELOW, ZarrStorageWriter, dcp_writer
 
@@ -44,6 +48,7 @@ __all__ = [
     "is_dcp_manifest",
     "load_dcp",
     "load_full",
+    "load_parted",
     "needs_dcp",
     "save_distributed",
     "verify_dcp",

@@ -4,7 +4,13 @@
   go through DCP with :class:`~ckptstore.ops.dcp.writer.ZarrStorageWriter`; a plain
   replicated state is saved once by rank 0 in the regular format.
 * :func:`load_dcp`: a DCP-layout checkpoint loads as full tensors without a process group,
-  or into a (sharded) state with ``dcp.load``.
+  or into a (sharded) state with ``dcp.load``; :func:`load_parted` does the same for a
+  checkpoint saved across hosts, reading each host's part from the best copy this host
+  reaches (:mod:`ckptstore.ops.dcp.parts`).
+* After a save across hosts, :func:`save_distributed` hands every host's part its manifest
+  (one broadcast from the coordinator, written on a background thread) and, with
+  ``replicas = 2``, starts sending each part to a neighbour host
+  (:mod:`ckptstore.ops.dcp.peers`).
 * DCP reports a failure on any rank as a ``CheckpointException`` (a BaseException); it is
   turned into the CkptError of its cause, naming the failing ranks.
 """
@@ -17,19 +23,30 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import blake3
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptstore.core import StoreCore
-from ckptstore.errors import CkptError, InvalidNameError, StorageError
+from ckptstore.errors import (
+    CkptError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    InvalidNameError,
+    StorageError,
+)
 from ckptstore.format import Manifest
+from ckptstore.format.dcp.chunks import ChunkSource
 from ckptstore.format.dcp.read import load_full
-from ckptstore.ops.dcp.reader import SafeLoadPlanner, ZarrStorageReader
+from ckptstore.format.manifest import parse_verified
+from ckptstore.ops.dcp.peers import peers_for, replicate_parts
+from ckptstore.ops.dcp.reader import REMOTE_READ_THREADS, SafeLoadPlanner, ZarrStorageReader
 from ckptstore.ops.dcp.writer import ZarrStorageWriter
+from ckptstore.ops.parts import materialize, parts_source
 from ckptstore.ops.save import save_checkpoint
 from ckptstore.records import Checkpoint
 
-__all__ = ["load_dcp", "needs_dcp", "save_distributed"]
+__all__ = ["load_dcp", "load_parted", "needs_dcp", "save_distributed"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +168,11 @@ def _save_sharded(store: StoreCore, run: str, step: int, state: Any, group: Any,
         raise InvalidNameError(
             f"a sharded state must be a dict (DCP's state_dict), got {type(state).__name__}"
         )
+    if store.peers is not None:
+        # A neighbour may still be receiving the previous save's part: one transfer at a time.
+        peers_for(store).wait()
     writer = ZarrStorageWriter(store, run, step, **kw)
+    writer.materialize_on_exit = False  # one broadcast below instead of a catalog read per host
     try:
         with writer, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -162,7 +183,54 @@ def _save_sharded(store: StoreCore, run: str, step: int, state: Any, group: Any,
             "nothing was committed and earlier checkpoints are intact; fix the cause and save "
             "again",
         ) from exc
-    return writer.checkpoint
+    part = writer.part
+    if part is None or not part.parted or part.remote or not _dist_on():
+        return writer.checkpoint
+    try:
+        ck, manifest = _share_manifest(store, writer, group)
+        if store.settings.replicas > 1:
+            replicate_parts(store, ck, manifest, part, group)
+    except (Exception, CheckpointException) as exc:
+        raise _dcp_error(
+            f"handing the manifest of {run}@{step} to every host", exc,
+            "the checkpoint is committed; each host gets its manifest from the catalog when "
+            "it first needs it",
+        ) from exc
+    return ck
+
+
+def _share_manifest(store: StoreCore, writer: ZarrStorageWriter,
+                    group: Any) -> tuple[Checkpoint, Manifest]:
+    """Broadcast the committed manifest from the coordinator; each host's lowest rank writes
+    it, with the shared documents and the marker, into its host's part."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    # The committed record rides along: thousands of ranks need not each ask the catalog.
+    payload: list[Any] = [
+        (writer.manifest_data, writer.checkpoint) if writer.is_coordinator else None
+    ]
+    dist.broadcast_object_list(payload, src=src, group=group)
+    sent = payload[0]
+    if not (isinstance(sent, tuple) and len(sent) == 2 and isinstance(sent[0], bytes)
+            and isinstance(sent[1], Checkpoint)):
+        raise IncompleteCheckpointError(
+            f"the coordinator sent no manifest for checkpoint {writer.ckpt_id}")
+    data, ck = sent
+    if ck.id != writer.ckpt_id:
+        raise IntegrityError(
+            f"the coordinator sent checkpoint {ck.id}, this rank wrote {writer.ckpt_id}")
+    digest = blake3.blake3(data).hexdigest()
+    if digest != ck.manifest_digest:
+        raise IntegrityError(
+            f"the manifest broadcast for {ck.ref} has digest {digest}, the catalog records "
+            f"{ck.manifest_digest}"
+        )
+    manifest = parse_verified(data, digest)
+    part = writer.part
+    if part is not None and part.leader:
+        # Off the training path: every part is durable and the catalog holds the manifest;
+        # the next save and store.close() wait for it.
+        peers_for(store).start("manifest", lambda: materialize(store, ck, data=data))
+    return ck, manifest
 
 
 def _save_replicated(store: StoreCore, run: str, step: int, state: Any, group: Any,
@@ -204,6 +272,7 @@ def load_dcp(
     into: Any | None = None,
     threads: int = 2,
     process_group: Any = None,
+    source: ChunkSource | None = None,
 ) -> Any:
     """Load a DCP-layout checkpoint (the hook ``store.load`` calls for one).
 
@@ -219,6 +288,7 @@ def load_dcp(
         into: A state dict to load into (DCP semantics).
         threads: Reader threads.
         process_group: Process group for ``dcp.load`` (default: the default group).
+        source: Where the chunks come from (default: ``directory``).
 
     Returns:
         The state (``into`` itself when given).
@@ -229,7 +299,7 @@ def load_dcp(
         CkptError: If DCP fails on any rank (the class is the cause's where it is ours).
     """
     if into is None:
-        return load_full(directory, manifest, keys=keys, threads=threads)
+        return load_full(directory, manifest, keys=keys, threads=threads, source=source)
     if keys is not None:
         raise InvalidNameError(
             "keys= cannot be combined with into= for a DCP checkpoint: DCP loads exactly the "
@@ -242,7 +312,7 @@ def load_dcp(
         )
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    reader = ZarrStorageReader(directory, manifest, threads=threads)
+    reader = ZarrStorageReader(directory, manifest, threads=threads, source=source)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -254,3 +324,42 @@ def load_dcp(
             "check that every rank loads the same checkpoint into a state with the saved keys",
         ) from exc
     return into
+
+
+def load_parted(
+    store: StoreCore,
+    ck: Checkpoint,
+    *,
+    keys: Sequence[str] | None = None,
+    into: Any | None = None,
+    process_group: Any = None,
+) -> Any:
+    """Load a checkpoint saved across hosts, on any number of ranks and hosts.
+
+    Each rank reads the chunks it needs from the best copy of their part this host reaches:
+    this host's own part (or a neighbour's part it keeps) when present and intact, else the
+    shared tiers (warm, cold, or a hot tier in object storage), chunk by chunk. A part that
+    exists nowhere raises naming the host and the tensors; nothing reads as zeros.
+
+    Raises:
+        IncompleteCheckpointError: If a part needed has no copy this host can read.
+        IntegrityError: If every copy of a needed chunk is damaged.
+    """
+    manifest, source = parts_source(store, ck)
+    if into is None:
+        missing = source.missing()
+        if missing:
+            about = "; ".join(
+                f"host {h}: {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}"
+                for h, items in missing.items()
+            )
+            raise IncompleteCheckpointError(
+                f"checkpoint {ck.ref} ({ck.id}) cannot be loaded here: the parts of "
+                f"{', '.join(missing)} exist on no tier this host can read ({about}); bring "
+                "those hosts back or archive their parts (`ckpt archive` on them)"
+            )
+    threads = store.settings.threads
+    if source.remote:
+        threads = max(threads, REMOTE_READ_THREADS)
+    return load_dcp(source.directory, manifest, keys=keys, into=into, threads=threads,
+                    process_group=process_group, source=source)

@@ -31,10 +31,15 @@ from ckptstore.format.dcp.boxes import BoxLoc, build_metadata, stored_boxes
 from ckptstore.format.dcp.chunks import ChunkSource, Request, load_blob, run_requests
 from ckptstore.format.dcp.layout import BlobItem
 from ckptstore.format.dcp.read import index_of
+from ckptstore.ops.parts import parts_source
 
-__all__ = ["SafeLoadPlanner", "ZarrStorageReader", "dcp_reader"]
+__all__ = ["REMOTE_READ_THREADS", "SafeLoadPlanner", "ZarrStorageReader", "dcp_reader"]
 
 logger = logging.getLogger(__name__)
+
+#: Reader threads when some chunks come from object storage: each GET waits on the network,
+#: so more run at once than the disk-bound default.
+REMOTE_READ_THREADS = 8
 
 
 class ZarrStorageReader(StorageReader):
@@ -47,6 +52,9 @@ class ZarrStorageReader(StorageReader):
         directory: The checkpoint directory (hot tier).
         manifest: Its verified manifest (read and checked against ``COMMITTED`` if None).
         threads: Reader threads.
+        source: Where the chunks come from (default: ``directory``): a checkpoint saved
+            across hosts reads each host's part from the best copy this host can reach
+            (:class:`~ckptstore.ops.dcp.parts.PartsSource`).
 
     Raises:
         IncompleteCheckpointError: If the directory was never committed.
@@ -56,16 +64,17 @@ class ZarrStorageReader(StorageReader):
 
     def __init__(
         self, directory: str | os.PathLike[str], manifest: Manifest | None = None,
-        *, threads: int = 2,
+        *, threads: int = 2, source: ChunkSource | None = None,
     ) -> None:
         self.threads = threads
-        self._open(Path(directory), manifest)
+        self._open(Path(directory), manifest, source)
 
-    def _open(self, directory: Path, manifest: Manifest | None) -> None:
+    def _open(self, directory: Path, manifest: Manifest | None,
+              source: ChunkSource | None = None) -> None:
         self.directory = directory
         self.manifest = manifest if manifest is not None else read_manifest(directory)
         self.index = index_of(self.manifest)
-        self._source = ChunkSource(directory, self.manifest.id, self.index)
+        self._source = source or ChunkSource(directory, self.manifest.id, self.index)
         self._metadata: Metadata | None = None
         self._where: dict[MetadataIndex, BoxLoc | BlobItem] = {}
 
@@ -189,6 +198,12 @@ def dcp_reader(store: StoreCore, ref: str) -> ZarrStorageReader:
     from ckptstore.ops.restore import ensure_hot
 
     ck = store.catalog.get(ref)
+    if ck.parted:
+        manifest, source = parts_source(store, ck)
+        threads = store.settings.threads
+        return ZarrStorageReader(source.directory, manifest, source=source,
+                                 threads=max(threads, REMOTE_READ_THREADS) if source.remote
+                                 else threads)
     directory = ensure_hot(store, ck)
     manifest = read_manifest(directory, expected_digest=ck.manifest_digest)
     return ZarrStorageReader(directory, manifest, threads=store.settings.threads)

@@ -17,6 +17,15 @@ DCP's call sequence, and what each step does here:
 If any rank fails, DCP raises on every rank and ``finish`` never runs: nothing is
 committed. The writer's context manager (and ``store.save(distributed=True)``) then marks the
 row FAILED and removes the directory; without it, ``ckpt gc`` does once the process exits.
+
+Across hosts without a shared filesystem (every node's ``hot`` a local disk), or with the
+hot tier in object storage, the save is *parted* (:mod:`ckptstore.ops.dcp.parts`): every
+rank tells the coordinator its host in its local plan, writes its shards to the hot tier of
+its own host (or uploads them) in the per-rank layout, and the coordinator commits the
+manifest to its own directory and to the catalog, with one part per host. The other hosts'
+parts get their manifest and marker from the catalog (the writer's context manager does it
+on each host's lowest rank; ``save_distributed`` broadcasts it instead). A failed save's
+files on other hosts are removed by those hosts' ``ckpt gc`` (their agents run it).
 """
 
 from __future__ import annotations
@@ -40,14 +49,28 @@ from ckptstore.core import StoreCore
 from ckptstore.durable import storage_error
 from ckptstore.errors import CkptError, ConfigError, IncompleteCheckpointError, InvalidNameError
 from ckptstore.faultpoints import fault_point
+from ckptstore.format import Manifest
 from ckptstore.format.codecs import AUTO, codec_spec
-from ckptstore.format.constants import DCP_ARRAY_GROUP, DCP_PACK_GROUP
-from ckptstore.format.dcp.commit import build_index, commit_files
+from ckptstore.format.constants import (
+    COMMIT_NAME,
+    DCP_ARRAY_GROUP,
+    DCP_PACK_GROUP,
+    MANIFEST_NAME,
+)
+from ckptstore.format.dcp.commit import (
+    build_index,
+    build_manifest,
+    commit_files,
+    shared_docs,
+)
 from ckptstore.format.dcp.plan import ArraySpec, RankTask, assign_slots, item_dtype_name
-from ckptstore.format.dcp.write import write_rank
-from ckptstore.identity import writer_id
+from ckptstore.format.dcp.write import ChunkSink, write_rank
+from ckptstore.format.manifest import remember_manifest
+from ckptstore.identity import host, writer_id
 from ckptstore.names import validate_name, validate_tag
+from ckptstore.ops.dcp.parts import PartTask, RankInfo, TierSink
 from ckptstore.ops.dcp.stage import StagedSet, pool_for, stage_state
+from ckptstore.ops.parts import materialize, part_specs
 from ckptstore.records import Checkpoint, CheckpointState
 
 __all__ = ["PACK_BELOW", "ZarrStorageWriter", "dcp_writer"]
@@ -57,15 +80,20 @@ logger = logging.getLogger(__name__)
 #: Shards smaller than this are packed per rank instead of getting an array of their own.
 PACK_BELOW = 1024 * 1024
 
+#: Writer threads per rank when the hot tier is object storage: uploads wait on the network,
+#: not the CPU, so more run at once (each holds at most one encoded chunk).
+REMOTE_THREADS = 8
+
 
 class ZarrStorageWriter(StorageWriter, AsyncStager):
     """DCP ``StorageWriter`` that saves one catalogued ckptstore checkpoint from all ranks.
 
     Create one per save on every rank (``store.dcp_writer(run, step)``) with the same
-    arguments; only the coordinator (rank 0) touches the catalog. All ranks must see the
-    store's hot tier at the same path (a shared filesystem across hosts), as with DCP's
-    ``FileSystemWriter``. The writer is also an ``AsyncStager``: ``dcp.async_save`` stages
-    into the store's bounded, reused staging buffers.
+    arguments; only the coordinator (rank 0) writes the checkpoint's row. Each rank writes to
+    the hot tier of its own host (``settings.hot_path``, or ``hot = "s3://..."``): ranks on
+    several hosts need no shared filesystem, only the PostgreSQL catalog (see
+    :mod:`ckptstore.ops.dcp.parts`). The writer is also an ``AsyncStager``:
+    ``dcp.async_save`` stages into the store's bounded, reused staging buffers.
 
     Use it as a context manager so a failed save is marked FAILED and its files removed at
     once::
@@ -83,7 +111,10 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
         parent: Reference of the checkpoint this run resumed from.
         codec: Codec preset (default: the store's).
         experiment: Experiment to file the run under.
-        pack_below: Shards smaller than this many bytes are packed per rank.
+        pack_below: Shards smaller than this many bytes are packed per rank (default:
+            :data:`PACK_BELOW`; in a save across hosts, where no array is shared between
+            ranks anyway, the chunk size: a shard that fits one chunk costs no files of its
+            own).
 
     Raises:
         InvalidNameError: For a bad run name, step, tag or codec (on every rank, before any
@@ -104,7 +135,7 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
         parent: str | None = None,
         codec: str | None = None,
         experiment: str | None = None,
-        pack_below: int = PACK_BELOW,
+        pack_below: int | None = None,
     ) -> None:
         validate_name(run)
         for tag in tags:
@@ -127,7 +158,7 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
         except ValueError as exc:
             raise InvalidNameError(str(exc)) from None
         self.experiment = experiment
-        self.pack_below = int(pack_below)
+        self.pack_below = None if pack_below is None else int(pack_below)
         self.is_coordinator = False
         self._pending: Checkpoint | None = None  # coordinator: the row of the save under way
         self._directory: Path | None = None
@@ -135,6 +166,14 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
         self._ckpt_id: str | None = None
         self._committed: Checkpoint | None = None
         self._staged: StagedSet | None = None
+        self._part: PartTask | None = None  # this rank's answer from the coordinator
+        self._hosts: tuple[str, ...] = ()  # coordinator: the host of every rank
+        self._parted = False
+        self._remote = False
+        self._manifest_data: bytes | None = None  # coordinator: the committed manifest
+        #: Give this host's part its manifest on a clean exit of the context manager (each
+        #: host's lowest rank; ``save_distributed`` broadcasts the manifest instead).
+        self.materialize_on_exit = True
 
     # -- DCP StorageWriter ----------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -169,20 +208,57 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
         self._specs = {}
         self._ckpt_id = None
         self._committed = None
+        self._part = None
+        self._hosts = ()
+        self._parted = False
+        self._remote = False
+        self._manifest_data = None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Refuse dtypes the format cannot store, before anything is written."""
+        """Refuse dtypes the format cannot store, before anything is written; tell the
+        coordinator this rank's host."""
         for item in plan.items:
             if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None:
                 item_dtype_name(item.tensor_data.properties.dtype, item.index.fqn)
-        return plan
+        remote = self.store.settings.hot_remote is not None
+        return replace(plan, storage_data=RankInfo(host(), remote))
+
+    def _topology(self, plans: list[SavePlan]) -> tuple[tuple[str, ...], bool]:
+        """The host of every rank, and whether the save is parted; refuse what cannot work."""
+        remote = self.store.settings.hot_remote is not None
+        infos = [
+            p.storage_data if isinstance(p.storage_data, RankInfo) else RankInfo(host(), remote)
+            for p in plans
+        ]
+        hosts = tuple(i.host for i in infos)
+        if any(i.remote != remote for i in infos):
+            odd = sorted({i.host for i in infos if i.remote != remote})
+            raise ConfigError(
+                f"ranks on {', '.join(odd)} save to a hot tier of another kind than the "
+                "coordinator's (object storage vs local disk); use the same config file on "
+                "every node"
+            )
+        multi = len(set(hosts)) > 1
+        if multi and self.store.catalog.dialect == "sqlite":
+            raise ConfigError(
+                f"this save spans {len(set(hosts))} hosts ({', '.join(sorted(set(hosts))[:4])}"
+                f"{', ...' if len(set(hosts)) > 4 else ''}) and needs the PostgreSQL catalog: "
+                "an embedded SQLite catalog lives on one host. Set catalog_url (or "
+                "CKPT_CATALOG_URL) to postgresql+psycopg://... on every node"
+            )
+        return hosts, multi or remote
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: allocate the version, create the directory, assign every shard."""
         settings = self.store.settings
         catalog = self.store.catalog
+        hosts, parted = self._topology(plans)
+        remote = settings.hot_remote is not None
+        pack_below = self.pack_below
+        if pack_below is None:
+            pack_below = settings.chunk_bytes if parted else PACK_BELOW
         slots, specs = assign_slots(
-            plans, chunk_bytes=settings.chunk_bytes, pack_below=self.pack_below
+            plans, chunk_bytes=settings.chunk_bytes, pack_below=pack_below, per_rank=parted,
         )
         parent_id = catalog.get(self.parent).id if self.parent is not None else None
         if self.experiment is not None:
@@ -199,34 +275,42 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
             uri="",
         )
         self._pending = ck
+        self._hosts, self._parted, self._remote = hosts, parted, remote
         directory = self.store.checkpoint_dir(self.run, ck.id)
-        self._directory = directory
+        self._directory = None if remote else directory
         self._specs = specs
         try:
-            directory.parent.mkdir(parents=True, exist_ok=True)
-            directory.mkdir()
-            (directory / DCP_ARRAY_GROUP).mkdir()
-            (directory / DCP_PACK_GROUP).mkdir()
+            if not remote:
+                directory.parent.mkdir(parents=True, exist_ok=True)
+                # Parted: ranks on this host create it too, whoever comes first.
+                directory.mkdir(exist_ok=parted)
+                (directory / DCP_ARRAY_GROUP).mkdir(exist_ok=parted)
+                (directory / DCP_PACK_GROUP).mkdir(exist_ok=parted)
         except OSError as exc:
             err = storage_error(directory, "create checkpoint directory", exc)
             self.abort(err)
             raise err from exc
         fault_point("dcp.pending")
-        logger.debug("DCP save %s step %s -> %s (%d ranks)", self.run, self.step, ck.id, len(plans))
-        return [
-            replace(
-                plan,
-                storage_data=RankTask(
-                    ckpt_id=ck.id,
-                    directory=str(directory),
-                    rank=rank,
-                    codec=self.codec,
-                    chunk_bytes=settings.chunk_bytes,
-                    threads=settings.threads,
-                    slots=slots[rank],
-                ),
+        logger.debug("DCP save %s step %s -> %s (%d ranks on %d hosts)", self.run, self.step,
+                     ck.id, len(plans), len(set(hosts)))
+        leaders = {h: min(r for r, x in enumerate(hosts) if x == h) for h in set(hosts)}
+        threads = max(settings.threads, REMOTE_THREADS) if remote else settings.threads
+        tasks = [
+            RankTask(
+                ckpt_id=ck.id,
+                directory=str(directory),
+                rank=rank,
+                codec=self.codec,
+                chunk_bytes=settings.chunk_bytes,
+                threads=threads,
+                slots=slots[rank],
             )
-            for rank, plan in enumerate(plans)
+            for rank in range(len(plans))
+        ]
+        return [
+            replace(plan, storage_data=PartTask(task, parted, leaders[hosts[rank]] == rank,
+                                                remote, hosts))
+            for rank, (plan, task) in enumerate(zip(plans, tasks, strict=True))
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -238,14 +322,27 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
             StorageError: On OS errors.
         """
         try:
-            task = plan.storage_data
-            if not isinstance(task, RankTask):
+            part = plan.storage_data
+            if not isinstance(part, PartTask):
                 raise CkptError(
                     "the save plan carries no ZarrStorageWriter task: use ZarrStorageWriter on "
                     "every rank and do not enable DCP plan caching"
                 )
+            self._part = part
+            task = part.task
             self._ckpt_id = task.ckpt_id
-            results = write_rank(task, plan, planner, fault=fault_point)
+            sink: ChunkSink | None = None
+            if part.remote:
+                sink = TierSink(self.store.tier("hot"), self.run, task.ckpt_id)
+            elif part.parted:
+                # The hot tier of this rank's own host, wherever the coordinator runs.
+                directory = self.store.checkpoint_dir(self.run, task.ckpt_id)
+                try:
+                    directory.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise storage_error(directory, "create checkpoint directory", exc) from exc
+                task = replace(task, directory=str(directory))
+            results = write_rank(task, plan, planner, fault=fault_point, sink=sink)
         finally:
             self._release_staging()
         future: Future[list[WriteResult]] = Future()
@@ -255,8 +352,12 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator, after every rank wrote: manifest, marker, catalog COMMITTED."""
         ck, directory = self._pending, self._directory
-        if ck is None or directory is None:
+        if ck is None or (directory is None and not self._remote):
             raise CkptError("finish() called before prepare_global_plan(); this is a DCP misuse")
+        if self._parted:
+            self._finish_parted(ck, metadata, results)
+            return
+        assert directory is not None
         try:
             index, meta_files = build_index(metadata, results, self._specs, self.codec)
             manifest = commit_files(
@@ -285,6 +386,55 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
             "saved %s step %s as v%s from %d ranks (%s bytes stored)",
             self.run, self.step, self._committed.version, len(results), manifest.stored_bytes,
         )
+
+    def _finish_parted(self, ck: Checkpoint, metadata: Metadata,
+                       results: list[list[WriteResult]]) -> None:
+        """Commit a parted save: the coordinator's copy of the shared files, then the catalog
+        (row, manifest bytes and one part per host, in one transaction)."""
+        try:
+            index, meta_files = build_index(metadata, results, self._specs, self.codec)
+            manifest = build_manifest(
+                ckpt_id=ck.id, run=self.run, step=self.step,
+                chunk_bytes=self.store.settings.chunk_bytes, index=index, meta_files=meta_files,
+            )
+            data = manifest.to_json()
+            if self._remote:
+                uri = self._publish_remote(ck, manifest, data)
+            else:
+                # The catalog holds the manifest every host materialises its part's copy
+                # from, right after the commit (off the save's critical path): every part
+                # is durable already, and the catalog is the one source of truth.
+                assert self._directory is not None
+                fault_point("dcp.manifest_written")
+                uri = str(self._directory)
+            remember_manifest(manifest, manifest.digest)
+            self._committed = self.store.catalog.commit_parted(
+                ck.id, manifest=data, manifest_digest=manifest.digest,
+                logical_bytes=manifest.logical_bytes, stored_bytes=manifest.stored_bytes,
+                parts=part_specs(manifest, self._hosts), shared=self._remote, uri=uri,
+            )
+            self._manifest_data = data
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+        fault_point("dcp.committed")
+        logger.info(
+            "saved %s step %s as v%s from %d ranks on %d hosts (%s bytes stored)",
+            self.run, self.step, self._committed.version, len(results), len(set(self._hosts)),
+            manifest.stored_bytes,
+        )
+
+    def _publish_remote(self, ck: Checkpoint, manifest: Manifest, data: bytes) -> str:
+        """The shared documents, manifest and marker of a save to object storage (marker
+        last: the tier's rule for a complete copy)."""
+        tier = self.store.tier("hot")
+        for rel, doc in shared_docs(manifest).items():
+            tier.put_bytes(tier.key_for(self.run, ck.id, rel), doc)
+        tier.put_bytes(tier.key_for(self.run, ck.id, MANIFEST_NAME), data)
+        fault_point("dcp.manifest_written")
+        tier.put_bytes(tier.key_for(self.run, ck.id, COMMIT_NAME),
+                       (manifest.digest + "\n").encode("ascii"))
+        return tier.uri_for(self.run, ck.id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -329,6 +479,17 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
         return self._ckpt_id or (self._pending.id if self._pending is not None else None)
 
     @property
+    def part(self) -> PartTask | None:
+        """This rank's answer from the coordinator (its host's part, leader or not), once the
+        plan reached it."""
+        return self._part
+
+    @property
+    def manifest_data(self) -> bytes | None:
+        """Coordinator, after a parted commit: the manifest bytes it committed."""
+        return self._manifest_data
+
+    @property
     def checkpoint(self) -> Checkpoint:
         """The committed checkpoint (every rank may ask once ``dcp.save`` returned).
 
@@ -365,6 +526,16 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
             logger.warning("could not mark checkpoint %s FAILED", ck.id, exc_info=True)
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
+        if self._remote:
+            # Every rank's uploads share the one tier: remove them all (best effort).
+            try:
+                tier = self.store.tier("hot")
+                prefix = tier.prefix_for(self.run, ck.id)
+                tier.delete_prefix(prefix)
+                tier.abort_multipart_uploads(prefix)
+            except CkptError:
+                logger.warning("could not remove the uploads of failed save %s; `ckpt gc` "
+                               "retries", ck.id, exc_info=True)
         self._pending = None
 
     def _release_staging(self) -> None:
@@ -384,6 +555,12 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
         if exc is not None:
             self.abort(exc)
         self._release_staging()
+        part = self._part
+        if (exc is None and self.materialize_on_exit and part is not None and part.parted
+                and part.leader and not part.remote and self.ckpt_id is not None):
+            # This host's part gets its manifest and marker now (the coordinator from the
+            # bytes it committed, the other hosts with one catalog read each).
+            materialize(self.store, self.checkpoint, data=self._manifest_data)
 
 
 def dcp_writer(store: StoreCore, run: str, step: int, **kw: Any) -> ZarrStorageWriter:

@@ -17,6 +17,8 @@ What it looks for (each is a :class:`Finding` of one ``kind``):
   blocks every rerun of the flow that took it.
 * ``stray-temp``: temporary files of killed writes inside a committed copy.
 * ``interrupted-delete``: a copy or checkpoint left in DELETING (``ckpt prune`` finishes it).
+* ``lost-part``: a part of a checkpoint saved across hosts held by a host not heard from for
+  longer than ``host_timeout_s`` (reported with the part's other copies, never repaired).
 
 ``fix=True`` applies only repairs that cannot lose data: it records the truth (DAMAGED, FAILED,
 DELETED for copies that are not there), releases leases of dead local processes, removes
@@ -26,10 +28,11 @@ deletes a committed copy the catalog still counts on, never deletes marked data 
 row (that may be a checkpoint from another catalog: adopt or remove it by hand), and takes
 the same leases as the flows, so it cannot pull files from under a running restore or copy.
 
-The checks run in three phases, one module each: rows whose process or flow is gone
+The checks run in four phases, one module each: rows whose process or flow is gone
 (:mod:`~ckptstore.ops.doctor.rows`), copies the catalog claims
-(:mod:`~ckptstore.ops.doctor.replicas`), and data nobody owns
-(:mod:`~ckptstore.ops.doctor.orphans`); :mod:`~ckptstore.ops.doctor.run` records findings
+(:mod:`~ckptstore.ops.doctor.replicas`), data nobody owns
+(:mod:`~ckptstore.ops.doctor.orphans`), and parts on hosts gone silent
+(:mod:`~ckptstore.ops.doctor.hosts`); :mod:`~ckptstore.ops.doctor.run` records findings
 and applies repairs, :mod:`~ckptstore.ops.doctor.report` is what a run returns.
 """
 
@@ -39,6 +42,7 @@ import logging
 from collections.abc import Iterable
 
 from ckptstore.core import StoreCore
+from ckptstore.ops.doctor.hosts import check_hosts
 from ckptstore.ops.doctor.orphans import check_hot_dirs, check_tier_keys
 from ckptstore.ops.doctor.replicas import check_replicas
 from ckptstore.ops.doctor.report import FINDING_KINDS, DoctorReport, Finding
@@ -91,6 +95,7 @@ def doctor(
     by_id = {ck.id: ck for ck in everything}
     check_hot_dirs(job, by_id)
     check_tier_keys(job, by_id)
+    check_hosts(job, everything)
     report = job.report
     if fix and report.findings:
         store.catalog.record_event(

@@ -19,8 +19,10 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, read_manifest, verify_checkpoint
+from ckptstore.format.dcp.read import verify_dcp
 from ckptstore.format.zarrcheck import check_zarr_metadata, rewrite_zarr_metadata
 from ckptstore.ops.doctor.run import DoctorRun, is_temp, older_than
+from ckptstore.ops.parts import of_ranks, parted_manifest
 from ckptstore.ops.replicas import manifest_on
 from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
@@ -58,7 +60,38 @@ def check_replicas(
             progress(1)
 
 
+def _check_parts_here(job: DoctorRun, ck: Checkpoint) -> None:
+    """The hot copy of a checkpoint saved across hosts: only the parts this host's disk
+    holds are this host's to check (the others: doctor on their hosts)."""
+    me = job.host
+    mine = [p for p in job.store.catalog.parts(ck.id, "hot")
+            if p.stored_on == me and p.state == ReplicaState.PRESENT]
+    if not mine:
+        return
+    directory = job.store.checkpoint_dir(ck.run, ck.id)
+    manifest, _ = parted_manifest(job.store, ck)
+    ranks = job.store.catalog.part_ranks(ck.id)
+    for part in mine:
+        wanted = set(ranks.get(part.part, []))
+        problems = (verify_dcp(directory, manifest, deep=job.deep, include=of_ranks(wanted))
+                    if directory.is_dir() else [f"{directory}: missing"])
+        if problems:
+
+            def mark(part: str = part.part) -> None:
+                job.store.catalog.set_part(ck.id, "hot", part, stored_on=me,
+                                           state=ReplicaState.DAMAGED)
+
+            missing = all("missing" in p for p in problems)
+            job.find("missing-replica" if missing else "damaged-replica", ck.id,
+                     f"{ck.ref}: the part of {part.part} on {me}: {'; '.join(problems[:3])}; "
+                     "loads read it from another copy (a peer, the warm tier) meanwhile",
+                     tier="hot", repair=mark)
+
+
 def _check_replica(job: DoctorRun, ck: Checkpoint, tier: Tier) -> None:
+    if ck.parted and tier.name == "hot" and job.store.settings.hot_remote is None:
+        _check_parts_here(job, ck)
+        return
     local = tier.local_dir(ck.run, ck.id)
     hint = ("`ckpt verify --repair` copies it again from another replica"
             if any(r.tier != tier.name and r.state == ReplicaState.PRESENT

@@ -21,6 +21,7 @@ FINDING_KINDS: tuple[str, ...] = (
     "interrupted-delete",
     "orphan-data",
     "stray-temp",
+    "lost-part",
 )
 
 

@@ -71,6 +71,14 @@ def check_copying(job: DoctorRun, everything: list[Checkpoint]) -> None:
             holder = job.store.catalog.lease_holder(ck.id, purpose)
             if holder is not None:
                 continue  # a live copy is under way
+            if ck.parted and any(
+                p.tier == replica.tier and p.state in (ReplicaState.PRESENT,
+                                                       ReplicaState.COPYING)
+                for p in job.store.catalog.parts(ck.id)
+            ):
+                # Saved across hosts: the copy is assembled part by part, one upload per
+                # host, possibly hours apart; it is not stuck while parts are in.
+                continue
 
             def drop(ck: Checkpoint = ck, tier: str = replica.tier) -> None:
                 job.store.catalog.set_replica(ck.id, tier, state=ReplicaState.DELETED,
