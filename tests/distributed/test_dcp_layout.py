@@ -157,8 +157,19 @@ def _index() -> DcpIndex:
 
 def test_index_round_trips() -> None:
     index = _index()
-    again = DcpIndex.from_json(index.to_json())
-    assert again.to_json() == index.to_json()
+    # Version 2 (format 2 manifests): the tensors travel in the manifest's tensors list.
+    doc = index.to_json()
+    assert "tensors" not in doc
+    entries = index.tensor_entries()
+    assert [e["key"] for e in entries] == ["w", "b"] and entries[0]["numel"] == 12
+    again = DcpIndex.from_json(doc, entries)
+    assert again.to_json() == doc and again.tensor_entries() == entries
+    # Version 1 (format 1 manifests) kept them inside the index; still read.
+    assert DcpIndex.from_json(index.to_json(1)).to_json(1) == index.to_json(1)
+    with pytest.raises(IntegrityError, match="not supported"):
+        DcpIndex.from_json(index.to_json(1), entries)
+    with pytest.raises(IntegrityError, match="not supported"):
+        DcpIndex.from_json(doc)
     assert index.logical_bytes == 4 * 3 * 4 + 6 * 2 + 9
     assert index.stored_bytes == 28 + 28 + 16 + 13
     assert {f for f, _, _ in index.files()} == {
@@ -167,7 +178,7 @@ def test_index_round_trips() -> None:
 
 
 def _broken(change: Any) -> dict[str, Any]:
-    doc = copy.deepcopy(_index().to_json())
+    doc = copy.deepcopy(_index().to_json(1))
     change(doc)
     return doc
 

@@ -4,6 +4,7 @@ failure, async staging, safety, and the store-level entry points."""
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,6 +133,34 @@ def test_the_index_is_a_typed_field_with_the_same_bytes(store: CheckpointStore) 
     # The JSON keeps the index and the file list under extra, and re-serialises exactly.
     assert set(json.loads(data)["extra"]) == {"dcp", "files"}
     assert Manifest.from_json(data).to_json() == data == manifest.to_json()
+
+
+def test_tensors_are_listed_in_the_common_index(store: CheckpointStore) -> None:
+    """One manifest shape: a DCP checkpoint's tensors are in the manifest's ``tensors`` list
+    with the fields every entry has (key, torch_dtype, shape, numel), plus their pieces."""
+    from ckptstore.format import Manifest
+
+    state = _state()
+    ck = _save(store, "r", 1, state)
+    directory, _manifest = _open(store, ck.id)
+    data = (directory / "manifest.json").read_bytes()
+    doc = json.loads(data)
+    assert "tensors" not in doc["extra"]["dcp"]
+    entries = {e["key"]: e for e in doc["tensors"]}
+    assert set(entries) == {f"model.{k}" for k in state["model"]}
+    for key, value in state["model"].items():
+        entry = entries[f"model.{key}"]
+        assert entry["shape"] == list(value.shape) and entry["numel"] == value.numel()
+        assert entry["torch_dtype"] == str(value.dtype).removeprefix("torch.")
+        assert sum(math.prod(p["sizes"]) for p in entry["pieces"]) == value.numel()
+    # The entries are checked like the rest of the index.
+    doc["tensors"][0]["numel"] += 1
+    with pytest.raises(IntegrityError, match="numel does not match"):
+        Manifest.from_json(json.dumps(doc).encode())
+    doc["tensors"][0]["numel"] -= 1
+    doc["tensors"].append(dict(doc["tensors"][0]))
+    with pytest.raises(IntegrityError, match="repeated key"):
+        Manifest.from_json(json.dumps(doc).encode())
 
 
 def test_zarr_metadata_check_knows_the_dcp_layout(store: CheckpointStore) -> None:

@@ -165,9 +165,9 @@ def build_manifest(
     Raises:
         IntegrityError: If the assembled index is inconsistent (a rank's shards missing).
     """
-    doc = index.to_json()
     try:
-        DcpIndex.from_json(doc)  # the reader's checks, before anything is published
+        # The reader's checks, before anything is published.
+        DcpIndex.from_json(index.to_json(), index.tensor_entries())
     except IntegrityError as exc:
         raise IntegrityError(f"refusing to commit checkpoint {ckpt_id}: {exc}") from None
     groups = [f"{DCP_ARRAY_GROUP}/{ZARR_JSON}", f"{DCP_PACK_GROUP}/{ZARR_JSON}"]

@@ -45,6 +45,7 @@ from ckptstore.format.validate import (
 
 __all__ = [
     "INDEX_VERSION",
+    "READABLE_INDEX_VERSIONS",
     "ArrayInfo",
     "BlobItem",
     "Box",
@@ -60,7 +61,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Version of the index document.
-INDEX_VERSION = 1
+INDEX_VERSION = 2
+#: Index versions this build reads: version 1 (format 1 manifests) kept the tensors inside the
+#: index; version 2 lists them in the manifest's common ``tensors`` index (docs/FORMAT.md).
+READABLE_INDEX_VERSIONS = (1, 2)
 
 #: (global offsets, sizes) of an N-d box.
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -211,10 +215,22 @@ class TensorItem:
     pieces: tuple[Piece, ...]
 
     def to_json(self) -> dict[str, Any]:
-        """JSON form."""
+        """JSON form inside a version 1 index."""
         return {
             "dtype": self.dtype,
             "shape": list(self.shape),
+            "requires_grad": self.requires_grad,
+            "pieces": [p.to_json() for p in self.pieces],
+        }
+
+    def to_entry(self) -> dict[str, Any]:
+        """JSON form in the manifest's common ``tensors`` index (format 2): the fields every
+        tensor entry has (``key``, ``torch_dtype``, ``shape``, ``numel``) plus its pieces."""
+        return {
+            "key": self.fqn,
+            "torch_dtype": self.dtype,
+            "shape": list(self.shape),
+            "numel": math.prod(self.shape),
             "requires_grad": self.requires_grad,
             "pieces": [p.to_json() for p in self.pieces],
         }
@@ -264,15 +280,18 @@ class DcpIndex:
     planner_data: dict[str, tuple[str | int, ...]] | None
     dcp_version: str | None
 
-    def to_json(self) -> dict[str, Any]:
-        """JSON form (the value of ``extra["dcp"]`` in ``manifest.json``)."""
-        return {
-            "version": INDEX_VERSION,
+    def to_json(self, version: int = INDEX_VERSION) -> dict[str, Any]:
+        """JSON form (the value of ``extra["dcp"]`` in ``manifest.json``).
+
+        Version 2 (format 2 manifests) leaves the tensors out: they are the manifest's
+        ``tensors`` list (:meth:`tensor_entries`). Version 1 keeps them here.
+        """
+        doc: dict[str, Any] = {
+            "version": version,
             "world_size": self.world_size,
             "codec": self.codec,
             "dcp_version": self.dcp_version,
             "arrays": {p: a.to_json() for p, a in self.arrays.items()},
-            "tensors": {f: t.to_json() for f, t in self.tensors.items()},
             "blobs": {f: b.to_json() for f, b in self.blobs.items()},
             "planner_data": (
                 None
@@ -280,6 +299,13 @@ class DcpIndex:
                 else {f: list(parts) for f, parts in self.planner_data.items()}
             ),
         }
+        if version == 1:
+            doc["tensors"] = {f: t.to_json() for f, t in self.tensors.items()}
+        return doc
+
+    def tensor_entries(self) -> list[dict[str, Any]]:
+        """The tensors as the manifest's common ``tensors`` list holds them (format 2)."""
+        return [t.to_entry() for t in self.tensors.values()]
 
     @property
     def logical_bytes(self) -> int:
@@ -303,19 +329,24 @@ class DcpIndex:
         ]
 
     @classmethod
-    def from_json(cls, doc: Any) -> DcpIndex:
+    def from_json(cls, doc: Any, entries: Any = None) -> DcpIndex:
         """Parse and validate an index read from a manifest (treated as hostile).
 
         Checks types, bounds, paths and cross references, that pieces tile each tensor
         exactly, and that every chunk a piece needs was written, so a reader never sees
         fill-value zeros where data is missing.
 
+        Args:
+            doc: The ``extra["dcp"]`` object.
+            entries: A version 2 index's tensors: the manifest's ``tensors`` list (None for
+                a version 1 index, which holds them itself).
+
         Raises:
             IntegrityError: On the first problem.
         """
         with rejecting("invalid DCP index in the manifest",
                        "; the checkpoint is damaged: restore it from another replica"):
-            return _parse_index(doc)
+            return _parse_index(doc, entries)
 
 
 def _itemsize(dtype: str) -> int:
@@ -334,26 +365,44 @@ def _dtype_name(value: Any, what: str) -> str:
     return str(value)
 
 
-def _parse_index(doc: Any) -> DcpIndex:
-    top = obj(
-        doc,
-        "index",
-        {"version", "world_size", "codec", "dcp_version", "arrays", "tensors", "blobs",
-         "planner_data"},
-    )
-    require(top["version"] == INDEX_VERSION,
-            f"index version {short(top['version'])} is not supported")
+def _parse_index(doc: Any, entries: Any) -> DcpIndex:
+    version = doc.get("version") if isinstance(doc, dict) else None
+    require(version in READABLE_INDEX_VERSIONS and (version == 1) == (entries is None),
+            f"index version {short(version)} is not supported here")
+    fields = {"version", "world_size", "codec", "dcp_version", "arrays", "blobs",
+              "planner_data"}
+    top = obj(doc, "index", fields | {"tensors"} if version == 1 else fields)
     world_size = int_in(top["world_size"], "world_size", 1, 2**31)
     codec = top["codec"]
     require(codec in ARRAY_CODECS, f"codec must be one of {ARRAY_CODECS}")
-    version = top["dcp_version"]
-    require(version is None or (isinstance(version, str) and len(version) < 64), "dcp_version")
+    dcp_version = top["dcp_version"]
+    require(dcp_version is None or (isinstance(dcp_version, str) and len(dcp_version) < 64),
+            "dcp_version")
     arrays = _parse_arrays(top["arrays"], codec)
-    tensors = _parse_tensors(top["tensors"], arrays)
+    tensors = _parse_tensors(top["tensors"] if entries is None else _from_entries(entries),
+                             arrays)
     blobs = _parse_blobs(top["blobs"], arrays)
     require(not set(tensors) & set(blobs), "an fqn is both a tensor and a non-tensor item")
     planner_data = _parse_planner_data(top["planner_data"])
-    return DcpIndex(world_size, codec, arrays, tensors, blobs, planner_data, version)
+    return DcpIndex(world_size, codec, arrays, tensors, blobs, planner_data, dcp_version)
+
+
+def _from_entries(raw: Any) -> dict[str, Any]:
+    """The manifest's ``tensors`` list of a DCP checkpoint, keyed by fqn in the version 1
+    index form (the common fields are checked against the tensor's own)."""
+    require(isinstance(raw, list) and len(raw) <= _MAX_ITEMS, "tensors must be a list")
+    out: dict[str, Any] = {}
+    for i, entry in enumerate(raw):
+        e = obj(entry, f"tensor {i}",
+                {"key", "torch_dtype", "shape", "numel", "requires_grad", "pieces"})
+        fqn = e["key"]
+        require(isinstance(fqn, str) and fqn not in out, f"tensor {i}: bad or repeated key")
+        shape = dims(e["shape"], f"tensor {i} shape")
+        require(type(e["numel"]) is int and e["numel"] == math.prod(shape),
+                f"tensor {i}: numel does not match its shape")
+        out[fqn] = {"dtype": e["torch_dtype"], "shape": e["shape"],
+                    "requires_grad": e["requires_grad"], "pieces": e["pieces"]}
+    return out
 
 
 def _parse_arrays(raw: Any, codec: str) -> dict[str, ArrayInfo]:

@@ -122,7 +122,7 @@ class Manifest:
             "codec": self.codec,
             "chunk_bytes": self.chunk_bytes,
             "arrays": {name: a.to_dict() for name, a in self.arrays.items()},
-            "tensors": [t.to_dict() for t in self.tensors.values()],
+            "tensors": self._tensors_doc(),
             "tree": self.tree,
             "logical_bytes": self.logical_bytes,
             "stored_bytes": self.stored_bytes,
@@ -138,13 +138,20 @@ class Manifest:
             "ascii"
         )
 
+    def _tensors_doc(self) -> list[dict[str, Any]]:
+        """The common tensor index: every tensor of every layout (a DCP checkpoint's tensors
+        with their pieces, from format 2 on)."""
+        if self.dcp is not None and self.format_version >= 2:
+            return self.dcp.tensor_entries()
+        return [t.to_dict() for t in self.tensors.values()]
+
     def _extra_doc(self) -> dict[str, Any]:
         """``extra`` as written: caller metadata plus the typed fields under their keys."""
         if self.dcp is None and not self.files and self.reencoded_from is None:
             return self.extra
         doc = dict(self.extra)
         if self.dcp is not None:
-            doc[DCP_INDEX_KEY] = self.dcp.to_json()
+            doc[DCP_INDEX_KEY] = self.dcp.to_json(1 if self.format_version == 1 else 2)
         if self.files:
             doc[FILES_KEY] = [f.to_list() for f in self.files]
         if self.reencoded_from is not None:

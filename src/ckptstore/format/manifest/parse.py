@@ -172,17 +172,21 @@ def _parse(doc: Any) -> ManifestFields:
     require(codec in codecs, f"codec must be one of {codecs}")
     chunk_bytes = int_in(doc["chunk_bytes"], "chunk_bytes", MIN_CHUNK_BYTES, MAX_CHUNK_BYTES)
     arrays = _parse_arrays(doc["arrays"], chunk_bytes, ckpt_id, version)
-    tensors = _parse_tensors(doc["tensors"], arrays)
+    extra = doc["extra"]
+    require(isinstance(extra, dict), "extra must be an object")
+    check_depth(extra, "extra", MAX_TREE_DEPTH)
+    # A format 2 DCP checkpoint lists its tensors (with their pieces) in the same index;
+    # the DCP index parses them against its arrays.
+    dcp_entries = version >= 2 and bool(extra.get(DCP_INDEX_KEY))
+    tensors = {} if dcp_entries else _parse_tensors(doc["tensors"], arrays)
     srcs = {o for a in arrays.values() for c in a.chunks for o in c.owners() if o is not None}
     require(
         (kind == "delta") == bool(srcs),
         "a delta must reference other checkpoints' chunks and a full checkpoint must not",
     )
     delta = _parse_delta(doc["delta"]) if doc.get("delta") is not None else None
-    extra = doc["extra"]
-    require(isinstance(extra, dict), "extra must be an object")
-    check_depth(extra, "extra", MAX_TREE_DEPTH)
-    extra, dcp, files, reencoded_from = _format_keys(extra, arrays)
+    extra, dcp, files, reencoded_from = _format_keys(
+        extra, arrays, doc["tensors"] if dcp_entries else None)
     metadata: dict[str, str] = {}
     metadata_ref: dict[str, str] = {}
     if version >= 2:
@@ -249,9 +253,12 @@ def _parse_metadata(
 
 
 def _format_keys(
-    extra: dict[str, Any], arrays: dict[str, ArrayEntry]
+    extra: dict[str, Any], arrays: dict[str, ArrayEntry], dcp_entries: Any
 ) -> tuple[dict[str, Any], DcpIndex | None, tuple[FileEntry, ...], str | None]:
     """Take the format's keys out of ``extra``, parsed: ``(rest, dcp, files, reencoded_from)``.
+
+    ``dcp_entries`` is the manifest's ``tensors`` list when it holds a DCP index's tensors
+    (format 2), else None.
 
     A key whose value carries nothing (null, an empty list or string: some callers wrote
     those as metadata) stays in ``extra`` as written, so the manifest re-serialises to the
@@ -263,7 +270,7 @@ def _format_keys(
         raw = rest.pop(DCP_INDEX_KEY)
         require(isinstance(raw, dict), "extra.dcp must be the DCP index object")
         # Raises its own IntegrityError, which names the DCP index.
-        dcp = DcpIndex.from_json(raw)
+        dcp = DcpIndex.from_json(raw, dcp_entries)
     files: tuple[FileEntry, ...] = ()
     if rest.get(FILES_KEY) is not None:
         files = _parse_files(rest[FILES_KEY], arrays)
