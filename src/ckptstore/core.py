@@ -37,6 +37,7 @@ from ckptstore.config import STORE_DIR_NAME, Settings, load_settings
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, StorageError
 from ckptstore.extras import missing_extra
 from ckptstore.format import KeyframeCache
+from ckptstore.identity import host
 from ckptstore.names import validate_name
 from ckptstore.observability.metrics import Metrics
 from ckptstore.records import Checkpoint, ReplicaState
@@ -338,8 +339,10 @@ class StoreCore:
 def check_store_identity(catalog: Catalog, hot: Path) -> None:
     """Make sure ``catalog`` and the hot tier at ``hot`` belong to the same store.
 
-    The catalog records a store id and the hot tier it was last opened with; the hot tier
-    records the store id in ``.ckptstore.json``. On open:
+    The catalog records a store id and, per host (:func:`ckptstore.identity.host`), the hot
+    tier it was last opened with there; the hot tier records the store id in
+    ``.ckptstore.json``. Each node of a cluster has a hot tier of its own, so only this
+    host's record counts. On open:
 
     * both recorded, same id: the store (a hot tier found at a new path was moved: recorded);
     * both recorded, different ids: refused;
@@ -360,9 +363,9 @@ def check_store_identity(catalog: Catalog, hot: Path) -> None:
             catalog belongs to (or which catalog the hot tier does) and what to do.
         StorageError: If the marker cannot be read or written.
     """
-    here = str(hot)
+    here, on = str(hot), host()
     for _attempt in range(3):
-        ident = catalog.store_identity()
+        ident = catalog.store_identity(on)
         marker = read_store_marker(hot)
         if ident is not None:
             if marker is None:
@@ -377,7 +380,7 @@ def check_store_identity(catalog: Catalog, hot: Path) -> None:
             if ident.hot_tier != here:
                 logger.info("store %s: hot tier recorded at %s, now at %s", ident.store_id,
                             ident.hot_tier or "-", here)
-                catalog.set_store_hot_tier(here)
+                catalog.set_store_hot_tier(here, on)
             return
         if marker is not None:
             if marker.catalog is not None and marker.catalog != catalog.url:
@@ -387,7 +390,7 @@ def check_store_identity(catalog: Catalog, hot: Path) -> None:
             if catalog.is_empty() and _holds_checkpoints(hot):
                 raise ConfigError(_orphaned_hot(catalog.url, hot))
             store_id = str(uuid.uuid4())
-        claimed = catalog.claim_store_identity(store_id, here)
+        claimed = catalog.claim_store_identity(store_id, here, on)
         if claimed.store_id == store_id and claimed.hot_tier == here:
             if marker is None:
                 written = write_store_marker(hot, StoreMarker(store_id, catalog.url))

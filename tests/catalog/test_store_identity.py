@@ -155,6 +155,31 @@ def test_a_moved_hot_tier_is_followed(tmp_path: Path) -> None:
         assert store.load("r@latest")["w"][0] == 1.0
 
 
+def test_each_host_has_a_hot_tier_of_its_own(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster's nodes share the catalog, each with its own disk. Simulated on one machine,
+    every node's disk is visible, which must not make a new node's empty disk "another
+    store's": only what this host recorded counts."""
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    disks = {n: tmp_path / f"nvme-{n}" for n in ("node-a", "node-b")}
+    for node, disk in disks.items():
+        monkeypatch.setenv("CKPT_HOST", node)
+        with CheckpointStore.open(tmp_path / node, hot=str(disk), catalog_url=url) as store:
+            store.save(node, 1, _state(1))
+            ident = store.catalog.store_identity(node)
+            assert ident is not None and ident.hot_tier == str(disk)
+    markers = {json.loads((d / MARKER).read_bytes())["store_id"] for d in disks.values()}
+    assert len(markers) == 1
+    # Node A with a new, empty disk while its recorded one still holds the marker: refused.
+    monkeypatch.setenv("CKPT_HOST", "node-a")
+    with pytest.raises(ConfigError, match=str(disks["node-a"])):
+        CheckpointStore.open(tmp_path / "node-a", hot=str(tmp_path / "new"), catalog_url=url)
+    assert not (tmp_path / "new" / MARKER).exists()
+    with Catalog(url) as cat:
+        assert cat.store_identity("node-b").hot_tier == str(disks["node-b"])  # type: ignore[union-attr]
+        assert cat.store_identity("node-c").hot_tier == ""  # type: ignore[union-attr]
+
+
 def test_stores_from_before_store_ids_are_adopted(empty_url: str, tmp_path: Path) -> None:
     root = tmp_path / "old"
     migrate.upgrade(empty_url, PREVIOUS)
@@ -224,6 +249,11 @@ def test_store_meta_migration_round_trip(empty_url: str) -> None:
         assert cat.claim_store_identity(str(uuid.uuid4()), "/hot/b").store_id == sid
         cat.set_store_hot_tier("/hot/c")
         assert cat.store_identity().hot_tier == "/hot/c"  # type: ignore[union-attr]
+        # No per-host record yet: the store-wide one stands for every host.
+        assert cat.store_identity("h1").hot_tier == "/hot/c"  # type: ignore[union-attr]
+        cat.set_store_hot_tier("/hot/h1", "h1")
+        assert cat.store_identity("h1").hot_tier == "/hot/h1"  # type: ignore[union-attr]
+        assert cat.store_identity("h2").hot_tier == ""  # type: ignore[union-attr]
     migrate.downgrade(empty_url, PREVIOUS)
     assert migrate.current(empty_url) == PREVIOUS
     with Catalog(empty_url) as cat:  # upgrades again: the rows are gone, the runs are not

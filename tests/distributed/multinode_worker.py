@@ -103,7 +103,9 @@ def scenario_save(out: Path, rank: int, ws: int) -> dict[str, Any]:
     shared = out / "sqlite-store"
     if rank != 0:
         dist.barrier()
-    with CheckpointStore.open(shared, catalog_url=f"sqlite:///{shared}/catalog.db") as store:
+    # Its own hot tier: this node's CKPT_HOT belongs to the PostgreSQL store (refused).
+    with CheckpointStore.open(shared, catalog_url=f"sqlite:///{shared}/catalog.db",
+                              hot=str(shared / "hot")) as store:
         if rank == 0:
             dist.barrier()
         try:

@@ -90,15 +90,17 @@ class Cluster:
         return data
 
     @contextlib.contextmanager
-    def node(self, node: str, **overrides: Any) -> Iterator[CheckpointStore]:
-        """This test process acting as ``node`` (its host name and its own hot directory)."""
+    def node(self, node: str, *, host: str | None = None,
+             **overrides: Any) -> Iterator[CheckpointStore]:
+        """This test process acting as ``node`` (its host name and its own hot directory),
+        or as another ``host`` configured like it."""
         saved = os.environ.get("CKPT_HOST")
-        os.environ["CKPT_HOST"] = node
+        os.environ["CKPT_HOST"] = host or node
         try:
             options = {"catalog_url": self.catalog_url, "hot": str(self.hot[node]),
                        "warm": self.warm, "storage_options": {"endpoint_url": self.endpoint}}
             options.update(overrides)
-            with CheckpointStore.open(self.tmp / f"root-{node}", **options) as store:
+            with CheckpointStore.open(self.tmp / f"root-{host or node}", **options) as store:
                 yield store
         finally:
             if saved is None:
@@ -141,7 +143,13 @@ def _launch(cluster: Cluster, scenario: str, nodes: list[str], nproc: int, *,
             log.close()
     tails = "\n".join(
         f"--- {n}\n" + (cluster.tmp / f"{scenario}-{n}.log").read_text()[-3000:] for n in nodes)
-    assert codes == [0] * len(nodes), tails
+    # A rank that failed first leaves the others waiting in a collective: its report (not
+    # the others' timeouts in the log tails) says why.
+    failed = "\n".join(
+        f"--- {path.name}\n{json.loads(path.read_text()).get('trace')}"
+        for path in sorted(cluster.out.glob(f"{scenario}-ws*-rank*.json"))
+        if not json.loads(path.read_text()).get("ok"))
+    assert codes == [0] * len(nodes), f"{failed}\n{tails}"
 
 
 @pytest.fixture(scope="module")
@@ -457,14 +465,16 @@ def test_restore_gathers_every_part_on_one_node(
         assert _worker_helpers()._same(store.load(mn1), refs["mn1"]) == []
 
 
-def _one_rank_per_node(cluster: Cluster, scenario: str,
+def _one_rank_per_node(cluster: Cluster, scenario: str, hosts: tuple[str, ...] = NODES,
                        **extra: str) -> list[subprocess.Popen[str]]:
     """One plain process per node (world size 2), without torchrun's agents: a rank that
-    dies then leaves the survivor running, as on a real cluster whose node crashed."""
+    dies then leaves the survivor running, as on a real cluster whose node crashed.
+    ``hosts`` names the nodes (other names than ``NODES``: nodes without a hot directory)."""
     port = _free_port()
     procs = []
-    for rank, node in enumerate(NODES):
+    for rank, (node, name) in enumerate(zip(NODES, hosts, strict=True)):
         env = cluster.env(node)
+        env.update(CKPT_HOST=name, CKPT_ROOT=str(cluster.tmp / f"root-{name}"))
         env.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
                    GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    **extra)
@@ -484,28 +494,32 @@ def _one_rank_per_node(cluster: Cluster, scenario: str,
     return procs
 
 
+DISKLESS = ("diskless-a", "diskless-b")
+
+
 def test_ranks_without_local_disk_upload_their_shards_straight_to_s3(cluster: Cluster) -> None:
     hot = cluster.warm.rsplit("/", 1)[0] + "/hot"
-    procs = _one_rank_per_node(cluster, "s3hot", CKPT_HOT=hot)
+    procs = _one_rank_per_node(cluster, "s3hot", DISKLESS, CKPT_HOT=hot)
     for p in procs:
         assert p.returncode == 0, p.stderr.read() if p.stderr else ""
     reports = [cluster.report("s3hot", 2, rank) for rank in (0, 1)]
     for report in reports:
         assert report["diffs"] == {"shard0": [], "shard1": []}
     ckpt_id = reports[0]["id"]
-    with cluster.node("node-c", hot=hot) as store:
+    with cluster.node("node-c", host="diskless-c", hot=hot) as store:
         ck = store.get(ckpt_id)
-        assert ck.hosts == NODES
+        assert ck.hosts == DISKLESS
         assert ck.replica("hot").uri.startswith(hot)  # type: ignore[union-attr]
         parts = store.catalog.parts(ckpt_id, "hot")
         assert {(p.part, p.stored_on, p.state) for p in parts} == {
-            (n, None, ReplicaState.PRESENT) for n in NODES}
+            (n, None, ReplicaState.PRESENT) for n in DISKLESS}
         tier = store.tier("hot")
         keys = tier.list_prefix(tier.prefix_for("direct", ckpt_id))
         groups = {k.split("/")[3] for k in keys
                   if k.split("/")[2] == "dcp_ranks" and len(k.split("/")) > 4}
         assert groups == {"r0", "r1"}  # one key prefix per rank
-        assert not any(p.exists() for p in cluster.hot.values() if (p / "direct").exists())
+        assert not any((cluster.tmp / f"root-{n}" / "hot" / "direct").exists()
+                       for n in DISKLESS)
         expected = torch.load(cluster.out / "s3hot.pt", weights_only=True)
         assert _worker_helpers()._same(store.load(ckpt_id), expected) == []
         with pytest.raises(ConfigError, match="only distributed saves"):
