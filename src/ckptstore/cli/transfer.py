@@ -211,6 +211,10 @@ def verify_cmd(
 ) -> None:
     """Re-hash replicas; mark damaged ones DAMAGED and repair them from another replica.
 
+    Exit status 1 when a damaged replica is left (not repaired, or --no-repair). Each
+    array's zarr.json is checked against the manifest's digests too: a changed document
+    misleads plain Zarr readers even when every chunk is intact.
+
     With --signature --pubkey P: refuse (exit 1) unless REF is signed by that key and its
     data still matches the signed manifest digest.
 
@@ -249,7 +253,7 @@ def verify_cmd(
             err_console.print(f"damaged {name}: {'; '.join(problems[:3])}", markup=False)
         for name, why in report.unrepaired.items():
             err_console.print(f"NOT repaired {name}: {why}", markup=False)
-    if report.unrepaired:
+    if not report.clean:  # damage left behind, repaired or not tried (--no-repair)
         raise typer.Exit(1)
 
 
