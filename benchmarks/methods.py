@@ -265,7 +265,7 @@ class CkptstoreMethod(Method):
         self._ref = None
 
 
-CODECS = ("none", "lz4", "zstd-1", "zstd-3")
+CODECS = ("auto", "none", "lz4", "zstd-1", "zstd-3")
 
 
 def all_methods() -> list[Method]:

@@ -125,7 +125,7 @@ class GPTModel(nn.Module):
 TrainState = dict[str, Any]
 
 
-def build_state(preset: str = "gpt2-small", *, seed: int = 0) -> TrainState:
+def build_state(preset: str = "gpt2-small", *, seed: int = 0, mixed: bool = False) -> TrainState:
     """Build ``{"model": ..., "optimizer": ...}`` after one real AdamW training step.
 
     One forward/backward pass on a small random batch fills every gradient, so AdamW creates
@@ -134,6 +134,9 @@ def build_state(preset: str = "gpt2-small", *, seed: int = 0) -> TrainState:
     Args:
         preset: A key of :data:`PRESETS`.
         seed: Seed for the weights and the batch.
+        mixed: Mixed-precision training's state instead: the model's weights in bf16, fp32
+            master weights under ``"master"`` and fp32 moments (GPT-2 small: 1.74 GB, a
+            quarter of its tensors bf16).
 
     Returns:
         The training state; its tensors are the model's parameters and the optimizer's state.
@@ -153,7 +156,11 @@ def build_state(preset: str = "gpt2-small", *, seed: int = 0) -> TrainState:
     opt.zero_grad(set_to_none=True)
     with torch.no_grad():
         model_state = {k: v.detach() for k, v in model.state_dict().items()}
-    return {"model": model_state, "optimizer": opt.state_dict()}
+    if not mixed:
+        return {"model": model_state, "optimizer": opt.state_dict()}
+    master = {k: v.clone() for k, v in model_state.items()}
+    bf16 = {k: v.to(torch.bfloat16) for k, v in model_state.items()}
+    return {"model": bf16, "master": master, "optimizer": opt.state_dict()}
 
 
 def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:

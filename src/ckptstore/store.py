@@ -73,7 +73,7 @@ class CheckpointStore(StoreCore):
             metrics: Finite numbers recorded with the checkpoint (queryable).
             tags: Labels for filtering.
             parent: Reference of the checkpoint this run was resumed or fine-tuned from.
-            codec: Codec preset (default from the settings, ``lz4``).
+            codec: Codec preset (default from the settings: ``auto``, chosen per array).
             experiment: Experiment to file the run under (on first save of the run).
             progress: Called with the number of bytes written after each chunk.
             delta: How the save is encoded against ``base`` (default: the ``delta``

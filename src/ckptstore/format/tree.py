@@ -142,31 +142,46 @@ def validate_tree(tree: Any, tensor_dtypes: Mapping[str, str]) -> None:
     _validate_node(tree, "", 0, tensor_dtypes)
 
 
-def _validate_node(node: Any, path: str, depth: int, tensor_dtypes: Mapping[str, str]) -> None:
+#: A node's path: the string, or (parent path, key) joined only when a message or a child
+#: container needs it (joining every leaf's path cost as much as the checks themselves).
+_Path = str | tuple[str, Any]
+
+
+def _joined(path: _Path) -> str:
+    return path if isinstance(path, str) else join_key(*path)
+
+
+def _where(path: _Path) -> str:
+    """The path for a message."""
+    return _joined(path) or "<root>"
+
+
+def _validate_node(node: Any, at: _Path, depth: int, tensor_dtypes: Mapping[str, str]) -> None:
     if node is None or isinstance(node, bool | str):
         return
     if isinstance(node, int):
         if not INT_MIN <= node <= INT_MAX:
-            raise Invalid(f"tree {path or '<root>'}: plain int out of range")
+            raise Invalid(f"tree {_where(at)}: plain int out of range")
         return
     if isinstance(node, float):
         if not math.isfinite(node):
-            raise Invalid(f"tree {path or '<root>'}: non-finite float must be tagged")
+            raise Invalid(f"tree {_where(at)}: non-finite float must be tagged")
         return
     if not isinstance(node, dict):
-        raise Invalid(f"tree {path or '<root>'}: unexpected JSON {type(node).__name__}")
+        raise Invalid(f"tree {_where(at)}: unexpected JSON {type(node).__name__}")
     tag = node.get("t")
     if not isinstance(tag, str) or tag not in TREE_TAGS:
-        raise Invalid(f"tree {path or '<root>'}: unknown node tag {short(tag, 80)}")
+        raise Invalid(f"tree {_where(at)}: unknown node tag {short(tag, 80)}")
     if set(node) != _EXACT_FIELDS[tag]:
-        raise Invalid(f"tree {path or '<root>'}: node {tag!r} has fields {sorted(node)}")
-    where = path or "<root>"
+        raise Invalid(f"tree {_where(at)}: node {tag!r} has fields {sorted(node)}")
     if tag in CONTAINER_TAGS:
+        path = _joined(at)
         if depth >= MAX_TREE_DEPTH:
-            raise Invalid(f"tree {where}: nested deeper than {MAX_TREE_DEPTH} containers")
+            raise Invalid(f"tree {path or '<root>'}: nested deeper than {MAX_TREE_DEPTH} "
+                          "containers")
         _validate_container(node, tag, path, depth, tensor_dtypes)
         return
-    _validate_leaf(node, tag, where, tensor_dtypes)
+    _validate_leaf(node, tag, at, tensor_dtypes)
 
 
 def _validate_container(
@@ -191,21 +206,21 @@ def _validate_container(
         if len({(type(k), repr(k)) for k in decoded}) != len(decoded):
             raise Invalid(f"tree {path or '<root>'}: duplicate dict keys")
         for key, child in zip(decoded, values, strict=True):
-            _validate_node(child, join_key(path, key), depth + 1, tensor_dtypes)
+            _validate_node(child, (path, key), depth + 1, tensor_dtypes)
     else:
         for index, child in enumerate(values):
-            _validate_node(child, join_key(path, index), depth + 1, tensor_dtypes)
+            _validate_node(child, (path, index), depth + 1, tensor_dtypes)
 
 
 def _validate_leaf(
-    node: dict[str, Any], tag: str, where: str, tensor_dtypes: Mapping[str, str]
+    node: dict[str, Any], tag: str, at: _Path, tensor_dtypes: Mapping[str, str]
 ) -> None:
     if tag in ("tensor", "ndarray"):
         key = node["key"]
         if not isinstance(key, str) or key not in tensor_dtypes:
-            raise Invalid(f"tree {where}: reference to unknown tensor {short(key, 80)}")
+            raise Invalid(f"tree {_where(at)}: reference to unknown tensor {short(key, 80)}")
         if tag == "ndarray" and tensor_dtypes[key] not in _NUMPY_NATIVE:
-            raise Invalid(f"tree {where}: ndarray of dtype {tensor_dtypes[key]}")
+            raise Invalid(f"tree {_where(at)}: ndarray of dtype {tensor_dtypes[key]}")
         return
     value = node.get("v")
     ok: bool
@@ -237,7 +252,7 @@ def _validate_leaf(
             and _is_hex(value)
         )
     if not ok:
-        raise Invalid(f"tree {where}: malformed {tag!r} node {short(node, 80)}")
+        raise Invalid(f"tree {_where(at)}: malformed {tag!r} node {short(node, 80)}")
 
 
 _NUMPY_NATIVE = frozenset(NUMPY_NATIVE_DTYPES)

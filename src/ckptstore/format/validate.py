@@ -85,29 +85,30 @@ def short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# The checks below build their message only when they fail: a manifest of thousands of
+# tensors runs them tens of thousands of times in a process that just started (a restore
+# after a crash), where formatting a message per check cost more than the checks.
+
+
 def int_in(value: Any, what: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
     """``value`` as an int in ``[lo, hi]`` (a bool is not an int here)."""
-    require(
-        isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi,
-        f"{what} must be an int in [{lo}, {hi}], got {short(value)}",
-    )
-    return int(value)
+    if type(value) is not int or not lo <= value <= hi:  # bool and subclasses refused
+        raise Invalid(f"{what} must be an int in [{lo}, {hi}], got {short(value)}")
+    return value
 
 
 def str_max(value: Any, what: str, max_len: int) -> str:
     """``value`` as a string of at most ``max_len`` characters."""
-    require(
-        isinstance(value, str) and len(value) <= max_len,
-        f"{what} must be a string of at most {max_len} characters",
-    )
-    return str(value)
+    if type(value) is not str or len(value) > max_len:
+        raise Invalid(f"{what} must be a string of at most {max_len} characters")
+    return value
 
 
 def hex_digest(value: Any, what: str) -> str:
     """``value`` as a lower-case hex blake3 digest."""
-    require(isinstance(value, str) and bool(_BLAKE3_HEX.match(value)),
-            f"{what}: blake3 must be 64 hex digits")
-    return str(value)
+    if type(value) is not str or not _BLAKE3_HEX.match(value):
+        raise Invalid(f"{what}: blake3 must be 64 hex digits")
+    return value
 
 
 def obj(value: Any, what: str, fields: Iterable[str]) -> dict[str, Any]:

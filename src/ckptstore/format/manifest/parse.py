@@ -473,39 +473,58 @@ def _parse_tensors(raw: Any, arrays: dict[str, ArrayEntry]) -> dict[str, TensorE
     require(len(raw) <= MAX_TENSORS, f"more than {MAX_TENSORS} tensors")
     tensors: dict[str, TensorEntry] = {}
     for entry in raw:
-        require(isinstance(entry, dict) and set(entry) == _TENSOR_FIELDS, "tensor: bad fields")
+        # Every check is a plain condition; the message (naming the tensor) is built only
+        # for the one that fails: this loop runs once per tensor of a fresh process's
+        # first read, which docs/FORMAT.md keeps fast.
+        if type(entry) is not dict or entry.keys() != _TENSOR_FIELDS:
+            raise Invalid("tensor: bad fields")
         key = str_max(entry["key"], "tensor key", _MAX_KEY_CHARS)
-        where = f"tensor {key!r}"
-        require(key not in tensors, f"{where}: listed twice")
-        array = arrays.get(entry["array"]) if isinstance(entry["array"], str) else None
-        require(array is not None, f"{where}: unknown array {short(entry['array'])}")
+        name, shape_raw = entry["array"], entry["shape"]
+        array = arrays.get(name) if type(name) is str else None
+        problem = _tensor_problem(entry, key, tensors, array, shape_raw)
+        if problem:
+            raise Invalid(f"tensor {key!r}: {problem}")
         assert array is not None
-        require(
-            entry["torch_dtype"] == array.torch_dtype, f"{where}: dtype differs from its array"
-        )
-        shape_raw = entry["shape"]
-        require(
-            isinstance(shape_raw, list) and len(shape_raw) <= MAX_DIMS,
-            f"{where}: shape must be a list of at most {MAX_DIMS} dims",
-        )
-        shape = tuple(int_in(d, f"{where}: shape", 0, MAX_ELEMENTS) for d in shape_raw)
-        numel = int_in(entry["numel"], f"{where}: numel", 0, MAX_ELEMENTS)
-        product = 1
-        for dim in shape:
-            product *= dim
-            # Bail out early so a hostile shape cannot make us multiply huge ints.
-            require(product <= MAX_ELEMENTS, f"{where}: shape has too many elements")
-        require(product == numel, f"{where}: numel {numel} != product of shape {shape}")
-        offset = int_in(entry["offset"], f"{where}: offset", 0, MAX_ELEMENTS)
-        require(offset + numel <= array.length, f"{where}: lies outside array {array.name}")
-        span = chunk_span(offset, numel, array.chunk_len)
-        require(
-            (entry["chunk_start"], entry["chunk_stop"]) == span,
-            f"{where}: chunk range does not match its offset",
-        )
-        tensors[key] = TensorEntry(key, array.name, offset, numel, shape, array.torch_dtype, *span)
+        shape = tuple(shape_raw)
+        numel, offset = entry["numel"], entry["offset"]
+        span = (entry["chunk_start"], entry["chunk_stop"])
+        tensors[key] = TensorEntry(key, array.name, offset, numel, shape, array.torch_dtype,
+                                   *span)
     _check_disjoint(tensors)
     return tensors
+
+
+def _tensor_problem(entry: dict[str, Any], key: str, seen: dict[str, TensorEntry],
+                    array: ArrayEntry | None, shape_raw: Any) -> str:
+    """What is wrong with one tensor entry, or ``""``."""
+    if key in seen:
+        return "listed twice"
+    if array is None:
+        return f"unknown array {short(entry['array'])}"
+    if entry["torch_dtype"] != array.torch_dtype:
+        return "dtype differs from its array"
+    if type(shape_raw) is not list or len(shape_raw) > MAX_DIMS:
+        return f"shape must be a list of at most {MAX_DIMS} dims"
+    product = 1
+    for dim in shape_raw:
+        if type(dim) is not int or not 0 <= dim <= MAX_ELEMENTS:
+            return f"shape must hold ints in [0, {MAX_ELEMENTS}], got {short(dim)}"
+        product *= dim
+        # Bail out early so a hostile shape cannot make us multiply huge ints.
+        if product > MAX_ELEMENTS:
+            return "shape has too many elements"
+    numel, offset = entry["numel"], entry["offset"]
+    for field, value in (("numel", numel), ("offset", offset)):
+        if type(value) is not int or not 0 <= value <= MAX_ELEMENTS:
+            return f"{field} must be an int in [0, {MAX_ELEMENTS}], got {short(value)}"
+    if product != numel:
+        return f"numel {numel} != product of shape {tuple(shape_raw)}"
+    if offset + numel > array.length:
+        return f"lies outside array {array.name}"
+    if (entry["chunk_start"], entry["chunk_stop"]) != chunk_span(offset, numel,
+                                                                  array.chunk_len):
+        return "chunk range does not match its offset"
+    return ""
 
 
 def _check_disjoint(tensors: dict[str, TensorEntry]) -> None:
