@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.postgres, pytes
 
 POOL = "ckpt-multinode"
 NODES = ("node-a", "node-b")
-WORKER = Path(__file__).parents[1] / "distributed" / "multinode_worker.py"
+WORKER = Path(__file__).parents[1] / "ops" / "dcp" / "multinode_worker.py"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
