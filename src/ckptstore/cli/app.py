@@ -4,6 +4,10 @@ Exit codes: 0 success, 1 the operation failed (the message says why and what to 
 2 bad usage (unknown option, missing argument). With ``--json`` every command prints one JSON
 document on stdout, a failure included: ``{"error": {"type": ..., "message": ...}}`` with the
 same exit code.
+
+This module is the command's root: global options, error handling and the query and
+management commands; commands with a theme of their own live in the sibling modules and are
+registered here.
 """
 
 from __future__ import annotations

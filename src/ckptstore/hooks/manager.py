@@ -6,6 +6,9 @@ pins, prunes the run's hot tier, runs the user's ``on_commit`` hooks and trigger
 flow, all on the background save thread. On SIGTERM (preemption) it makes a final save at the
 next ``step()`` and exits once that save is committed.
 
+One class, kept whole: the ordering between its parts (staging, the background commit, pins,
+pruning, hooks, SIGTERM) is what it is for.
+
 Example:
     >>> store = CheckpointStore.open("./ckpt")                        # doctest: +SKIP
     >>> mgr = CheckpointManager(store, "run-a", save_interval=100, keep_last=3)  # doctest: +SKIP

@@ -71,6 +71,9 @@ Mapping of the ``Trainer``'s options:
 Limits: one process only (``world_size == 1``); DeepSpeed, FSDP and ``push_to_hub`` need
 the ``Trainer``'s own folders: use :class:`~ckptstore.integrations.hf.CkptStoreCallback`
 there.
+
+One class and its helpers: each override mirrors one of the ``Trainer``'s checkpoint
+methods, and they only make sense together.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ by :mod:`ckptstore.ops.reencode` as a self-contained copy whose chunks use the a
 with a manifest of its own whose digest the replica row records
 (:attr:`~ckptstore.records.Replica.manifest_digest`). Demote copies whatever the source copy
 is, re-encoded or not, as is, with its digest.
+
+One module because archive, per-part archive and demote are one transaction with one set of
+rules (lease, copy, verify, record, then maybe delete); re-encoding lives apart.
 """
 
 from __future__ import annotations

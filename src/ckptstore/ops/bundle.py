@@ -26,6 +26,9 @@ records), duplicates and unexpected files; it bounds the member count and checks
 the Ed25519 signature. Files are then written one by one with exclusive, no-follow creates
 (never ``tarfile.extract``), every chunk is re-hashed, the Zarr metadata must be what the
 manifest implies, and only then is the commit marker written and the catalog row committed.
+
+Export and import stay in one module, long as it is: they are the two sides of one file
+format, and every rule the importer checks is a property the exporter writes.
 """
 
 from __future__ import annotations

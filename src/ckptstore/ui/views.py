@@ -3,6 +3,9 @@
 Shared by the live app and the static report: a view function takes the store and a
 :class:`Links` (how to link to another page) and returns a dict the templates render. Views
 only read; nothing here changes the catalog or the tiers.
+
+One function per page, all here: each is short, and together they are the one place that
+says what the browser shows.
 """
 
 from __future__ import annotations
