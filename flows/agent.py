@@ -11,6 +11,9 @@ agent of a host:
 2. makes sure the pool has this host's queue;
 3. runs ``prefect worker start --pool P --work-queue <host>`` as a child process, so this
    host runs exactly the flow runs queued for it, in subprocesses that know their host;
+   with ``shared_hot`` (nodes that mount one hot tier: a volume, NFS) the worker also pulls
+   the pool's ``default`` queue, where every other run lands (schedules, checkpoints saved
+   by one process), since any such node can do that work;
 4. records a heartbeat for the host in the catalog every ``interval_s`` (``ckpt doctor``
    reports parts on hosts silent for longer than ``host_timeout_s``), and every
    ``maintenance_s`` runs this host's gc: its parts of pruned checkpoints and the files of
@@ -42,10 +45,12 @@ from ckptstore.store import CheckpointStore
 if TYPE_CHECKING:
     from ckptstore.config import Settings
 
-__all__ = ["ensure_work_queue", "run_agent", "worker_command"]
+__all__ = ["DEFAULT_QUEUE", "ensure_work_queue", "run_agent", "worker_command"]
 
 logger = logging.getLogger(__name__)
 
+#: The work queue every process work pool has, where runs without a queue of their own land.
+DEFAULT_QUEUE = "default"
 #: How long the worker gets to stop after SIGINT before it is killed.
 _STOP_S = 15.0
 
@@ -74,19 +79,23 @@ def ensure_work_queue(pool: str, queue: str) -> None:
             logger.info("created work queue %s in work pool %s", queue, pool)
 
 
-def worker_command(pool: str, queue: str) -> list[str]:
-    """The ``prefect worker`` command line serving one host's queue."""
+def worker_command(pool: str, queue: str, *, shared_hot: bool = False) -> list[str]:
+    """The ``prefect worker`` command line serving one host's queue (and, with
+    ``shared_hot``, the pool's default queue too)."""
+    queues = [queue, DEFAULT_QUEUE] if shared_hot and queue != DEFAULT_QUEUE else [queue]
     return [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool,
-            "--work-queue", queue, "--type", "process", "--name", f"ckpt-agent-{queue}"]
+            *(arg for q in queues for arg in ("--work-queue", q)), "--type", "process",
+            "--name", f"ckpt-agent-{queue}"]
 
 
 @contextlib.contextmanager
-def _worker(pool: str, queue: str) -> Iterator[subprocess.Popen[bytes]]:
+def _worker(pool: str, queue: str, shared_hot: bool) -> Iterator[subprocess.Popen[bytes]]:
     env = dict(os.environ)
     # The flow runs this worker starts must know they run on this host, whatever its
     # hostname says (one simulated node per value on a single machine, stable names).
     env[HOST_ENV] = queue
-    proc = subprocess.Popen(worker_command(pool, queue), env=env, start_new_session=True)
+    proc = subprocess.Popen(worker_command(pool, queue, shared_hot=shared_hot), env=env,
+                            start_new_session=True)
     try:
         yield proc
     finally:
@@ -125,6 +134,7 @@ def run_agent(
     interval_s: float = 30.0,
     maintenance_s: float = 300.0,
     deploy: bool = True,
+    shared_hot: bool = False,
     stop: threading.Event | None = None,
 ) -> int:
     """Serve this host's work queue until stopped; see the module docstring.
@@ -135,6 +145,8 @@ def run_agent(
         interval_s: Seconds between heartbeats.
         maintenance_s: Seconds between two runs of this host's gc.
         deploy: Register the deployments on the pool first.
+        shared_hot: This node mounts the hot tier every node mounts: also serve the pool's
+            default queue.
         stop: Set it to stop the agent (SIGINT and SIGTERM set it too, on the main thread).
 
     Returns:
@@ -156,9 +168,10 @@ def run_agent(
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-    logger.info("agent %s serving work queue %s of pool %s", name, name, pool)
+    logger.info("agent %s serving work queue %s%s of pool %s", name, name,
+                f" and {DEFAULT_QUEUE}" if shared_hot else "", pool)
     last_maintenance = 0.0
-    with _worker(pool, name) as worker:
+    with _worker(pool, name, shared_hot) as worker:
         while not stop.is_set():
             now = time.monotonic()
             maintain = now - last_maintenance >= maintenance_s

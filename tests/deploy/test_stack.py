@@ -11,8 +11,9 @@ session's loopback services), against real services:
 * the session's real ``prefect server start``, started through prefect-server.sh
   (``real_prefect_server`` in tests/conftest.py; one server for every test that needs one).
 
-Then: db-upgrade.sh; two agent.sh processes (``ckpt serve --pool`` then a process worker) as
-two nodes with their own ``CKPT_HOST`` and PREFECT_HOME; ui.sh; trainer.sh, which trains a
+Then: db-upgrade.sh; two agent.sh processes (``ckpt agent --shared-hot``: the deployments, a
+worker on the node's own queue and the pool's default one, heartbeats) as two nodes with
+their own ``CKPT_HOST`` and PREFECT_HOME; ui.sh; trainer.sh, which trains a
 tiny model, saves checkpoints and triggers one archive run per checkpoint through the server;
 the agents' flow runs copy them to the warm tier (warm replica PRESENT in the catalog); then
 an operator's ``ckpt prune`` and ``ckpt restore``; and the UI answers on its index.
@@ -274,7 +275,8 @@ def test_compose_topology_as_processes(
         lap("trainer.sh")
         deadline = time.monotonic() + 90
         online = _online_workers(api)
-        while not set(NODES.values()) <= online:
+        workers = {f"ckpt-agent-{h}" for h in NODES.values()}  # `ckpt agent` names them
+        while not workers <= online:
             agents_alive()
             if time.monotonic() > deadline:
                 pytest.fail(f"workers online after 90 s: {online}\n{_tail(logs)}")
@@ -287,6 +289,10 @@ def test_compose_topology_as_processes(
         )
         saved = store.list(run=RUN, order_by="step")
         assert [ck.step for ck in saved] == [10, 20, 30]
+        # Each agent records its node's heartbeat (`ckpt doctor` reports nodes gone silent);
+        # node-b never saves, so only its agent can have recorded it.
+        seen = {h.name: h.role for h in store.catalog.hosts()}
+        assert set(NODES.values()) <= set(seen) and seen["node-b"] == "agent", seen
         deadline = time.monotonic() + 150
         while True:
             fresh = [store.catalog.get_any(ck.id) for ck in saved]

@@ -244,3 +244,14 @@ def test_each_agent_prunes_its_own_parts(nodes: Nodes) -> None:
         else:
             pytest.fail(f"node B's agent did not prune its part: {hot}\n" + _tail(nodes))
     assert not (nodes.hot["node-b"] / "agents" / nodes.ckpt_id).exists()
+
+
+def test_an_agent_on_a_shared_hot_tier_also_serves_the_default_queue() -> None:
+    from ckptstore.flows.agent import worker_command
+
+    own = worker_command("pool", "node-a")
+    assert own[own.index("--work-queue") + 1] == "node-a" and own.count("--work-queue") == 1
+    shared = worker_command("pool", "node-a", shared_hot=True)
+    queues = [shared[i + 1] for i, arg in enumerate(shared) if arg == "--work-queue"]
+    assert queues == ["node-a", "default"]
+    assert shared[shared.index("--name") + 1] == "ckpt-agent-node-a"

@@ -452,6 +452,13 @@ def agent_cmd(
     deploy: Annotated[
         bool, typer.Option(help="Register the deployments on the pool first.")
     ] = True,
+    shared_hot: Annotated[
+        bool,
+        typer.Option("--shared-hot",
+                     help="This node mounts the same hot tier as the others (one volume, "
+                          "NFS): also run the pool's default queue (schedules, checkpoints "
+                          "saved by a single process), which any such node can do."),
+    ] = False,
 ) -> None:
     """Serve this node's work queue: run one per node of a cluster without shared disks.
 
@@ -469,7 +476,7 @@ def agent_cmd(
     from ckptstore.flows.agent import run_agent
 
     code = run_agent(ctx.obj.settings(), pool, interval_s=interval,
-                     maintenance_s=maintenance_interval, deploy=deploy)
+                     maintenance_s=maintenance_interval, deploy=deploy, shared_hot=shared_hot)
     if code:
         raise typer.Exit(code)
 
