@@ -60,8 +60,8 @@ class Catalog(
           :meth:`commit_parted`, :meth:`set_part`, :meth:`complete_parts`, :meth:`parts`,
           :meth:`parts_on`, :meth:`part_ranks`, :meth:`manifest_bytes`,
           :meth:`forget_parts`, :meth:`part_usage`, :meth:`heartbeat`, :meth:`hosts`;
-        * thaws of archival copies: :meth:`record_thaw`, :meth:`finish_thaw`,
-          :meth:`get_thaw`, :meth:`thaws`.
+        * thaws of archival copies: :meth:`record_thaw`, :meth:`thaw_ready`,
+          :meth:`finish_thaw`, :meth:`get_thaw`, :meth:`thaws`.
 
     Args:
         url: ``sqlite:///path/catalog.db`` (the parent directory is created) or

@@ -96,6 +96,22 @@ class ThawsMixin(CatalogCore):
             s.flush()
             return _record(row)
 
+    def thaw_ready(self, ckpt_id: str, tier: str) -> Thaw | None:
+        """Record that every object of a PENDING thaw is readable now (expected ready: now),
+        so the next restore reads it at once instead of waiting for the expected time.
+
+        Returns:
+            The updated thaw, or None when no PENDING one was recorded.
+        """
+        cid = check_checkpoint_id(ckpt_id)
+        with self._write() as s:
+            row = s.get(ThawRow, (cid, check_tier(tier)))
+            if row is None or row.state != ThawState.PENDING.value:
+                return None
+            row.expected_ready_at = row.updated_at = utcnow()
+            s.flush()
+            return _record(row)
+
     def get_thaw(self, ckpt_id: str, tier: str) -> Thaw | None:
         """The thaw recorded for the checkpoint's copy on ``tier``, if any."""
         cid = check_checkpoint_id(ckpt_id)
