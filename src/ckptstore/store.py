@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from ckptstore.core import StoreCore
@@ -311,7 +312,7 @@ class CheckpointStore(StoreCore):
         return CheckpointSweep(self, run, prefetch=prefetch, keys=keys)
 
     def thaw(self, ref: str, *, poll_s: float = 300.0,
-             timeout_s: float | None = None) -> os.PathLike[str]:
+             timeout_s: float | None = None) -> Path:
         """Wait until a checkpoint's archival (GLACIER) copy has thawed, then restore it to
         the hot tier; see :func:`ckptstore.ops.thaw_poll.complete_thaw`."""
         return complete_thaw(self, ref, poll_s=poll_s, timeout_s=timeout_s)
