@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_support import Ckpt
 
 from ckptstore import CheckpointStore
 from ckptstore.cli.prefetch import EXIT_THAW_PENDING
@@ -20,7 +21,6 @@ from ckptstore.ops.archive import archive_checkpoints
 from ckptstore.ops.replicas import delete_replica
 from ckptstore.records import ReplicaState, ThawState
 from ckptstore.testing.s3 import MotoS3
-from tests.cli_support import Ckpt
 
 
 @pytest.fixture(scope="module")
