@@ -1,9 +1,11 @@
 """Restore: bring a checkpoint back to the hot tier (or into any directory) and verify it.
 
 The copy comes from the fastest tier holding a PRESENT replica (hot → warm → cold); if that
-copy turns out damaged or unreachable the next one is tried. Chunks a delta reads from other
-checkpoints (dedup) are restored into their owners' directories, so the usual ``locate``
-(``<hot>/<run>/<id>``) finds them.
+copy turns out damaged or unreachable the next one is tried. When no readable copy is left but
+an archival one (S3 GLACIER) is, that copy is thawed first (:mod:`ckptstore.ops.thaw`: a
+``ThawPendingError`` until S3 has restored its objects, then it is read like any other tier).
+Chunks a delta reads from other checkpoints (dedup) are restored into their owners'
+directories, so the usual ``locate`` (``<hot>/<run>/<id>``) finds them.
 
 A copy re-encoded with the archive codec (:mod:`ckptstore.ops.reencode`) is restored as it
 is: self-contained, in the archive codec, with its own manifest, whose digest the hot replica
