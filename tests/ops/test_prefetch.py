@@ -81,6 +81,10 @@ def test_prefetch_lease_blocks_retention_until_the_load(warm_store: CheckpointSt
     assert _equal(warm_store.load(old.id), _state(1))
     assert warm_store.metrics.prefetch_counts() == {"hit": 1, "miss": 0}
     assert not warm_store.catalog.leases(checkpoint_ids=[old.id])  # used: given back
+    if warm_store.metrics.prom is not None:
+        text = warm_store.metrics.exposition().decode()
+        assert 'ckptstore_prefetch_total{outcome="hit"} 1.0' in text
+        assert 'ckptstore_bytes_total{kind="transferred",op="prefetch"}' in text
 
     apply_retention(warm_store, tier="hot", policy=keep_one)
     assert warm_store.catalog.get(old.id).replica("hot").state == ReplicaState.DELETED  # type: ignore[union-attr]
