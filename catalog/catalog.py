@@ -12,6 +12,7 @@ from ckptstore.catalog.parts import PartsMixin
 from ckptstore.catalog.pruning import PruningMixin
 from ckptstore.catalog.queries import QueriesMixin
 from ckptstore.catalog.replicas import ReplicasMixin
+from ckptstore.catalog.thaws import ThawsMixin
 
 __all__ = ["Catalog"]
 
@@ -27,6 +28,7 @@ class Catalog(
     EventsMixin,
     StoreIdentityMixin,
     HistoryMixin,
+    ThawsMixin,
 ):
     """The checkpoint catalog on SQLite (embedded) or PostgreSQL (shared).
 
@@ -57,7 +59,9 @@ class Catalog(
         * parts of checkpoints saved across hosts, hosts, shared manifests:
           :meth:`commit_parted`, :meth:`set_part`, :meth:`complete_parts`, :meth:`parts`,
           :meth:`parts_on`, :meth:`part_ranks`, :meth:`manifest_bytes`,
-          :meth:`forget_parts`, :meth:`part_usage`, :meth:`heartbeat`, :meth:`hosts`.
+          :meth:`forget_parts`, :meth:`part_usage`, :meth:`heartbeat`, :meth:`hosts`;
+        * thaws of archival copies: :meth:`record_thaw`, :meth:`thaw_ready`,
+          :meth:`finish_thaw`, :meth:`get_thaw`, :meth:`thaws`.
 
     Args:
         url: ``sqlite:///path/catalog.db`` (the parent directory is created) or

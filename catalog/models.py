@@ -61,6 +61,7 @@ __all__ = [
     "ReplicaRow",
     "RunRow",
     "StoreMetaRow",
+    "ThawRow",
     "UTCDateTime",
     "utcnow",
 ]
@@ -440,3 +441,24 @@ class CheckpointManifestRow(Base):
     data: Mapped[bytes] = mapped_column(LargeBinary)
     # {part host: [ranks]}: the ranks whose files make up each part.
     parts: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class ThawRow(Base):
+    """The thaw of one archival copy (S3 GLACIER): requested when, ready when, done or not.
+
+    Written by ``ops/thaw.py``; retention keeps every copy of a checkpoint whose thaw is
+    PENDING (``ops/retention/plan.py``).
+    """
+
+    __tablename__ = "thaws"
+
+    checkpoint_id: Mapped[str] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True
+    )
+    tier: Mapped[str] = mapped_column(String(64), primary_key=True)
+    state: Mapped[str] = mapped_column(String(16))
+    retrieval: Mapped[str] = mapped_column(String(16))
+    objects: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    requested_at: Mapped[datetime] = mapped_column()
+    expected_ready_at: Mapped[datetime] = mapped_column()
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())

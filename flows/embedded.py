@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 DEPLOYMENT_NAME = "ckptstore"
 
 #: Flows that need parameters nobody can schedule (a ref, an output path).
-_UNSCHEDULABLE = frozenset({"restore", "convert", "import", "compact"})
+_UNSCHEDULABLE = frozenset({"restore", "convert", "import", "compact", "prefetch", "thaw"})
 
 #: Longest the worker sleeps between looks at the schedules (seconds).
 _MAX_SLEEP_S = 1.0

@@ -19,6 +19,8 @@ FLOWS: dict[str, tuple[str, str]] = {
     "demote": ("ckptstore.flows.archive", "demote_flow"),
     "retention": ("ckptstore.flows.retention", "retention_flow"),
     "restore": ("ckptstore.flows.restore", "restore_flow"),
+    "prefetch": ("ckptstore.flows.prefetch", "prefetch_flow"),
+    "thaw": ("ckptstore.flows.prefetch", "thaw_flow"),
     "verify": ("ckptstore.flows.verify", "verify_flow"),
     "convert": ("ckptstore.flows.convert", "convert_flow"),
     "import": ("ckptstore.flows.convert", "import_flow"),

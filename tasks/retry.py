@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ckptstore.errors import CkptError, ConflictError, StorageError
+from ckptstore.errors import CkptError, ConflictError, StorageError, ThawPendingError
 
 __all__ = ["TRANSFER_RETRIES", "TRANSFER_RETRY_DELAYS", "is_transient", "retry_transient"]
 
@@ -29,6 +29,10 @@ def is_transient(exc: BaseException) -> bool:
     Returns:
         True to retry.
     """
+    if isinstance(exc, ThawPendingError):
+        # S3 takes minutes to hours to thaw a GLACIER copy: the thaw flow polls for it
+        # (flows/prefetch.py); retrying within seconds would only ask again.
+        return False
     if isinstance(exc, StorageError | ConflictError):
         return True
     if isinstance(exc, CkptError):

@@ -87,6 +87,8 @@ ENV_SAMPLES: dict[str, tuple[str, object]] = {
     "warm": ("s3://bucket/warm", "s3://bucket/warm"),
     "cold": ("s3://bucket/cold", "s3://bucket/cold"),
     "cold_storage_class": ("STANDARD_IA", "STANDARD_IA"),
+    "cold_restore_tier": ("Bulk", "Bulk"),
+    "cold_restore_days": ("2", 2),
     "storage_options": ('{"endpoint_url": "http://127.0.0.1:9000"}',
                         {"endpoint_url": "http://127.0.0.1:9000"}),
     "codec": ("zstd-1", "zstd-1"),

@@ -113,6 +113,9 @@ class Settings:
         warm: Warm tier URL (``s3://bucket/prefix`` or a local path), optional.
         cold: Cold tier URL, optional.
         cold_storage_class: S3 storage class used when writing to the cold tier.
+        cold_restore_tier: Retrieval tier of the S3 restore requests that thaw a copy in an
+            archival class (``Expedited``, ``Standard`` or ``Bulk``; see docs/PREFETCH.md).
+        cold_restore_days: Days a thawed object stays readable before S3 archives it again.
         storage_options: Options for fsspec/s3fs (``endpoint_url``, ...); no credentials.
         codec: Codec preset for saves on the hot tier: ``auto`` (the default) chooses per
             array (fp32 raw, bf16/fp16 Blosc-LZ4 when it shrinks them), or one of ``none``,
@@ -153,6 +156,8 @@ class Settings:
     warm: str | None = None
     cold: str | None = None
     cold_storage_class: str | None = "GLACIER"
+    cold_restore_tier: str = "Standard"
+    cold_restore_days: int = 7
     storage_options: dict[str, Any] = field(default_factory=dict)
     codec: str = "auto"
     archive_codec: str | None = None
@@ -229,6 +234,8 @@ ENV_VARS: dict[str, str] = {
     "warm": "CKPT_WARM",
     "cold": "CKPT_COLD",
     "cold_storage_class": "CKPT_COLD_STORAGE_CLASS",
+    "cold_restore_tier": "CKPT_COLD_RESTORE_TIER",
+    "cold_restore_days": "CKPT_COLD_RESTORE_DAYS",
     "storage_options": "CKPT_STORAGE_OPTIONS",
     "codec": "CKPT_CODEC",
     "archive_codec": "CKPT_ARCHIVE_CODEC",
@@ -256,9 +263,10 @@ ENV_ENTRY_VARS: dict[str, tuple[str, str]] = {
 }
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+_RESTORE_TIERS = ("Expedited", "Standard", "Bulk")
 _INT_FIELDS = {"chunk_bytes", "threads", "keep_last", "keep_every", "save_interval",
                "staging_budget_bytes", "keyframe_every", "memory_tier_bytes",
-               "delta_cache_bytes", "replicas"}
+               "delta_cache_bytes", "replicas", "cold_restore_days"}
 _FLOAT_FIELDS = {"max_age_days", "cold_after_days", "host_timeout_s"}
 
 
@@ -270,7 +278,8 @@ def _flatten_file(data: dict[str, Any], source: Path) -> dict[str, Any]:
     for key, value in data.items():
         if key == "tiers" and isinstance(value, dict):
             for tkey, tval in value.items():
-                if tkey not in ("hot", "warm", "cold", "cold_storage_class"):
+                if tkey not in ("hot", "warm", "cold", "cold_storage_class",
+                                "cold_restore_tier", "cold_restore_days"):
                     raise ConfigError(f"{source}: unknown key tiers.{tkey}")
                 out[tkey] = tval
         elif key == "retention" and isinstance(value, dict):
@@ -305,7 +314,8 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             return Path(value).expanduser()
         if name in _INT_FIELDS:
             number = _as_int(value)
-            if name in ("chunk_bytes", "threads", "keyframe_every") and number == 0:
+            if name in ("chunk_bytes", "threads", "keyframe_every",
+                        "cold_restore_days") and number == 0:
                 raise ValueError("must be positive")
             if name == "replicas" and number not in (1, 2):
                 raise ValueError("must be 1 (own host) or 2 (also a neighbour host)")
@@ -323,6 +333,11 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             return dict(value)
         if name == "delta":
             return _delta_value(value)
+        if name == "cold_restore_tier":
+            # The three retrieval tiers S3 RestoreObject accepts, in S3's own spelling.
+            if value not in _RESTORE_TIERS:
+                raise ValueError(f"must be one of {', '.join(_RESTORE_TIERS)}")
+            return str(value)
         if name == "codec" or name == "archive_codec":
             allowed = _CODECS if name == "codec" else _ARCHIVE_CODECS
             if value not in allowed:

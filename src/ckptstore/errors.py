@@ -19,6 +19,7 @@ __all__ = [
     "MissingBaseError",
     "MissingExtraError",
     "StorageError",
+    "ThawPendingError",
     "UnsafeObjectError",
 ]
 
@@ -61,6 +62,39 @@ class UnsafeObjectError(CkptError, TypeError):
 
 class StorageError(CkptError, OSError):
     """A storage backend failed (disk full, permission denied, S3 error); the cause is chained."""
+
+
+class ThawPendingError(StorageError):
+    """The only copy is in an archival storage class (S3 GLACIER) and is being thawed.
+
+    A restore request (S3 RestoreObject) went out for every object of that copy; the
+    operation can be retried once they are readable (``ckpt thaw REF --wait`` polls until
+    then and restores). Also a ``StorageError`` (an ``OSError``), so handlers of storage
+    failures keep seeing it.
+
+    Attributes:
+        checkpoint_id: The thawing checkpoint.
+        tier: The archival tier its copy is on.
+        ready_in_s: Seconds until the objects are expected to be readable (0 when overdue).
+    """
+
+    def __init__(self, message: str, *, checkpoint_id: str, tier: str,
+                 ready_in_s: float) -> None:
+        super().__init__(message)
+        self.checkpoint_id = checkpoint_id
+        self.tier = tier
+        self.ready_in_s = ready_in_s
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Prefect and multiprocessing pickle errors; the keyword-only fields must survive.
+        return (_rebuild_thaw_error, (str(self), self.checkpoint_id, self.tier,
+                                      self.ready_in_s))
+
+
+def _rebuild_thaw_error(message: str, checkpoint_id: str, tier: str,
+                        ready_in_s: float) -> ThawPendingError:
+    return ThawPendingError(message, checkpoint_id=checkpoint_id, tier=tier,
+                            ready_in_s=ready_in_s)
 
 
 class ConfigError(CkptError, ValueError):

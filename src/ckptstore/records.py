@@ -24,6 +24,8 @@ __all__ = [
     "ReplicaPart",
     "ReplicaState",
     "RunInfo",
+    "Thaw",
+    "ThawState",
     "UsageRow",
     "expected_digest",
 ]
@@ -278,6 +280,40 @@ class Lease:
     purpose: str
     owner: str
     expires_at: datetime
+
+
+class ThawState(enum.StrEnum):
+    """Life cycle of the thaw of one archival (S3 GLACIER) copy: PENDING → DONE."""
+
+    PENDING = "PENDING"
+    """Restore requests went out; the objects are not all readable yet, or not yet copied."""
+    DONE = "DONE"
+    """The thawed objects were copied to the hot tier and verified."""
+
+
+@dataclass(frozen=True)
+class Thaw:
+    """The restore request (S3 RestoreObject) of every object of one archival copy.
+
+    Attributes:
+        checkpoint_id: The checkpoint whose copy is thawed.
+        tier: The archival tier holding the copy (``cold``).
+        state: PENDING until the copy has been restored to the hot tier.
+        retrieval: The S3 retrieval tier asked for (``Expedited``, ``Standard``, ``Bulk``).
+        objects: How many objects were asked to be restored.
+        requested_at: When the requests went out (UTC).
+        expected_ready_at: When S3 is expected to have the objects readable (UTC).
+        updated_at: Last change of the row (UTC).
+    """
+
+    checkpoint_id: str
+    tier: str
+    state: ThawState
+    retrieval: str
+    objects: int
+    requested_at: datetime
+    expected_ready_at: datetime
+    updated_at: datetime
 
 
 @dataclass(frozen=True)

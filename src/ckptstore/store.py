@@ -11,9 +11,11 @@ from __future__ import annotations
 import builtins
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from ckptstore.core import StoreCore
+from ckptstore.errors import InvalidNameError
 from ckptstore.format import Manifest
 from ckptstore.ops.async_save import SaveHandle, save_async, wait_async
 from ckptstore.ops.dcp import (
@@ -25,9 +27,12 @@ from ckptstore.ops.dcp import (
 from ckptstore.ops.delta import LATEST, Latest
 from ckptstore.ops.gc import DEFAULT_PENDING_GRACE_S, GcReport, gc_hot
 from ckptstore.ops.load import load_checkpoint, read_any_manifest, restore_latest, verify_hot
+from ckptstore.ops.prefetch import DEFAULT_HOLD_S, PrefetchResult, prefetch_checkpoint
 from ckptstore.ops.progressive import ProgressiveLoad, load_progressive
 from ckptstore.ops.save import save_checkpoint
 from ckptstore.ops.show import show_checkpoint
+from ckptstore.ops.sweep import CheckpointSweep
+from ckptstore.ops.thaw_poll import complete_thaw
 from ckptstore.ops.trigger import trigger_flow
 from ckptstore.records import Checkpoint, Event, RunInfo, UsageRow
 
@@ -276,6 +281,41 @@ class CheckpointStore(StoreCore):
             InvalidNameError: If ``order`` is malformed or a pattern matches nothing.
         """
         return load_progressive(self, ref, order, into=into, strict=strict)
+
+    def prefetch(self, ref: str, *, to: str = "hot",
+                 hold_s: float = DEFAULT_HOLD_S) -> PrefetchResult:
+        """Bring a checkpoint to this host's hot (or memory) tier ahead of need, verified,
+        and keep retention away from it for ``hold_s`` seconds or until it is loaded.
+
+        Raises:
+            ThawPendingError: If its only copy is archival (GLACIER): a thaw was requested.
+
+        See :func:`ckptstore.ops.prefetch.prefetch_checkpoint`.
+        """
+        if to not in ("hot", "memory"):
+            raise InvalidNameError(f"prefetch destination {to!r} is not 'hot' or 'memory'")
+        return prefetch_checkpoint(self, ref, to="memory" if to == "memory" else "hot",
+                                   hold_s=hold_s)
+
+    def iter_checkpoints(self, run: str, *, prefetch: int = 2,
+                         keys: Sequence[str] | None = None) -> CheckpointSweep:
+        """Iterate ``(checkpoint, state)`` over a run's checkpoints, oldest first, while the
+        next ``prefetch`` ones are brought to the hot tier in a background thread.
+
+        Close it (or use ``with``) when stopping early; an abandoned one is closed when
+        collected. See :class:`ckptstore.ops.sweep.CheckpointSweep`.
+
+        Example:
+            >>> for ck, state in store.iter_checkpoints("run-a", prefetch=2):  # doctest: +SKIP
+            ...     evaluate(ck.step, state)
+        """
+        return CheckpointSweep(self, run, prefetch=prefetch, keys=keys)
+
+    def thaw(self, ref: str, *, poll_s: float = 300.0,
+             timeout_s: float | None = None) -> Path:
+        """Wait until a checkpoint's archival (GLACIER) copy has thawed, then restore it to
+        the hot tier; see :func:`ckptstore.ops.thaw_poll.complete_thaw`."""
+        return complete_thaw(self, ref, poll_s=poll_s, timeout_s=timeout_s)
 
     def restore_latest(self, run: str, *, into: Any | None = None) -> Any | None:
         """Load the newest committed checkpoint of ``run``, or None if it has none."""

@@ -129,6 +129,9 @@ CASES = [
     Case("diff", ["base@10", "base@20"], lambda d: d["summary"]["elements_changed"] == 256),
     Case("compact", ["delta@latest"],
          lambda d: _record(d) and d["kind"] == "full" and d["ref"] == "delta@v3"),
+    Case("prefetch", ["base@10"], lambda d: d["to"] == "hot" and d["ref"].startswith("base@v")
+         and d["lease_expires_at"]),
+    Case("thaw", ["base@latest"], lambda d: d["ref"].startswith("base@v") and d["path"]),
     Case("tiers", check=lambda d: {t["name"] for t in d} == {"hot", "warm"}),
     Case("report", ["--html", f"{W}/report.html"], lambda d: d["bytes"] > 0),
     Case("doctor", check=lambda d: d["ok"] is True),

@@ -23,7 +23,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from ckptstore.cli import deltas, overview, transfer, trust
+from ckptstore.cli import deltas, overview, prefetch, transfer, trust
 from ckptstore.cli.common import (
     State,
     ascii_float,
@@ -44,7 +44,7 @@ from ckptstore.cli.output import (
     print_json,
     print_table,
 )
-from ckptstore.errors import CkptError, InvalidNameError
+from ckptstore.errors import CkptError, InvalidNameError, ThawPendingError
 from ckptstore.extras import extra_for, missing_extra
 
 __all__ = ["app", "main"]
@@ -59,7 +59,10 @@ app = typer.Typer(
         "shows what was resolved. References: a uuid, run@latest, run@<step>, run@v<version>, "
         "run@best:<metric>[:max] or an alias. The global options (--store, --config, "
         "--verbose) go before or after the command name. Every command that prints a result "
-        "takes --json."
+        "takes --json.\n\n"
+        "Exit codes: 0 done; 1 error (one line says what failed and what to do); 2 bad usage; "
+        f"{prefetch.EXIT_THAW_PENDING} the checkpoint's only copy is in GLACIER and is "
+        "thawing: retry later, or wait with `ckpt thaw REF --wait`."
     ),
     no_args_is_help=True,
     # --install-completion / --show-completion: tab completion for bash, zsh, fish, pwsh.
@@ -637,6 +640,7 @@ transfer.register(app)
 trust.register(app)
 overview.register(app)
 deltas.register(app)
+prefetch.register(app)
 # Last, so that every command registered above gets them.
 install_global_options(app)
 
@@ -665,7 +669,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ckpt``; returns the exit code instead of raising.
 
     Usage errors exit 2; our own errors print one line saying what failed and what to do
-    (exit 1) instead of a traceback; a missing optional package names the extra to install.
+    (exit 1; exit 75 for a checkpoint still thawing from GLACIER) instead of a traceback;
+    a missing optional package names the extra to install.
     With ``--json`` both go to stdout as ``{"error": {"type": ..., "message": ...}}``.
     """
     args = list(sys.argv[1:] if argv is None else argv)
@@ -686,6 +691,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except typer.Abort:
         return _fail(as_json, "Aborted", "aborted", 1)
+    except ThawPendingError as exc:  # a temporary state, told apart so scripts can retry
+        return _fail(as_json, type(exc).__name__, str(exc), prefetch.EXIT_THAW_PENDING)
     except CkptError as exc:
         return _fail(as_json, type(exc).__name__, str(exc), 1)
     except ImportError as exc:  # an optional package that no library module checked for

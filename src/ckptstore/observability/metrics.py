@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 ops_log = logging.getLogger("ckptstore.operations")
 
 #: Operations the recorder knows; anything else is a programming error.
-OPS = ("save", "load", "archive", "prune", "restore", "convert", "verify", "gc")
+OPS = ("save", "load", "archive", "prune", "restore", "convert", "verify", "gc", "prefetch")
 _OPS = frozenset(OPS)
 
 
@@ -119,6 +119,7 @@ class Metrics:
     ) -> None:
         self._lock = threading.Lock()
         self._totals: dict[str, OpTotals] = {}
+        self._prefetch = {"hit": 0, "miss": 0}
         self._staging: Callable[[], float | None] = lambda: None
         self._queue_depth: Callable[[], float | None] = lambda: None
         self._servers: list[MetricsServer] = []
@@ -396,6 +397,24 @@ class Metrics:
         return OperationTimer(self, op, run=run, tier=tier, step=step, blocking=blocking)
 
     # ------------------------------------------------------------------ reading
+    def prefetch_outcome(self, *, hit: bool, run: str | None = None) -> None:
+        """Count a load of a prefetched checkpoint (hit) or one that fetched on demand (miss).
+
+        Bytes moved ahead of need are the ``prefetch`` operation's transferred bytes
+        (:meth:`observe`); see ``ops/prefetch.py``.
+        """
+        outcome = "hit" if hit else "miss"
+        with self._lock:
+            self._prefetch[outcome] += 1
+        if self.prom is not None:
+            self.prom.record_prefetch(outcome)
+        logger.debug("prefetch %s (run=%s)", outcome, run)
+
+    def prefetch_counts(self) -> dict[str, int]:
+        """``{"hit": n, "miss": m}`` over this process's loads."""
+        with self._lock:
+            return dict(self._prefetch)
+
     def totals(self) -> dict[str, OpTotals]:
         """A copy of the running totals per operation."""
         with self._lock:

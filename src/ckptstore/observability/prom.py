@@ -15,6 +15,8 @@ ckptstore_blocked_seconds{op}       histogram   time the training loop was block
 ckptstore_bytes_total{op,kind}      counter     bytes by kind: logical/stored/transferred/
                                                 deduplicated
 ckptstore_failures_total{op,...}    counter     failed operations by exception type
+ckptstore_prefetch_total{outcome}   counter     loads of prefetched checkpoints (hit) and
+                                                loads that fetched a copy first (miss)
 ckptstore_staging_bytes_in_use      gauge       host memory held by async-save staging
 ckptstore_flow_queue_depth          gauge       flows queued or running in the embedded runner
 ckptstore_compression_ratio         gauge       logical / stored bytes over this process's saves
@@ -167,6 +169,12 @@ class PromInstruments:
             "Failed operations by exception type.",
             ["op", "error_type"], **kw,
         )
+        self.prefetch_total = Counter(
+            "ckptstore_prefetch",
+            "Loads of a checkpoint a prefetch had brought to this host (outcome=hit) and "
+            "loads that had to fetch a copy from a slower tier first (outcome=miss).",
+            ["outcome"], **kw,
+        )
         self.compression_ratio = Gauge(
             "ckptstore_compression_ratio",
             "Logical bytes / stored bytes over the saves of this process.",
@@ -224,6 +232,10 @@ class PromInstruments:
             self._child(self.failures_total, op, error_type).inc()
         if throughput is not None:
             self._child(self.io_throughput, op).set(throughput)
+
+    def record_prefetch(self, outcome: str) -> None:
+        """Count one prefetch ``hit`` or ``miss``."""
+        self._child(self.prefetch_total, outcome).inc()
 
     def record_blocked(self, op: str, seconds: float) -> None:
         """Record blocked time alone (the operation is recorded separately)."""

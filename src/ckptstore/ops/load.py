@@ -23,10 +23,11 @@ from ckptstore.identity import host
 from ckptstore.ops.dcp import load_dcp, load_parted
 from ckptstore.ops.memory import load_from_memory, memory_replica_here
 from ckptstore.ops.parts import parted_manifest, verify_parts_here
+from ckptstore.ops.prefetch import note_load
 from ckptstore.ops.replicas import manifest_of
 from ckptstore.ops.restore import ensure_hot, hot_digest
 from ckptstore.ops.signing import verify_signature
-from ckptstore.records import expected_digest
+from ckptstore.records import ReplicaState, expected_digest
 
 __all__ = ["load_checkpoint", "read_any_manifest", "restore_latest", "verify_hot"]
 
@@ -68,6 +69,10 @@ def load_checkpoint(
             ensure_hot(core, ck)
         verify_signature(core, ck.id, require_signature)
     in_memory = memory_replica_here(ck)
+    hot = ck.replica("hot")
+    # Prefetch hit / miss accounting, and a used prefetch lease goes back (ops/prefetch.py).
+    note_load(core, ck, ready=in_memory or (hot is not None
+                                            and hot.state == ReplicaState.PRESENT))
     with core.metrics.timed("load", run=ck.run, tier="memory" if in_memory else "hot",
                             step=ck.step, blocking=True) as timer:
         if in_memory:

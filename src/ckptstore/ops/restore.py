@@ -1,9 +1,11 @@
 """Restore: bring a checkpoint back to the hot tier (or into any directory) and verify it.
 
 The copy comes from the fastest tier holding a PRESENT replica (hot → warm → cold); if that
-copy turns out damaged or unreachable the next one is tried. Chunks a delta reads from other
-checkpoints (dedup) are restored into their owners' directories, so the usual ``locate``
-(``<hot>/<run>/<id>``) finds them.
+copy turns out damaged or unreachable the next one is tried. When no readable copy is left but
+an archival one (S3 GLACIER) is, that copy is thawed first (:mod:`ckptstore.ops.thaw`: a
+``ThawPendingError`` until S3 has restored its objects, then it is read like any other tier).
+Chunks a delta reads from other checkpoints (dedup) are restored into their owners'
+directories, so the usual ``locate`` (``<hot>/<run>/<id>``) finds them.
 
 A copy re-encoded with the archive codec (:mod:`ckptstore.ops.reencode`) is restored as it
 is: self-contained, in the archive codec, with its own manifest, whose digest the hot replica
@@ -30,6 +32,7 @@ from ckptstore.errors import (
     LeaseHeldError,
     MissingBaseError,
     StorageError,
+    ThawPendingError,
 )
 from ckptstore.format import Manifest, verify_checkpoint
 from ckptstore.format.localize import link_shared_chunks
@@ -44,6 +47,7 @@ from ckptstore.ops.replicas import (
     store_tiers,
     tier_rank,
 )
+from ckptstore.ops.thaw import thawed_source
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import (
     COMMIT_NAME,
@@ -190,15 +194,23 @@ def _restore_into(
     deep: bool,
     actor: str,
     depth: int = 0,
+    archival: tuple[Tier, ...] = (),
 ) -> Path:
-    sources = _sources(store, ck, exclude=target.name if record else None)
+    """Restore ``ck`` into ``target`` from the fastest good copy (``archival``: only from
+    these thawed views of archival tiers)."""
+    sources = list(archival) or _sources(store, ck, exclude=target.name if record else None)
+    from_thaw = bool(archival)
     if not sources:
-        where = ", ".join(f"{r.tier}:{r.state}" for r in ck.replicas) or "none"
-        raise CheckpointNotFoundError(
-            f"checkpoint {ck.ref} ({ck.id}) has no readable PRESENT copy on a configured tier "
-            f"(replicas: {where}); check the tier configuration, or restore archived "
-            "(GLACIER) objects first"
-        )
+        # Only an archival (GLACIER) copy, if any: thawed_source asks S3 to restore it and
+        # raises ThawPendingError until every object is readable.
+        thawed = thawed_source(store, ck)
+        if thawed is None:
+            where = ", ".join(f"{r.tier}:{r.state}" for r in ck.replicas) or "none"
+            raise CheckpointNotFoundError(
+                f"checkpoint {ck.ref} ({ck.id}) has no readable PRESENT copy on a configured "
+                f"tier (replicas: {where}); check the tier configuration"
+            )
+        sources, from_thaw = [thawed], True
     failures: list[CkptError] = []
     for src in sources:
         try:
@@ -221,10 +233,23 @@ def _restore_into(
                     "path": str(directory), "bytes": nbytes},
         )
         logger.info("restored %s (%s) from %s to %s", ck.ref, ck.id, src.name, directory)
+        if from_thaw:
+            store.catalog.finish_thaw(ck.id, src.name)
         return directory
+    tried = "; ".join(f"{s.name}: {e}" for s, e in zip(sources, failures, strict=True))
+    if not from_thaw:
+        # Every readable copy failed; an archival copy may still be good once thawed.
+        try:
+            thawed = thawed_source(store, ck)
+        except ThawPendingError as exc:
+            exc.add_note("tried: " + tried)
+            raise
+        if thawed is not None:
+            return _restore_into(store, ck, target, record=record, threads=threads,
+                                 progress=progress, deep=deep, actor=actor, depth=depth,
+                                 archival=(thawed,))
     last = failures[-1]
-    last.add_note("tried: " + "; ".join(f"{s.name}: {e}" for s, e in zip(sources, failures,
-                                                                           strict=True)))
+    last.add_note("tried: " + tried)
     raise last
 
 

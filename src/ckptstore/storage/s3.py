@@ -18,6 +18,7 @@ Bounded: a request is tried at most :data:`SLOWDOWN_ATTEMPTS` times, waiting at 
 
 from __future__ import annotations
 
+import enum
 import errno
 import logging
 import os
@@ -49,6 +50,7 @@ __all__ = [
     "SLOWDOWN_ATTEMPTS",
     "SLOWDOWN_MAX_DELAY_S",
     "PrefixThrottle",
+    "RestoreState",
     "S3Tier",
 ]
 
@@ -58,6 +60,19 @@ logger = logging.getLogger(__name__)
 ARCHIVAL_STORAGE_CLASSES = frozenset({"GLACIER", "DEEP_ARCHIVE"})
 
 _T = TypeVar("_T")
+
+
+class RestoreState(enum.StrEnum):
+    """Whether one object can be read, as its ``HEAD`` says (storage class, ``Restore``)."""
+
+    READABLE = "readable"
+    """In a class that is read directly (STANDARD, STANDARD_IA...)."""
+    ARCHIVED = "archived"
+    """In an archival class, and no restore has been asked for (or it has expired)."""
+    ONGOING = "ongoing"
+    """A restore is in progress (``Restore: ongoing-request="true"``)."""
+    RESTORED = "restored"
+    """A restored copy is readable (``Restore: ongoing-request="false", expiry-date=...``)."""
 
 # Option names that would carry credentials into config files, flow parameters and logs.
 _FORBIDDEN_OPTIONS = frozenset(
@@ -508,6 +523,68 @@ class S3Tier(Tier):
             logger.info("%s tier: aborted %s unfinished multipart uploads under %s",
                         self.name, count, self._display(prefix))
         return count
+
+    # ------------------------------------------------------------------ archival classes
+    def restore_state(self, key: str) -> RestoreState:
+        """Whether object ``key`` is readable now, archived, or being restored (one HEAD).
+
+        Raises:
+            StorageError: If the object does not exist or S3 fails.
+        """
+
+        def head() -> RestoreState:
+            found = self._head(key)
+            if found is None:
+                raise FileNotFoundError(errno.ENOENT, "no such object", self._display(key))
+            if str(found.get("StorageClass") or "STANDARD") not in ARCHIVAL_STORAGE_CLASSES:
+                return RestoreState.READABLE
+            restore = str(found.get("Restore") or "")
+            if 'ongoing-request="true"' in restore:
+                return RestoreState.ONGOING
+            if 'ongoing-request="false"' in restore:
+                return RestoreState.RESTORED
+            return RestoreState.ARCHIVED
+
+        return self._call("stat", key, head)
+
+    def request_restore(self, key: str, *, days: int, retrieval: str) -> None:
+        """Ask S3 to make archived object ``key`` readable for ``days`` (RestoreObject).
+
+        Asking again while a restore is in progress is harmless: S3 answers
+        ``RestoreAlreadyInProgress``, which is taken as success.
+
+        Args:
+            key: The object.
+            days: How long the restored copy stays readable.
+            retrieval: ``Expedited``, ``Standard`` or ``Bulk``.
+
+        Raises:
+            StorageError: If S3 refuses (an object in a directly readable class included).
+        """
+        check_key(key)
+        bucket_key = self._path(key)[len(self.bucket) + 1 :]
+
+        def restore() -> None:
+            try:
+                self.fs.call_s3(
+                    "restore_object", Bucket=self.bucket, Key=bucket_key,
+                    RestoreRequest={"Days": days, "GlacierJobParameters": {"Tier": retrieval}},
+                )
+            except _backend_errors() as exc:
+                if _error_code(exc) != "RestoreAlreadyInProgress":
+                    raise
+
+        self._throttled("restore", key, restore)
+
+    def thawed(self) -> S3Tier:
+        """The same tier, treated as readable: for reading objects whose restore completed.
+
+        The view writes nothing (its storage class is unset, so it must not be used to
+        create objects) and shares no s3fs instance with this one.
+        """
+        view = S3Tier(self.url, self._options, storage_class=None, name=self.name)
+        view.throttle = self.throttle
+        return view
 
     def close(self) -> None:
         """Forget the s3fs instance (its connections close with it)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ckptstore.ops.retention.apply import RetentionReport, apply_plan, apply_retention
 from ckptstore.ops.retention.plan import (
+    REASON_THAWING,
     ActionKind,
     PlannedAction,
     PlannedKeep,
@@ -23,6 +24,7 @@ from ckptstore.ops.retention.plan import (
 )
 
 __all__ = [
+    "REASON_THAWING",
     "ActionKind",
     "PlannedAction",
     "PlannedKeep",

@@ -20,6 +20,7 @@ from ckptstore.core import StoreCore
 from ckptstore.errors import CheckpointNotFoundError, CkptError, StorageError
 from ckptstore.format.constants import COMMIT_NAME
 from ckptstore.ops.retention.plan import (
+    REASON_THAWING,
     ActionKind,
     PlannedAction,
     RetentionPlan,
@@ -29,7 +30,7 @@ from ckptstore.ops.retention.plan import (
     other_copy_present,
     plan_retention,
 )
-from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, ThawState
 from ckptstore.retention import REASON_LEASED, RetentionPolicy
 
 __all__ = ["LEASE_TTL_S", "RETENTION_PURPOSE", "RetentionReport", "apply_plan", "apply_retention"]
@@ -157,6 +158,8 @@ def _why_not(
         return f"{REASON_LEASED} ({holder})"
     if ck.state == CheckpointState.DELETED:
         return "already deleted"
+    if store.catalog.thaws(checkpoint_ids=[ck.id], state=ThawState.PENDING):
+        return f"{REASON_THAWING} (since planning)"
     if action.resume and action.kind == ActionKind.DELETE_CHECKPOINT:
         return None if ck.state == CheckpointState.DELETING else f"state is now {ck.state}"
     if ck.state != CheckpointState.COMMITTED:

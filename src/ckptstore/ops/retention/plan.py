@@ -14,6 +14,8 @@ actions on one tier, under the tier rules:
   COMMITTED → DELETING → copies removed → DELETED, like ``save_total_limit``.
 * A copy that stays on a tier keeps its base's copy on that tier (deltas read their base's
   chunks from the same tier).
+* Every copy of a checkpoint whose archival (GLACIER) copy is being thawed stays
+  (``ops/thaw.py``).
 * A checkpoint under another flow's live lease stays; rows and replicas left in DELETING by a
   crashed apply are planned again, to be finished.
 
@@ -32,12 +34,13 @@ from typing import Any
 
 from ckptstore.core import StoreCore
 from ckptstore.errors import ConfigError
-from ckptstore.records import TIER_ORDER, Checkpoint, CheckpointState, ReplicaState
+from ckptstore.records import TIER_ORDER, Checkpoint, CheckpointState, ReplicaState, ThawState
 from ckptstore.retention import CandidateInfo, Decision, RetentionPolicy
 
 __all__ = [
     "ActionKind",
     "PlannedAction",
+    "REASON_THAWING",
     "PlannedKeep",
     "RetentionPlan",
     "human_size",
@@ -48,6 +51,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: Why a copy stays while the thaw of the checkpoint's archival copy is PENDING.
+REASON_THAWING = "a thaw of its archival copy is pending"
 
 
 class ActionKind(enum.StrEnum):
@@ -226,6 +232,7 @@ def plan_retention(
         store, policy, committed, pending, now, scope=None if run is None else {run}
     )
 
+    thawing = {t.checkpoint_id for t in store.catalog.thaws(state=ThawState.PENDING)}
     later_tier = _next_tier(tier, tiers)
     actions: dict[str, PlannedAction] = {}
     keeps: dict[str, list[str]] = {}
@@ -244,7 +251,12 @@ def plan_retention(
             else:
                 keeps[ck.id] = ["copy marked DELETING but it is the last one; run verify"]
             continue
-        if decision.keep:
+        if ck.id in thawing:
+            # Its archival copy is being thawed because no other copy could be read; the
+            # copy here may be the one a repair needs, and the thaw's restore reads the
+            # chunks its bases hold here: nothing of it goes until the thaw is done.
+            keeps[ck.id] = [REASON_THAWING]
+        elif decision.keep:
             keeps[ck.id] = list(decision.reasons)
         elif later_copy_present(ck, tier):
             actions[ck.id] = _action(ck, ActionKind.DELETE_REPLICA, tier,

@@ -1,0 +1,111 @@
+"""``ckpt prefetch`` and ``ckpt thaw``: exit codes (75 while thawing), JSON, bad inputs.
+
+A real store with a GLACIER-class cold tier on moto S3, configured through a config file as
+a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from cli_support import Ckpt
+
+from ckptstore import CheckpointStore
+from ckptstore.cli.prefetch import EXIT_THAW_PENDING
+from ckptstore.ops.archive import archive_checkpoints
+from ckptstore.ops.replicas import delete_replica
+from ckptstore.records import ReplicaState, ThawState
+from ckptstore.testing.s3 import MotoS3
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[MotoS3]:
+    with MotoS3() as server:
+        yield server
+
+
+@pytest.fixture
+def config(tmp_path: Path, s3: MotoS3) -> Path:
+    prefix = uuid.uuid4().hex[:12]
+    path = tmp_path / "ckptstore.toml"
+    path.write_text(
+        f'root = "{tmp_path / "store"}"\n'
+        "[tiers]\n"
+        f'warm = "{s3.url(prefix + "/warm")}"\n'
+        f'cold = "{s3.url(prefix + "/cold")}"\n'
+        'cold_storage_class = "GLACIER"\n'
+        "[storage_options]\n"
+        f'endpoint_url = "{s3.endpoint_url}"\n',
+        encoding="utf-8",
+    )
+    return path
+
+
+def _save(config: Path, step: int, *, tier: str) -> str:
+    with CheckpointStore.open(config=config) as store:
+        ck = store.save("cli", step, {"w": torch.arange(16.0) * step})
+        archive_checkpoints(store, ref=ck.id, tier=tier)
+        delete_replica(store, store.catalog.get(ck.id), "hot")
+        return ck.id
+
+
+def test_help_documents_the_thaw_exit_code(ckpt: Ckpt) -> None:
+    result = ckpt("--help")
+    assert result.code == 0
+    assert f"{EXIT_THAW_PENDING} the checkpoint's only copy is in GLACIER" in " ".join(
+        result.out.split())
+
+
+def test_restore_exits_75_while_thawing_then_thaw_restores(ckpt: Ckpt, config: Path) -> None:
+    ckpt_id = _save(config, 1, tier="cold")
+    result = ckpt("--config", config, "restore", ckpt_id)
+    assert result.code == EXIT_THAW_PENDING
+    assert "thawing, expected ready in ~5 h" in result.err
+    result = ckpt("--config", config, "prefetch", ckpt_id, "--json")
+    assert result.code == EXIT_THAW_PENDING
+    assert json.loads(result.out)["error"]["type"] == "ThawPendingError"
+
+    result = ckpt("--config", config, "thaw", ckpt_id, "--wait", "--poll", "0.01", "--json")
+    assert result.code == 0, result.err
+    assert json.loads(result.out)["checkpoint_id"] == ckpt_id
+    with CheckpointStore.open(config=config) as store:
+        thaw = store.catalog.get_thaw(ckpt_id, "cold")
+        assert thaw is not None and thaw.state == ThawState.DONE
+        assert torch.equal(store.load(ckpt_id)["w"], torch.arange(16.0))
+
+
+def test_prefetch_from_warm(ckpt: Ckpt, config: Path) -> None:
+    ckpt_id = _save(config, 2, tier="warm")
+    result = ckpt("--config", config, "prefetch", ckpt_id, "--hold", "60", "--json")
+    assert result.code == 0, result.err
+    doc = json.loads(result.out)
+    assert doc["to"] == "hot" and doc["bytes_moved"] > 0 and doc["checkpoint_id"] == ckpt_id
+    with CheckpointStore.open(config=config) as store:
+        hot = store.catalog.get(ckpt_id).replica("hot")
+        assert hot is not None and hot.state == ReplicaState.PRESENT
+        (lease,) = store.catalog.leases(checkpoint_ids=[ckpt_id])
+        assert lease.purpose.startswith("prefetch:")
+    text = ckpt("--config", config, "prefetch", ckpt_id)
+    assert text.code == 0 and "prefetched cli@v1 to hot" in text.out
+
+
+def test_bad_inputs(ckpt: Ckpt, config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt_id = _save(config, 3, tier="warm")
+    assert ckpt("--config", config, "prefetch", ckpt_id, "--to", "disk").code == 2
+    assert ckpt("--config", config, "prefetch", ckpt_id, "--hold", "abc").code == 2
+    result = ckpt("--config", config, "prefetch", ckpt_id, "--hold", "0")
+    assert result.code == 1 and "hold_s" in result.err
+    result = ckpt("--config", config, "prefetch", "nope@latest")
+    assert result.code == 1 and "nope" in result.err
+    result = ckpt("--config", config, "prefetch", ckpt_id, "--to", "memory")
+    assert result.code == 1 and "memory_tier_bytes" in result.err
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    result = ckpt("--config", config, "prefetch", ckpt_id, "--host", "other-node")
+    assert result.code == 1 and "PREFECT_API_URL" in result.err
+    result = ckpt("--config", config, "thaw", ckpt_id, "--wait", "--poll", "0")
+    assert result.code == 1 and "poll_s" in result.err
