@@ -11,6 +11,7 @@ from ckptstore.catalog.metric_history import HistoryMixin
 from ckptstore.catalog.parts import PartsMixin
 from ckptstore.catalog.pruning import PruningMixin
 from ckptstore.catalog.queries import QueriesMixin
+from ckptstore.catalog.remotes import RemotesMixin
 from ckptstore.catalog.replicas import ReplicasMixin
 
 __all__ = ["Catalog"]
@@ -27,6 +28,7 @@ class Catalog(
     EventsMixin,
     StoreIdentityMixin,
     HistoryMixin,
+    RemotesMixin,
 ):
     """The checkpoint catalog on SQLite (embedded) or PostgreSQL (shared).
 
@@ -57,7 +59,9 @@ class Catalog(
         * parts of checkpoints saved across hosts, hosts, shared manifests:
           :meth:`commit_parted`, :meth:`set_part`, :meth:`complete_parts`, :meth:`parts`,
           :meth:`parts_on`, :meth:`part_ranks`, :meth:`manifest_bytes`,
-          :meth:`forget_parts`, :meth:`part_usage`, :meth:`heartbeat`, :meth:`hosts`.
+          :meth:`forget_parts`, :meth:`part_usage`, :meth:`heartbeat`, :meth:`hosts`;
+        * remotes and arrivals: :meth:`add_remote`, :meth:`remote`, :meth:`remotes`,
+          :meth:`remove_remote`, :meth:`forget_failed_arrival`.
 
     Args:
         url: ``sqlite:///path/catalog.db`` (the parent directory is created) or

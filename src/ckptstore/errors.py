@@ -18,6 +18,7 @@ __all__ = [
     "LeaseHeldError",
     "MissingBaseError",
     "MissingExtraError",
+    "RemoteError",
     "StorageError",
     "UnsafeObjectError",
 ]
@@ -65,6 +66,10 @@ class StorageError(CkptError, OSError):
 
 class ConfigError(CkptError, ValueError):
     """The configuration file or environment holds an invalid value."""
+
+
+class RemoteError(ConfigError):
+    """A remote store is unknown, named twice, or its config file cannot be read."""
 
 
 class MissingExtraError(ConfigError, ImportError):
