@@ -19,7 +19,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from ckptstore.cli import deltas, overview, transfer, trust
+from ckptstore.cli import deltas, overview, remote, transfer, trust
 from ckptstore.cli.common import (
     State,
     ascii_float,
@@ -633,8 +633,11 @@ transfer.register(app)
 trust.register(app)
 overview.register(app)
 deltas.register(app)
+remote.register(app)
 # Last, so that every command registered above gets them.
 install_global_options(app)
+# After them: `remote add` has a --config option of its own (the remote's config file).
+remote.register_remote_group(app)
 
 
 def _wants_json(args: Sequence[str]) -> bool:

@@ -35,6 +35,7 @@ that match, and completes.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -204,9 +205,11 @@ def _at_destination(dst: StoreCore, ckpt_id: str) -> Checkpoint | None:
         return None
 
 
-def _signatures(src: StoreCore, ck: Checkpoint) -> list[SignatureDoc]:
-    """Every signature the source holds for ``ck``: its hot ``SIGNATURE`` file and events."""
+def _signatures(src: StoreCore, ck: Checkpoint) -> tuple[list[SignatureDoc], list[str]]:
+    """Every signature the source holds for ``ck`` (its hot ``SIGNATURE`` file and its
+    ``signed`` events), and what was wrong with those that could not be parsed."""
     docs: list[SignatureDoc] = []
+    problems: list[str] = []
     replica = ck.replica("hot")
     if replica is not None and replica.state == ReplicaState.PRESENT:
         path = src.checkpoint_dir(ck.run, ck.id) / SIGNATURE_NAME
@@ -218,26 +221,32 @@ def _signatures(src: StoreCore, ck: Checkpoint) -> list[SignatureDoc]:
             try:
                 docs.append(SignatureDoc.parse(os.read(fd, _MAX_SIGNATURE + 1)))
             except IntegrityError as exc:
-                logger.warning("ignoring the unreadable signature file of %s: %s", ck.ref, exc)
+                problems.append(f"its {SIGNATURE_NAME} file: {exc}")
             finally:
                 os.close(fd)
     for event in src.catalog.events(ck.id, limit=1000):
         if event.kind == "signed":
             try:
                 doc = SignatureDoc.parse(dict(event.detail))
-            except IntegrityError:
+            except IntegrityError as exc:
+                problems.append(f"a signed event: {exc}")
                 continue
             if all(d.to_dict() != doc.to_dict() for d in docs):
                 docs.append(doc)
-    return docs
+    return docs, problems
 
 
-def _check_signature(ctx: _Push, ck: Checkpoint, docs: list[SignatureDoc]) -> None:
-    """With a trusted key at the destination, ``ck`` must carry a signature that verifies."""
+def _check_signature(ctx: _Push, ck: Checkpoint, docs: list[SignatureDoc],
+                     problems: list[str]) -> None:
+    """With a trusted key at the destination, ``ck`` must carry a signature by it, and every
+    signature by it must verify: one bad copy of a signature means something was altered."""
     if ctx.public_key is None:
         return
     from ckptstore.ops.signing import key_fingerprint
 
+    if problems:
+        raise IntegrityError(f"checkpoint {ck.ref} ({ck.id}) carries a malformed signature ("
+                             + "; ".join(problems[:2]) + "); not pushing it")
     fingerprint = key_fingerprint(ctx.public_key)
     mine = [d for d in docs if d.key_fingerprint == fingerprint]
     if not mine:
@@ -247,7 +256,8 @@ def _check_signature(ctx: _Push, ck: Checkpoint, docs: list[SignatureDoc]) -> No
             "or push without --require-signature"
         )
     assert ck.manifest_digest is not None
-    check_signature(mine[0], ck.id, ck.manifest_digest, ctx.public_key)
+    for doc in mine:
+        check_signature(doc, ck.id, ck.manifest_digest, ctx.public_key)
 
 
 def _begin(ctx: _Push, ck: Checkpoint, kind: str, base_id: str | None) -> Checkpoint:
@@ -354,8 +364,12 @@ def _lineage(ctx: _Push, ck: Checkpoint) -> list[dict[str, str]]:
 
 
 def _record(ctx: _Push, ck: Checkpoint, docs: list[SignatureDoc], nbytes: int,
-            sent_before: int) -> None:
-    """After the commit: run versions, signatures, lineage, and the events on both sides."""
+            sent: int) -> None:
+    """After the commit: run versions, signatures, lineage, and the events on both sides.
+
+    Idempotent, and run again for a checkpoint found committed at the destination: a push
+    killed right after its commit (kill point ``push.committed``) is completed by the rerun.
+    """
     try:
         info = ctx.src.catalog.get_run(ck.run)
         ctx.dst.catalog.ensure_run(ck.run, experiment=info.experiment,
@@ -364,13 +378,17 @@ def _record(ctx: _Push, ck: Checkpoint, docs: list[SignatureDoc], nbytes: int,
                                    data_version=info.data_version, host=info.host)
     except CheckpointNotFoundError:
         pass
+    known = ctx.dst.catalog.events(ck.id, limit=1000)
+    have = {json.dumps(e.detail, sort_keys=True) for e in known if e.kind == "signed"}
     for doc in docs:
-        ctx.dst.catalog.record_event("signed", checkpoint_id=ck.id, actor=ctx.owner,
-                                     detail=doc.to_dict())
+        if json.dumps(doc.to_dict(), sort_keys=True) not in have:
+            ctx.dst.catalog.record_event("signed", checkpoint_id=ck.id, actor=ctx.owner,
+                                         detail=doc.to_dict())
     elsewhere = _lineage(ctx, ck)
     if elsewhere:
         ctx.report.lineage_elsewhere[ck.id] = elsewhere
-    sent = ctx.report.bytes_sent - sent_before
+    if any(e.kind == "received" for e in known) and sent == 0:
+        return
     ctx.dst.catalog.record_event(
         "received", checkpoint_id=ck.id, actor=ctx.owner,
         detail={"from_store": store_id(ctx.src), "tier": ctx.dst_tier.name, "bytes": nbytes,
@@ -399,6 +417,8 @@ def _push_one(ctx: _Push, ckpt_id: str) -> None:
                 f"the destination has another checkpoint with id {ck.id} ({there.ref}); "
                 "refusing to push a different checkpoint under the same id")
         ctx.report.present.append(ck.id)
+        replica = there.replica(ctx.dst_tier.name)
+        _record(ctx, ck, _signatures(ctx.src, ck)[0], replica.bytes if replica else 0, 0)
         return
     src_tier = source_tier(ctx.src, ck)
     manifest = manifest_on(src_tier, ck)
@@ -410,8 +430,8 @@ def _push_one(ctx: _Push, ckpt_id: str) -> None:
             bases.add(ck.base_id)
         for base in sorted(bases, key=lambda i: ctx.src.catalog.get_any(i).created_at):
             _push_one(ctx, base)
-    docs = _signatures(ctx.src, ck)
-    _check_signature(ctx, ck, docs)  # before a single byte is written
+    docs, problems = _signatures(ctx.src, ck)
+    _check_signature(ctx, ck, docs, problems)  # before a single byte is written
     kind, base_id = ("full", None) if contained else (ck.kind, ck.base_id)
     row = _begin(ctx, ck, kind, base_id)
     lease = _Lease(ctx.dst, row.id, ctx.owner, ctx.lease_ttl_s)
@@ -445,7 +465,7 @@ def _push_one(ctx: _Push, ckpt_id: str) -> None:
             ctx.dst.catalog.set_replica(ck.id, ctx.dst_tier.name, state=ReplicaState.PRESENT,
                                         manifest_digest=digest)
         fault_point("push.committed")
-        _record(ctx, ck, docs, nbytes, sent_before)
+        _record(ctx, ck, docs, nbytes, ctx.report.bytes_sent - sent_before)
     finally:
         lease.release()
     ctx.report.pushed.append(ck.id)
@@ -574,9 +594,5 @@ def sync_run(
                                 order_by="created_at")
     if tag is not None:
         todo = [ck for ck in todo if tag in ck.tags]
-    missing = []
-    for ck in todo:
-        there = _at_destination(dst, ck.id)
-        if there is None or there.state != CheckpointState.COMMITTED:
-            missing.append(ck.id)
-    return push_checkpoints(src, dst, missing, remote=remote, **options)
+    # What the destination has is reported as present, not sent again.
+    return push_checkpoints(src, dst, [ck.id for ck in todo], remote=remote, **options)
