@@ -258,3 +258,18 @@ def test_bad_inputs_raise_our_errors(stores: Any, kit: Any, tmp_path: Path) -> N
     # None of it left anything behind.
     assert b.list(run="in") == []
     assert [r.name for r in list_remotes(a)] == ["b"]
+
+
+def test_lossy_delta_arrives_with_its_bounds(stores: Any, kit: Any) -> None:
+    a, b = stores.a, stores.b
+    lossy = {"threshold": 1e-7, "quantize": 8}
+    s = {"w": kit.state(15)["w"], "exp_avg": kit.state(16)["w"]}
+    a.save("lossy", 1, s, delta=lossy)
+    moved = {"w": s["w"], "exp_avg": s["exp_avg"] + 0.01 * kit.state(17)["w"]}
+    ck = a.get(a.save("lossy", 2, moved, delta=lossy).id)
+    assert ck.lossy and ck.error_bound is not None and ck.lossy_scope
+    push_checkpoints(a, b, [ck.id], remote="b")
+    there = b.get(ck.id)
+    assert (there.lossy, there.error_bound, there.lossy_scope) == (
+        ck.lossy, ck.error_bound, ck.lossy_scope)
+    assert kit.same(b.load(ck.id), a.load(ck.id))  # the same approximation, bit for bit
