@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -190,10 +191,13 @@ class _Push:
     threads: int
     lease_ttl_s: float
     visited: set[str] = field(default_factory=set)
+    # Files are written from the transfer threads of storage/transfer.py.
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def sent(self, nbytes: int) -> None:
-        self.report.bytes_sent += nbytes
-        self.report.files_sent += 1
+        with self.lock:
+            self.report.bytes_sent += nbytes
+            self.report.files_sent += 1
         if self.progress is not None:
             self.progress(nbytes)
 
