@@ -49,18 +49,32 @@ def remote_add_cmd(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="Name for the other store.")],
     config: Annotated[
-        Path, typer.Option("--config", "-c", help="The other store's TOML config file.")
+        Path, typer.Option("--config", "-c",
+                           help="The other store's TOML config file (here --config names "
+                                "the remote; this store's config goes before `remote`).")
     ],
     as_json: JsonOpt = False,
+    store_dir: Annotated[
+        str | None, typer.Option("--store", "-s", help="This store's directory.")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress.")] = False,
 ) -> None:
     """Add a remote: another store, opened by its config file (catalog URL and tiers).
 
-    The remote is opened once to check that the config works and is not this store. Give
-    this store's own --store/--config before `remote`.
+    The remote is opened once to check that the config works and is not this store. This
+    store's own --config goes before `remote`; --store and --verbose go anywhere.
 
     JSON: {"name", "config", "created_at"}.
     """
+    from ckptstore.cli.common import State, configure_logging
     from ckptstore.ops.remote import add_remote
+
+    state = ctx.ensure_object(State)
+    if store_dir is not None:
+        state.store = store_dir
+    if verbose and not state.verbose:
+        state.verbose = True
+        configure_logging(True)
 
     with open_store(ctx) as store:
         info = add_remote(store, name, config)

@@ -1,8 +1,9 @@
 """Remotes: other stores this one pushes checkpoints to and pulls them from.
 
 A remote is a name for another store's config file; opening it opens that store (its
-catalog and tiers) exactly as ``ckpt --config FILE`` would. The list lives in the catalog
-(:mod:`ckptstore.catalog.remotes`), so every host sharing a catalog sees the same remotes.
+catalog and tiers) exactly as any command given that config file would. The list lives in
+the catalog (:mod:`ckptstore.catalog.remotes`), so every host sharing a catalog sees the same
+remotes.
 Moving checkpoints between the two is :mod:`ckptstore.ops.push`.
 """
 
