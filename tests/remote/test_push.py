@@ -19,6 +19,7 @@ from ckptstore.errors import (
     RemoteError,
     StorageError,
 )
+from ckptstore.ops.doctor import doctor
 from ckptstore.ops.push import push_checkpoints, sync_run
 from ckptstore.ops.remote import add_remote, list_remotes, open_remote, remove_remote, store_id
 from ckptstore.ops.signing import generate_keypair, sign_checkpoint, verify_signature
@@ -71,6 +72,8 @@ def test_push_dedup_and_xor_then_pull_into_a_third_store(stores: Any, kit: Any) 
     assert (run.code_version, run.data_version) == ("git:1f3c2e", "data-v7")
     assert next(e.kind for e in c.events(c2.id)) == "received"
     assert c.verify(c2.id) == [] and c.verify(x2.id) == []
+    # Both catalogs agree with their tiers: no orphans, no missing copies.
+    assert doctor(b).ok and doctor(c).ok
 
 
 def test_second_push_of_a_fine_tune_sends_only_its_new_chunks(stores: Any, kit: Any) -> None:
