@@ -147,6 +147,12 @@ def test_signed_checkpoint_is_verified_on_arrival(stores: Any, kit: Any, tmp_pat
     report = push_checkpoints(a, b, [good.id], remote="b", require_signature=public)
     assert report.pushed == [good.id]
     verify_signature(b, good.id, public)  # the warm-only copy: the signature came as an event
+    # And on from there: the event is what vouches for it in the next store too.
+    with open_remote(stores.c, "b") as remote_b:
+        pulled = push_checkpoints(remote_b, stores.c, [good.id], remote="b", direction="pull",
+                                  require_signature=public)
+    assert pulled.pushed == [good.id]
+    verify_signature(stores.c, good.id, public, deep=True)
 
     wrong_key = a.save("signed", 2, kit.state(7))
     sign_checkpoint(a, wrong_key.id, other_private)
