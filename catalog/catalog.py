@@ -11,6 +11,7 @@ from ckptstore.catalog.metric_history import HistoryMixin
 from ckptstore.catalog.parts import PartsMixin
 from ckptstore.catalog.pruning import PruningMixin
 from ckptstore.catalog.queries import QueriesMixin
+from ckptstore.catalog.remotes import RemotesMixin
 from ckptstore.catalog.replicas import ReplicasMixin
 from ckptstore.catalog.thaws import ThawsMixin
 
@@ -29,6 +30,7 @@ class Catalog(
     StoreIdentityMixin,
     HistoryMixin,
     ThawsMixin,
+    RemotesMixin,
 ):
     """The checkpoint catalog on SQLite (embedded) or PostgreSQL (shared).
 
@@ -61,7 +63,9 @@ class Catalog(
           :meth:`parts_on`, :meth:`part_ranks`, :meth:`manifest_bytes`,
           :meth:`forget_parts`, :meth:`part_usage`, :meth:`heartbeat`, :meth:`hosts`;
         * thaws of archival copies: :meth:`record_thaw`, :meth:`thaw_ready`,
-          :meth:`finish_thaw`, :meth:`get_thaw`, :meth:`thaws`.
+          :meth:`finish_thaw`, :meth:`get_thaw`, :meth:`thaws`;
+        * remotes and arrivals: :meth:`add_remote`, :meth:`remote`, :meth:`remotes`,
+          :meth:`remove_remote`, :meth:`forget_failed_arrival`.
 
     Args:
         url: ``sqlite:///path/catalog.db`` (the parent directory is created) or

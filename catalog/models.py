@@ -357,6 +357,16 @@ class StoreMetaRow(Base):
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
 
 
+class RemoteRow(Base):
+    """Another store this one pushes to and pulls from, named by its config file."""
+
+    __tablename__ = "remotes"
+
+    name: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    config: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
+
+
 class MetricHistoryRow(Base):
     """One bucket of a run's training-metric series (the loss curve between checkpoints).
 

@@ -1,7 +1,7 @@
 """thaws of archival copies
 
 Revision ID: b7c3d9e1f5a2
-Revises: 9d4a6b1c2e80
+Revises: a1e5c0d2f4b6
 Create Date: 2026-12-01 21:00:00+00:00
 
 ``thaws``: one row per (checkpoint, tier) whose copy in an archival S3 storage class
@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "b7c3d9e1f5a2"
-down_revision: str | Sequence[str] | None = "9d4a6b1c2e80"
+down_revision: str | Sequence[str] | None = "a1e5c0d2f4b6"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -18,6 +18,7 @@ __all__ = [
     "LeaseHeldError",
     "MissingBaseError",
     "MissingExtraError",
+    "RemoteError",
     "StorageError",
     "ThawPendingError",
     "UnsafeObjectError",
@@ -99,6 +100,10 @@ def _rebuild_thaw_error(message: str, checkpoint_id: str, tier: str,
 
 class ConfigError(CkptError, ValueError):
     """The configuration file or environment holds an invalid value."""
+
+
+class RemoteError(ConfigError):
+    """A remote store is unknown, named twice, or its config file cannot be read."""
 
 
 class MissingExtraError(ConfigError, ImportError):

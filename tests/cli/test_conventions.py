@@ -23,6 +23,9 @@ from ckptstore.store import CheckpointStore
 
 #: Commands that run until interrupted (servers): they print no result to put in JSON.
 SERVERS = {"serve", "ui", "agent"}
+#: Commands whose own --config names another file (the remote store's config): this store's
+#: --config goes before the command name; --store and --verbose go anywhere.
+OWN_CONFIG = {"remote add"}
 
 
 def leaf_commands(group: Any = None, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -74,6 +77,11 @@ def _bundle(fs: FilledStore) -> None:
 
     with CheckpointStore.open(config=fs.config) as store:
         export_bundle(store, "tuned@latest", fs.work / "tuned.tar")
+
+
+def _other_store(fs: FilledStore) -> None:
+    """A second store's config in the work directory (created when first opened)."""
+    (fs.work / "other.toml").write_text(f'root = "{fs.work / "other"}"\n')
 
 
 def _record(doc: Any) -> bool:
@@ -137,6 +145,17 @@ CASES = [
     Case("doctor", check=lambda d: d["ok"] is True),
     Case("config", check=lambda d: d["settings"]["hot"]["value"].endswith("/hot")
          and "from" in d["settings"]["codec"]),
+    Case("remote add", ["other", "--config", f"{W}/other.toml"],
+         lambda d: d["name"] == "other" and d["config"].endswith("other.toml"),
+         prepare=_other_store),
+    Case("remote ls", check=lambda d: [r["name"] for r in d] == ["other"]),
+    Case("push", ["base@10", "--to", "other"],
+         lambda d: d["direction"] == "push" and len(d["pushed"]) == 1 and d["bytes_sent"] > 0),
+    Case("sync", ["base", "--to", "other"],
+         lambda d: len(d["pushed"]) >= 2 and len(d["present"]) == 1),
+    Case("pull", ["base@latest", "--from", "other"],
+         lambda d: d["direction"] == "pull" and len(d["present"]) == 1),
+    Case("remote rm", ["other"], lambda d: d == {"removed": "other"}),
 ]
 
 
@@ -159,6 +178,12 @@ def _argv(case: Case, placement: str, fs: FilledStore, decoy: FilledStore) -> li
     args = [a.replace(W, str(fs.work)) for a in case.args]
     command = case.command.split()
     mine = ["--config", str(fs.config), "--store", str(fs.root)]
+    if case.command in OWN_CONFIG:
+        if placement == "after":
+            return [*command, *args, "--json", "--store", str(fs.root)]
+        if placement == "both":
+            return ["-s", str(decoy.root), *command, *args, "--json", "-v", "--store",
+                    str(fs.root)]
     if placement == "after":
         return [*command, *args, "--json", *mine]
     if placement == "before":

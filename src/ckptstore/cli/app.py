@@ -23,7 +23,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from ckptstore.cli import deltas, overview, prefetch, transfer, trust
+from ckptstore.cli import deltas, overview, prefetch, remote, transfer, trust
 from ckptstore.cli.common import (
     State,
     ascii_float,
@@ -641,8 +641,11 @@ trust.register(app)
 overview.register(app)
 deltas.register(app)
 prefetch.register(app)
+remote.register(app)
 # Last, so that every command registered above gets them.
 install_global_options(app)
+# After them: `remote add` has a --config option of its own (the remote's config file).
+remote.register_remote_group(app)
 
 
 def _wants_json(args: Sequence[str]) -> bool:
