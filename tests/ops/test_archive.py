@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from ckptstore import CheckpointNotFoundError, CheckpointStore, ReplicaState, StorageError
-from ckptstore.errors import ConfigError, ConflictError
+from ckptstore import CheckpointStore, ReplicaState, StorageError
+from ckptstore.errors import ConfigError, ConflictError, ThawPendingError
 from ckptstore.ops.archive import archive_checkpoints, demote_checkpoints
 from ckptstore.ops.replicas import delete_replica, store_tiers
 from ckptstore.ops.restore import restore_checkpoint
@@ -295,7 +295,7 @@ def test_demote_keeps_a_base_copy_its_deltas_still_read(
     assert store.get(base.id).replica("warm").state == ReplicaState.DELETED  # type: ignore[union-attr]
 
 
-def test_demote_to_glacier_is_size_verified_and_not_restorable(
+def test_demote_to_glacier_is_size_verified_and_a_restore_thaws_it(
     tmp_path: Path, s3: MotoS3
 ) -> None:
     store = CheckpointStore.open(
@@ -313,7 +313,9 @@ def test_demote_to_glacier_is_size_verified_and_not_restorable(
         # Only presence and sizes can be checked without a restore request.
         assert verify_replicas(store, ref=ck.id, tier="cold").ok == [f"{ck.id}@cold"]
         delete_replica(store, ck, "hot")
-        with pytest.raises(CheckpointNotFoundError, match="GLACIER"):
+        # Not readable until S3 restores the objects: the restore asks for that (the thaw
+        # itself is tests/ops/test_thaw.py) and says when it should be ready.
+        with pytest.raises(ThawPendingError, match="thawing, expected ready in"):
             restore_checkpoint(store, ck.id)
     finally:
         store.close()

@@ -5,6 +5,13 @@ The dispatch, in order: resolve the reference (only COMMITTED checkpoints) → w
 shared-memory copy if the catalog lists one → otherwise the hot copy, restored first from the
 fastest tier holding a verified copy when the hot tier has none → the reader of the copy's
 layout (the regular packed layout, or the one of a checkpoint saved through DCP).
+
+Loads take no lease: retention may remove the hot copy (a verified copy stays on another
+tier) while a load reads it. Retention marks the copy DELETING before it removes a file, so
+a read that finds files missing asks the catalog: when the hot copy is no longer PRESENT the
+load re-plans (restores it again from the copy that stays, then reads that), a bounded number
+of times; a checkpoint pruned whole meanwhile is CheckpointNotFoundError; a hot copy still
+PRESENT is real damage and its error is raised as it is.
 """
 
 from __future__ import annotations
@@ -16,7 +23,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckptstore.core import StoreCore
-from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    StorageError,
+)
 from ckptstore.format import Manifest, read_checkpoint, read_manifest, verify_checkpoint
 from ckptstore.format.dcp import is_dcp_manifest, verify_dcp
 from ckptstore.identity import host
@@ -27,11 +39,14 @@ from ckptstore.ops.prefetch import note_load
 from ckptstore.ops.replicas import manifest_of
 from ckptstore.ops.restore import ensure_hot, hot_digest
 from ckptstore.ops.signing import verify_signature
-from ckptstore.records import ReplicaState, expected_digest
+from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 
 __all__ = ["load_checkpoint", "read_any_manifest", "restore_latest", "verify_hot"]
 
 logger = logging.getLogger(__name__)
+
+#: Reads of a hot copy that retention took away meanwhile, re-planned before giving up.
+_REPLANS = 3
 
 
 def load_checkpoint(
@@ -82,27 +97,67 @@ def load_checkpoint(
             if hit:
                 timer.add(bytes_logical=ck.logical_bytes, bytes_stored=ck.logical_bytes)
                 return state
-        # A checkpoint that only S3 holds is restored to the hot tier first (verified).
-        directory = ensure_hot(core, ck)
-        # The hot copy may be a re-encoded one (restored from the archive codec's copy).
-        manifest = read_manifest(directory, expected_digest=hot_digest(core, ck))
-        if manifest.delta is not None and manifest.delta.lossy:
-            logger.warning(
-                "loading %s: values of %s are approximate (lossy delta, max abs error %g, "
-                "mean %g); compact it or save in full where exact values matter",
-                ck.ref, list(manifest.delta.scope), manifest.delta.max_abs_error,
-                manifest.delta.mean_abs_error,
-            )
-        if is_dcp_manifest(manifest):
-            state = load_dcp(directory, manifest, keys=keys, into=into,
-                             threads=core.settings.threads)
-        else:
-            state = read_checkpoint(
-                directory, manifest, keys=keys, into=into, locate=core.locate,
-                threads=core.settings.threads,
-            )
+        for attempt in range(_REPLANS + 1):
+            try:
+                state, manifest = _load_hot(core, ck, keys=keys, into=into)
+                break
+            except (CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError,
+                    StorageError) as exc:
+                if attempt == _REPLANS or not _hot_copy_changed(core, ck, exc):
+                    raise
+                ck = core.catalog.get_any(ck.id)  # the hot copy as it is now
+                logger.info("loading %s: its hot copy was pruned meanwhile (%s); loading "
+                            "from the copy that stays", ck.ref, exc)
         timer.add(bytes_logical=manifest.logical_bytes, bytes_stored=manifest.stored_bytes)
     return state
+
+
+def _load_hot(core: StoreCore, ck: Checkpoint, *, keys: Sequence[str] | None,
+              into: Any | None) -> tuple[Any, Manifest]:
+    """Read ``ck`` from the hot tier, restoring it there first when it is not."""
+    # A checkpoint that only S3 holds is restored to the hot tier first (verified).
+    directory = ensure_hot(core, ck)
+    # The hot copy may be a re-encoded one (restored from the archive codec's copy).
+    manifest = read_manifest(directory, expected_digest=hot_digest(core, ck))
+    if manifest.delta is not None and manifest.delta.lossy:
+        logger.warning(
+            "loading %s: values of %s are approximate (lossy delta, max abs error %g, "
+            "mean %g); compact it or save in full where exact values matter",
+            ck.ref, list(manifest.delta.scope), manifest.delta.max_abs_error,
+            manifest.delta.mean_abs_error,
+        )
+    if is_dcp_manifest(manifest):
+        state = load_dcp(directory, manifest, keys=keys, into=into,
+                         threads=core.settings.threads)
+    else:
+        state = read_checkpoint(
+            directory, manifest, keys=keys, into=into, locate=core.locate,
+            threads=core.settings.threads,
+        )
+    return state, manifest
+
+
+def _hot_copy_changed(core: StoreCore, ck: Checkpoint, exc: Exception) -> bool:
+    """Whether a failed hot read failed because the copy it read changed meanwhile: retention
+    took it away (it is not PRESENT any more), or took it away and a restore brought it back
+    (verified again since ``ck`` was read). Then the load re-plans. A copy unchanged and
+    PRESENT is damaged: not a race.
+
+    Raises:
+        CheckpointNotFoundError: If the checkpoint itself was pruned meanwhile.
+    """
+    try:
+        now = core.catalog.get_any(ck.id)
+    except CheckpointNotFoundError:
+        now = None
+    if now is None or now.state != CheckpointState.COMMITTED:
+        raise CheckpointNotFoundError(
+            f"checkpoint {ck.ref} ({ck.id}) was pruned while it was being loaded; "
+            f"`ckpt events {ck.id}` shows its history"
+        ) from exc
+    hot, before = now.replica("hot"), ck.replica("hot")
+    return (hot is None or hot.state != ReplicaState.PRESENT or before is None
+            or before.state != ReplicaState.PRESENT or hot.verified_at != before.verified_at)
 
 
 def read_any_manifest(core: StoreCore, ref: str) -> Manifest:

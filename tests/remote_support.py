@@ -1,4 +1,5 @@
-"""Two stores and a third for pull-backs, each opened from a config file as a remote is.
+"""Fixtures of the push/pull tests: two stores and a third for pull-backs, each opened from
+a config file as a remote is. Used by tests/ops/remote/ and tests/flows/test_sync_flow.py.
 
 ``a``: SQLite catalog, warm tier on one moto bucket. ``b``: PostgreSQL catalog (127.0.0.1,
 see tests/pg_support.py), warm tier on a second moto bucket. ``c``: SQLite catalog, hot tier

@@ -1,28 +1,17 @@
-"""The sync flow (flows/sync.py) under a throwaway Prefect server: it pushes each run's best,
-and a second run (what a schedule does) sends nothing."""
+"""The sync flow (flows/sync.py) under the session's Prefect harness: it pushes each run's
+best, and a second run (what a schedule does) sends nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from remote_support import kit, pg_url, s3_a, s3_b, stores  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.postgres, pytest.mark.s3, pytest.mark.prefect]
 
 
-@pytest.fixture(scope="module")
-def harness() -> Iterator[None]:
-    """A temporary Prefect server for this module (as tests/flows/conftest.py sets one up)."""
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=60), \
-            temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        yield
-
-
-def test_sync_flow_pushes_the_best_then_nothing(harness: None, stores: Any, kit: Any) -> None:
+def test_sync_flow_pushes_the_best_then_nothing(stores: Any, kit: Any) -> None:  # noqa: F811
     from ckptstore.errors import RemoteError
     from ckptstore.flows.sync import sync_flow
 
