@@ -33,16 +33,8 @@ def s3() -> Iterator[MotoS3]:
 def config(tmp_path: Path, s3: MotoS3) -> Path:
     prefix = uuid.uuid4().hex[:12]
     path = tmp_path / "ckptstore.toml"
-    path.write_text(
-        f'root = "{tmp_path / "store"}"\n'
-        "[tiers]\n"
-        f'warm = "{s3.url(prefix + "/warm")}"\n'
-        f'cold = "{s3.url(prefix + "/cold")}"\n'
-        'cold_storage_class = "GLACIER"\n'
-        "[storage_options]\n"
-        f'endpoint_url = "{s3.endpoint_url}"\n',
-        encoding="utf-8",
-    )
+    path.write_text(s3.config_toml(tmp_path / "store", prefix, "GLACIER"),
+                    encoding="utf-8")
     return path
 
 

@@ -62,16 +62,8 @@ def s3_config(tmp_path: Path) -> Iterator[tuple[Path, object]]:
     with MotoS3() as s3:
         prefix = uuid.uuid4().hex[:8]
         config = tmp_path / "ckpt.toml"
-        config.write_text(
-            f'root = "{tmp_path / "store"}"\n'
-            "[tiers]\n"
-            f'warm = "{s3.url(prefix + "/warm")}"\n'
-            f'cold = "{s3.url(prefix + "/cold")}"\n'
-            'cold_storage_class = "STANDARD_IA"\n'
-            "[storage_options]\n"
-            f'endpoint_url = "{s3.endpoint_url}"\n',
-            encoding="utf-8",
-        )
+        config.write_text(s3.config_toml(tmp_path / "store", prefix, "STANDARD_IA"),
+                          encoding="utf-8")
         yield config, s3
 
 

@@ -24,16 +24,8 @@ def glacier_config(tmp_path: Path) -> Iterator[Path]:
     with MotoS3() as s3:
         prefix = uuid.uuid4().hex[:8]
         config = tmp_path / "ckpt.toml"
-        config.write_text(
-            f'root = "{tmp_path / "store"}"\n'
-            "[tiers]\n"
-            f'warm = "{s3.url(prefix + "/warm")}"\n'
-            f'cold = "{s3.url(prefix + "/cold")}"\n'
-            'cold_storage_class = "GLACIER"\n'
-            "[storage_options]\n"
-            f'endpoint_url = "{s3.endpoint_url}"\n',
-            encoding="utf-8",
-        )
+        config.write_text(s3.config_toml(tmp_path / "store", prefix, "GLACIER"),
+                          encoding="utf-8")
         yield config
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from pathlib import Path
 from typing import Any
 
 __all__ = ["FAKE_ACCESS_KEY_ID", "FAKE_SECRET_ACCESS_KEY", "MotoS3"]
@@ -144,6 +145,20 @@ class MotoS3:
         """``s3://<bucket>/<prefix>``."""
         prefix = prefix.strip("/")
         return f"s3://{self.bucket}/{prefix}" if prefix else f"s3://{self.bucket}"
+
+    def config_toml(self, root: Path | str, prefix: str,
+                    cold_storage_class: str = "STANDARD_IA") -> str:
+        """A store's config file with ``root``, and warm and cold tiers under ``prefix`` of
+        this server's bucket (credentials stay in the environment)."""
+        return (
+            f'root = "{root}"\n'
+            "[tiers]\n"
+            f'warm = "{self.url(prefix + "/warm")}"\n'
+            f'cold = "{self.url(prefix + "/cold")}"\n'
+            f'cold_storage_class = "{cold_storage_class}"\n'
+            "[storage_options]\n"
+            f'endpoint_url = "{self.endpoint_url}"\n'
+        )
 
     def client(self) -> Any:
         """A boto3 S3 client for this endpoint (for test set-up and fault injection)."""
