@@ -490,6 +490,12 @@ def _archive_parts(
                 holder = store.catalog.lease_holder(ck.id, _part_purpose(dst.name, part))
                 report.skipped[ck.id] = f"part of {part}: lease held by {holder}"
                 continue
+            if _part_present(store, ck.id, dst.name, part):
+                # Another archiver of this host uploaded it while we were getting here
+                # (the lease was free again): marking it COPYING now would make a complete
+                # copy look incomplete to the host that completes it.
+                lease.release()
+                continue
             try:
                 files = part_files(manifest, ranks.get(part, []))
                 pairs = [(src.key_for(ck.run, ck.id, rel), dst.key_for(ck.run, ck.id, rel))
@@ -533,6 +539,13 @@ def _archive_parts(
     total += _complete_parts(store, ck, dst, owner=owner, deep=deep, lease_ttl_s=lease_ttl_s,
                              report=report)
     return total
+
+
+def _part_present(store: StoreCore, ckpt_id: str, tier: str, part: str) -> bool:
+    """Whether ``part`` already has a PRESENT copy on ``tier`` (a shared tier: stored on no
+    host)."""
+    return any(p.part == part and p.stored_on is None and p.state == ReplicaState.PRESENT
+               for p in store.catalog.parts(ckpt_id, tier))
 
 
 def _complete_parts(store: StoreCore, ck: Checkpoint, dst: Tier, *, owner: str, deep: bool,
