@@ -28,6 +28,7 @@ from ckptstore.errors import (
     IncompleteCheckpointError,
     IntegrityError,
     StorageError,
+    ThawPendingError,
 )
 from ckptstore.format import Manifest, read_checkpoint, read_manifest, verify_checkpoint
 from ckptstore.format.dcp import is_dcp_manifest, verify_dcp
@@ -101,6 +102,8 @@ def load_checkpoint(
             try:
                 state, manifest = _load_hot(core, ck, keys=keys, into=into)
                 break
+            except ThawPendingError:
+                raise  # the only copy is thawing: nothing to re-plan until it is readable
             except (CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError,
                     StorageError) as exc:
                 if attempt == _REPLANS or not _hot_copy_changed(core, ck, exc):
