@@ -1,0 +1,84 @@
+"""The ``zarr.json`` documents the writer builds are byte for byte the ones zarr writes.
+
+:func:`ckptstore.format.zarrmeta.build_metadata` asks zarr once per dtype and codec and fills
+in each array's shape, chunk shape and attributes; these tests ask zarr for every array
+instead and compare, so a zarr release that writes its documents differently fails here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import zarr
+from zarr.codecs import BytesCodec
+from zarr.storage import MemoryStore
+
+from ckptstore.errors import CkptError
+from ckptstore.format import zarrmeta
+from ckptstore.format.codecs import ARRAY_CODECS, codec_spec, zarr_codecs
+from ckptstore.format.constants import MANIFEST_NAME, ZARR_JSON
+from ckptstore.format.dtypes import dtype_by_name, supported_dtype_names
+from ckptstore.format.zarrmeta import ArrayMeta, build_metadata
+
+
+def _zarr_documents(ckpt_id: str, arrays: list[ArrayMeta]) -> dict[str, bytes]:
+    """What zarr itself writes for the group and every array, one ``create_array`` each."""
+    store_dict: dict[str, Any] = {}
+    store = MemoryStore(store_dict)
+    zarr.open_group(store=store, mode="w", attributes={"ckptstore": {
+        "format_version": 2, "id": ckpt_id, "manifest": MANIFEST_NAME}})
+    for meta in arrays:
+        attributes: dict[str, Any] = {} if meta.info.native else {"torch_dtype": meta.info.name}
+        if meta.tensor is not None:
+            attributes.update(tensor=meta.tensor, shape=list(meta.shape or ()),
+                              torch_dtype=meta.info.name)
+        zarr.create_array(
+            store=store, name=meta.name, shape=(meta.length,), chunks=(meta.chunk_len,),
+            dtype=meta.info.zarr_dtype, compressors=zarr_codecs(meta.spec, meta.info.itemsize),
+            serializer=BytesCodec(), filters=None, fill_value=0, attributes=attributes,
+        )
+    return {k: v.to_bytes() for k, v in store_dict.items() if k.endswith(ZARR_JSON)}
+
+
+def _metas() -> list[ArrayMeta]:
+    metas: list[ArrayMeta] = []
+    for i, name in enumerate(supported_dtype_names()):
+        info = dtype_by_name(name)
+        assert info is not None
+        for codec in ARRAY_CODECS:
+            spec = codec_spec(codec)
+            metas.append(ArrayMeta(f"{name}_{codec}", 1000 + i, 256, info, spec))
+            metas.append(ArrayMeta(f"tensors/layer.{i}.{codec}.w", 4096, 1024, info, spec,
+                                   f"layer.{i}.{codec}.w", (64, 64)))
+    metas.append(ArrayMeta("tensors/empty", 0, 1, info, codec_spec("none"), "empty", (0, 3)))
+    metas.append(ArrayMeta("tensors/scalar", 1, 1, info, codec_spec("none"), "scalar", ()))
+    return metas
+
+
+def test_documents_equal_zarrs_own_for_every_dtype_and_codec() -> None:
+    ckpt_id = "0f0e0d0c-0b0a-4908-8706-050403020100"
+    metas = _metas()
+    assert build_metadata(ckpt_id, metas) == _zarr_documents(ckpt_id, metas)
+
+
+def test_a_group_only_checkpoint_has_just_the_root_document() -> None:
+    docs = build_metadata("0f0e0d0c-0b0a-4908-8706-050403020100", [])
+    assert list(docs) == [ZARR_JSON]
+
+
+def test_an_unexpected_zarr_document_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    info = dtype_by_name("float32")
+    assert info is not None
+    real = zarrmeta.json.loads
+
+    def without_grid(data: Any) -> Any:
+        doc = real(data)
+        if isinstance(doc, dict) and doc.get("node_type") == "array":
+            doc.pop("chunk_grid", None)
+        return doc
+
+    monkeypatch.setattr(zarrmeta.json, "loads", without_grid)
+    with pytest.raises(CkptError, match="unexpected shape"):
+        build_metadata("0f0e0d0c-0b0a-4908-8706-050403020100",
+                       [ArrayMeta("a", 4, 4, info, codec_spec("none"))])
