@@ -33,13 +33,18 @@ class TinyModule(pl.LightningModule):  # type: ignore[misc]
     def __init__(self, lr: float = 0.05, hidden: int = 8, extra: Any = None) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Tanh(),
-                                       torch.nn.Linear(hidden, 1))
+        # Seeded: the weights (so the losses) must not depend on which tests ran before.
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Tanh(),
+                                           torch.nn.Linear(hidden, 1))
 
     def training_step(self, batch: Any, index: int) -> torch.Tensor:
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss)
+        # Improves at every step: a top-k monitor on it saves every candidate.
+        self.log("neg_step", -float(self.global_step))
         return loss
 
     def configure_optimizers(self) -> Any:
@@ -72,8 +77,10 @@ def test_model_checkpoint_top_k_maps_to_aliases(
 ) -> None:
     io = CkptStoreIO(store, run="pl-a", async_save=async_save)
     ckpt_dir = tmp_path / "ckpts"
+    # A monitor that improves at every step, so each of the 5 candidates is saved (a loss
+    # need not improve: how many candidates it saves would depend on the losses).
     mc = ModelCheckpoint(dirpath=ckpt_dir, save_top_k=2, every_n_train_steps=2,
-                         monitor="train_loss", save_last=True)
+                         monitor="neg_step", mode="min", save_last=True)
     _trainer(io, 10, [mc, CkptStoreCallback(tags=("unit",))]).fit(TinyModule(), _loader())
 
     files = sorted(p.name for p in ckpt_dir.iterdir())
