@@ -3,6 +3,9 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+# make test runs whole test modules in this many processes (pytest-xdist): most of the suite
+# waits on subprocesses and servers, so two processes fit a 2-core machine.
+TEST_WORKERS ?= 2
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_LOGGING_LEVEL ?= WARNING
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
@@ -40,7 +43,7 @@ lint: $(STAMP)
 
 test: $(STAMP) services browser lint
 	@if docker compose version >/dev/null 2>&1; then docker compose config -q && echo "docker-compose.yml: valid"; else echo "docker compose not installed: docker-compose.yml checked by tests/test_compose.py and run as processes by tests/deploy/test_stack.py"; fi
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py

@@ -62,3 +62,14 @@ def tmp_store(store_root: Path) -> Iterator[object]:
         yield store
     finally:
         store.close()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the modules that hold a test marked ``slow`` first (order otherwise unchanged).
+
+    ``make test`` spreads whole modules over two processes (pytest-xdist, ``--dist
+    loadfile``) in collection order: a minute-long module collected last would run alone at
+    the end while the other process idles.
+    """
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)

@@ -32,7 +32,7 @@ from ckptstore.records import ReplicaState
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 from pg_support import create_pg_database, drop_pg_database, require_pg
-from server_support import free_port, stop
+from server_support import free_port, stop_all
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.postgres, pytest.mark.s3]
 
@@ -140,6 +140,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory,
         ckpt_id = _save_across_nodes(tmp, env)
         logs: dict[str, Path] = {}
         agents: dict[str, subprocess.Popen[bytes]] = {}
+        # Stopped together: their shutdowns overlap.
+        stack.callback(lambda: stop_all(list(agents.values())))
         for node in NODES:
             logs[node] = tmp / f"agent-{node}.log"
             out = stack.enter_context(logs[node].open("wb"))
@@ -150,7 +152,6 @@ def nodes(tmp_path_factory: pytest.TempPathFactory,
                 env=env[node], cwd=tmp, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-            stack.callback(stop, agents[node])
         result = Nodes(api, config, hot, env, logs, agents, ckpt_id)
         deadline = time.monotonic() + 120
         wanted = {f"ckpt-agent-{n}" for n in NODES}

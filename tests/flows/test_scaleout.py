@@ -40,7 +40,7 @@ if str(Path(__file__).parent) not in sys.path:
     # --import-mode=importlib does not put test directories on sys.path.
     sys.path.insert(0, str(Path(__file__).parent))
 from pg_support import create_pg_database, drop_pg_database, require_pg
-from server_support import stop
+from server_support import stop_all
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.postgres, pytest.mark.s3]
 
@@ -148,6 +148,8 @@ def cluster(
         for var in ("CKPT_CONFIG", "CKPT_ROOT", "CKPT_CATALOG_URL"):
             worker_env.pop(var, None)
         workers: dict[str, subprocess.Popen[bytes]] = {}
+        # Stopped together: their shutdowns overlap.
+        stack.callback(lambda: stop_all(list(workers.values())))
         logs: dict[str, Path] = {}
         for name in ("w1", "w2"):
             logs[name] = tmp / f"{name}.log"
@@ -158,7 +160,6 @@ def cluster(
                 env=worker_env, cwd=tmp, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-            stack.callback(stop, workers[name])
         cluster = Cluster(api, config, ids, deployments, logs, workers)
         # Both workers must be polling before the burst, or one might take everything.
         deadline = time.monotonic() + 90
