@@ -241,10 +241,35 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+@dataclass
+class RacedArchive:
+    """Two archivers of node A's part at once: ``report`` is the one that uploaded it."""
+
+    report: Any
+    late: Any  # took the part's lease only after ``report``'s run had uploaded the part
+
+
 @pytest.fixture(scope="module")
-def archived_a(cluster: Cluster, saved: dict[int, Any]) -> Any:
-    with cluster.node("node-a") as store:
-        return archive_checkpoints(store, ref=saved[0]["mn1"])
+def archived_a(cluster: Cluster, saved: dict[int, Any]) -> RacedArchive:
+    """Node A archives mn1 twice at once (its agent's flow and an operator's ``ckpt
+    archive``): both see the part missing, and the first uploads it while the second is
+    about to take the part's lease."""
+    from ckptstore.ops import archive as archive_mod
+
+    real_acquire = archive_mod._Lease.acquire
+    first: list[Any] = []
+
+    def acquire_after_the_other_archiver(lease: Any) -> bool:
+        if not first:
+            first.append(None)  # the other archiver's own acquire below is the real one
+            with cluster.node("node-a") as other:
+                first[0] = archive_checkpoints(other, ref=saved[0]["mn1"])
+        return bool(real_acquire(lease))
+
+    with cluster.node("node-a") as store, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(archive_mod._Lease, "acquire", acquire_after_the_other_archiver)
+        late = archive_checkpoints(store, ref=saved[0]["mn1"])
+    return RacedArchive(first[0], late)
 
 
 @pytest.fixture(scope="module")
@@ -254,11 +279,11 @@ def archived_b(cluster: Cluster, saved: dict[int, Any], archived_a: Any) -> Any:
 
 
 def test_archive_from_one_node_leaves_an_incomplete_copy_nobody_uses(
-    cluster: Cluster, saved: dict[int, Any], archived_a: Any
+    cluster: Cluster, saved: dict[int, Any], archived_a: RacedArchive
 ) -> None:
     mn1 = saved[0]["mn1"]
-    assert archived_a.parts == {mn1: ["node-a"]} and archived_a.archived == []
-    assert "waiting for the parts of node-b" in archived_a.skipped[mn1]
+    assert archived_a.report.parts == {mn1: ["node-a"]} and archived_a.report.archived == []
+    assert "waiting for the parts of node-b" in archived_a.report.skipped[mn1]
     with cluster.node("node-c") as store:  # a third node: no hot part of its own
         ck = store.get(mn1)
         warm = ck.replica("warm")
@@ -279,6 +304,22 @@ def test_archive_from_one_node_leaves_an_incomplete_copy_nobody_uses(
         assert store.get(mn1).replica("hot").state == ReplicaState.PRESENT  # type: ignore[union-attr]
     for node in NODES:
         assert (cluster.hot[node] / "mn" / mn1 / "COMMITTED").is_file()
+
+
+def test_an_archiver_that_finds_its_part_uploaded_meanwhile_leaves_it_alone(
+    cluster: Cluster, saved: dict[int, Any], archived_a: RacedArchive
+) -> None:
+    # Re-uploading would mark the PRESENT part COPYING again: the host completing the copy
+    # at that moment would find node A's part missing and fail.
+    mn1 = saved[0]["mn1"]
+    assert mn1 not in archived_a.late.parts and archived_a.late.failed == {}
+    assert archived_a.late.bytes == 0
+    with cluster.node("node-c") as store:
+        uploads = [e.detail["part"] for e in store.catalog.events(mn1, limit=50)
+                   if e.kind == "part_archived"]
+        assert uploads.count("node-a") == 1, uploads
+        assert [(p.part, p.state) for p in store.catalog.parts(mn1, "warm")] == [
+            ("node-a", ReplicaState.PRESENT)]
 
 
 def test_archive_from_the_second_node_completes_and_verifies(
