@@ -9,6 +9,7 @@ from prefect import flow
 
 from ckptstore.errors import StorageError
 from ckptstore.flows.common import collect, open_store
+from ckptstore.ops.push import sync_selection
 from ckptstore.tasks.remote import sync_task
 
 __all__ = ["sync_flow"]
@@ -23,22 +24,23 @@ def sync_flow(
     remote: str | None = None,
     runs: list[str] | None = None,
     best: str | None = None,
-    mode: str = "min",
+    mode: str | None = None,
     tag: str | None = None,
 ) -> dict[str, Any]:
     """Push what the remotes lack: every committed checkpoint (or the best) of each run.
 
     One task per (remote, run); each is idempotent, so the flow can run on a schedule
     (``[schedules] sync = "@every 1h"``): a run whose best did not change sends nothing.
+    Arguments not given come from the config's ``[sync]`` table (what a schedule uses).
 
     Args:
         store_root: Store directory.
         config: Config file path.
-        remote: Only this remote (default: every remote of the store).
-        runs: Only these runs (default: every run).
-        best: Only each run's best checkpoint by this metric.
-        mode: ``min`` or ``max`` for ``best``.
-        tag: Only checkpoints with this tag.
+        remote: Only this remote (default: ``sync.remote``, else every remote of the store).
+        runs: Only these runs (default: ``sync.runs``, else every run).
+        best: Only each run's best checkpoint by this metric (default: ``sync.best``).
+        mode: ``min`` or ``max`` for ``best`` (default: ``sync.mode``, else ``min``).
+        tag: Only checkpoints with this tag (default: ``sync.tag``).
 
     Returns:
         ``{"reports": [push reports], "bytes_sent", "pushed": [ids], "failed"}``.
@@ -48,12 +50,10 @@ def sync_flow(
         StorageError: If some (remote, run) could not be synced (the others are done).
     """
     with open_store(store_root, config) as store:
-        targets = [remote] if remote is not None else [r.name for r in store.catalog.remotes()]
-        for name in targets:
-            store.catalog.remote(name)  # an unknown remote fails before any task starts
-        names = runs if runs is not None else [r.name for r in store.runs()]
-        pairs = [(t, r) for t in targets for r in names]
-        futures = [sync_task.submit(store, t, r, best=best, mode=mode, tag=tag)
+        chosen = sync_selection(store, remote=remote, runs=runs, best=best, mode=mode, tag=tag)
+        pairs = [(t, r) for t in chosen.remotes for r in chosen.runs]
+        futures = [sync_task.submit(store, t, r, best=chosen.best, mode=chosen.mode,
+                                    tag=chosen.tag)
                    for t, r in pairs]
         reports, failures = collect(futures, [f"{r} -> {t}" for t, r in pairs])
     pushed = [cid for rep in reports for cid in rep.get("pushed", [])]

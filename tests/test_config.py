@@ -44,7 +44,8 @@ def test_deepspeed_style_keys(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "text",
     ['codec = "gzip"', "threads = 0", 'unknown_key = 1', "[tiers]\nlukewarm = 'x'",
-     "keep_last = -1", 'hot = "gs://bucket/x"', "this is not toml", "replicas = 3"],
+     "keep_last = -1", 'hot = "gs://bucket/x"', "this is not toml", "replicas = 3",
+     "[sync]\nruns = 'a'", "[sync]\nmode = 'avg'", "[sync]\nbest = 3", "[sync]\nevery = 1"],
 )
 def test_bad_config(tmp_path: Path, text: str) -> None:
     cfg = tmp_path / "bad.toml"
@@ -110,6 +111,7 @@ ENV_SAMPLES: dict[str, tuple[str, object]] = {
     "delta_cache_bytes": ("0", 0),
     "replicas": ("2", 2),
     "host_timeout_s": ("45", 45.0),
+    "sync": ('{"runs": ["a"], "best": "loss"}', {"runs": ["a"], "best": "loss"}),
 }
 
 
@@ -158,7 +160,7 @@ def test_every_setting_is_documented_and_has_an_env_var(
     ("CKPT_KEEP_BEST", "val_loss:3"), ("CKPT_KEEP_BEST", "val_loss:avg:3"),
     ("CKPT_KEEP_EVERY", "-1"), ("CKPT_MAX_AGE_DAYS", "soon"), ("CKPT_MAX_AGE_DAYS", "nan"),
     ("CKPT_STORAGE_OPTIONS", "endpoint_url=x"), ("CKPT_SCHEDULES", "[1, 2]"),
-    ("CKPT_DELTA", "{bad json"),
+    ("CKPT_DELTA", "{bad json"), ("CKPT_SYNC", '{"runs": "a"}'),
 ])
 def test_bad_env_values_name_their_variable(monkeypatch: pytest.MonkeyPatch, var: str,
                                             text: str) -> None:

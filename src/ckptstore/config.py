@@ -147,6 +147,10 @@ class Settings:
             over the process group after the commit; see docs/MULTINODE.md).
         host_timeout_s: A host whose agent or saver has not been heard from for this long
             counts as gone (``ckpt doctor`` reports the parts it holds).
+        sync: What the ``sync`` flow pushes when it is started without parameters (a
+            ``[schedules]`` entry, ``ckpt serve``): a table of ``remote`` (one remote; default
+            every remote), ``runs`` (default every run), ``best`` (only each run's best by
+            this metric), ``mode`` (``min``/``max``) and ``tag`` (docs/REMOTES.md).
         source: The config file this came from, if any.
     """
 
@@ -178,6 +182,7 @@ class Settings:
     delta_cache_bytes: int = 1024**3
     replicas: int = 1
     host_timeout_s: float = 600.0
+    sync: dict[str, Any] = field(default_factory=dict)
     source: Path | None = None
 
     @property
@@ -256,6 +261,7 @@ ENV_VARS: dict[str, str] = {
     "delta_cache_bytes": "CKPT_DELTA_CACHE_BYTES",
     "replicas": "CKPT_REPLICAS",
     "host_timeout_s": "CKPT_HOST_TIMEOUT_S",
+    "sync": "CKPT_SYNC",
 }
 #: Variables that set one entry of a table setting (applied after the table's own variable).
 ENV_ENTRY_VARS: dict[str, tuple[str, str]] = {
@@ -333,6 +339,8 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             return dict(value)
         if name == "delta":
             return _delta_value(value)
+        if name == "sync":
+            return _sync_value(value)
         if name == "cold_restore_tier":
             # The three retrieval tiers S3 RestoreObject accepts, in S3's own spelling.
             if value not in _RESTORE_TIERS:
@@ -515,7 +523,30 @@ def resolve_settings(
     return ResolvedSettings(Settings(**values), origins, source, found_by)
 
 
-_TABLE_FIELDS = ("storage_options", "schedules")
+def _sync_value(value: Any) -> dict[str, Any]:
+    """The ``sync`` table checked: known keys, each of its type (raises ValueError)."""
+    if not isinstance(value, dict):
+        raise ValueError("must be a table of remote, runs, best, mode, tag")
+    out: dict[str, Any] = {}
+    for key, entry in value.items():
+        if key in ("remote", "best", "tag"):
+            if not isinstance(entry, str) or not entry:
+                raise ValueError(f"{key} must be a non-empty string")
+            out[key] = entry
+        elif key == "mode":
+            if entry not in ("min", "max"):
+                raise ValueError("mode must be 'min' or 'max'")
+            out[key] = entry
+        elif key == "runs":
+            if not isinstance(entry, list) or not all(isinstance(r, str) and r for r in entry):
+                raise ValueError("runs must be a list of run names")
+            out[key] = list(entry)
+        else:
+            raise ValueError(f"unknown key {key!r}; known: remote, runs, best, mode, tag")
+    return out
+
+
+_TABLE_FIELDS = ("storage_options", "schedules", "sync")
 
 
 def _from_env(name: str, env: str, text: str) -> Any:
@@ -542,6 +573,7 @@ def _from_env(name: str, env: str, text: str) -> Any:
 _ENV_EXAMPLES = {
     "storage_options": '{"endpoint_url": "http://127.0.0.1:9000"}',
     "schedules": '{"archive": "*/10 * * * *"}',
+    "sync": '{"runs": ["resnet"], "best": "val_loss"}',
     "delta": '{"threshold": 1e-4, "quantize": 8}',
 }
 

@@ -27,3 +27,26 @@ def test_sync_flow_pushes_the_best_then_nothing(stores: Any, kit: Any) -> None: 
     assert again["pushed"] == [] and again["bytes_sent"] == 0
     with pytest.raises(RemoteError):
         sync_flow(config=str(stores.a_config), remote="nope")
+
+
+def test_a_scheduled_sync_pushes_what_the_config_selects(stores: Any, kit: Any) -> None:  # noqa: F811
+    """Started without parameters (as a schedule starts it), the flow pushes what the
+    config's ``[sync]`` table selects: the best of the named runs only."""
+    from ckptstore.flows.sync import sync_flow
+
+    a, b = stores.a, stores.b
+    s = kit.state(40)
+    a.save("chosen", 1, s, metrics={"loss": 2.0}, delta=False)
+    best = a.save("chosen", 2, kit.tweaked(s), metrics={"loss": 1.0}, delta=False)
+    other = a.save("other", 1, kit.tweaked(s, 5.0), metrics={"loss": 0.5}, delta=False)
+    scheduled = stores.a_config.with_name("a-scheduled.toml")
+    scheduled.write_text(stores.a_config.read_text(encoding="utf-8")
+                         + '\n[sync]\nruns = ["chosen"]\nbest = "loss"\nmode = "min"\n',
+                         encoding="utf-8")
+    report = sync_flow(config=str(scheduled))
+    assert report["pushed"] == [best.id] and report["failed"] == []
+    assert [ck.id for ck in b.list(run="chosen")] == [best.id]
+    assert b.list(run="other") == [] and other.id not in report["pushed"]
+    # An argument given wins over the table.
+    again = sync_flow(config=str(scheduled), runs=["other"])
+    assert again["pushed"] == [other.id]

@@ -69,7 +69,15 @@ from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
 from ckptstore.storage import Tier, copy_checkpoint
 from ckptstore.storage.transfer import copy_foreign_chunks, require_foreign_chunks
 
-__all__ = ["LEASE_PURPOSE", "PushReport", "push_checkpoints", "source_tier", "sync_run"]
+__all__ = [
+    "LEASE_PURPOSE",
+    "PushReport",
+    "SyncSelection",
+    "push_checkpoints",
+    "source_tier",
+    "sync_run",
+    "sync_selection",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -558,6 +566,60 @@ def push_checkpoints(
             raise
     logger.info("%s", report.summary())
     return report
+
+
+@dataclass(frozen=True)
+class SyncSelection:
+    """What one sync pushes: to which remotes, which runs, and of each run which checkpoints.
+
+    Attributes:
+        remotes: Remote names.
+        runs: Run names.
+        best: Only each run's best checkpoint by this metric (None: every committed one).
+        mode: ``min`` or ``max`` for ``best``.
+        tag: Only checkpoints with this tag.
+    """
+
+    remotes: list[str]
+    runs: list[str]
+    best: str | None
+    mode: str
+    tag: str | None
+
+
+def sync_selection(
+    store: StoreCore,
+    *,
+    remote: str | None = None,
+    runs: list[str] | None = None,
+    best: str | None = None,
+    mode: str | None = None,
+    tag: str | None = None,
+) -> SyncSelection:
+    """What a sync pushes: each argument given, else the store's ``sync`` setting, else all.
+
+    A scheduled sync is started without arguments, so the config's ``[sync]`` table is how
+    an operator selects runs and bests for it.
+
+    Raises:
+        RemoteError: If the remote (given or configured) is not a remote of the store.
+    """
+    config = store.settings.sync
+    remote = remote if remote is not None else config.get("remote")
+    if remote is not None:
+        store.catalog.remote(remote)  # unknown: fails before anything is pushed
+        remotes = [remote]
+    else:
+        remotes = [r.name for r in store.catalog.remotes()]
+    chosen = runs if runs is not None else config.get("runs")
+    names = list(chosen) if chosen is not None else [r.name for r in store.catalog.runs()]
+    return SyncSelection(
+        remotes=remotes,
+        runs=names,
+        best=best if best is not None else config.get("best"),
+        mode=mode if mode is not None else config.get("mode", "min"),
+        tag=tag if tag is not None else config.get("tag"),
+    )
 
 
 def sync_run(
