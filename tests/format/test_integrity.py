@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -192,16 +191,28 @@ def test_too_many_tensors_is_rejected(save: Any, monkeypatch: pytest.MonkeyPatch
         read_manifest(directory)
 
 
-def test_oversized_manifest_is_rejected_before_reading(save: Any) -> None:
+def test_oversized_manifest_is_rejected_before_reading(
+    save: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ckptstore.format.reader as reader_module
+
     directory, _ = save(_state())
     path = directory / "manifest.json"
     path.unlink()
     with open(path, "wb") as fh:
         fh.truncate(257 * 1024 * 1024)  # sparse: costs no disk
-    started = time.perf_counter()
-    with pytest.raises(IntegrityError, match="limit"):
-        read_manifest(directory)
-    assert time.perf_counter() - started < 1.0
+
+    real_fdopen = os.fdopen
+
+    def no_manifest_read(fd: int, *args: Any, **kwargs: Any) -> Any:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+            raise AssertionError("the manifest was read before its size was checked")
+        return real_fdopen(fd, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(reader_module.os, "fdopen", no_manifest_read)
+        with pytest.raises(IntegrityError, match="limit"):
+            read_manifest(directory)
     os.unlink(path)
 
 
