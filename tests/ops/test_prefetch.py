@@ -168,3 +168,58 @@ def test_prefetch_to_memory(tmp_path: Path, tiered_store: CheckpointStore) -> No
     assert memory_replica_here(tiered_store.catalog.get(ck.id))
     assert _equal(tiered_store.load(ck.id), _state(1))
     assert tiered_store.metrics.prefetch_counts()["hit"] == 1
+
+
+def test_hits_misses_and_bytes_ahead_per_host_in_the_catalog_and_the_ui(
+    warm_store: CheckpointStore,
+) -> None:
+    """Hits and misses are catalog events (any process's UI sees them), summed per host
+    with the bytes moved ahead of need, and the tiers page shows them."""
+    import urllib.request
+
+    from ckptstore.identity import host
+    from ckptstore.ops.prefetch import PREFETCH_EVENTS, prefetch_by_host
+    from ckptstore.ui.app import start_background
+
+    fetched, cold = _warm_only(warm_store, "ui", range(1, 3))
+    moved = warm_store.prefetch(fetched.id).bytes_moved
+    warm_store.load(fetched.id)  # hit
+    warm_store.load(cold.id)  # miss: fetched on demand
+    assert [e.kind for e in warm_store.catalog.events(cold.id, kind="prefetch_miss")] == [
+        "prefetch_miss"]
+    events = [e for kind in PREFETCH_EVENTS for e in warm_store.catalog.events(kind=kind)]
+    (mine,) = prefetch_by_host(events)
+    assert (mine.host, mine.prefetched, mine.bytes_ahead, mine.hits, mine.misses) == (
+        host(), 1, moved, 1, 1)
+    assert mine.hit_rate == 0.5 and moved > 0
+
+    ui = start_background(warm_store)
+    try:
+        with urllib.request.urlopen(ui.url + "tiers", timeout=20) as resp:
+            body = resp.read().decode()
+    finally:
+        ui.close()
+    row = body[body.index(f'<tr class="prefetch-host" data-host="{host()}">'):]
+    row = row[:row.index("</tr>")]
+    assert '<td class="num hits">1</td>' in row and '<td class="num misses">1</td>' in row
+    assert "50 %" in row
+
+
+def test_prefetch_by_host_counts_each_kind_and_ignores_others() -> None:
+    from datetime import UTC, datetime
+
+    from ckptstore.ops.prefetch import prefetch_by_host
+    from ckptstore.records import Event
+
+    now = datetime.now(UTC)
+    events = [
+        Event("prefetched", now, "a", detail={"host": "n1", "bytes": 100}),
+        Event("prefetched", now, "b", detail={"host": "n1", "bytes": "lots"}),  # not counted
+        Event("prefetch_hit", now, "a", detail={"host": "n1"}),
+        Event("prefetch_miss", now, "c", detail={"host": "n2"}),
+        Event("pruned", now, "a", detail={"host": "n1"}),
+    ]
+    rows = {r.host: r for r in prefetch_by_host(events)}
+    assert (rows["n1"].prefetched, rows["n1"].bytes_ahead, rows["n1"].hits) == (2, 100, 1)
+    assert (rows["n2"].misses, rows["n2"].hit_rate) == (1, 0.0)
+    assert prefetch_by_host([]) == []

@@ -32,18 +32,26 @@ from ckptstore.identity import host
 from ckptstore.ops.leases import acquire_lease, lease_owner
 from ckptstore.ops.memory import memory_replica_here, memory_tier_for
 from ckptstore.ops.restore import hot_digest, restore_checkpoint
-from ckptstore.records import Checkpoint, ReplicaState
+from ckptstore.records import Checkpoint, Event, ReplicaState
 
 __all__ = [
     "DEFAULT_HOLD_S",
+    "PREFETCH_EVENTS",
+    "HostPrefetch",
     "PrefetchResult",
     "note_load",
+    "prefetch_by_host",
     "prefetch_checkpoint",
     "prefetch_purpose",
     "send_prefetch",
 ]
 
 logger = logging.getLogger(__name__)
+
+#: Catalog event kinds of prefetching: a copy brought ahead of need, and a load that found
+#: it there (hit) or had to fetch on demand (miss). Recorded in the catalog (not only in the
+#: process's counters) so the UI and reports see every host's figures.
+PREFETCH_EVENTS = ("prefetched", "prefetch_hit", "prefetch_miss")
 
 #: How long a prefetched copy is protected from retention when nobody loads it.
 DEFAULT_HOLD_S = 6 * 3600.0
@@ -197,10 +205,63 @@ def note_load(core: StoreCore, ck: Checkpoint, *, ready: bool) -> None:
     leases = core.catalog.leases(checkpoint_ids=[ck.id], purpose=prefetch_purpose())
     if ready and not leases:
         return
-    core.metrics.prefetch_outcome(hit=ready and bool(leases), run=ck.run)
+    hit = ready and bool(leases)
+    core.metrics.prefetch_outcome(hit=hit, run=ck.run)
+    core.catalog.record_event("prefetch_hit" if hit else "prefetch_miss", checkpoint_id=ck.id,
+                              detail={"host": host()})
     for lease in leases:
         # Used (or overtaken by the load): retention may treat it like any other copy now.
         core.catalog.release_lease(ck.id, lease.purpose, lease.owner)
+
+
+@dataclass(frozen=True)
+class HostPrefetch:
+    """Prefetching on one host, from the catalog's events.
+
+    Attributes:
+        host: The host.
+        prefetched: Copies brought to its fast tiers ahead of need.
+        bytes_ahead: Bytes those prefetches moved.
+        hits: Loads that found a prefetched copy there.
+        misses: Loads that had to fetch on demand.
+    """
+
+    host: str
+    prefetched: int
+    bytes_ahead: int
+    hits: int
+    misses: int
+
+    @property
+    def hit_rate(self) -> float | None:
+        """``hits / (hits + misses)``; None before any load counted."""
+        loads = self.hits + self.misses
+        return self.hits / loads if loads else None
+
+
+def prefetch_by_host(events: list[Event]) -> list[HostPrefetch]:
+    """Per host, what the prefetch events say (pure: the caller reads the events).
+
+    Args:
+        events: Events of the :data:`PREFETCH_EVENTS` kinds (others are ignored).
+
+    Returns:
+        One entry per host that has any, sorted by host.
+    """
+    counts: dict[str, dict[str, int]] = {}
+    for event in events:
+        if event.kind not in PREFETCH_EVENTS:
+            continue
+        name = str(event.detail.get("host") or "?")
+        row = counts.setdefault(name, {"prefetched": 0, "bytes": 0, "hit": 0, "miss": 0})
+        if event.kind == "prefetched":
+            row["prefetched"] += 1
+            moved = event.detail.get("bytes")
+            row["bytes"] += moved if isinstance(moved, int) and moved > 0 else 0
+        else:
+            row[event.kind.removeprefix("prefetch_")] += 1
+    return [HostPrefetch(name, c["prefetched"], c["bytes"], c["hit"], c["miss"])
+            for name, c in sorted(counts.items())]
 
 
 def send_prefetch(

@@ -22,6 +22,7 @@ from urllib.parse import quote, urlencode
 from ckptstore.errors import CkptError
 from ckptstore.names import validate_metric_name, validate_name
 from ckptstore.ops.history import ALERT_EVENT
+from ckptstore.ops.prefetch import PREFETCH_EVENTS, prefetch_by_host
 from ckptstore.ops.show import hosts_overview, part_dict
 from ckptstore.records import Checkpoint, CheckpointState, Event
 from ckptstore.ui.svg import (
@@ -69,6 +70,8 @@ CURVE_POINTS = 600
 MAX_ALERTS = 500
 #: Runs overlaid on one comparison plot.
 MAX_COMPARE = 8
+#: Prefetch figures on the tiers page count the newest this many events of each kind.
+PREFETCH_WINDOW = 2000
 _HISTORY_STATES = frozenset(
     {CheckpointState.COMMITTED, CheckpointState.DELETING, CheckpointState.DELETED}
 )
@@ -601,8 +604,10 @@ def tiers_view(store: CheckpointStore, links: Links, *, scan: bool = False) -> d
         scan: Also list each tier to count objects (one LIST pass per tier).
 
     Returns:
-        ``{"usage", "tiers", "tiers_error", "scan", "hosts"}`` (hosts: see
-        :func:`ckptstore.ops.show.hosts_overview`).
+        ``{"usage", "tiers", "tiers_error", "scan", "hosts", "prefetch",
+        "prefetch_window"}`` (hosts: see :func:`ckptstore.ops.show.hosts_overview`;
+        prefetch: :func:`ckptstore.ops.prefetch.prefetch_by_host` over the newest
+        ``prefetch_window`` events of each kind).
     """
     from ckptstore.observability.tiers import tier_statuses
 
@@ -618,6 +623,11 @@ def tiers_view(store: CheckpointStore, links: Links, *, scan: bool = False) -> d
         hosts = []
     return {
         "hosts": hosts,
+        "prefetch": prefetch_by_host([
+            event for kind in PREFETCH_EVENTS
+            for event in store.catalog.events(kind=kind, limit=PREFETCH_WINDOW)
+        ]),
+        "prefetch_window": PREFETCH_WINDOW,
         "usage": [
             {"row": r, "href": links.run(r.run)} for r in usage
         ],
