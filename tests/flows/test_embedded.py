@@ -2,46 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from audit_support import io_events
 
 from ckptstore import CheckpointStore
 from ckptstore.errors import ConfigError
 from ckptstore.flows.embedded import EmbeddedRunner, deployment_name, shutdown_runners, trigger_flow
 from ckptstore.flows.schedules import CronSchedule, IntervalSchedule, parse_schedule
 from ckptstore.records import CheckpointState
-
-_WATCH = threading.local()
-_EVENTS: list[str] = []
-_HOOKED: list[bool] = []
-
-
-def _audit(event: str, args: tuple[Any, ...]) -> None:
-    if getattr(_WATCH, "on", False) and (event in ("open", "import")
-                                         or event.startswith(("socket.", "subprocess."))):
-        _EVENTS.append(f"{event} {args[:1]!r}")
-
-
-@contextlib.contextmanager
-def _audited() -> Iterator[list[str]]:
-    """The file, socket, import and subprocess audit events of this thread meanwhile."""
-    if not _HOOKED:
-        sys.addaudithook(_audit)  # cannot be removed: off outside this block
-        _HOOKED.append(True)
-    _EVENTS.clear()
-    _WATCH.on = True
-    try:
-        yield _EVENTS
-    finally:
-        _WATCH.on = False
 
 
 def _save_some(store: CheckpointStore, n: int) -> list[str]:
@@ -57,7 +29,7 @@ def test_submit_is_cheap_and_runs_retention(flow_store: CheckpointStore) -> None
         assert runner.ready.wait(120)
         # Cheap: the calling thread only enqueues (no file, socket or import on its way);
         # a clock would measure the machine's load, not this.
-        with _audited() as events:
+        with io_events() as events:
             assert runner.submit("retention", keep_last=1)
         assert events == [], events
         assert runner.wait_idle(timeout=120)

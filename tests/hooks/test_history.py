@@ -69,16 +69,18 @@ def test_the_curve_is_written_in_batches_at_save_time(
     assert store.catalog.metric_history_names("curve") == ["loss", "lr"]
 
 
-def test_recording_a_step_costs_microseconds(store: CheckpointStore) -> None:
+def test_recording_a_step_touches_neither_catalog_nor_files(store: CheckpointStore) -> None:
+    # A step is an append in memory (~1-2 us); a catalog write costs ~1000x more. Checked by
+    # what the steps do, not by a clock (which measures the machine's load).
+    from audit_support import io_events
+
     store.run("fast")
     recorder = MetricHistory(store, "fast", flush_every=1_000_000)
     n = 20_000
-    start = time.perf_counter()
-    for step in range(n):
-        recorder.add(step, loss_at(step))
-    per_step = (time.perf_counter() - start) / n
-    # Generous on a shared 2-core box: the append is ~1-2 us; a catalog write is ~1000x more.
-    assert per_step < 50e-6
+    with io_events() as events:
+        for step in range(n):
+            recorder.add(step, loss_at(step))
+    assert events == [], events[:5]
     assert recorder.writes == 0  # nothing touched the catalog yet
     assert recorder.flush() == n and recorder.writes == 1
 

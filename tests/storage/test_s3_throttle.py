@@ -6,7 +6,6 @@ rank, so a SlowDown on one must not slow the writes of every rank.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,21 +17,28 @@ from ckptstore.testing.s3 import MotoS3
 pytestmark = pytest.mark.s3
 
 
-def test_a_slowed_prefix_pauses_and_recovers_while_others_do_not_wait() -> None:
+def test_a_slowed_prefix_pauses_and_recovers_while_others_do_not_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ckptstore.storage.s3 as s3_module
+
+    # The pauses asked for are recorded, not slept, on a clock that stands still: real time
+    # would measure the machine's load, not the throttle.
+    pauses: list[float] = []
+    monkeypatch.setattr(s3_module.time, "sleep", pauses.append)
+    monkeypatch.setattr(s3_module.time, "monotonic", lambda: 1000.0)
     throttle = PrefixThrottle()
     assert throttle.prefix("run/id/dcp_ranks/r3/w/c.0.1") == "run/id/dcp_ranks/r3/w"
     first = throttle.slowed("a")
     assert throttle.slowed("a") == 2 * first  # doubles while SlowDowns keep coming
-    started = time.monotonic()
     throttle.wait("b")
-    assert time.monotonic() - started < 0.05  # another prefix is not slowed
+    assert pauses == []  # another prefix is not slowed
     throttle.wait("a")
-    assert time.monotonic() - started >= first * 0.5  # jitter: half to all of the delay
+    assert len(pauses) == 1 and first <= pauses[0] <= 2 * first  # jitter: half to all of it
     throttle.ok("a")
     throttle.ok("a")
-    started = time.monotonic()
     throttle.wait("a")
-    assert time.monotonic() - started < 0.05  # recovered
+    assert len(pauses) == 1  # recovered
     assert throttle.slowdowns == {"a": 2}
 
 
