@@ -14,6 +14,7 @@ from ckptstore.durable import (
     TEMP_PREFIX,
     fsync_dir,
     fsync_file,
+    fsync_many,
     fsync_tree,
     rename_into_place,
     replace_file,
@@ -53,6 +54,32 @@ def test_fsync_failure_is_raised_with_its_cause(tmp_path: Path,
     assert info.value.errno == errno.EIO
     with pytest.raises(StorageError, match="fsync directory"):
         fsync_dir(tmp_path)
+
+
+def test_fsync_many_flushes_every_file_and_directory(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    files = [tmp_path / f"f{i}" for i in range(40)]
+    for f in files:
+        write_new_file(f, b"x", sync=False)
+    flushed: list[int] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        flushed.append(os.fstat(fd).st_ino)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    fsync_many(files, [tmp_path])
+    assert sorted(flushed) == sorted([f.stat().st_ino for f in files] + [tmp_path.stat().st_ino])
+
+
+def test_fsync_many_raises_the_failure_after_the_others_finish(tmp_path: Path) -> None:
+    good = [tmp_path / f"f{i}" for i in range(8)]
+    for f in good:
+        f.write_bytes(b"x")
+    with pytest.raises(StorageError, match="missing") as info:
+        fsync_many([*good, tmp_path / "missing"], [tmp_path])
+    assert info.value.errno == errno.ENOENT
 
 
 def test_write_new_file_writes_and_refuses_an_existing_file(tmp_path: Path) -> None:

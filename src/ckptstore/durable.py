@@ -10,7 +10,9 @@ storage through the primitives here, so "written" means the same thing everywher
   target, fsync the directory: a reader sees the old content or the new, never a mix.
 * :func:`rename_into_place`: the same publication for a file another library produced
   under a temporary name (``torch.save``, ``tarfile``).
-* :func:`fsync_file`, :func:`fsync_fd`, :func:`fsync_dir`, :func:`fsync_tree`: flushes.
+* :func:`fsync_file`, :func:`fsync_fd`, :func:`fsync_dir`, :func:`fsync_tree`: flushes;
+  :func:`fsync_many` flushes many files and directories at once (a checkpoint's hundreds
+  of ``zarr.json`` documents and directories).
 
 Every failure raises :class:`~ckptstore.errors.StorageError` (an ``OSError``: ``errno`` and
 ``filename`` are kept and the cause is chained) naming the path, what failed and, for the
@@ -25,16 +27,20 @@ import errno
 import logging
 import os
 import uuid
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ckptstore.errors import StorageError
 
 __all__ = [
+    "FLUSH_THREADS",
     "FSYNC_UNSUPPORTED",
     "TEMP_PREFIX",
     "fsync_dir",
     "fsync_fd",
     "fsync_file",
+    "fsync_many",
     "fsync_tree",
     "rename_into_place",
     "replace_file",
@@ -52,6 +58,12 @@ TEMP_PREFIX = ".ckpt-tmp-"
 #: network and FUSE mounts), as opposed to failing to. Callers that accept weaker
 #: durability of new names on such mounts test ``exc.errno`` against this set.
 FSYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
+
+#: Flushes :func:`fsync_many` has in flight at once. A flush waits on the device, not on the
+#: CPU (the GIL is released), and the file system commits the journal once for all the
+#: flushes waiting together: one after the other, 150 small files took ~0.6 s on the
+#: reference machine's disk (~4 ms each), about the time of writing 300 MB of chunks.
+FLUSH_THREADS = 16
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
@@ -135,6 +147,26 @@ def fsync_dir(path: Path | str) -> None:
         os.close(fd)
 
 
+def fsync_many(files: Iterable[Path | str], dirs: Iterable[Path | str] = (), *,
+               threads: int = FLUSH_THREADS) -> None:
+    """Flush ``files`` and the entries of ``dirs``, up to ``threads`` flushes at a time.
+
+    Returns once every one of them is on stable storage; the order among them is not
+    defined, so whatever must follow all of them (a commit marker) is written after.
+
+    Raises:
+        StorageError: The first flush that failed (the others still complete).
+    """
+    jobs = [(fsync_file, p) for p in files] + [(fsync_dir, p) for p in dirs]
+    if len(jobs) <= 1 or threads <= 1:
+        for flush, path in jobs:
+            flush(path)
+        return
+    with ThreadPoolExecutor(min(threads, len(jobs)), thread_name_prefix="ckpt-flush") as pool:
+        for _ in pool.map(lambda job: job[0](job[1]), jobs):
+            pass
+
+
 def fsync_tree(directory: Path | str) -> None:
     """Flush ``directory`` and every directory below it, deepest first.
 
@@ -164,7 +196,7 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
 
 
 def write_new_file(path: Path | str, data: bytes | bytearray | memoryview, *,
-                   mode: int = 0o644) -> None:
+                   mode: int = 0o644, sync: bool = True) -> None:
     """Create ``path`` (it must not exist), write ``data`` and fsync the file.
 
     The create is exclusive and does not follow a link planted under the name. The
@@ -176,6 +208,8 @@ def write_new_file(path: Path | str, data: bytes | bytearray | memoryview, *,
         path: The new file.
         data: Its whole content.
         mode: Permission bits of the new file (before the umask).
+        sync: False leaves the flush to the caller, who writes many files and flushes
+            them together with :func:`fsync_many` before anything refers to them.
 
     Raises:
         StorageError: If the file exists or cannot be created, written or flushed.
@@ -190,7 +224,8 @@ def write_new_file(path: Path | str, data: bytes | bytearray | memoryview, *,
             _write_all(fd, data)
         except OSError as exc:
             raise storage_error(path, "write", exc) from exc
-        fsync_fd(fd, path)
+        if sync:
+            fsync_fd(fd, path)
     finally:
         os.close(fd)
 

@@ -32,7 +32,7 @@ from typing import Any
 import blake3
 import numpy as np
 
-from ckptstore.durable import fsync_file, storage_error
+from ckptstore.durable import fsync_many, storage_error
 from ckptstore.errors import IntegrityError, StorageError
 from ckptstore.format.basecache import KeyframeCache
 from ckptstore.format.chunkio import ChunkReader
@@ -184,9 +184,9 @@ class ChunkWriter:
                         stored += done.entry.nbytes
                     if progress is not None:
                         progress(done.logical)
-                # Writeback of every file is already under way; these mostly just wait.
-                for _ in pool.map(fsync_file, written):
-                    pass
+                # Writeback of every file is already under way; these mostly just wait, many
+                # at once (the file system commits waiting flushes together).
+                fsync_many(written)
             except BaseException:
                 # Stop queued chunks; running ones finish before the pool closes, so no write
                 # happens after we return.

@@ -1,0 +1,167 @@
+"""Two versions of ckptstore side by side: is this tree slower than a base commit?
+
+A refactor must not cost speed, and on a shared, noisy machine two benchmark runs made hours
+apart cannot tell (the disk's throughput alone changes 2x between runs). This benchmark runs
+the base commit and the working tree in the SAME run, alternating per round (the order
+rotates), each in a fresh Python process so neither inherits the other's page cache state,
+thread pools or allocator arenas. Per round and version, on the same seeded state:
+
+* ``save``: a durable synchronous save (codec ``--codec``, default ``none``);
+* ``load``: a fresh ``store.load(ref)`` with the files hot in the page cache;
+* ``load-into``: ``store.load(ref, into=live)`` (hot);
+* ``load-cold``: a fresh load after every file was fsynced and dropped from the page cache;
+* ``async-stall``: how long the second ``save_async`` blocks the caller.
+
+Printed: per measurement the median of the per-round ratios ``tree / base`` (below 1.00:
+the tree is faster) with their range. The base is exported with ``git archive`` and laid out
+as the installed package (the mapped ``catalog``, ``tasks``, ``flows`` and ``migrations``
+directories inside ``ckptstore``), so both versions run in this checkout's virtualenv.
+
+Usage::
+
+    .venv/bin/python benchmarks/compare_commits.py --base REV [--tree REV] [--rounds N] [--preset P]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+#: Top-level directories setuptools maps into the ``ckptstore`` package (pyproject.toml).
+MAPPED = ("catalog", "tasks", "flows", "migrations")
+MEASURES = ("save", "load", "load-into", "load-cold", "async-stall")
+
+
+def package_tree(source: Path, dest: Path) -> Path:
+    """Lay ``source`` (a checkout) out as the installed package under ``dest``; returns the
+    directory to put on ``PYTHONPATH``."""
+    pkg = dest / "ckptstore"
+    pkg.mkdir(parents=True)
+    for entry in (source / "src" / "ckptstore").iterdir():
+        (pkg / entry.name).symlink_to(entry)
+    for name in MAPPED:
+        if (source / name).is_dir():
+            (pkg / name).symlink_to(source / name)
+    return dest
+
+
+def export(rev: str, dest: Path) -> Path:
+    """The files of commit ``rev`` under ``dest``."""
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def child(args: argparse.Namespace) -> None:
+    """One round of one version (run in a fresh process); prints its times as JSON."""
+    sys.path.insert(0, str(REPO))
+    import ckptstore
+    import ckptstore.catalog
+    from benchmarks.harness import evict
+    from benchmarks.state import build_state
+
+    state = build_state(args.preset, seed=0)
+    root = Path(args.child)
+    out: dict[str, Any] = {"module": ckptstore.__file__,
+                           "catalog": ckptstore.catalog.__file__}
+    with ckptstore.CheckpointStore.open(root, codec=args.codec) as store:
+        t = time.perf_counter()
+        ck = store.save("ab", 1, state)
+        out["save"] = time.perf_counter() - t
+        t = time.perf_counter()
+        loaded = store.load(ck.ref)
+        out["load"] = time.perf_counter() - t
+        del loaded
+        t = time.perf_counter()
+        store.load(ck.ref, into=state)
+        out["load-into"] = time.perf_counter() - t
+        evict(root)
+        t = time.perf_counter()
+        loaded = store.load(ck.ref)
+        out["load-cold"] = time.perf_counter() - t
+        del loaded
+        store.save_async("ab", 2, state)  # the first one allocates the staging buffers
+        store.wait()
+        t = time.perf_counter()
+        store.save_async("ab", 3, state)
+        out["async-stall"] = time.perf_counter() - t
+        store.wait()
+    print(json.dumps(out))
+
+
+def _run(tree: Path, scratch: Path, args: argparse.Namespace) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    root = scratch / "store"
+    try:
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", str(root), "--preset", args.preset,
+             "--codec", args.codec], env=env, check=True, capture_output=True, text=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    for module in (result["module"], result["catalog"]):
+        if not str(module).startswith(str(tree)):
+            raise SystemExit(f"the child imported {module}, not the tree {tree}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", default="HEAD", help="commit to compare the working tree with")
+    p.add_argument("--tree", default=None,
+                   help="commit to measure instead of the working tree")
+    p.add_argument("--rounds", type=int, default=5, help="rounds (each runs both versions)")
+    p.add_argument("--preset", default="gpt2-small", help="state size (benchmarks/state.py)")
+    p.add_argument("--codec", default="none", help="codec of both versions' saves")
+    p.add_argument("--tmp", type=Path, default=REPO / "bench-out", help="scratch parent")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        child(args)
+        return 0
+    args.tmp.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="commits-", dir=args.tmp))
+    try:
+        trees = {"base": package_tree(export(args.base, scratch / "base-src"),
+                                      scratch / "base-pkg"),
+                 "tree": package_tree(export(args.tree, scratch / "tree-src") if args.tree
+                                      else REPO, scratch / "tree-pkg")}
+        times: dict[str, dict[str, list[float]]] = {v: {m: [] for m in MEASURES}
+                                                    for v in trees}
+        print(f"# ckptstore {args.base} vs {args.tree or 'the working tree'} — preset "
+              f"{args.preset}, codec {args.codec}, {args.rounds} rounds, scratch {scratch}")
+        for rnd in range(args.rounds):
+            order = list(trees) if rnd % 2 == 0 else list(reversed(trees))
+            for version in order:
+                result = _run(trees[version], scratch, args)
+                for m in MEASURES:
+                    times[version][m].append(result[m])
+            print(f"round {rnd + 1}/{args.rounds}: " + ", ".join(
+                f"{m} {times['tree'][m][-1] / times['base'][m][-1]:.2f}" for m in MEASURES),
+                flush=True)
+        print("\n| measure | base s | tree s | tree / base (median of rounds, range) |")
+        print("|---|---|---|---|")
+        for m in MEASURES:
+            ratios = [t / b for t, b in zip(times["tree"][m], times["base"][m], strict=True)]
+            print(f"| {m} | {statistics.median(times['base'][m]):.3f} | "
+                  f"{statistics.median(times['tree'][m]):.3f} | "
+                  f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
