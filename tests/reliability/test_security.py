@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from ckpt_reliability_checks import join, start_child
 from ckptstore.errors import (
     CheckpointNotFoundError,
     ConfigError,
+    IncompleteCheckpointError,
+    IntegrityError,
     InvalidNameError,
     StorageError,
 )
@@ -525,3 +528,139 @@ def test_hostile_manifest_is_rejected_in_bounded_time_and_memory(
     assert outcome == "IntegrityError", outcome
     assert cpu < 2.0, f"{cpu:.2f}s CPU"
     assert grown < 200, f"RSS grew {grown:.0f} MiB"
+
+
+# ------------------------------------------------ numbers, foreign digits, planted links
+HUGE = 10**400
+
+#: References to steps or versions no catalog column can hold (step: BIGINT, version:
+#: INTEGER), or written with digits that are not ASCII: a full-width 3, an Arabic-Indic 3,
+#: a superscript 3, a full-width and an Arabic-Indic 1.
+BAD_REFS = ["h@99999999999999999999", f"h@{2**63}", f"h@v{2**31}", "h@v99999999999999999999",
+            "h@" + "9" * 5000, "h@\uff13", "h@\u0663", "h@\u00b3", "h@v\uff11", "h@v\u0661"]
+
+#: save() arguments no catalog column can hold.
+BAD_SAVES: list[dict[str, Any]] = [{"step": 2**63}, {"step": HUGE},
+                                   {"step": 1, "metrics": {"loss": HUGE}},
+                                   {"step": 1, "metrics": {"loss": -HUGE}}]
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_numbers_no_column_holds_and_foreign_digits_are_refused(
+    new_root: Any, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], figures: Any, backend: str,
+) -> None:
+    """Each one a clear InvalidNameError (a one-line CLI error), never a driver error or a
+    traceback, never the wrong checkpoint (a full-width 3 is not step 3), and nothing written."""
+    from ckptstore.cli.app import main
+
+    url = request.getfixturevalue("pg_url") if backend == "postgresql" else None
+    if url is not None:
+        monkeypatch.setenv("CKPT_CATALOG_URL", url)
+    root = new_root()
+    attempts = 0
+    with CheckpointStore.open(root, catalog_url=url) as store:
+        store.save("h", 3, {"w": torch.zeros(4)}, metrics={"loss": 1.0})
+        store.save("h", 4, {"w": torch.ones(4)}, metrics={"loss": 0.5})
+        hot_before, rows_before = checks.dir_snapshot(store.hot), len(store.list(state=None))
+        for ref in BAD_REFS:
+            for call in (store.get, store.catalog.lineage):
+                attempts += 1
+                with pytest.raises(InvalidNameError):
+                    call(ref)
+            attempts += 1
+            code = main(["--store", str(root), "show", ref])
+            err = capsys.readouterr().err
+            assert code == 1 and err.startswith("error:"), err
+            assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        for kwargs in BAD_SAVES:
+            attempts += 2
+            with pytest.raises(InvalidNameError):
+                store.save("h2", state={"w": torch.ones(2)}, **kwargs)
+            with pytest.raises(InvalidNameError):
+                store.save_async("h2", state={"w": torch.ones(2)}, **kwargs)
+        store.wait()
+        for query in ({"limit": 10**20}, {"limit": HUGE}, {"step_range": (0, 2**63)},
+                      {"metrics": {"loss": ("<", HUGE)}}):
+            attempts += 1
+            with pytest.raises(InvalidNameError):
+                store.list(**query)
+        assert checks.dir_snapshot(store.hot) == hot_before  # no directory, no chunk
+        assert len(store.list(state=None)) == rows_before  # no row, not even FAILED
+        assert [c.step for c in store.list(run="h")] == [3, 4]
+    figures.add("bad_inputs", attempts)
+
+
+#: Where a symlink is planted in a checkpoint's hot directory.
+PLANTS = ["chunk-file", "chunk-directory", "marker", "checkpoint-directory"]
+
+
+def _plant_link(directory: Path, where: str, outside: Path) -> None:
+    if where == "chunk-file":
+        victim = directory / "float32" / "c" / "0"
+        victim.unlink()
+        victim.symlink_to(outside / "precious")
+    elif where == "chunk-directory":
+        shutil.rmtree(directory / "float32" / "c")
+        (directory / "float32" / "c").symlink_to(outside, target_is_directory=True)
+    elif where == "marker":
+        (directory / "COMMITTED").unlink()
+        (directory / "COMMITTED").symlink_to(outside / "precious")
+    else:
+        shutil.rmtree(directory)
+        directory.symlink_to(outside, target_is_directory=True)
+
+
+@pytest.mark.parametrize("where", PLANTS)
+def test_planted_links_are_flagged_unlinked_never_followed(
+    new_root: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], figures: Any,
+    where: str,
+) -> None:
+    """A symlink planted in a checkpoint: loads refuse it, verify and doctor flag it, and
+    retention deletes the checkpoint by unlinking the link (never what it points at)."""
+    from ckptstore.cli.app import main
+    from ckptstore.records import CheckpointState
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"do not delete")
+    before = {p.name: p.read_bytes() for p in outside.iterdir()}
+    root = new_root()
+    with CheckpointStore.open(root, chunk_bytes=64 * 1024) as store:
+        first, *_ = [store.save("r", i, {"w": torch.arange(40_000.0) + i * 1000})
+                     for i in range(3)]
+        directory = store.checkpoint_dir(first.run, first.id)
+        _plant_link(directory, where, outside)
+        with pytest.raises((IntegrityError, IncompleteCheckpointError, StorageError)):
+            store.load(first.ref)
+        if where.startswith("chunk"):  # the others have no marker to verify against
+            assert any("symlink" in p for p in store.verify(first.ref)), where
+        assert not doctor(store, grace_s=0).ok
+        for _ in range(2):  # a planted manifest may hold the others' deletes to a 2nd run
+            main(["--store", str(root), "prune", "--keep-last", "1"])
+        capsys.readouterr()
+        assert store.catalog.get_any(first.id).state == CheckpointState.DELETED
+        assert not directory.exists() and not directory.is_symlink()
+        assert [c.step for c in store.list()] == [2]
+        assert doctor(store, grace_s=0).ok
+    assert {p.name: p.read_bytes() for p in outside.iterdir()} == before
+    figures.add("bad_inputs")
+
+
+def test_manifests_whose_tensors_share_bytes_are_refused(new_root: Any, figures: Any) -> None:
+    """Two tensors pointing into the same array bytes: the manifest is damaged, whatever
+    its digest says."""
+    from ckptstore.format import Manifest
+    from ckptstore.format.layout import chunk_span
+
+    with CheckpointStore.open(new_root()) as store:
+        ck = store.save("r", 1, {"a": torch.arange(20_000.0), "b": torch.arange(20_000.0) + 1})
+        doc = json.loads((store.checkpoint_dir(ck.run, ck.id) / "manifest.json").read_bytes())
+    a, b = sorted(doc["tensors"], key=lambda t: t["offset"])
+    chunk_len = doc["arrays"][a["array"]]["chunk_len"]
+    for offset in (a["offset"], a["offset"] + 1, a["offset"] + a["numel"] - 1):
+        b["offset"] = offset
+        b["chunk_start"], b["chunk_stop"] = chunk_span(offset, b["numel"], chunk_len)
+        with pytest.raises(IntegrityError, match="overlap"):
+            Manifest.from_json(json.dumps(doc).encode())
+        figures.add("bad_inputs")
