@@ -14,6 +14,7 @@ import os
 import pickle
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import ckpt_reliability_checks as checks
 import pytest
 import torch
 from ckpt_reliability_checks import join, start_child
+from pg_support import create_pg_database, drop_pg_database, require_pg
 
 from ckptstore.errors import (
     CheckpointNotFoundError,
@@ -545,16 +547,30 @@ BAD_SAVES: list[dict[str, Any]] = [{"step": 2**63}, {"step": HUGE},
                                    {"step": 1, "metrics": {"loss": -HUGE}}]
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", "postgresql"])
+def own_catalog(request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """None (the store's embedded SQLite catalog) or a fresh PostgreSQL database of its own
+    (the module's ``pg_url`` already belongs to another test's store)."""
+    if request.param == "sqlite":
+        yield None
+        return
+    require_pg()
+    url = create_pg_database("ckpt_rel")
+    try:
+        yield url
+    finally:
+        drop_pg_database(url)
+
+
 def test_numbers_no_column_holds_and_foreign_digits_are_refused(
-    new_root: Any, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str], figures: Any, backend: str,
+    new_root: Any, own_catalog: str | None, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], figures: Any,
 ) -> None:
     """Each one a clear InvalidNameError (a one-line CLI error), never a driver error or a
     traceback, never the wrong checkpoint (a full-width 3 is not step 3), and nothing written."""
     from ckptstore.cli.app import main
 
-    url = request.getfixturevalue("pg_url") if backend == "postgresql" else None
+    url = own_catalog
     if url is not None:
         monkeypatch.setenv("CKPT_CATALOG_URL", url)
     root = new_root()
