@@ -256,11 +256,8 @@ def test_trailing_dot_names_are_refused() -> None:
     """T35 lists trailing dots: 'run.' and 'run' are one directory on some file systems."""
     from ckptstore.names import validate_name
 
-    try:
+    with pytest.raises(InvalidNameError):
         validate_name("run.")
-    except InvalidNameError:
-        return
-    pytest.xfail("LOW: validate_name accepts a trailing dot ('run.')")
 
 
 def test_symlinked_run_directory_is_not_followed(new_root: Any, tmp_path: Path,
@@ -277,9 +274,8 @@ def test_symlinked_run_directory_is_not_followed(new_root: Any, tmp_path: Path,
             store.save("r", 1, w.make_state(1, 4096))
         except (StorageError, InvalidNameError):
             pass
-        if any(elsewhere.iterdir()):
-            pytest.xfail("MEDIUM: store.save writes through a symlinked run directory into "
-                         f"{elsewhere} (outside the hot root)")
+        written = sorted(p.name for p in elsewhere.iterdir())
+        assert not written, f"store.save wrote {written} through the link into {elsewhere}"
 
 
 def test_planted_fifo_cannot_hang_a_load(new_root: Any, procs: Any, w: Any) -> None:
@@ -297,8 +293,7 @@ def test_planted_fifo_cannot_hang_a_load(new_root: Any, procs: Any, w: Any) -> N
     if child.is_alive():
         child.kill()
         child.join(10)
-        pytest.xfail("BUG-fifo: store.load blocks forever on a FIFO planted as a chunk file "
-                     "(ChunkReader opens without O_NONBLOCK and never checks S_ISREG)")
+        pytest.fail("store.load blocked on a FIFO planted as a chunk file")
     assert queue.get() in ("IntegrityError", "StorageError")
 
 
@@ -517,16 +512,12 @@ def test_hostile_manifest_is_rejected_in_bounded_time_and_memory(
     if child.is_alive():
         child.kill()
         child.join(10)
-        outcome, cpu, wall, grown = "timeout", 8.0, 8.0, float("nan")
+        outcome, cpu, grown = "timeout", 8.0, float("nan")
     else:
-        outcome, cpu, wall, grown = queue.get()
+        outcome, cpu, _wall, grown = queue.get()
     figures.add("bad_inputs")
     figures.set(f"manifest_{kind}", {"outcome": outcome, "cpu_s": round(cpu, 2),
                                      "rss_growth_mb": round(grown, 1)})
-    bounded = outcome == "IntegrityError" and cpu < 2.0 and grown < 200
-    if not bounded and kind.startswith("10M"):
-        pytest.xfail(f"BUG-manifest-dos: {kind}: {outcome} after {cpu:.1f}s CPU "
-                     f"({wall:.1f}s wall), RSS +{grown:.0f} MiB")
     assert outcome == "IntegrityError", outcome
     assert cpu < 2.0, f"{cpu:.2f}s CPU"
     assert grown < 200, f"RSS grew {grown:.0f} MiB"

@@ -199,9 +199,7 @@ def test_catalog_fails_between_data_and_commit(tmp_path: Path, tmpfs: Path, w: A
             and store.checkpoint_dir(ck.run, ck.id).exists()
         ]
         figures.add("faults", {f"catalog-down-{backend}": 1})
-        if left:
-            pytest.xfail("BUG-commit-fail: store.save does not abandon the checkpoint when "
-                         f"commit_checkpoint raises, and gc spares a live writer: {left}")
+        assert not left, f"a save whose commit failed left {left}"
         checks.assert_sound(store)
 
 
