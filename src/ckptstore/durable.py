@@ -155,7 +155,7 @@ def fsync_many(files: Iterable[Path | str], dirs: Iterable[Path | str] = (), *,
     defined, so whatever must follow all of them (a commit marker) is written after.
 
     Raises:
-        StorageError: The first flush that failed (the others still complete).
+        StorageError: If a flush failed (raised once all the others have finished).
     """
     jobs = [(fsync_file, p) for p in files] + [(fsync_dir, p) for p in dirs]
     if len(jobs) <= 1 or threads <= 1:
