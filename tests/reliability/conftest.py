@@ -101,15 +101,27 @@ def s3() -> Iterator[Any]:
         yield server
 
 
-@pytest.fixture(scope="module")
-def pg_url() -> Iterator[str]:
-    """URL of a fresh PostgreSQL database for this module; dropped afterwards."""
+def fresh_pg_database() -> Iterator[str]:
+    """Yield the URL of a new PostgreSQL database; drop it afterwards (fixture body)."""
     require_pg()
     url = create_pg_database("ckpt_rel")
     try:
         yield url
     finally:
         drop_pg_database(url)
+
+
+@pytest.fixture(scope="module")
+def pg_url() -> Iterator[str]:
+    """URL of a fresh PostgreSQL database for this module; dropped afterwards."""
+    yield from fresh_pg_database()
+
+
+@pytest.fixture
+def own_pg_url() -> Iterator[str]:
+    """URL of a fresh PostgreSQL database for one test (``pg_url`` is shared by a module,
+    and a catalog belongs to the first store that opened it)."""
+    yield from fresh_pg_database()
 
 
 class Figures:

@@ -14,7 +14,6 @@ import os
 import pickle
 import shutil
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ import ckpt_reliability_checks as checks
 import pytest
 import torch
 from ckpt_reliability_checks import join, start_child
-from pg_support import create_pg_database, drop_pg_database, require_pg
 
 from ckptstore.errors import (
     CheckpointNotFoundError,
@@ -539,18 +537,12 @@ BAD_SAVES: list[dict[str, Any]] = [{"step": 2**63}, {"step": HUGE},
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def own_catalog(request: pytest.FixtureRequest) -> Iterator[str | None]:
-    """None (the store's embedded SQLite catalog) or a fresh PostgreSQL database of its own
-    (the module's ``pg_url`` already belongs to another test's store)."""
+def own_catalog(request: pytest.FixtureRequest) -> str | None:
+    """None (the store's embedded SQLite catalog) or a PostgreSQL database of its own."""
     if request.param == "sqlite":
-        yield None
-        return
-    require_pg()
-    url = create_pg_database("ckpt_rel")
-    try:
-        yield url
-    finally:
-        drop_pg_database(url)
+        return None
+    url: str = request.getfixturevalue("own_pg_url")
+    return url
 
 
 def test_numbers_no_column_holds_and_foreign_digits_are_refused(
