@@ -168,3 +168,43 @@ def test_bad_arguments_are_refused_before_writing(tmp_path: Path, kwargs: dict[s
     with pytest.raises(InvalidNameError):
         write_checkpoint(tmp_path / "c", {"w": torch.ones(1)}, **args)
     assert not (tmp_path / "c").exists()
+
+
+def test_metadata_built_while_chunks_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The zarr documents are made on the saving thread before any chunk result is taken
+    (so they overlap the chunk I/O), and the save still commits them all."""
+    import ckptstore.format.writer as writer
+
+    events: list[str] = []
+    real = writer.build_metadata
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        events.append("metadata")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "build_metadata", build)
+    manifest = _write(tmp_path / "c", progress=lambda n: events.append("chunk"))
+    assert events[0] == "metadata" and events.count("metadata") == 1
+    assert events.count("chunk") == sum(len(a.chunks) for a in manifest.arrays.values())
+    loaded = read_checkpoint(tmp_path / "c", read_manifest(tmp_path / "c"))
+    assert loaded["w"].shape == (4000,)
+
+
+def test_metadata_failure_stops_the_save_without_a_marker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ckptstore.format.writer as writer
+    from ckptstore.errors import CkptError
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        raise CkptError("zarr wrote something unexpected")
+
+    monkeypatch.setattr(writer, "build_metadata", build)
+    with pytest.raises(CkptError, match="unexpected"):
+        _write(tmp_path / "c")
+    assert not (tmp_path / "c" / "COMMITTED").exists()
+    assert not (tmp_path / "c" / "manifest.json").exists()
+    with pytest.raises(IncompleteCheckpointError):
+        read_manifest(tmp_path / "c")

@@ -157,9 +157,21 @@ class ChunkWriter:
                     self._base[name] = old
 
     def run(
-        self, threads: int, progress: Callable[[int], None] | None
+        self,
+        threads: int,
+        progress: Callable[[int], None] | None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> tuple[dict[str, list[ChunkEntry]], int]:
-        """Write all chunks, then fsync them; return entries per array and bytes written."""
+        """Write all chunks, then fsync them; return entries per array and bytes written.
+
+        Args:
+            threads: Writer threads.
+            progress: Called on this thread with the logical bytes of each finished chunk.
+            meanwhile: Called once on this thread while the pool writes, before any result
+                is collected: work that does not need the chunks overlaps their I/O
+                instead of adding to the save. Its exception stops the save like a
+                chunk's.
+        """
         results: dict[str, list[ChunkEntry | None]] = {
             name: [None] * plan.n_chunks for name, plan in self._plans.items()
         }
@@ -172,6 +184,8 @@ class ChunkWriter:
                 for i in range(plan.n_chunks)
             ]
             try:
+                if meanwhile is not None:
+                    meanwhile()
                 for name, future in futures:
                     done = future.result()
                     results[name][done.entry.i] = done.entry

@@ -145,14 +145,19 @@ def write_checkpoint(
     )
     sources = {key: _byte_view(t) for key, t in flat.tensors.items()}
     specs = {name: _array_codec(codec, plan, sources, base) for name, plan in plans.items()}
-    docs = build_metadata(
-        ckpt_id,
-        [
-            ArrayMeta(p.name, p.length, p.chunk_len, p.info, specs[p.name], p.tensor,
-                      p.members[0].shape if p.tensor is not None else None)
-            for p in plans.values()
-        ],
-    )
+    docs: dict[str, bytes] = {}
+
+    def make_documents() -> None:
+        # Built while the pool writes the chunks: in a fresh process the first call costs
+        # ~80 ms (zarr's import and event loop), ~10 % of a GPT-2-small save.
+        docs.update(build_metadata(
+            ckpt_id,
+            [
+                ArrayMeta(p.name, p.length, p.chunk_len, p.info, specs[p.name], p.tensor,
+                          p.members[0].shape if p.tensor is not None else None)
+                for p in plans.values()
+            ],
+        ))
 
     def fault(name: str) -> None:
         if fault_point is not None:
@@ -162,7 +167,7 @@ def write_checkpoint(
     fault("chunks_started")
     chunk_writer = ChunkWriter(directory, specs, sources, plans, base, delta,
                                 ckpt_id=ckpt_id, cache=base_cache)
-    chunks, stored_bytes = chunk_writer.run(threads, progress)
+    chunks, stored_bytes = chunk_writer.run(threads, progress, meanwhile=make_documents)
     fault("chunks_written")
 
     # The documents as this copy needs them: an array with delta-encoded chunks, or with
