@@ -298,9 +298,11 @@ class CheckpointStore(StoreCore):
                                    hold_s=hold_s)
 
     def iter_checkpoints(self, run: str, *, prefetch: int = 2,
-                         keys: Sequence[str] | None = None) -> CheckpointSweep:
+                         keys: Sequence[str] | None = None,
+                         preload: bool = True) -> CheckpointSweep:
         """Iterate ``(checkpoint, state)`` over a run's checkpoints, oldest first, while the
-        next ``prefetch`` ones are brought to the hot tier in a background thread.
+        next ``prefetch`` ones are brought to the hot tier in a background thread and (with
+        ``preload``) the next one is loaded into memory.
 
         Close it (or use ``with``) when stopping early; an abandoned one is closed when
         collected. See :class:`ckptstore.ops.sweep.CheckpointSweep`.
@@ -309,7 +311,7 @@ class CheckpointStore(StoreCore):
             >>> for ck, state in store.iter_checkpoints("run-a", prefetch=2):  # doctest: +SKIP
             ...     evaluate(ck.step, state)
         """
-        return CheckpointSweep(self, run, prefetch=prefetch, keys=keys)
+        return CheckpointSweep(self, run, prefetch=prefetch, keys=keys, preload=preload)
 
     def thaw(self, ref: str, *, poll_s: float = 300.0,
              timeout_s: float | None = None) -> Path:

@@ -6,17 +6,23 @@ import gc
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from ckptstore import CheckpointStore
-from ckptstore.errors import CheckpointNotFoundError, ConfigError, InvalidNameError
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    InvalidNameError,
+    StorageError,
+)
 from ckptstore.ops.archive import archive_checkpoints
 from ckptstore.ops.prefetch import prefetch_purpose, send_prefetch
 from ckptstore.ops.replicas import delete_replica
 from ckptstore.ops.retention import apply_retention
-from ckptstore.ops.sweep import THREAD_NAME
+from ckptstore.ops.sweep import LOAD_THREAD_NAME, THREAD_NAME
 from ckptstore.records import Checkpoint, ReplicaState
 from ckptstore.retention import RetentionPolicy
 
@@ -40,7 +46,7 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def _sweep_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == THREAD_NAME]
+    return [t for t in threading.enumerate() if t.name in (THREAD_NAME, LOAD_THREAD_NAME)]
 
 
 @pytest.fixture
@@ -136,6 +142,58 @@ def test_sweep_close_and_context_manager(warm_store: CheckpointStore) -> None:
     assert steps == [1, 2, 3]
 
 
+def _spy_loads(monkeypatch: pytest.MonkeyPatch, fail_on_load_thread: bool = False
+               ) -> list[tuple[str, str]]:
+    """Record (thread name, checkpoint id) of every load the sweep makes (the real load)."""
+    import ckptstore.ops.sweep as sweep_mod
+
+    calls: list[tuple[str, str]] = []
+    real = sweep_mod.load_checkpoint
+
+    def load(core: Any, ckpt_id: str, **kwargs: Any) -> Any:
+        name = threading.current_thread().name
+        calls.append((name, ckpt_id))
+        if fail_on_load_thread and name == LOAD_THREAD_NAME:
+            raise StorageError(f"injected failure loading {ckpt_id} ahead")
+        return real(core, ckpt_id, **kwargs)
+
+    monkeypatch.setattr(sweep_mod, "load_checkpoint", load)
+    return calls
+
+
+def test_sweep_preloads_the_next_state_while_the_caller_holds_the_current(
+        warm_store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    cks = _warm_only(warm_store, "pre", range(1, 5))
+    calls = _spy_loads(monkeypatch)
+    for ck, state in warm_store.iter_checkpoints("pre", prefetch=2):
+        assert _equal(state, _state(ck.step))
+    # The first is loaded on demand, every later one ahead, each exactly once.
+    assert calls == [(threading.current_thread().name, cks[0].id),
+                     *[(LOAD_THREAD_NAME, ck.id) for ck in cks[1:]]]
+    assert not warm_store.catalog.leases(checkpoint_ids=[ck.id for ck in cks])
+
+
+def test_sweep_without_preload_loads_on_demand(
+        warm_store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    cks = _warm_only(warm_store, "nopre", range(1, 4))
+    calls = _spy_loads(monkeypatch)
+    steps = [ck.step for ck, _ in warm_store.iter_checkpoints("nopre", prefetch=2,
+                                                               preload=False)]
+    assert steps == [1, 2, 3]
+    assert calls == [(threading.current_thread().name, ck.id) for ck in cks]
+
+
+def test_a_failed_preload_is_loaded_again_by_the_caller(
+        warm_store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    _warm_only(warm_store, "prefail", range(1, 4))
+    calls = _spy_loads(monkeypatch, fail_on_load_thread=True)
+    got = {ck.step: state for ck, state in warm_store.iter_checkpoints("prefail", prefetch=1)}
+    assert all(_equal(got[step], _state(step)) for step in (1, 2, 3))
+    mine = threading.current_thread().name
+    assert [name for name, _ in calls] == [mine, LOAD_THREAD_NAME, mine,
+                                           LOAD_THREAD_NAME, mine]
+
+
 def test_bad_inputs_raise_our_errors(store: CheckpointStore, tmp_path: Path) -> None:
     ck = store.save("bad", 1, _state(1))
     with pytest.raises(InvalidNameError):
@@ -151,6 +209,8 @@ def test_bad_inputs_raise_our_errors(store: CheckpointStore, tmp_path: Path) -> 
         store.iter_checkpoints("bad", prefetch=-1)
     with pytest.raises(InvalidNameError):
         store.iter_checkpoints("bad", prefetch=True)
+    with pytest.raises(InvalidNameError, match="preload"):
+        store.iter_checkpoints("bad", preload="yes")  # type: ignore[arg-type]
     with pytest.raises(CheckpointNotFoundError):
         store.iter_checkpoints("no-such-run")
     with pytest.raises(InvalidNameError):
