@@ -16,8 +16,10 @@ doctor, load, verify, show), with no process group involved:
   :func:`materialize`, which gives a host's part its ``manifest.json`` and commit marker;
 * reading: :class:`PartsSource` reads each chunk from the first copy of its part that has
   it intact, in order: this host's disk (its own part, or a peer's part it keeps), then the
-  shared tiers (a hot tier in object storage, warm, cold). A part that exists nowhere raises
-  :class:`~ckptstore.errors.IncompleteCheckpointError` naming the host and the tensors;
+  shared tiers (a hot tier in object storage, warm, cold). A part readable only from an
+  archival (GLACIER) copy is thawed first (:mod:`ckptstore.ops.thaw`). A part that exists
+  nowhere raises :class:`~ckptstore.errors.IncompleteCheckpointError` naming the host and
+  the tensors;
 * this host's parts on disk: :func:`verify_parts_here`, :func:`remove_local_parts`.
 """
 
@@ -320,18 +322,43 @@ def _part_copies(store: StoreCore, ck: Checkpoint, hosts: Iterable[str]) -> dict
     return copies
 
 
-def parts_source(store: StoreCore, ck: Checkpoint) -> tuple[Manifest, PartsSource]:
+#: ``thaw(store, ck)``: a readable view of ``ck``'s archival copy once thawed, None without
+#: one; raises ThawPendingError while thawing (:func:`ckptstore.ops.thaw.thawed_source`,
+#: which callers pass in: it reads manifests through ``ops/replicas.py``, above this module).
+ThawHook = Callable[[StoreCore, Checkpoint], Tier | None]
+
+
+def parts_source(store: StoreCore, ck: Checkpoint, *, thaw: ThawHook | None = None
+                 ) -> tuple[Manifest, PartsSource]:
     """The manifest of a parted checkpoint and a source reading each part from its best copy.
+
+    Args:
+        store: The open store.
+        ck: The checkpoint.
+        thaw: Called when some part is readable nowhere, for the archival copy.
 
     Raises:
         CheckpointNotFoundError: If the catalog holds no manifest for it.
         IntegrityError: If the catalogued manifest is damaged.
+        ThawPendingError: If a part is readable only from an archival (GLACIER) copy that
+            is not thawed yet (its thaw is requested and recorded).
     """
     if not ck.parted:
         raise CheckpointNotFoundError(f"{ck.ref} ({ck.id}) is not a checkpoint saved in parts")
     manifest, _ = parted_manifest(store, ck)
     ranks = rank_hosts(store.catalog.part_ranks(ck.id))
     copies = _part_copies(store, ck, sorted(set(ranks.values())))
+    lacking = [h for h, found in copies.items() if not found]
+    if lacking:
+        # Some part is readable nowhere, but the archival (GLACIER) copy holds every part:
+        # asks S3 to restore it and raises ThawPendingError until all objects are readable.
+        # A parted checkpoint is then read in place from the thawed objects (no part is
+        # gathered first), so its thaw is done once they are readable.
+        thawed = thaw(store, ck) if thaw is not None else None
+        if thawed is not None:
+            for part in lacking:
+                copies[part].append(_Copy(f"{thawed.name} (thawed)", tier=thawed))
+            store.catalog.finish_thaw(ck.id, thawed.name)
     return manifest, PartsSource(ck, manifest, ranks, copies,
                                  store.checkpoint_dir(ck.run, ck.id))
 
@@ -424,7 +451,7 @@ def remove_local_parts(store: StoreCore, ck: Checkpoint, *, parts: Iterable[str]
 
 
 def gather_parts(store: StoreCore, ck: Checkpoint, directory: Path, *,
-                 record: bool) -> int:
+                 record: bool, thaw: ThawHook | None = None) -> int:
     """Copy every part of ``ck`` into ``directory`` from its best copy, then verify it whole.
 
     What ``ckpt restore`` does with a checkpoint saved across hosts: the result is one
@@ -440,7 +467,7 @@ def gather_parts(store: StoreCore, ck: Checkpoint, directory: Path, *,
     """
     manifest, data = parted_manifest(store, ck)
     ranks = store.catalog.part_ranks(ck.id)
-    _, source = parts_source(store, ck)
+    _, source = parts_source(store, ck, thaw=thaw)
     missing = source.missing()
     if missing:
         raise IncompleteCheckpointError(

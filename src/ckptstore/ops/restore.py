@@ -323,7 +323,7 @@ def _restore_parts(store: StoreCore, ck: Checkpoint, to: str | os.PathLike[str] 
     try:
         directory.mkdir(parents=True, exist_ok=True)
         nbytes = gather_parts(store, store.catalog.get_any(ck.id), directory,
-                              record=to is None)
+                              record=to is None, thaw=thawed_source)
     finally:
         store.catalog.release_lease(ck.id, "restore", actor)
     store.catalog.record_event(

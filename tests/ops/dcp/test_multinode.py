@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -40,16 +41,17 @@ from pg_support import create_pg_database, drop_pg_database, require_pg
 from ckptstore import CheckpointStore
 from ckptstore.catalog import migrate
 from ckptstore.cli.app import main as ckpt
-from ckptstore.errors import ConfigError, IncompleteCheckpointError
+from ckptstore.errors import ConfigError, IncompleteCheckpointError, ThawPendingError
 from ckptstore.format import read_manifest
 from ckptstore.format.dcp import verify_dcp
 from ckptstore.format.dcp.layout import rank_of_file
 from ckptstore.ops.archive import archive_checkpoints
 from ckptstore.ops.dcp import load_dcp
 from ckptstore.ops.gc import prune_parts
+from ckptstore.ops.replicas import delete_replica
 from ckptstore.ops.restore import restore_checkpoint
 from ckptstore.ops.retention import apply_retention
-from ckptstore.records import CheckpointState, ReplicaState
+from ckptstore.records import CheckpointState, ReplicaState, ThawState
 from ckptstore.retention import RetentionPolicy
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.s3]
@@ -538,7 +540,9 @@ def _one_rank_per_node(cluster: Cluster, scenario: str, hosts: tuple[str, ...] =
 DISKLESS = ("diskless-a", "diskless-b")
 
 
-def test_ranks_without_local_disk_upload_their_shards_straight_to_s3(cluster: Cluster) -> None:
+@pytest.fixture(scope="module")
+def s3hot(cluster: Cluster) -> tuple[str, str]:
+    """A checkpoint saved by two ranks on hosts without local disk: ``(id, hot tier URL)``."""
     hot = cluster.warm.rsplit("/", 1)[0] + "/hot"
     procs = _one_rank_per_node(cluster, "s3hot", DISKLESS, CKPT_HOT=hot)
     for p in procs:
@@ -546,7 +550,13 @@ def test_ranks_without_local_disk_upload_their_shards_straight_to_s3(cluster: Cl
     reports = [cluster.report("s3hot", 2, rank) for rank in (0, 1)]
     for report in reports:
         assert report["diffs"] == {"shard0": [], "shard1": []}
-    ckpt_id = reports[0]["id"]
+    return reports[0]["id"], hot
+
+
+def test_ranks_without_local_disk_upload_their_shards_straight_to_s3(
+    cluster: Cluster, s3hot: tuple[str, str]
+) -> None:
+    ckpt_id, hot = s3hot
     with cluster.node("node-c", host="diskless-c", hot=hot) as store:
         ck = store.get(ckpt_id)
         assert ck.hosts == DISKLESS
@@ -567,6 +577,44 @@ def test_ranks_without_local_disk_upload_their_shards_straight_to_s3(cluster: Cl
             store.save("plain", 1, {"x": torch.ones(2)})
         # Any host archives a copy every host can read as a whole.
         assert archive_checkpoints(store, ref=ckpt_id).archived == [ckpt_id]
+
+
+def test_a_part_readable_only_from_glacier_is_thawed_then_loaded(
+    cluster: Cluster, s3hot: tuple[str, str]
+) -> None:
+    ckpt_id, hot = s3hot
+    cold = cluster.warm.rsplit("/", 1)[0] + "/glacier"
+    expected = torch.load(cluster.out / "s3hot.pt", weights_only=True)
+    glacier = {"cold": cold, "cold_storage_class": "GLACIER"}
+    with cluster.node("node-c", host="diskless-c", hot=hot, **glacier) as store:
+        assert archive_checkpoints(store, ref=ckpt_id, tier="cold").archived == [ckpt_id]
+        for tier in ("warm", "hot"):  # the GLACIER copy becomes the only one
+            replica = store.get(ckpt_id).replica(tier)
+            if replica is not None and replica.state == ReplicaState.PRESENT:
+                delete_replica(store, store.get(ckpt_id), tier)
+    # A node with its own disk: no part is readable, every one is in the GLACIER copy.
+    with cluster.node("node-c", **glacier) as store:
+        with pytest.raises(ThawPendingError, match="thawing, expected ready in") as info:
+            store.load(ckpt_id)
+        assert info.value.checkpoint_id == ckpt_id and info.value.tier == "cold"
+        thaw = store.catalog.get_thaw(ckpt_id, "cold")
+        assert thaw is not None and thaw.state == ThawState.PENDING and thaw.objects > 0
+        with pytest.raises(ThawPendingError):  # before the expected time: asks nothing again
+            store.load(ckpt_id)
+        assert store.catalog.get_thaw(ckpt_id, "cold") == thaw
+        # The time S3 gave has passed (moto restored at once): the parts are read in place.
+        store.catalog.record_thaw(ckpt_id, "cold", retrieval=thaw.retrieval,
+                                  objects=thaw.objects,
+                                  expected_ready_at=datetime.now(UTC) - timedelta(seconds=1))
+        assert _worker_helpers()._same(store.load(ckpt_id), expected) == []
+        done = store.catalog.get_thaw(ckpt_id, "cold")
+        assert done is not None and done.state == ThawState.DONE
+        # `ckpt thaw --wait` of such a checkpoint gathers every part onto this node.
+        path = store.thaw(ckpt_id, poll_s=0.01, timeout_s=30)
+        assert path == store.checkpoint_dir("direct", ckpt_id) and (path / "COMMITTED").is_file()
+        assert {p.part for p in store.catalog.parts(ckpt_id, "hot")
+                if p.stored_on == "node-c" and p.state == ReplicaState.PRESENT} == set(DISKLESS)
+        assert _worker_helpers()._same(store.load(ckpt_id), expected) == []
 
 
 def test_a_rank_killed_mid_save_commits_nothing_and_each_node_cleans_up(

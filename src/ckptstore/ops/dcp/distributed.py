@@ -44,6 +44,7 @@ from ckptstore.ops.dcp.reader import REMOTE_READ_THREADS, SafeLoadPlanner, ZarrS
 from ckptstore.ops.dcp.writer import ZarrStorageWriter
 from ckptstore.ops.parts import materialize, parts_source
 from ckptstore.ops.save import save_checkpoint
+from ckptstore.ops.thaw import thawed_source
 from ckptstore.records import Checkpoint
 
 __all__ = ["load_dcp", "load_parted", "needs_dcp", "save_distributed"]
@@ -345,7 +346,7 @@ def load_parted(
         IncompleteCheckpointError: If a part needed has no copy this host can read.
         IntegrityError: If every copy of a needed chunk is damaged.
     """
-    manifest, source = parts_source(store, ck)
+    manifest, source = parts_source(store, ck, thaw=thawed_source)
     if into is None:
         missing = source.missing()
         if missing:

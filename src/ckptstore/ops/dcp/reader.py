@@ -32,6 +32,7 @@ from ckptstore.format.dcp.chunks import ChunkSource, Request, load_blob, run_req
 from ckptstore.format.dcp.layout import BlobItem
 from ckptstore.format.dcp.read import index_of
 from ckptstore.ops.parts import parts_source
+from ckptstore.ops.thaw import thawed_source
 
 __all__ = ["REMOTE_READ_THREADS", "SafeLoadPlanner", "ZarrStorageReader", "dcp_reader"]
 
@@ -199,7 +200,7 @@ def dcp_reader(store: StoreCore, ref: str) -> ZarrStorageReader:
 
     ck = store.catalog.get(ref)
     if ck.parted:
-        manifest, source = parts_source(store, ck)
+        manifest, source = parts_source(store, ck, thaw=thawed_source)
         threads = store.settings.threads
         return ZarrStorageReader(source.directory, manifest, source=source,
                                  threads=max(threads, REMOTE_READ_THREADS) if source.remote
