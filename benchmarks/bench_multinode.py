@@ -117,7 +117,11 @@ def worker(args: argparse.Namespace) -> None:
     hot = Path(os.environ["CKPT_HOT"])
     me = os.environ["CKPT_HOST"]
     store = CheckpointStore.open(codec=args.codec, replicas=2)
-    # This rank when its job resumes on node A (a process "moved" to the survivor).
+    # This rank when its job resumes on node A (a process "moved" to the survivor). After
+    # node A's own open has marked its hot tier as this store's: before that, node B's
+    # rank would find an unmarked directory while its own host's hot tier is marked, and
+    # the store rightly refuses it as another store's (it did, by the race of the opens).
+    dist.barrier()
     hot_a = tmp / f"hot-{NODES[0]}"
     on_a = CheckpointStore.open(codec=args.codec, hot=str(hot_a))
     cold = can_evict()

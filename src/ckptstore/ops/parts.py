@@ -213,6 +213,8 @@ class PartsSource(ChunkSource):
             c.directory: ChunkSource(c.directory, manifest.id, manifest.dcp)
             for cs in self.copies.values() for c in cs if c.directory is not None
         }
+        # Chunk files other ranks fetched for this one (ops/dcp/share.py), by relative path.
+        self._received: dict[str, bytes] = {}
 
     @property
     def remote(self) -> bool:
@@ -241,6 +243,48 @@ class PartsSource(ChunkSource):
         rank = rank_of_file(array + "/")
         return None if rank is None else self.ranks.get(rank)
 
+    def _copies_of(self, rel: str) -> tuple[str | None, list[_Copy]]:
+        rank = rank_of_file(rel)
+        owner = self.ranks.get(rank) if rank is not None else None
+        return owner, (self.copies.get(owner, []) if owner is not None else [])
+
+    def is_remote(self, rel: str) -> bool:
+        """Whether chunk file ``rel`` would be read over the network here: no disk of this
+        host holds its part."""
+        _, copies = self._copies_of(rel)
+        return not copies or copies[0].directory is None
+
+    def fetch(self, rel: str) -> bytes:
+        """The bytes of chunk file ``rel`` from the first copy of its part that has it, for
+        another rank (:mod:`ckptstore.ops.dcp.share`). Unchecked here: the rank that uses
+        them checks them (:meth:`accept`) and reads its own copies if they fail.
+
+        Raises:
+            StorageError: If no copy could be read.
+        """
+        owner, copies = self._copies_of(rel)
+        problems: list[str] = []
+        for copy in copies:
+            try:
+                if copy.directory is not None:
+                    return (copy.directory / rel).read_bytes()
+                assert copy.tier is not None
+                return copy.tier.get_bytes(copy.tier.key_for(self.ck.run, self.ck.id, rel))
+            except (OSError, StorageError) as exc:
+                problems.append(f"{copy.name}: {str(exc).splitlines()[0]}")
+        raise StorageError(
+            f"checkpoint {self.ck.ref} ({self.ck.id}): chunk {rel} of the part of host "
+            f"{owner} could not be read from any copy ({'; '.join(problems) or 'none'})"
+        )
+
+    def receive(self, frames: Mapping[str, bytes]) -> None:
+        """Keep chunk files another rank fetched; :meth:`read` uses them first."""
+        self._received.update(frames)
+
+    def forget_received(self) -> None:
+        """Drop the received chunk files (after the read that needed them)."""
+        self._received.clear()
+
     def read(self, array: ArrayInfo, key: str, dest: ByteView) -> None:
         """Fill ``dest`` with chunk ``key`` from the first copy of its part that has it intact.
 
@@ -250,9 +294,15 @@ class PartsSource(ChunkSource):
             IntegrityError: If every copy of the chunk is missing or damaged.
         """
         rel = chunk_file(array.path, key)
-        rank = rank_of_file(rel)
-        owner = self.ranks.get(rank) if rank is not None else None
-        copies = self.copies.get(owner, []) if owner is not None else []
+        frame = self._received.get(rel)
+        if frame is not None:
+            try:
+                self.accept(array, key, frame, dest)
+                return
+            except IntegrityError as exc:  # damaged on the way: read it from our copies
+                logger.warning("chunk %s of %s from another rank failed its checks (%s); "
+                               "reading it from this host's copies", rel, self.ck.ref, exc)
+        owner, copies = self._copies_of(rel)
         if not copies:
             raise self._nowhere(owner, array)
         problems: list[str] = []

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import sys
 import time
@@ -152,9 +153,28 @@ def scenario_load(out: Path, rank: int, ws: int) -> dict[str, Any]:
             report["mn1_local"] = "loaded"
         except CkptError as exc:
             report["mn1_local"] = f"{type(exc).__name__}: {exc}"
-    with CheckpointStore.open() as store:
-        report["mn1_s3"] = _load_into(store, ids["mn1"], mesh, refs["mn1"])
+    shares = _Lines()
+    log = logging.getLogger("ckptstore.ops.dcp.share")
+    log.addHandler(shares)
+    log.setLevel(logging.INFO)
+    try:
+        with CheckpointStore.open() as store:
+            report["mn1_s3"] = _load_into(store, ids["mn1"], mesh, refs["mn1"])
+    finally:
+        log.removeHandler(shares)
+    report["shared"] = shares.lines
     return report
+
+
+class _Lines(logging.Handler):
+    """Keeps the messages logged (what the ranks say about their shared reads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def scenario_tiny(out: Path, rank: int, ws: int) -> dict[str, Any]:

@@ -444,6 +444,18 @@ def test_after_losing_a_node_one_node_with_three_ranks_loads_bit_exact(
         # mn@1 without S3: node B's part exists nowhere this node reads.
         assert report["mn1_local"].startswith("IncompleteCheckpointError"), report["mn1_local"]
         assert "node-b" in report["mn1_local"]
+    # The three ranks shared the download of node B's part: what some fetched and sent to
+    # the others is what the others received.
+    said = [re.search(r"fetched (\d+) chunk files \((\d+) bytes\) for other ranks, "
+                      r"sent (\d+) bytes and received (\d+) \((\d+) bytes\)", line)
+            for report in node_b_lost.values() for line in report["shared"]]
+    # One line per rank and load (three states are loaded), every rank in every load.
+    assert said and all(said) and len({len(r["shared"]) for r in node_b_lost.values()}) == 1, [
+        r["shared"] for r in node_b_lost.values()]
+    fetched = [int(m.group(2)) for m in said if m]
+    sent = [int(m.group(3)) for m in said if m]
+    received = [int(m.group(5)) for m in said if m]
+    assert sum(sent) == sum(received) > 0 and 0 < sum(fetched) <= sum(sent)
 
 
 def test_doctor_reports_the_parts_of_a_host_gone_silent(

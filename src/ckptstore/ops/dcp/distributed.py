@@ -42,7 +42,7 @@ from ckptstore.format.manifest import parse_verified
 from ckptstore.ops.dcp.peers import peers_for, replicate_parts
 from ckptstore.ops.dcp.reader import REMOTE_READ_THREADS, SafeLoadPlanner, ZarrStorageReader
 from ckptstore.ops.dcp.writer import ZarrStorageWriter
-from ckptstore.ops.parts import materialize, parts_source
+from ckptstore.ops.parts import PartsSource, materialize, parts_source
 from ckptstore.ops.save import save_checkpoint
 from ckptstore.ops.thaw import thawed_source
 from ckptstore.records import Checkpoint
@@ -313,7 +313,13 @@ def load_dcp(
         )
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    reader = ZarrStorageReader(directory, manifest, threads=threads, source=source)
+    # Several ranks loading a checkpoint saved across hosts share the downloads of the parts
+    # no local disk holds (a node-loss restore): the lost part comes down at the bandwidth
+    # of every node, not only the replacement's.
+    share = (isinstance(source, PartsSource) and _dist_on()
+             and dist.get_world_size(process_group) > 1)
+    reader = ZarrStorageReader(directory, manifest, threads=threads, source=source,
+                               share=share, share_group=process_group)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -31,7 +31,8 @@ from ckptstore.format.dcp.boxes import BoxLoc, build_metadata, stored_boxes
 from ckptstore.format.dcp.chunks import ChunkSource, Request, load_blob, run_requests
 from ckptstore.format.dcp.layout import BlobItem
 from ckptstore.format.dcp.read import index_of
-from ckptstore.ops.parts import parts_source
+from ckptstore.ops.dcp.share import share_remote_reads
+from ckptstore.ops.parts import PartsSource, parts_source
 from ckptstore.ops.thaw import thawed_source
 
 __all__ = ["REMOTE_READ_THREADS", "SafeLoadPlanner", "ZarrStorageReader", "dcp_reader"]
@@ -55,7 +56,12 @@ class ZarrStorageReader(StorageReader):
         threads: Reader threads.
         source: Where the chunks come from (default: ``directory``): a checkpoint saved
             across hosts reads each host's part from the best copy this host can reach
-            (:class:`~ckptstore.ops.dcp.parts.PartsSource`).
+            (:class:`~ckptstore.ops.parts.PartsSource`).
+        share_group: With a parts ``source`` under a process group of several ranks: the
+            ranks share the downloads of the parts no local disk holds
+            (:mod:`ckptstore.ops.dcp.share`; None for the default group). Every rank of
+            the load must pass the same ``share``.
+        share: Whether to share remote reads that way.
 
     Raises:
         IncompleteCheckpointError: If the directory was never committed.
@@ -66,8 +72,11 @@ class ZarrStorageReader(StorageReader):
     def __init__(
         self, directory: str | os.PathLike[str], manifest: Manifest | None = None,
         *, threads: int = 2, source: ChunkSource | None = None,
+        share: bool = False, share_group: Any = None,
     ) -> None:
         self.threads = threads
+        self._share = share and isinstance(source, PartsSource)
+        self._share_group = share_group
         self._open(Path(directory), manifest, source)
 
     def _open(self, directory: Path, manifest: Manifest | None,
@@ -112,6 +121,39 @@ class ZarrStorageReader(StorageReader):
             IntegrityError: On a damaged or missing chunk, or an item not in the checkpoint.
         """
         self.read_metadata()
+        failure: CkptError | None = None
+        try:
+            requests, resolved, blob_items = self._resolve(plan, planner)
+        except CkptError as exc:
+            # Raised after the shared reads: the other ranks are in their collectives.
+            failure, requests, resolved, blob_items = exc, [], [], []
+        if self._share:
+            assert isinstance(self._source, PartsSource)
+            share_remote_reads(self._source, requests, group=self._share_group,
+                               threads=max(self.threads, REMOTE_READ_THREADS))
+        try:
+            if failure is not None:
+                raise failure
+            run_requests(self._source, requests, self.threads)
+        finally:
+            if isinstance(self._source, PartsSource):
+                self._source.forget_received()
+        for item, target in resolved:
+            planner.commit_tensor(item, target)
+        for item in blob_items:
+            blob = self._where.get(item.storage_index)
+            if not isinstance(blob, BlobItem):
+                raise IntegrityError(
+                    f"checkpoint {self.manifest.id} holds no item {item.storage_index.fqn!r}"
+                )
+            planner.load_bytes(item, io.BytesIO(load_blob(self._source, blob)))
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _resolve(self, plan: LoadPlan, planner: LoadPlanner
+                 ) -> tuple[list[Request], list[tuple[ReadItem, torch.Tensor]], list[ReadItem]]:
+        """The plan's tensor reads (with their targets) and its bytes items."""
         requests: list[Request] = []
         resolved: list[tuple[ReadItem, torch.Tensor]] = []
         blob_items: list[ReadItem] = []
@@ -136,19 +178,7 @@ class ZarrStorageReader(StorageReader):
                 Request(box, tuple(item.storage_offsets), tuple(item.lengths), target)
             )
             resolved.append((item, target))
-        run_requests(self._source, requests, self.threads)
-        for item, target in resolved:
-            planner.commit_tensor(item, target)
-        for item in blob_items:
-            blob = self._where.get(item.storage_index)
-            if not isinstance(blob, BlobItem):
-                raise IntegrityError(
-                    f"checkpoint {self.manifest.id} holds no item {item.storage_index.fqn!r}"
-                )
-            planner.load_bytes(item, io.BytesIO(load_blob(self._source, blob)))
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
+        return requests, resolved, blob_items
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
