@@ -31,7 +31,7 @@ from ckptstore.format.dcp.boxes import BoxLoc, build_metadata, stored_boxes
 from ckptstore.format.dcp.chunks import ChunkSource, Request, load_blob, run_requests
 from ckptstore.format.dcp.layout import BlobItem
 from ckptstore.format.dcp.read import index_of
-from ckptstore.ops.dcp.share import share_remote_reads
+from ckptstore.ops.dcp.share import run_shared, share_remote_reads
 from ckptstore.ops.parts import PartsSource, parts_source
 from ckptstore.ops.thaw import thawed_source
 
@@ -129,15 +129,16 @@ class ZarrStorageReader(StorageReader):
             failure, requests, resolved, blob_items = exc, [], [], []
         if self._share:
             assert isinstance(self._source, PartsSource)
-            share_remote_reads(self._source, requests, group=self._share_group,
-                               threads=max(self.threads, REMOTE_READ_THREADS))
-        try:
+            threads = max(self.threads, REMOTE_READ_THREADS)
+            if failure is not None:
+                share_remote_reads(self._source, [], group=self._share_group, threads=threads)
+                self._source.forget_received()
+                raise failure
+            run_shared(self._source, requests, threads=threads, group=self._share_group)
+        else:
             if failure is not None:
                 raise failure
             run_requests(self._source, requests, self.threads)
-        finally:
-            if isinstance(self._source, PartsSource):
-                self._source.forget_received()
         for item, target in resolved:
             planner.commit_tensor(item, target)
         for item in blob_items:

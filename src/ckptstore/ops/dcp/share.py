@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 
 from ckptstore.errors import CkptError
-from ckptstore.format.dcp.chunks import Request
+from ckptstore.format.dcp.chunks import Request, run_requests
 from ckptstore.format.dcp.layout import chunk_file
 from ckptstore.ops.parts import PartsSource
 
-__all__ = ["LOCAL_COST", "SharedReads", "assign", "share_remote_reads"]
+__all__ = ["LOCAL_COST", "SharedReads", "assign", "run_shared", "share_remote_reads"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,35 @@ def assign(needs: Sequence[Mapping[str, int]], local_bytes: Sequence[int]) -> di
         work[chosen] += sizes[rel]
         out[rel] = chosen
     return out
+
+
+def _local(source: PartsSource, req: Request) -> bool:
+    key = req.box.key
+    return key is not None and not source.is_remote(chunk_file(req.box.array.path, key))
+
+
+def run_shared(source: PartsSource, requests: Sequence[Request], *, threads: int,
+               group: Any = None) -> SharedReads:
+    """Serve ``requests`` with the remote downloads shared among the ranks of ``group``.
+
+    A collective, like :func:`share_remote_reads`. The chunks this host reads from its own
+    disk are read meanwhile, so those reads overlap the downloads; the others once the
+    shared files are in.
+
+    Raises:
+        IntegrityError, IncompleteCheckpointError, StorageError: As the reads.
+    """
+    local = [r for r in requests if _local(source, r)]
+    rest = [r for r in requests if not _local(source, r)]
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-share-local") as pool:
+        reading = pool.submit(run_requests, source, local, threads)
+        try:
+            stats = share_remote_reads(source, requests, group=group, threads=threads)
+            run_requests(source, rest, threads)
+        finally:
+            source.forget_received()
+        reading.result()
+    return stats
 
 
 def _remote_files(source: PartsSource, requests: Sequence[Request]) -> tuple[dict[str, int], int]:
