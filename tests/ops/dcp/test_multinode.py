@@ -607,7 +607,7 @@ def test_a_part_readable_only_from_glacier_is_thawed_then_loaded(
     # A node with its own disk: no part is readable, every one is in the GLACIER copy.
     with cluster.node("node-c", **glacier) as store:
         with pytest.raises(ThawPendingError, match="thawing, expected ready in") as info:
-            store.load(ckpt_id)
+            store.prefetch(ckpt_id)  # a scheduler's prefetch asks S3 first
         assert info.value.checkpoint_id == ckpt_id and info.value.tier == "cold"
         thaw = store.catalog.get_thaw(ckpt_id, "cold")
         assert thaw is not None and thaw.state == ThawState.PENDING and thaw.objects > 0
