@@ -81,7 +81,9 @@ class ThawsMixin(CatalogCore):
             return _record(row)
 
     def finish_thaw(self, ckpt_id: str, tier: str) -> Thaw | None:
-        """Mark the thaw of the copy on ``tier`` DONE (the copy is back on the hot tier).
+        """Mark the thaw of the copy on ``tier`` DONE (the copy is back on the hot tier, or,
+        for a checkpoint saved across hosts, its parts are read in place from the thawed
+        objects).
 
         Returns:
             The updated thaw, or None when none was recorded.

@@ -288,7 +288,8 @@ class ThawState(enum.StrEnum):
     PENDING = "PENDING"
     """Restore requests went out; the objects are not all readable yet, or not yet copied."""
     DONE = "DONE"
-    """The thawed objects were copied to the hot tier and verified."""
+    """The thawed objects were copied to the hot tier and verified (a checkpoint saved
+    across hosts: they are readable and its parts are read from them in place)."""
 
 
 @dataclass(frozen=True)
