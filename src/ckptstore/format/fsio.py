@@ -91,8 +91,18 @@ def _as_bytes_views(buffers: Sequence[Any]) -> list[memoryview]:
     return views
 
 
+#: Most bytes one ``writev`` call hands the kernel. The page cache sizes the folios of a
+#: buffered write by the length of the call; on Linux 6.18 with ext4, copying into the
+#: large folios of 512 KiB-and-up calls ran 3-8x slower than into those of 256 KiB calls
+#: (1.5 GB of GPT-2-small tensors, 1 MiB calls into one file per tensor: 2.7 s, 256 KiB
+#: calls: 0.34 s). Smaller calls cost only more system calls (~6,000 per 1.5 GB).
+WRITE_CALL_BYTES = 256 * 1024
+
+
 def writev_all(fd: int, buffers: Sequence[Any]) -> int:
     """Write every buffer in order with ``writev``, looping on short writes.
+
+    Each call writes at most :data:`WRITE_CALL_BYTES`.
 
     Returns:
         The number of bytes written.
@@ -101,19 +111,26 @@ def writev_all(fd: int, buffers: Sequence[Any]) -> int:
     total = 0
     start = 0
     while start < len(pending):
-        batch = pending[start : start + _IOV_MAX]
+        batch: list[memoryview] = []
+        room = WRITE_CALL_BYTES
+        for view in pending[start : start + _IOV_MAX]:
+            batch.append(view if view.nbytes <= room else view[:room])
+            room -= batch[-1].nbytes
+            if room <= 0:
+                break
         written = os.writev(fd, batch)
         if written <= 0:
             raise OSError(errno.EIO, "writev wrote nothing")
         total += written
         # Skip over the buffers written whole; keep the tail of a partially written one.
-        for view in batch:
+        while written:
+            view = pending[start]
             if written >= view.nbytes:
                 written -= view.nbytes
                 start += 1
             else:
                 pending[start] = view[written:]
-                break
+                written = 0
     return total
 
 
