@@ -113,8 +113,10 @@ def run_shared(source: PartsSource, requests: Sequence[Request], *, threads: int
     Raises:
         IntegrityError, IncompleteCheckpointError, StorageError: As the reads.
     """
-    local = [r for r in requests if _local(source, r)]
-    rest = [r for r in requests if not _local(source, r)]
+    local: list[Request] = []
+    rest: list[Request] = []
+    for req in requests:
+        (local if _local(source, req) else rest).append(req)
     with ThreadPoolExecutor(1, thread_name_prefix="ckpt-share-local") as pool:
         reading = pool.submit(run_requests, source, local, threads)
         try:
