@@ -456,8 +456,10 @@ def remove_local_parts(store: StoreCore, ck: Checkpoint, *, parts: Iterable[str]
                        ) -> int:
     """Delete the part copies of ``ck`` this host's disk holds (all, or only ``parts``).
 
-    Each copy is marked DELETING, its files removed, then marked DELETED; when none is left
-    on this host the directory goes too (marker first, so it never looks committed).
+    Each copy is marked DELETING and its files removed; when none is left on this host the
+    directory goes too (marker first, so it never looks committed); only then are the copies
+    marked DELETED, so a DELETED copy (and the aggregate replica the last one turns DELETED)
+    never has files left on disk.
 
     Returns:
         Number of files deleted.
@@ -466,8 +468,11 @@ def remove_local_parts(store: StoreCore, ck: Checkpoint, *, parts: Iterable[str]
         StorageError: If a file cannot be removed (the copy stays DELETING; rerun).
     """
     me = host()
-    rows = [p for p in store.catalog.parts(ck.id, "hot") if p.stored_on == me
-            and p.state != ReplicaState.DELETED and (parts is None or p.part in set(parts))]
+    wanted = None if parts is None else set(parts)
+    live = [p for p in store.catalog.parts(ck.id, "hot") if p.stored_on == me
+            and p.state != ReplicaState.DELETED]
+    rows = [p for p in live if wanted is None or p.part in wanted]
+    keeps_others = len(rows) < len(live)
     directory = store.checkpoint_dir(ck.run, ck.id)
     ranks = store.catalog.part_ranks(ck.id)
     deleted = 0
@@ -489,13 +494,12 @@ def remove_local_parts(store: StoreCore, ck: Checkpoint, *, parts: Iterable[str]
                         "and rerun `ckpt gc` (the part stays DELETING until then)"
                     ) from exc
                 deleted += 1
-        store.catalog.set_part(ck.id, "hot", row.part, stored_on=me,
-                               state=ReplicaState.DELETED, bytes=0, files=0)
-    left = [p for p in store.catalog.parts(ck.id, "hot") if p.stored_on == me
-            and p.state != ReplicaState.DELETED]
-    if not left and directory.exists():
+    if not keeps_others and directory.exists():
         (directory / COMMIT_NAME).unlink(missing_ok=True)
         shutil.rmtree(directory, ignore_errors=True)
+    for row in rows:
+        store.catalog.set_part(ck.id, "hot", row.part, stored_on=me,
+                               state=ReplicaState.DELETED, bytes=0, files=0)
     logger.info("removed %d files of %s's parts on %s", deleted, ck.ref, me)
     return deleted
 

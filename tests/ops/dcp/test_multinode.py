@@ -482,13 +482,27 @@ def test_doctor_reports_the_parts_of_a_host_gone_silent(
 
 
 def test_hot_retention_leaves_each_node_to_prune_its_own_parts(
-    cluster: Cluster, saved: dict[int, Any], node_b_lost: dict[int, Any]
+    cluster: Cluster, saved: dict[int, Any], node_b_lost: dict[int, Any],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     mn1, mn2 = saved[0]["mn1"], saved[0]["mn2"]
     with cluster.node("node-a") as store:
+        directory = cluster.hot["node-a"] / "mn" / mn1
+        # A part recorded DELETED has no file left: whoever sees the row (the aggregate
+        # replica turns DELETED with the last part) never finds the directory still there.
+        left_when_deleted: list[bool] = []
+        real_set_part = store.catalog.set_part
+
+        def set_part(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("state") == ReplicaState.DELETED:
+                left_when_deleted.append(directory.exists())
+            return real_set_part(*args, **kwargs)
+
+        monkeypatch.setattr(store.catalog, "set_part", set_part)
         report = apply_retention(store, tier="hot", policy=RetentionPolicy(keep_last=0))
         assert [a.checkpoint_id for a in report.executed] == [mn1], report.to_dict()
-        assert not (cluster.hot["node-a"] / "mn" / mn1).exists()
+        assert left_when_deleted == [False]
+        assert not directory.exists()
         hot = store.get(mn1).replica("hot")
         assert hot is not None and hot.state == ReplicaState.DELETING  # node B's part left
         assert store.get(mn2).replica("hot").state == ReplicaState.PRESENT  # type: ignore[union-attr]
