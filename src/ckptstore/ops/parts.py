@@ -214,7 +214,8 @@ class PartsSource(ChunkSource):
             for cs in self.copies.values() for c in cs if c.directory is not None
         }
         # Chunk files other ranks fetched for this one (ops/dcp/share.py), by relative path.
-        self._received: dict[str, bytes] = {}
+        self._received: dict[str, bytes | ByteView] = {}
+        self._failed: set[str] = set()
 
     @property
     def remote(self) -> bool:
@@ -248,6 +249,18 @@ class PartsSource(ChunkSource):
         owner = self.ranks.get(rank) if rank is not None else None
         return owner, (self.copies.get(owner, []) if owner is not None else [])
 
+    def parts_on_disk(self) -> set[str]:
+        """The part hosts whose best copy is on this host's disk (its own, a peer's kept)."""
+        return {h for h, cs in self.copies.items() if cs and cs[0].directory is not None}
+
+    def parts_reached(self) -> set[str]:
+        """The part hosts with some copy this host can read (on its disk or a shared tier)."""
+        return {h for h, cs in self.copies.items() if cs}
+
+    def part_of(self, rel: str) -> str | None:
+        """The host whose part holds chunk file ``rel`` (None: not a rank's file)."""
+        return self._copies_of(rel)[0]
+
     def is_remote(self, rel: str) -> bool:
         """Whether chunk file ``rel`` would be read over the network here: no disk of this
         host holds its part."""
@@ -277,13 +290,21 @@ class PartsSource(ChunkSource):
             f"{owner} could not be read from any copy ({'; '.join(problems) or 'none'})"
         )
 
-    def receive(self, frames: Mapping[str, bytes]) -> None:
-        """Keep chunk files another rank fetched; :meth:`read` uses them first."""
+    def receive(self, frames: Mapping[str, bytes | ByteView], failed: Iterable[str] = ()
+                ) -> None:
+        """Keep chunk files another rank fetched; :meth:`read` uses them first.
+
+        Args:
+            frames: ``{chunk file: its bytes}``.
+            failed: Chunk files another rank was to fetch for this one and could not.
+        """
         self._received.update(frames)
+        self._failed.update(failed)
 
     def forget_received(self) -> None:
         """Drop the received chunk files (after the read that needed them)."""
         self._received.clear()
+        self._failed.clear()
 
     def read(self, array: ArrayInfo, key: str, dest: ByteView) -> None:
         """Fill ``dest`` with chunk ``key`` from the first copy of its part that has it intact.
@@ -303,6 +324,14 @@ class PartsSource(ChunkSource):
                 logger.warning("chunk %s of %s from another rank failed its checks (%s); "
                                "reading it from this host's copies", rel, self.ck.ref, exc)
         owner, copies = self._copies_of(rel)
+        if not copies and rel in self._failed:
+            raise IntegrityError(
+                f"checkpoint {self.ck.ref} ({self.ck.id}): chunk {rel} of the part of host "
+                f"{owner} could not be fetched by the rank it was assigned to (its log says "
+                "why) and this host reaches no copy of it; run `ckpt verify "
+                f"{self.ck.ref}` where copies of that part are kept, or load an earlier "
+                "checkpoint"
+            )
         if not copies:
             raise self._nowhere(owner, array)
         problems: list[str] = []
@@ -354,11 +383,15 @@ def _part_copies(store: StoreCore, ck: Checkpoint, hosts: Iterable[str]) -> dict
         (t for t in tiers.values() if t.name != "hot" or store.settings.hot_remote is not None),
         key=lambda t: TIER_ORDER.index(t.name) if t.name in TIER_ORDER else len(TIER_ORDER),
     )
+    # A replacement node under the lost one's name starts with an empty disk, while the
+    # catalog still lists the lost disk's parts: with no directory here, those parts are
+    # remote (their reads are shared among the ranks) rather than read, and missed, here.
+    on_disk = store.settings.hot_remote is None and local.is_dir()
     for part in hosts:
         found: list[_Copy] = []
         here = any(r.tier == "hot" and r.part == part and r.stored_on == me
                    and r.state in (ReplicaState.PRESENT, ReplicaState.DAMAGED) for r in rows)
-        if (here or part == me) and store.settings.hot_remote is None:
+        if (here or part == me) and on_disk:
             # Own part or a peer's kept here; a file that is gone falls through to the tiers.
             found.append(_Copy(f"hot on {me}", directory=local))
         for tier in shared:

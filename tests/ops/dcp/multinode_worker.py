@@ -12,6 +12,11 @@ own hot directory), ``CKPT_ROOT``, ``CKPT_CATALOG_URL`` (PostgreSQL), ``CKPT_WAR
 * ``load`` (1 node x 3 ranks): ``mn@2`` without any S3 tier (its own part and the peer copy
   of the lost node's part), ``mn@1`` without S3 (must fail naming the lost node), and
   ``mn@1`` with S3; into Shard(0) and Shard(1) DTensors and a fresh FSDP2 model, bit-exact.
+* ``replace`` (2 nodes x 1 rank, node B replaced by one with an empty disk): ``mn@2``
+  without S3 (node A sends node B's part from the copy it keeps), ``mn@1`` with S3 (both
+  nodes share the download of node B's part), and ``mn@1`` with S3 reachable from node B
+  only (node A's share of the downloads fails; node B fetches it), into Shard(0) DTensors,
+  bit-exact.
 * ``tiny`` (2 nodes x 1 rank): one small parted checkpoint ``agents@1``.
 * ``s3hot`` (2 nodes x 1 rank, ``CKPT_HOT=s3://...``): every rank uploads its own shards
   straight to object storage; the checkpoint loads back at Shard(0) and Shard(1).
@@ -177,6 +182,55 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def scenario_replace(out: Path, rank: int, ws: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (ws,))
+    ids = json.loads((out / "save-ws4-rank0.json").read_text())
+    refs = torch.load(out / "ref.pt", weights_only=True)
+    report: dict[str, Any] = {"host": os.environ["CKPT_HOST"]}
+    shares = _Lines()
+    log = logging.getLogger("ckptstore.ops.dcp.share")
+    log.addHandler(shares)
+    log.setLevel(logging.INFO)
+    try:
+        # mn@2 without S3: node B's part only exists in the copy node A keeps. Then mn@1
+        # with S3 on both nodes, and with S3 on node B only: node A's share of the
+        # downloads fails, and node B reads those files itself.
+        cases: list[tuple[str, str, dict[str, Any]]] = [
+            ("mn2_local", "mn2", {"warm": ""}), ("mn1_s3", "mn1", {}),
+            ("mn1_a_offline", "mn1", {"warm": ""} if rank == 0 else {}),
+        ]
+        for name, ref, options in cases:
+            before = len(shares.lines)
+            with CheckpointStore.open(**options) as store:
+                target = _state(mesh, Shard(0), seed=99, zeros=True)
+                store.load(ids[ref], into=target)
+            want = {k: refs[ref][k] for k in ("w", "meta")}
+            report[name] = _same(_full(target), want)
+            report[f"{name}_shared"] = shares.lines[before:]
+        # Node A's copy of a chunk of node B's part is gone, and no S3: node A cannot send
+        # it, and both ranks must fail with an error naming it (nobody left waiting).
+        with CheckpointStore.open(warm="") as store:
+            chunk = next((store.checkpoint_dir("mn", ids["mn2"]) / "dcp_ranks" / "r2"
+                          / "w.big").glob("c.*"), None)
+            aside = chunk.with_name("aside") if chunk is not None else None
+            if rank == 0 and chunk is not None and aside is not None:
+                chunk.rename(aside)
+            dist.barrier()
+            before = len(shares.lines)
+            try:
+                store.load(ids["mn2"], into=_state(mesh, Shard(0), seed=99, zeros=True))
+                report["mn2_damaged"] = "loaded"
+            except CkptError as exc:
+                report["mn2_damaged"] = f"{type(exc).__name__}: {exc}"
+            report["mn2_damaged_shared"] = shares.lines[before:]
+            dist.barrier()
+            if rank == 0 and chunk is not None and aside is not None:
+                aside.rename(chunk)
+    finally:
+        log.removeHandler(shares)
+    return report
+
+
 def scenario_tiny(out: Path, rank: int, ws: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (ws,))
     state = _state(mesh, Shard(0), seed=3)
@@ -234,7 +288,8 @@ def scenario_s3hot(out: Path, rank: int, ws: int) -> dict[str, Any]:
             "diffs": diffs}
 
 
-SCENARIOS = {"save": scenario_save, "load": scenario_load, "tiny": scenario_tiny,
+SCENARIOS = {"save": scenario_save, "load": scenario_load, "replace": scenario_replace,
+             "tiny": scenario_tiny,
              "kill": scenario_kill, "s3hot": scenario_s3hot}
 
 

@@ -9,7 +9,9 @@ save (2 nodes x 2 ranks) feeds the stages, in order:
 2. archiving from node A alone leaves the warm copy incomplete: loading from it fails loudly
    and retention deletes nothing; archiving from node B completes and verifies it;
 3. node B's disk is lost: one node with 3 ranks loads ``mn@1`` from its own part plus S3 and,
-   with ``replicas = 2``, ``mn@2`` from its own disk alone (no S3 tier), bit-exact;
+   with ``replicas = 2``, ``mn@2`` from its own disk alone (no S3 tier), bit-exact; then
+   node A and a replacement node B with an empty disk load both, node A sending node B's
+   part from its copy (``mn@2``, no S3) or sharing its download (``mn@1``);
 4. hot retention then removes each node's parts on that node.
 
 A rank killed mid-save (2 nodes x 1 rank) commits nothing; the previous checkpoint loads and
@@ -456,6 +458,48 @@ def test_after_losing_a_node_one_node_with_three_ranks_loads_bit_exact(
     sent = [int(m.group(3)) for m in said if m]
     received = [int(m.group(5)) for m in said if m]
     assert sum(sent) == sum(received) > 0 and 0 < sum(fetched) <= sum(sent)
+
+
+def _shared(lines: list[str]) -> tuple[int, int, int]:
+    """(bytes fetched for others, bytes sent, bytes received) from one rank's share log."""
+    said = [re.search(r"fetched (\d+) chunk files \((\d+) bytes\) for other ranks, "
+                      r"sent (\d+) bytes and received (\d+) \((\d+) bytes\)", line)
+            for line in lines]
+    assert len(said) == 1 and said[0], lines
+    return int(said[0].group(2)), int(said[0].group(3)), int(said[0].group(5))
+
+
+def test_a_replacement_node_gets_the_lost_part_from_the_survivor_or_shares_its_download(
+    cluster: Cluster, saved: dict[int, Any], node_b_lost: dict[int, Any]
+) -> None:
+    # Node B comes back under its name with an empty disk, while the catalog still lists
+    # node B's parts there: its part must be treated as remote, not read (and missed) here.
+    procs = _one_rank_per_node(cluster, "replace")
+    for p in procs:
+        assert p.returncode == 0, p.stderr.read() if p.stderr else ""
+    a, b = (cluster.report("replace", 2, rank) for rank in (0, 1))
+    for report in (a, b):
+        assert report["mn2_local"] == report["mn1_s3"] == report["mn1_a_offline"] == [], report
+    # mn@2, no S3 configured: node A read node B's part from its copy and sent all of it.
+    fetched_a, sent_a, _ = _shared(a["mn2_local_shared"])
+    _, sent_b, received_b = _shared(b["mn2_local_shared"])
+    assert fetched_a == sent_a == received_b > 0 and sent_b == 0
+    # mn@1 (no copy on node A): both nodes downloaded a share of node B's part from S3.
+    fetched_a, sent_a, _ = _shared(a["mn1_s3_shared"])
+    _, _, received_b = _shared(b["mn1_s3_shared"])
+    assert fetched_a == sent_a == received_b > 0
+    # Node A without S3: node B downloaded all of its part, also what node A needed of it;
+    # node A only sent what node B needed of node A's part, from its disk.
+    _, _, received_a = _shared(a["mn1_a_offline_shared"])
+    fetched_b, sent_b, _ = _shared(b["mn1_a_offline_shared"])
+    assert fetched_b == sent_b == received_a > 0
+    assert not any("failed" in line for line in a["mn1_a_offline_shared"])
+    # A chunk node A was to send is gone from its copy: node A says so, and both ranks
+    # fail naming the chunk instead of waiting for each other.
+    assert any("w.big" in line and "failed" in line for line in a["mn2_damaged_shared"]), a
+    assert "IntegrityError" in b["mn2_damaged"] and "r2/w.big/c." in b["mn2_damaged"], b
+    assert "could not be fetched by the rank it was assigned to" in b["mn2_damaged"], b
+    assert "IntegrityError" in a["mn2_damaged"], a
 
 
 def test_doctor_reports_the_parts_of_a_host_gone_silent(

@@ -41,3 +41,42 @@ def test_same_answer_whatever_the_order_of_the_needs() -> None:
 
 def test_nothing_remote_nothing_assigned() -> None:
     assert assign([{}, {}], [100, 100]) == {}
+
+
+def test_a_file_a_survivor_keeps_is_read_there_never_downloaded() -> None:
+    # Node B (rank 1) was replaced; rank 0 keeps a copy of its part (replicas = 2) and
+    # reads much from its own disk, yet sends every file rather than anyone downloading.
+    mib = 1 << 20
+    files = {f"r1/c/{i}": 8 * mib for i in range(8)}
+    plan = assign([{}, files], [64 * mib, 0], [set(files), set()])
+    assert plan == dict.fromkeys(files, 0)
+
+
+def test_held_files_are_spread_over_their_holders_and_the_rest_downloaded() -> None:
+    needs = [{}, {}, {"a": 10, "b": 10, "c": 10, "d": 10, "x": 10}]
+    plan = assign(needs, [0, 0, 0], [{"a", "b", "c", "d"}, {"a", "b", "c", "d"}, set()])
+    assert sorted(plan[f] for f in "abcd") == [0, 0, 1, 1]
+    # Nobody holds "x": downloaded by the rank with the least work, which is rank 2 (it
+    # read nothing, was given nothing, and needs the file).
+    assert plan["x"] == 2
+
+
+def test_held_files_nobody_needs_are_ignored() -> None:
+    assert assign([{"a": 1}, {}], [0, 0], [set(), {"a", "zzz"}]) == {"a": 1}
+
+
+def test_ranks_that_need_as_much_as_each_other_download_their_own_files() -> None:
+    # A full restore from object storage: moving a file to another rank only adds a send.
+    needs = [{f"r{k}/c/{i}": 8 + i for i in range(6)} for k in range(3)]
+    plan = assign(needs, [0, 0, 0])
+    assert all(plan[rel] == int(rel[1]) for rel in plan)
+
+
+def test_only_ranks_that_reach_a_copy_download_it() -> None:
+    # Rank 0 reads much from its disk but cannot reach object storage: rank 1 downloads
+    # everything, also the file rank 0 needs.
+    needs = [{"x": 10}, {f"f{i}": 10 for i in range(4)}]
+    plan = assign(needs, [0, 1000], reach=[set(), {"x", "f0", "f1", "f2", "f3"}])
+    assert set(plan.values()) == {1}
+    # Nobody reaches "y": nobody fetches it (the read that needs it fails, naming it).
+    assert assign([{}, {"y": 5}], [0, 0], reach=[set(), set()]) == {}

@@ -31,7 +31,10 @@ from ckptstore.format.dcp.boxes import BoxLoc
 from ckptstore.format.dcp.layout import ArrayInfo, BlobItem, DcpIndex, chunk_file
 from ckptstore.format.fsio import fadvise_willneed, preadv_all
 
-__all__ = ["PREFETCH_AHEAD", "ByteView", "ChunkSource", "Request", "load_blob", "run_requests"]
+__all__ = [
+    "PREFETCH_AHEAD", "ByteView", "ChunkSource", "Request", "flat_chunks", "load_blob",
+    "run_requests",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +190,16 @@ class ChunkSource:
             take = min(stop - pos, len(chunk) - lo)
             np.copyto(dest[pos - start : pos - start + take], chunk[lo : lo + take])
             pos += take
+
+
+def flat_chunks(array: ArrayInfo, at: int, nbytes: int) -> range:
+    """Indices of the chunks of a 1-D pack array holding ``nbytes`` bytes from element ``at``
+    (what :meth:`ChunkSource.read_flat` reads)."""
+    if nbytes <= 0:
+        return range(0)
+    span = array.chunk_shape[0] * array.info.itemsize
+    start = at * array.info.itemsize
+    return range(start // span, (start + nbytes - 1) // span + 1)
 
 
 # --------------------------------------------------------------------------- requests

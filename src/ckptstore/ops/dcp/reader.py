@@ -31,7 +31,7 @@ from ckptstore.format.dcp.boxes import BoxLoc, build_metadata, stored_boxes
 from ckptstore.format.dcp.chunks import ChunkSource, Request, load_blob, run_requests
 from ckptstore.format.dcp.layout import BlobItem
 from ckptstore.format.dcp.read import index_of
-from ckptstore.ops.dcp.share import run_shared, share_remote_reads
+from ckptstore.ops.dcp.share import run_shared
 from ckptstore.ops.parts import PartsSource, parts_source
 from ckptstore.ops.thaw import thawed_source
 
@@ -123,44 +123,58 @@ class ZarrStorageReader(StorageReader):
         self.read_metadata()
         failure: CkptError | None = None
         try:
-            requests, resolved, blob_items = self._resolve(plan, planner)
+            requests, resolved, blobs = self._resolve(plan, planner)
         except CkptError as exc:
             # Raised after the shared reads: the other ranks are in their collectives.
-            failure, requests, resolved, blob_items = exc, [], [], []
+            failure, requests, resolved, blobs = exc, [], [], []
         if self._share:
             assert isinstance(self._source, PartsSource)
             threads = max(self.threads, REMOTE_READ_THREADS)
-            if failure is not None:
-                share_remote_reads(self._source, [], group=self._share_group, threads=threads)
+            try:
+                run_shared(self._source, requests, blobs=[b for _, b in blobs],
+                           threads=threads, group=self._share_group)
+                if failure is not None:
+                    raise failure
+                self._finish(planner, resolved, blobs)
+            finally:
                 self._source.forget_received()
-                raise failure
-            run_shared(self._source, requests, threads=threads, group=self._share_group)
         else:
             if failure is not None:
                 raise failure
             run_requests(self._source, requests, self.threads)
-        for item, target in resolved:
-            planner.commit_tensor(item, target)
-        for item in blob_items:
-            blob = self._where.get(item.storage_index)
-            if not isinstance(blob, BlobItem):
-                raise IntegrityError(
-                    f"checkpoint {self.manifest.id} holds no item {item.storage_index.fqn!r}"
-                )
-            planner.load_bytes(item, io.BytesIO(load_blob(self._source, blob)))
+            self._finish(planner, resolved, blobs)
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _resolve(self, plan: LoadPlan, planner: LoadPlanner
-                 ) -> tuple[list[Request], list[tuple[ReadItem, torch.Tensor]], list[ReadItem]]:
-        """The plan's tensor reads (with their targets) and its bytes items."""
+    def _finish(self, planner: LoadPlanner, resolved: list[tuple[ReadItem, torch.Tensor]],
+                blobs: list[tuple[ReadItem, BlobItem]]) -> None:
+        """Hand the tensors read and the bytes items to the planner."""
+        for item, target in resolved:
+            planner.commit_tensor(item, target)
+        for item, blob in blobs:
+            planner.load_bytes(item, io.BytesIO(load_blob(self._source, blob)))
+
+    def _resolve(self, plan: LoadPlan, planner: LoadPlanner) -> tuple[
+        list[Request], list[tuple[ReadItem, torch.Tensor]], list[tuple[ReadItem, BlobItem]]
+    ]:
+        """The plan's tensor reads (with their targets) and its bytes items.
+
+        Raises:
+            IntegrityError: If the plan names an item the checkpoint does not hold.
+        """
         requests: list[Request] = []
         resolved: list[tuple[ReadItem, torch.Tensor]] = []
-        blob_items: list[ReadItem] = []
+        blobs: list[tuple[ReadItem, BlobItem]] = []
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
-                blob_items.append(item)
+                blob = self._where.get(item.storage_index)
+                if not isinstance(blob, BlobItem):
+                    raise IntegrityError(
+                        f"checkpoint {self.manifest.id} holds no item "
+                        f"{item.storage_index.fqn!r}"
+                    )
+                blobs.append((item, blob))
                 continue
             box = self._where.get(item.storage_index)
             if not isinstance(box, BoxLoc):
@@ -179,7 +193,7 @@ class ZarrStorageReader(StorageReader):
                 Request(box, tuple(item.storage_offsets), tuple(item.lengths), target)
             )
             resolved.append((item, target))
-        return requests, resolved, blob_items
+        return requests, resolved, blobs
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

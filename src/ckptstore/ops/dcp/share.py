@@ -1,32 +1,41 @@
-"""Ranks share the download of the parts no local disk holds (a restore after a node loss).
+"""Ranks share the reads of the parts no disk of theirs holds (a restore after a node loss).
 
-After a node is lost, its part is read from object storage. Left alone, only the ranks that
-need its shards (those of the replacement node) download it, while the survivors read
-their own parts from local disk and then wait at the end of the load. Here every rank of
-the load takes a share of those downloads and sends what it fetched to the ranks that need
-it over the process group, so a lost part comes down at the bandwidth of all the nodes
-together instead of one.
+After a node is lost, its part is read from a survivor that keeps a copy of it
+(``replicas = 2``), else from object storage. Left alone, only the ranks that need its
+shards (those of the replacement node) would download it, while the survivors read their
+own parts from local disk and then wait at the end of the load. Here a survivor holding a
+copy reads it from its disk and sends it, and every rank of the load takes a share of the
+downloads of what no disk holds, sending what it fetched to the ranks that need it over the
+process group, so a lost part comes down at the bandwidth of all the nodes together
+instead of one.
 
 Every rank calls :func:`share_remote_reads` from the same ``read_data`` of a ``dcp.load``
 and takes part in every collective whatever happens locally (a failed download is
 reported, never raised between two collectives), so no rank is left waiting:
 
-1. ``all_gather_object``: each rank's remote chunk files (path, size) and its local bytes;
+1. ``all_gather_object``: each rank's remote chunk files (path, size), its local bytes, the
+   parts it holds on disk and those it can read at all;
 2. every rank computes the same assignment (:func:`assign`, pure);
-3. each rank fetches the files assigned to it (errors caught);
-4. ``all_gather_object``: the sizes of what each rank fetched;
-5. one message per (sender, receiver) pair holding the files end to end. The receiver hands
-   them to its source (:meth:`~ckptstore.ops.parts.PartsSource.receive`), which checks each
-   like any other read (size, crc32c, blake3) and reads its own copies when one fails.
+3. every rank posts a receive per file it gets from another rank (the index gives each
+   file's size), then fetches the files assigned to it, sending each to the ranks that need
+   it as soon as it is in (errors caught: a failed fetch sends zeros);
+4. ``all_gather_object``: the files whose fetch failed;
+5. the receiver hands the files to its source
+   (:meth:`~ckptstore.ops.parts.PartsSource.receive`), which checks each like any other
+   read (size, crc32c) and reads its own copies for a failed or damaged one.
 
-The received files stay in memory until the read that needs them is over: at most the
-remote share of this rank's own shards.
+Chunk files of per-tensor arrays, of pack arrays (small tensors) and of non-tensor items
+are all shared: a replacement node may need a piece of the survivor's part too. The
+received files stay in memory until the load's reads are over: at most the remote share of
+this rank's own shards.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import math
+import warnings
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -35,17 +44,24 @@ import torch
 import torch.distributed as dist
 
 from ckptstore.errors import CkptError
-from ckptstore.format.dcp.chunks import Request, run_requests
-from ckptstore.format.dcp.layout import chunk_file
+from ckptstore.format.dcp.chunks import ByteView, Request, flat_chunks, run_requests
+from ckptstore.format.dcp.layout import ArrayInfo, BlobItem, chunk_file
 from ckptstore.ops.parts import PartsSource
 
-__all__ = ["LOCAL_COST", "SharedReads", "assign", "run_shared", "share_remote_reads"]
+__all__ = [
+    "LOCAL_COST", "TRANSFER_COST", "SharedReads", "assign", "run_shared", "share_remote_reads",
+]
 
 logger = logging.getLogger(__name__)
 
 #: What reading a byte from local disk costs, relative to downloading it: a rank that reads
 #: much of its own part from disk gets a smaller share of the downloads.
 LOCAL_COST = 0.5
+
+#: What sending a byte to another rank costs, relative to downloading it (a copy out of the
+#: sender's memory and one into the receiver's): a download only moves to another rank when
+#: that rank has this much less work.
+TRANSFER_COST = 0.25
 
 
 @dataclass(frozen=True)
@@ -67,19 +83,32 @@ class SharedReads:
     received_bytes: int = 0
 
 
-def assign(needs: Sequence[Mapping[str, int]], local_bytes: Sequence[int]) -> dict[str, int]:
-    """Which rank downloads each remote chunk file: the same answer on every rank.
+def assign(needs: Sequence[Mapping[str, int]], local_bytes: Sequence[int],
+           held: Sequence[Collection[str]] = (),
+           reach: Sequence[Collection[str]] | None = None) -> dict[str, int]:
+    """Which rank fetches each remote chunk file: the same answer on every rank.
 
-    Largest files first, each goes to the rank with the least work so far (its local bytes
-    weighted by :data:`LOCAL_COST`, plus what it was given), a rank that needs the file
-    winning a tie (no transfer), then the lowest rank.
+    A rank's work is its disk reads weighted by :data:`LOCAL_COST`, its downloads, and what
+    it sends to other ranks weighted by :data:`TRANSFER_COST`. A file some rank keeps on its
+    own disk (a copy of a lost node's part, ``replicas = 2``) is read there and sent, never
+    downloaded: largest first, to the holder with the least work. The others are downloaded,
+    largest first, each by the rank whose work it raises least (a rank that needs the file
+    sends nothing), ties to a rank that needs it, then to the lowest rank: ranks that need
+    as much as each other download their own files, and a rank with little to read takes
+    over downloads from the others. Only ranks that reach a copy of the file download it;
+    a file nobody reaches is left out (the reads that need it fail, naming its part).
 
     Args:
         needs: Per rank, ``{chunk file: bytes}`` it reads from object storage.
         local_bytes: Per rank, the bytes it reads from local disk.
+        held: Per rank, the chunk files of other ranks' needs it holds on local disk
+            (missing ranks hold none).
+        reach: Per rank, the chunk files it can fetch from some copy (None: every rank
+            reaches every file).
 
     Returns:
-        ``{chunk file: rank that downloads it}``, one entry per file any rank needs.
+        ``{chunk file: rank that fetches it}``, one entry per file any rank needs and some
+        rank reaches.
     """
     sizes: dict[str, int] = {}
     needers: dict[str, set[int]] = {}
@@ -87,12 +116,29 @@ def assign(needs: Sequence[Mapping[str, int]], local_bytes: Sequence[int]) -> di
         for rel, size in files.items():
             sizes[rel] = size
             needers.setdefault(rel, set()).add(rank)
+    holders: dict[str, list[int]] = {}
+    for rank, kept in enumerate(held):
+        for rel in kept:
+            if rel in sizes:
+                holders.setdefault(rel, []).append(rank)
     work = [LOCAL_COST * b for b in local_bytes]
+
+    def cost(rank: int, rel: str, per_byte: float) -> float:
+        sends = sum(1 for r in needers[rel] if r != rank)
+        return (per_byte + TRANSFER_COST * sends) * sizes[rel]
+
     out: dict[str, int] = {}
-    for rel in sorted(sizes, key=lambda r: (-sizes[r], r)):
-        chosen = min(range(len(work)),
-                     key=lambda r: (work[r] + sizes[rel], r not in needers[rel], r))
-        work[chosen] += sizes[rel]
+    for rel in sorted(holders, key=lambda r: (-sizes[r], r)):
+        chosen = min(holders[rel], key=lambda r: (work[r] + cost(r, rel, LOCAL_COST), r))
+        work[chosen] += cost(chosen, rel, LOCAL_COST)
+        out[rel] = chosen
+    for rel in sorted(sizes.keys() - holders.keys(), key=lambda r: (-sizes[r], r)):
+        able = [r for r in range(len(work)) if reach is None or rel in reach[r]]
+        if not able:
+            continue  # each rank that needs it finds no copy and says so
+        chosen = min(able,
+                     key=lambda r: (work[r] + cost(r, rel, 1.0), r not in needers[rel], r))
+        work[chosen] += cost(chosen, rel, 1.0)
         out[rel] = chosen
     return out
 
@@ -102,13 +148,15 @@ def _local(source: PartsSource, req: Request) -> bool:
     return key is not None and not source.is_remote(chunk_file(req.box.array.path, key))
 
 
-def run_shared(source: PartsSource, requests: Sequence[Request], *, threads: int,
-               group: Any = None) -> SharedReads:
-    """Serve ``requests`` with the remote downloads shared among the ranks of ``group``.
+def run_shared(source: PartsSource, requests: Sequence[Request], *,
+               blobs: Sequence[BlobItem] = (), threads: int, group: Any = None) -> SharedReads:
+    """Serve ``requests`` with the remote reads shared among the ranks of ``group``.
 
-    A collective, like :func:`share_remote_reads`. The chunks this host reads from its own
-    disk are read meanwhile, so those reads overlap the downloads; the others once the
-    shared files are in.
+    A collective, like :func:`share_remote_reads`. The chunks of per-tensor arrays this
+    host reads from its own disk are read meanwhile, so those reads overlap the downloads;
+    the others once the shared files are in. The files of ``blobs`` that are remote here
+    are shared too and kept, for the caller to read the blobs; call
+    ``source.forget_received()`` after that (also when this raises).
 
     Raises:
         IntegrityError, IncompleteCheckpointError, StorageError: As the reads.
@@ -120,104 +168,162 @@ def run_shared(source: PartsSource, requests: Sequence[Request], *, threads: int
     with ThreadPoolExecutor(1, thread_name_prefix="ckpt-share-local") as pool:
         reading = pool.submit(run_requests, source, local, threads)
         try:
-            stats = share_remote_reads(source, requests, group=group, threads=threads)
+            stats = share_remote_reads(source, requests, blobs=blobs, group=group,
+                                       threads=threads)
             run_requests(source, rest, threads)
         finally:
-            source.forget_received()
-        reading.result()
+            reading.result()
     return stats
 
 
-def _remote_files(source: PartsSource, requests: Sequence[Request]) -> tuple[dict[str, int], int]:
+def _chunk_files(source: PartsSource, requests: Sequence[Request],
+                 blobs: Sequence[BlobItem]) -> Iterator[tuple[str, int]]:
+    """``(chunk file, stored bytes)`` of every chunk the reads touch (repeats possible)."""
+    for req in requests:
+        if any(n == 0 for n in req.lengths):
+            continue
+        box = req.box
+        if box.key is not None:
+            keys: Iterable[str] = (box.key,)
+        else:  # a piece of a pack array: the chunks its elements span
+            assert box.at is not None
+            nbytes = math.prod(box.sizes) * box.array.info.itemsize
+            keys = map(str, flat_chunks(box.array, box.at, nbytes))
+        for key in keys:
+            yield chunk_file(box.array.path, key), _stored(box.array, key)
+    for blob in blobs:
+        array = source.index.arrays[blob.array]
+        for index in flat_chunks(array, blob.at, blob.nbytes):
+            yield chunk_file(array.path, str(index)), _stored(array, str(index))
+
+
+def _stored(array: ArrayInfo, key: str) -> int:
+    record = array.chunks.get(key)
+    return record[0] if record is not None else 0
+
+
+def _remote_files(source: PartsSource, requests: Sequence[Request],
+                  blobs: Sequence[BlobItem]) -> tuple[dict[str, int], int]:
     """This rank's ``{remote chunk file: bytes}`` and its local bytes."""
     remote: dict[str, int] = {}
-    local = 0
-    for req in requests:
-        key = req.box.key
-        if key is None or any(n == 0 for n in req.lengths):
-            continue  # packed small tensors: read where they are needed
-        rel = chunk_file(req.box.array.path, key)
-        nbytes = req.box.array.chunks[key][0] if key in req.box.array.chunks else 0
-        if source.is_remote(rel):
-            remote[rel] = nbytes
-        else:
-            local += nbytes
-    return remote, local
+    local: dict[str, int] = {}
+    for rel, nbytes in _chunk_files(source, requests, blobs):
+        (remote if source.is_remote(rel) else local)[rel] = nbytes
+    return remote, sum(local.values())
 
 
 def _global(group: Any, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def share_remote_reads(source: PartsSource, requests: Sequence[Request], *, group: Any = None,
+def _frame(data: bytes | None, size: int) -> torch.Tensor:
+    """``data`` as a tensor of exactly ``size`` bytes (zeros for a failed fetch) to send:
+    the receiver posted a buffer of the size the index records."""
+    if data is None or len(data) != size:
+        out = torch.zeros(size, dtype=torch.uint8)
+        if data:
+            n = min(size, len(data))
+            out[:n] = torch.frombuffer(bytearray(data[:n]), dtype=torch.uint8)
+        return out
+    if not size:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        # Sent as they are, not copied: the process group only reads them.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+
+def share_remote_reads(source: PartsSource, requests: Sequence[Request], *,
+                       blobs: Sequence[BlobItem] = (), group: Any = None,
                        threads: int = 8) -> SharedReads:
-    """Share the remote chunk downloads of ``requests`` among the ranks of ``group``.
+    """Share the remote chunk reads of ``requests`` among the ranks of ``group``.
 
     A collective: every rank of ``group`` must call it (with its own requests, possibly
     none). Afterwards ``source`` holds the files other ranks fetched for this one; call
     ``source.forget_received()`` once they are read.
 
+    Each file goes to the ranks that need it as soon as it is fetched, one message per file
+    in the order of the assignment, into buffers the receivers posted beforehand at the
+    sizes the index records, so reading, sending and receiving overlap.
+
     Args:
         source: This rank's source of the parted checkpoint.
         requests: This rank's reads.
+        blobs: The non-tensor items this rank reads.
         group: The process group of the load (None: the default group).
-        threads: Parallel downloads of this rank's share.
+        threads: Parallel fetches of this rank's share.
 
     Returns:
         What this rank fetched and received.
     """
     me, world = dist.get_rank(group), dist.get_world_size(group)
-    remote, local = _remote_files(source, requests)
+    remote, local = _remote_files(source, requests, blobs)
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (remote, local), group=group)
+    dist.all_gather_object(gathered, (remote, local, sorted(source.parts_on_disk()),
+                                      sorted(source.parts_reached())), group=group)
     needs = [g[0] for g in gathered]
-    plan = assign(needs, [g[1] for g in gathered])
+    wanted = {rel for files in needs for rel in files}
+    held = [{rel for rel in wanted if source.part_of(rel) in g[2]} for g in gathered]
+    reach = [{rel for rel in wanted if source.part_of(rel) in g[3]} for g in gathered]
+    plan = assign(needs, [g[1] for g in gathered], held, reach)
     mine = sorted(rel for rel, rank in plan.items() if rank == me)
-
-    def get(rel: str) -> tuple[str, bytes | None]:
-        try:
-            return rel, source.fetch(rel)
-        except CkptError as exc:  # reported, not raised: the others are in the collective
-            logger.warning("fetching %s for the ranks that need it failed: %s", rel, exc)
-            return rel, None
-
-    if mine:
-        with ThreadPoolExecutor(max(1, min(threads, len(mine))),
-                                thread_name_prefix="ckpt-share") as pool:
-            fetched = {rel: data for rel, data in pool.map(get, mine) if data is not None}
-    else:
-        fetched = {}
-    sizes: list[Any] = [None] * world
-    dist.all_gather_object(sizes, {rel: len(data) for rel, data in fetched.items()},
-                           group=group)
-    works: list[Any] = []
-    outgoing: list[torch.Tensor] = []  # alive until every send completed
-    for_others = {rel for rel in fetched
-                  if any(rel in needs[p] for p in range(world) if p != me)}
-    for peer in range(world):
-        out = [rel for rel in sorted(fetched) if rel in needs[peer]]
-        if peer != me and out:
-            outgoing.append(torch.frombuffer(bytearray(b"".join(fetched[r] for r in out)),
-                                             dtype=torch.uint8))
-            works.append(dist.isend(outgoing[-1], _global(group, peer), group=group))
-    inbound = {peer: [rel for rel in sorted(sizes[peer]) if rel in remote]
+    # Both ends of each pair walk the same files in the same (sorted) order.
+    inbound = {peer: sorted(rel for rel in remote if plan.get(rel) == peer)
                for peer in range(world) if peer != me}
+    works: list[Any] = []
     buffers: dict[int, torch.Tensor] = {}
     for peer, rels in inbound.items():
         if rels:
-            buffers[peer] = torch.empty(sum(sizes[peer][r] for r in rels), dtype=torch.uint8)
-            works.append(dist.irecv(buffers[peer], _global(group, peer), group=group))
+            buffers[peer] = buf = torch.empty(sum(remote[r] for r in rels), dtype=torch.uint8)
+            at = 0
+            for rel in rels:
+                works.append(dist.irecv(buf[at : at + remote[rel]], _global(group, peer),
+                                        group=group))
+                at += remote[rel]
+
+    def get(rel: str) -> bytes | None:
+        try:
+            return source.fetch(rel)
+        except CkptError as exc:  # reported, not raised: the others are in the collective
+            logger.warning("fetching %s for the ranks that need it failed: %s", rel, exc)
+            return None
+
+    fetched: dict[str, bytes] = {}
+    failed: list[str] = []
+    outgoing: list[torch.Tensor] = []  # alive until every send completed
+    if mine:
+        with ThreadPoolExecutor(max(1, min(threads, len(mine))),
+                                thread_name_prefix="ckpt-share") as pool:
+            for rel, data in zip(mine, pool.map(get, mine), strict=True):
+                if data is None:
+                    failed.append(rel)
+                else:
+                    fetched[rel] = data
+                for peer in range(world):
+                    if peer != me and rel in needs[peer]:
+                        outgoing.append(_frame(data, needs[peer][rel]))
+                        works.append(dist.isend(outgoing[-1], _global(group, peer),
+                                                group=group))
     for work in works:
         if work is not None:
             work.wait()
-    received = {rel: fetched[rel] for rel in remote if rel in fetched}
+    # Which sends carried no file (a failed fetch): their receivers read their own copies.
+    failures: list[Any] = [None] * world
+    dist.all_gather_object(failures, failed, group=group)
+    lost = {rel for f in failures for rel in f}
+    received: dict[str, bytes | ByteView] = {rel: fetched[rel] for rel in remote
+                                             if rel in fetched}
     for peer, buf in buffers.items():
-        data = buf.numpy().tobytes()
+        # Views into the receive buffer, not copies: each file is copied once more, into
+        # its tensor, by the read that checks it.
+        view: ByteView = buf.numpy()
         at = 0
         for rel in inbound[peer]:
-            received[rel] = data[at : at + sizes[peer][rel]]
-            at += sizes[peer][rel]
-    source.receive(received)
+            if rel not in lost:
+                received[rel] = view[at : at + remote[rel]]
+            at += remote[rel]
+    source.receive(received, failed=[rel for rel in remote if rel in lost])
+    for_others = [rel for rel in fetched if any(rel in needs[p] for p in range(world) if p != me)]
     stats = SharedReads(
         fetched=len(for_others), fetched_bytes=sum(len(fetched[r]) for r in for_others),
         sent_bytes=sum(int(b.numel()) for b in outgoing),
