@@ -55,8 +55,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: What reading a byte from local disk costs, relative to downloading it: a rank that reads
-#: much of its own part from disk gets a smaller share of the downloads.
-LOCAL_COST = 0.5
+#: much of its own part from disk gets a smaller share of the downloads. Disk reads and
+#: downloads use different resources and overlap (the disk reads run beside the share), so
+#: the weight is small; 0.1 restored a lost part faster than 0.5 (docs/MULTINODE.md).
+LOCAL_COST = 0.1
 
 #: What sending a byte to another rank costs, relative to downloading it (a copy out of the
 #: sender's memory and one into the receiver's): a download only moves to another rank when
