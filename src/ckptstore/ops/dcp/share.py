@@ -237,18 +237,11 @@ def _global(group: Any, rank: int) -> int:
 
 
 def _frame(data: bytes | None, size: int) -> torch.Tensor:
-    """``data`` as a tensor of exactly ``size`` bytes (zeros for a failed fetch) to send:
-    the receiver posted a buffer of the size the index records."""
-    if data is None or len(data) != size:
-        out = torch.zeros(size, dtype=torch.uint8)
-        if data:
-            n = min(size, len(data))
-            out[:n] = torch.frombuffer(bytearray(data[:n]), dtype=torch.uint8)
-        return out
-    if not size:
-        return torch.empty(0, dtype=torch.uint8)
+    """What to send for one file: its bytes as they are (the process group only reads
+    them), or zeros of the size the receiver posted when the fetch failed."""
+    if data is None or not size:
+        return torch.zeros(size, dtype=torch.uint8)
     with warnings.catch_warnings():
-        # Sent as they are, not copied: the process group only reads them.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         return torch.frombuffer(data, dtype=torch.uint8)
 
@@ -315,13 +308,15 @@ def share_remote_reads(source: PartsSource, requests: Sequence[Request], *,
         with ThreadPoolExecutor(max(1, min(threads, len(mine))),
                                 thread_name_prefix="ckpt-share") as pool:
             for rel, data in zip(mine, pool.map(get, mine), strict=True):
-                if data is None:
+                size = next(n[rel] for n in needs if rel in n)
+                if data is None or len(data) != size:  # not the file the index records
                     failed.append(rel)
+                    data = None
                 else:
                     fetched[rel] = data
                 for peer in range(world):
                     if peer != me and rel in needs[peer]:
-                        outgoing.append(_frame(data, needs[peer][rel]))
+                        outgoing.append(_frame(data, size))
                         works.append(dist.isend(outgoing[-1], _global(group, peer),
                                                 group=group))
     for work in works:
