@@ -296,10 +296,13 @@ class PartsSource(ChunkSource):
 
         Args:
             frames: ``{chunk file: its bytes}``.
-            failed: Chunk files another rank was to fetch for this one and could not.
+            failed: Chunk files another rank was to fetch for this one and could not (what
+                it sent in their place, if kept, is dropped).
         """
         self._received.update(frames)
-        self._failed.update(failed)
+        for rel in failed:
+            self._received.pop(rel, None)
+            self._failed.add(rel)
 
     def forget_received(self) -> None:
         """Drop the received chunk files (after the read that needed them)."""

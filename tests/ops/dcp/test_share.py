@@ -1,10 +1,18 @@
-"""The assignment of shared remote reads (pure: the same answer on every rank)."""
+"""The assignment of shared remote reads (pure: the same answer on every rank), and the
+reads that start as the shared files come in."""
 
 from __future__ import annotations
 
 import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-from ckptstore.ops.dcp.share import LOCAL_COST, assign
+import pytest
+
+from ckptstore.errors import IncompleteCheckpointError, IntegrityError
+from ckptstore.format.dcp.chunks import ReadJob
+from ckptstore.ops.dcp.share import LOCAL_COST, Arrivals, assign
 
 
 def test_every_needed_file_goes_to_exactly_one_rank() -> None:
@@ -82,3 +90,52 @@ def test_only_ranks_that_reach_a_copy_download_it() -> None:
     assert set(plan.values()) == {1}
     # Nobody reaches "y": nobody fetches it (the read that needs it fails, naming it).
     assert assign([{}, {"y": 5}], [0, 0], reach=[set(), set()]) == {}
+
+
+def _job(log: list[str], name: str, fail: list[BaseException] | None = None,
+         done: threading.Event | None = None) -> ReadJob:
+    def run() -> None:
+        if fail:
+            raise fail.pop(0)
+        log.append(name)
+        if done is not None:
+            done.set()
+    return ReadJob(run, Path(name), ())
+
+
+def test_a_read_starts_once_every_file_it_needs_is_in() -> None:
+    log: list[str] = []
+    c_ran = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        arrivals = Arrivals([(_job(log, "ab"), {"a", "b"}), (_job(log, "c", done=c_ran), {"c"})],
+                            pool)
+        arrivals.arrived("a")
+        arrivals.arrived("zzz")  # a file no read waits for
+        arrivals.arrived("c")
+        assert c_ran.wait(30)
+        assert log == ["c"]  # "ab" still waits for "b"
+        arrivals.arrived("b")
+        arrivals.settle(threads=1)
+    assert sorted(log) == ["ab", "c"]
+
+
+def test_settle_runs_again_what_failed_on_a_placeholder_and_what_never_came() -> None:
+    # "x" failed on the zeros sent for a fetch that failed; "y"'s file never came.
+    log: list[str] = []
+    placeholder: list[BaseException] = [IncompleteCheckpointError("zeros, not the file")]
+    with ThreadPoolExecutor(2) as pool:
+        arrivals = Arrivals([(_job(log, "x", placeholder), {"x"}), (_job(log, "y"), {"y"})],
+                            pool)
+        arrivals.arrived("x")
+        arrivals.settle(threads=1)
+    assert sorted(log) == ["x", "y"]
+
+
+def test_settle_raises_what_a_read_raises_once_the_share_is_over() -> None:
+    log: list[str] = []
+    failures: list[BaseException] = [IntegrityError("early"), IntegrityError("for good")]
+    with ThreadPoolExecutor(2) as pool:
+        arrivals = Arrivals([(_job(log, "x", failures), {"x"})], pool)
+        arrivals.arrived("x")
+        with pytest.raises(IntegrityError, match="for good"):
+            arrivals.settle(threads=1)

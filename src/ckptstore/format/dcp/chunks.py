@@ -32,8 +32,8 @@ from ckptstore.format.dcp.layout import ArrayInfo, BlobItem, DcpIndex, chunk_fil
 from ckptstore.format.fsio import fadvise_willneed, preadv_all
 
 __all__ = [
-    "PREFETCH_AHEAD", "ByteView", "ChunkSource", "Request", "flat_chunks", "load_blob",
-    "run_requests",
+    "PREFETCH_AHEAD", "ByteView", "ChunkSource", "ReadJob", "Request", "flat_chunks",
+    "load_blob", "read_jobs", "run_jobs", "run_requests",
 ]
 
 logger = logging.getLogger(__name__)
@@ -171,7 +171,10 @@ class ChunkSource:
                   cache: dict[int, ByteView]) -> None:
         """Fill ``dest`` with the bytes of elements ``[at, at + n)`` of a 1-D pack array.
 
-        ``cache`` keeps decoded chunks between calls (the caller bounds its size).
+        ``cache`` keeps up to two decoded chunks between calls of one thread, in that
+        thread's scratch buffers (one per chunk parity: consecutive chunks, the usual reuse,
+        stay together), so reading a pack costs no fresh pages. A thread uses one ``cache``
+        at a time.
         """
         isz = array.info.itemsize
         clen = array.chunk_shape[0]
@@ -181,9 +184,9 @@ class ChunkSource:
             index = pos // (clen * isz)
             chunk = cache.get(index)
             if chunk is None:
-                if len(cache) >= 2:
-                    cache.pop(next(iter(cache)))
-                chunk = np.empty(array.chunk_nbytes, dtype=np.uint8)
+                for held in [k for k in cache if k % 2 == index % 2]:
+                    del cache[held]  # its buffer is about to be overwritten
+                chunk = self.buffer(f"flat{index % 2}", array.chunk_nbytes)
                 self.read(array, str(index), chunk)
                 cache[index] = chunk
             lo = pos - index * clen * isz
@@ -286,46 +289,74 @@ def _prefetch(path: Path) -> None:
         os.close(fd)
 
 
-def run_requests(source: ChunkSource, requests: Sequence[Request], threads: int) -> None:
-    """Serve every request: one job per chunk, packed pieces grouped by their first chunk.
+@dataclass(frozen=True)
+class ReadJob:
+    """One unit of :func:`run_requests`: a request of one chunk, or the packed pieces whose
+    first chunk is the same (served in order, so a chunk they share is read once).
 
-    Each job first asks the kernel to read ahead the file of the job
-    :data:`PREFETCH_AHEAD` places later, so a cold load keeps the disk busy while the
-    threads decode.
-
-    Raises:
-        IntegrityError: On the first damaged chunk (the other jobs are cancelled).
+    Attributes:
+        run: Serves the job's requests.
+        path: Its first chunk file (the one read ahead).
+        chunks: ``(array, chunk key)`` of every chunk it reads.
     """
-    work: list[tuple[Callable[[], None], Path]] = []
+
+    run: Callable[[], None]
+    path: Path
+    chunks: tuple[tuple[ArrayInfo, str], ...]
+
+
+def read_jobs(source: ChunkSource, requests: Sequence[Request]) -> list[ReadJob]:
+    """The jobs that serve ``requests`` (empty requests need none)."""
+    jobs: list[ReadJob] = []
     packed: dict[tuple[str, int], list[Request]] = {}
     for req in requests:
         if any(n == 0 for n in req.lengths):
             continue
-        if req.box.key is not None:
-            path = source.directory / chunk_file(req.box.array.path, req.box.key)
-            work.append((partial(_serve_chunk, source, req), path))
+        box = req.box
+        if box.key is not None:
+            path = source.directory / chunk_file(box.array.path, box.key)
+            jobs.append(ReadJob(partial(_serve_chunk, source, req), path,
+                                ((box.array, box.key),)))
         else:
-            assert req.box.at is not None
-            chunk_elems = req.box.array.chunk_shape[0]
-            packed.setdefault((req.box.array.path, req.box.at // chunk_elems), []).append(req)
-    for (array, index), group in packed.items():
+            assert box.at is not None
+            chunk_elems = box.array.chunk_shape[0]
+            packed.setdefault((box.array.path, box.at // chunk_elems), []).append(req)
+    for (name, index), group in packed.items():
         group.sort(key=lambda r: r.box.at or 0)
-        path = source.directory / chunk_file(array, str(index))
-        work.append((partial(_serve_packed, source, group), path))
+        array = group[0].box.array
+        keys: dict[str, None] = {}
+        for req in group:
+            assert req.box.at is not None
+            nbytes = math.prod(req.box.sizes) * array.info.itemsize
+            keys.update(dict.fromkeys(map(str, flat_chunks(array, req.box.at, nbytes))))
+        jobs.append(ReadJob(partial(_serve_packed, source, group),
+                            source.directory / chunk_file(name, str(index)),
+                            tuple((array, key) for key in keys)))
+    return jobs
+
+
+def run_jobs(jobs: Sequence[ReadJob], threads: int) -> None:
+    """Run ``jobs`` on ``threads`` threads, each first asking the kernel to read ahead the
+    file of the job :data:`PREFETCH_AHEAD` places later, so a cold load keeps the disk busy
+    while the threads decode.
+
+    Raises:
+        IntegrityError: On the first damaged chunk (the other jobs are cancelled).
+    """
 
     def job(i: int) -> None:
-        if i + PREFETCH_AHEAD < len(work):
-            _prefetch(work[i + PREFETCH_AHEAD][1])
-        work[i][0]()
+        if i + PREFETCH_AHEAD < len(jobs):
+            _prefetch(jobs[i + PREFETCH_AHEAD].path)
+        jobs[i].run()
 
-    for i in range(min(PREFETCH_AHEAD, len(work))):
-        _prefetch(work[i][1])
-    if threads <= 1 or len(work) <= 1:
-        for i in range(len(work)):
+    for i in range(min(PREFETCH_AHEAD, len(jobs))):
+        _prefetch(jobs[i].path)
+    if threads <= 1 or len(jobs) <= 1:
+        for i in range(len(jobs)):
             job(i)
         return
     with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-dcp-read") as pool:
-        futures: list[Future[None]] = [pool.submit(job, i) for i in range(len(work))]
+        futures: list[Future[None]] = [pool.submit(job, i) for i in range(len(jobs))]
         try:
             for future in futures:
                 future.result()
@@ -333,6 +364,15 @@ def run_requests(source: ChunkSource, requests: Sequence[Request], threads: int)
             for future in futures:
                 future.cancel()
             raise
+
+
+def run_requests(source: ChunkSource, requests: Sequence[Request], threads: int) -> None:
+    """Serve every request (:func:`read_jobs`, :func:`run_jobs`).
+
+    Raises:
+        IntegrityError: On the first damaged chunk (the other jobs are cancelled).
+    """
+    run_jobs(read_jobs(source, requests), threads)
 
 
 def load_blob(source: ChunkSource, blob: BlobItem) -> bytes:

@@ -19,10 +19,13 @@ reported, never raised between two collectives), so no rank is left waiting:
 3. every rank posts a receive per file it gets from another rank (the index gives each
    file's size), then fetches the files assigned to it, sending each to the ranks that need
    it as soon as it is in (errors caught: a failed fetch sends zeros);
-4. ``all_gather_object``: the files whose fetch failed;
-5. the receiver hands the files to its source
-   (:meth:`~ckptstore.ops.parts.PartsSource.receive`), which checks each like any other
-   read (size, crc32c) and reads its own copies for a failed or damaged one.
+4. each file a rank needs goes to its source
+   (:meth:`~ckptstore.ops.parts.PartsSource.receive`) as soon as it is in, and
+   :func:`run_shared` decodes the reads it completes right away: the source checks each
+   file like any other read (size, crc32c) and reads its own copies for a damaged one;
+5. ``all_gather_object``: the files whose fetch failed; the source drops what was sent in
+   their place, and the reads that failed until then run again (from this host's copies,
+   or naming the rank that could not fetch the file).
 
 Chunk files of per-tensor arrays, of pack arrays (small tensors) and of non-tensor items
 are all shared: a replacement node may need a piece of the survivor's part too. The
@@ -33,10 +36,10 @@ this rank's own shards.
 from __future__ import annotations
 
 import logging
-import math
+import threading
 import warnings
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,12 +47,20 @@ import torch
 import torch.distributed as dist
 
 from ckptstore.errors import CkptError
-from ckptstore.format.dcp.chunks import ByteView, Request, flat_chunks, run_requests
+from ckptstore.format.dcp.chunks import (
+    ByteView,
+    ReadJob,
+    Request,
+    flat_chunks,
+    read_jobs,
+    run_jobs,
+)
 from ckptstore.format.dcp.layout import ArrayInfo, BlobItem, chunk_file
 from ckptstore.ops.parts import PartsSource
 
 __all__ = [
-    "LOCAL_COST", "TRANSFER_COST", "SharedReads", "assign", "run_shared", "share_remote_reads",
+    "LOCAL_COST", "TRANSFER_COST", "Arrivals", "SharedReads", "assign", "run_shared",
+    "share_remote_reads",
 ]
 
 logger = logging.getLogger(__name__)
@@ -59,6 +70,10 @@ logger = logging.getLogger(__name__)
 #: downloads use different resources and overlap (the disk reads run beside the share), so
 #: the weight is small; 0.1 restored a lost part faster than 0.5 (docs/MULTINODE.md).
 LOCAL_COST = 0.1
+
+#: Threads that wait for the files other ranks send, one per sending rank up to this many
+#: (the files of the others are taken in turn once one of these is free).
+_RECEIVERS = 8
 
 #: What sending a byte to another rank costs, relative to downloading it (a copy out of the
 #: sender's memory and one into the receiver's): a download only moves to another rank when
@@ -163,54 +178,112 @@ def _largest_first(files: Iterable[str], sizes: Mapping[str, int],
     return [rel for _, rel in sorted(keyed)]
 
 
-def _local(source: PartsSource, req: Request) -> bool:
-    key = req.box.key
-    return key is not None and not source.is_remote(chunk_file(req.box.array.path, key))
+def _remote_of(source: PartsSource, job: ReadJob) -> set[str]:
+    """The chunk files of ``job`` no disk of this host holds."""
+    files = {chunk_file(array.path, key) for array, key in job.chunks}
+    return {rel for rel in files if source.is_remote(rel)}
+
+
+class Arrivals:
+    """Starts each job that reads remote chunk files as soon as all its files are in.
+
+    Files come in while the share goes on (fetched here, or received from another rank), so
+    decoding them into their tensors overlaps the transfers instead of following them.
+    Until the share is over, a job may fail only because a rank that was to fetch one of its
+    files could not and sent zeros in its place: :meth:`settle` runs such jobs again once
+    the source knows which fetches failed, and those whose files never came.
+
+    Call order: :meth:`arrived` for each file as it comes in (from any thread), then
+    :meth:`settle` once no more will come, or :meth:`cancel` when the share failed.
+
+    Args:
+        waits: Each job with the files it waits for.
+        pool: Where the jobs run.
+    """
+
+    def __init__(self, waits: Sequence[tuple[ReadJob, Collection[str]]],
+                 pool: Executor) -> None:
+        self._jobs = [job for job, _ in waits]
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._waiting: dict[str, list[int]] = {}
+        self._missing: list[int] = []
+        for i, (_, files) in enumerate(waits):
+            for rel in set(files):
+                self._waiting.setdefault(rel, []).append(i)
+            self._missing.append(len(set(files)))
+        self._started: dict[int, Future[None]] = {}
+
+    def arrived(self, rel: str) -> None:
+        """Chunk file ``rel`` is in the source: start the jobs it completes."""
+        with self._lock:
+            ready = []
+            for i in self._waiting.pop(rel, ()):
+                self._missing[i] -= 1
+                if not self._missing[i]:
+                    ready.append(i)
+            for i in ready:
+                self._started[i] = self._pool.submit(self._jobs[i].run)
+
+    def settle(self, threads: int) -> None:
+        """After the share: wait for the jobs started, then run the others and those that
+        failed with a :class:`~ckptstore.errors.CkptError`, now raising what they raise.
+        """
+        again: list[ReadJob] = []
+        for i, job in enumerate(self._jobs):
+            started = self._started.get(i)
+            if started is None:
+                again.append(job)
+                continue
+            try:
+                started.result()
+            except CkptError:
+                again.append(job)
+        run_jobs(again, threads)
+
+    def cancel(self) -> None:
+        """Cancel the jobs not running yet (the share failed)."""
+        for started in self._started.values():
+            started.cancel()
 
 
 def run_shared(source: PartsSource, requests: Sequence[Request], *,
                blobs: Sequence[BlobItem] = (), threads: int, group: Any = None) -> SharedReads:
     """Serve ``requests`` with the remote reads shared among the ranks of ``group``.
 
-    A collective, like :func:`share_remote_reads`. The chunks of per-tensor arrays this
-    host reads from its own disk are read meanwhile, so those reads overlap the downloads;
-    the others once the shared files are in. The files of ``blobs`` that are remote here
-    are shared too and kept, for the caller to read the blobs; call
+    A collective, like :func:`share_remote_reads`. The chunks this host reads from its own
+    disk are read meanwhile, so those reads overlap the transfers, and each remote file is
+    decoded into its tensors as soon as it is in. The files of ``blobs`` that are remote
+    here are shared too and kept, for the caller to read the blobs; call
     ``source.forget_received()`` after that (also when this raises).
 
     Raises:
         IntegrityError, IncompleteCheckpointError, StorageError: As the reads.
     """
-    local: list[Request] = []
-    rest: list[Request] = []
-    for req in requests:
-        (local if _local(source, req) else rest).append(req)
-    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-share-local") as pool:
-        reading = pool.submit(run_requests, source, local, threads)
+    jobs = read_jobs(source, requests)
+    waits = [(job, _remote_of(source, job)) for job in jobs]
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-share-local") as pool, \
+            ThreadPoolExecutor(threads, thread_name_prefix="ckpt-share-read") as reads:
+        reading = pool.submit(run_jobs, [job for job, files in waits if not files], threads)
+        arrivals = Arrivals([(job, files) for job, files in waits if files], reads)
         try:
-            stats = share_remote_reads(source, requests, blobs=blobs, group=group,
-                                       threads=threads)
-            run_requests(source, rest, threads)
+            stats = share_remote_reads(source, jobs, blobs=blobs, group=group,
+                                       threads=threads, arrived=arrivals.arrived)
+            arrivals.settle(threads)
+        except BaseException:
+            arrivals.cancel()
+            raise
         finally:
             reading.result()
     return stats
 
 
-def _chunk_files(source: PartsSource, requests: Sequence[Request],
-                 blobs: Sequence[BlobItem]) -> Iterator[tuple[str, int]]:
+def _chunk_files(jobs: Sequence[ReadJob], blobs: Sequence[BlobItem],
+                 source: PartsSource) -> Iterator[tuple[str, int]]:
     """``(chunk file, stored bytes)`` of every chunk the reads touch (repeats possible)."""
-    for req in requests:
-        if any(n == 0 for n in req.lengths):
-            continue
-        box = req.box
-        if box.key is not None:
-            keys: Iterable[str] = (box.key,)
-        else:  # a piece of a pack array: the chunks its elements span
-            assert box.at is not None
-            nbytes = math.prod(box.sizes) * box.array.info.itemsize
-            keys = map(str, flat_chunks(box.array, box.at, nbytes))
-        for key in keys:
-            yield chunk_file(box.array.path, key), _stored(box.array, key)
+    for job in jobs:
+        for array, key in job.chunks:
+            yield chunk_file(array.path, key), _stored(array, key)
     for blob in blobs:
         array = source.index.arrays[blob.array]
         for index in flat_chunks(array, blob.at, blob.nbytes):
@@ -222,12 +295,12 @@ def _stored(array: ArrayInfo, key: str) -> int:
     return record[0] if record is not None else 0
 
 
-def _remote_files(source: PartsSource, requests: Sequence[Request],
+def _remote_files(source: PartsSource, jobs: Sequence[ReadJob],
                   blobs: Sequence[BlobItem]) -> tuple[dict[str, int], int]:
     """This rank's ``{remote chunk file: bytes}`` and its local bytes."""
     remote: dict[str, int] = {}
     local: dict[str, int] = {}
-    for rel, nbytes in _chunk_files(source, requests, blobs):
+    for rel, nbytes in _chunk_files(jobs, blobs, source):
         (remote if source.is_remote(rel) else local)[rel] = nbytes
     return remote, sum(local.values())
 
@@ -246,31 +319,35 @@ def _frame(data: bytes | None, size: int) -> torch.Tensor:
         return torch.frombuffer(data, dtype=torch.uint8)
 
 
-def share_remote_reads(source: PartsSource, requests: Sequence[Request], *,
-                       blobs: Sequence[BlobItem] = (), group: Any = None,
-                       threads: int = 8) -> SharedReads:
-    """Share the remote chunk reads of ``requests`` among the ranks of ``group``.
+def share_remote_reads(source: PartsSource, jobs: Sequence[ReadJob], *,
+                       blobs: Sequence[BlobItem] = (), group: Any = None, threads: int = 8,
+                       arrived: Callable[[str], None] | None = None) -> SharedReads:
+    """Share the remote chunk reads of ``jobs`` among the ranks of ``group``.
 
-    A collective: every rank of ``group`` must call it (with its own requests, possibly
-    none). Afterwards ``source`` holds the files other ranks fetched for this one; call
+    A collective: every rank of ``group`` must call it (with its own jobs, possibly none).
+    Afterwards ``source`` holds the files other ranks fetched for this one; call
     ``source.forget_received()`` once they are read.
 
     Each file goes to the ranks that need it as soon as it is fetched, one message per file
     in the order of the assignment, into buffers the receivers posted beforehand at the
-    sizes the index records, so reading, sending and receiving overlap.
+    sizes the index records, so reading, sending and receiving overlap. Each file this rank
+    needs is handed to ``source`` as soon as it is in, and ``arrived`` is called with it
+    (from another thread): it may still be the zeros a rank sent for a fetch that failed,
+    which is known only once this returns (``source`` then knows it too).
 
     Args:
         source: This rank's source of the parted checkpoint.
-        requests: This rank's reads.
+        jobs: This rank's reads (:func:`~ckptstore.format.dcp.chunks.read_jobs`).
         blobs: The non-tensor items this rank reads.
         group: The process group of the load (None: the default group).
         threads: Parallel fetches of this rank's share.
+        arrived: Called with each remote chunk file this rank needs once it is in.
 
     Returns:
         What this rank fetched and received.
     """
     me, world = dist.get_rank(group), dist.get_world_size(group)
-    remote, local = _remote_files(source, requests, blobs)
+    remote, local = _remote_files(source, jobs, blobs)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (remote, local, sorted(source.parts_on_disk()),
                                       sorted(source.parts_reached())), group=group)
@@ -283,16 +360,32 @@ def share_remote_reads(source: PartsSource, requests: Sequence[Request], *,
     # Both ends of each pair walk the same files in the same (sorted) order.
     inbound = {peer: sorted(rel for rel in remote if plan.get(rel) == peer)
                for peer in range(world) if peer != me}
-    works: list[Any] = []
+    inbound = {peer: rels for peer, rels in inbound.items() if rels}
+    sends: list[Any] = []
     buffers: dict[int, torch.Tensor] = {}
+    posted: dict[int, list[tuple[str, Any, ByteView]]] = {}
     for peer, rels in inbound.items():
-        if rels:
-            buffers[peer] = buf = torch.empty(sum(remote[r] for r in rels), dtype=torch.uint8)
-            at = 0
-            for rel in rels:
-                works.append(dist.irecv(buf[at : at + remote[rel]], _global(group, peer),
-                                        group=group))
-                at += remote[rel]
+        buffers[peer] = buf = torch.empty(sum(remote[r] for r in rels), dtype=torch.uint8)
+        # Views into the receive buffer, not copies: each file is copied once more, into
+        # its tensor, by the read that checks it.
+        view: ByteView = buf.numpy()
+        at = 0
+        posted[peer] = []
+        for rel in rels:
+            posted[peer].append((rel, dist.irecv(buf[at : at + remote[rel]],
+                                                 _global(group, peer), group=group),
+                                 view[at : at + remote[rel]]))
+            at += remote[rel]
+
+    def take(rel: str, frame: bytes | ByteView) -> None:
+        source.receive({rel: frame})
+        if arrived is not None:
+            arrived(rel)
+
+    def receive_from(peer: int) -> None:
+        for rel, work, frame in posted[peer]:
+            work.wait()
+            take(rel, frame)
 
     def get(rel: str) -> bytes | None:
         try:
@@ -301,48 +394,44 @@ def share_remote_reads(source: PartsSource, requests: Sequence[Request], *,
             logger.warning("fetching %s for the ranks that need it failed: %s", rel, exc)
             return None
 
-    fetched: dict[str, bytes] = {}
+    fetched: dict[str, int] = {}
     failed: list[str] = []
     outgoing: list[torch.Tensor] = []  # alive until every send completed
-    if mine:
-        with ThreadPoolExecutor(max(1, min(threads, len(mine))),
-                                thread_name_prefix="ckpt-share") as pool:
-            for rel, data in zip(mine, pool.map(get, mine), strict=True):
-                size = next(n[rel] for n in needs if rel in n)
-                if data is None or len(data) != size:  # not the file the index records
-                    failed.append(rel)
-                    data = None
-                else:
-                    fetched[rel] = data
-                for peer in range(world):
-                    if peer != me and rel in needs[peer]:
-                        outgoing.append(_frame(data, size))
-                        works.append(dist.isend(outgoing[-1], _global(group, peer),
-                                                group=group))
-    for work in works:
-        if work is not None:
-            work.wait()
+    with ThreadPoolExecutor(max(1, min(len(posted), _RECEIVERS)),
+                            thread_name_prefix="ckpt-share-recv") as receivers:
+        receiving = [receivers.submit(receive_from, peer) for peer in posted]
+        if mine:
+            with ThreadPoolExecutor(max(1, min(threads, len(mine))),
+                                    thread_name_prefix="ckpt-share") as pool:
+                for rel, data in zip(mine, pool.map(get, mine), strict=True):
+                    size = next(n[rel] for n in needs if rel in n)
+                    if data is None or len(data) != size:  # not the file the index records
+                        failed.append(rel)
+                        data = None
+                    else:
+                        fetched[rel] = len(data)
+                        if rel in remote:
+                            take(rel, data)
+                    for peer in range(world):
+                        if peer != me and rel in needs[peer]:
+                            outgoing.append(_frame(data, size))
+                            sends.append(dist.isend(outgoing[-1], _global(group, peer),
+                                                    group=group))
+        for work in sends:
+            if work is not None:
+                work.wait()
+        for done in receiving:
+            done.result()
     # Which sends carried no file (a failed fetch): their receivers read their own copies.
     failures: list[Any] = [None] * world
     dist.all_gather_object(failures, failed, group=group)
     lost = {rel for f in failures for rel in f}
-    received: dict[str, bytes | ByteView] = {rel: fetched[rel] for rel in remote
-                                             if rel in fetched}
-    for peer, buf in buffers.items():
-        # Views into the receive buffer, not copies: each file is copied once more, into
-        # its tensor, by the read that checks it.
-        view: ByteView = buf.numpy()
-        at = 0
-        for rel in inbound[peer]:
-            if rel not in lost:
-                received[rel] = view[at : at + remote[rel]]
-            at += remote[rel]
-    source.receive(received, failed=[rel for rel in remote if rel in lost])
+    source.receive({}, failed=[rel for rel in remote if rel in lost])
     for_others = [rel for rel in fetched if any(rel in needs[p] for p in range(world) if p != me)]
     stats = SharedReads(
-        fetched=len(for_others), fetched_bytes=sum(len(fetched[r]) for r in for_others),
+        fetched=len(for_others), fetched_bytes=sum(fetched[r] for r in for_others),
         sent_bytes=sum(int(b.numel()) for b in outgoing),
-        received=sum(len(inbound[p]) for p in buffers),
+        received=sum(len(rels) for rels in inbound.values()),
         received_bytes=sum(int(b.numel()) for b in buffers.values()),
     )
     logger.info("shared remote reads: rank %d fetched %d chunk files (%d bytes) for other "
