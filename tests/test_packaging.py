@@ -61,6 +61,20 @@ def test_core_import_does_not_import_prefect_or_other_heavy_stacks() -> None:
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
 
 
+def test_the_cli_and_the_flows_do_not_import_dcp_until_a_dcp_checkpoint_is_used() -> None:
+    # torch.distributed.checkpoint costs most of a second to import (DTensor's op
+    # registry), paid by every `ckpt` command and every flow run that imports it eagerly.
+    code = (
+        "import sys, ckptstore.cli.app, ckptstore.flows.archive, ckptstore.flows.retention; "
+        "from ckptstore import CheckpointStore; "
+        "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
 def test_no_bare_top_level_modules_are_loaded() -> None:
     code = (
         "import sys, ckptstore.catalog, ckptstore.flows, ckptstore.tasks, ckptstore.migrations; "

@@ -12,18 +12,12 @@ import builtins
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptstore.core import StoreCore
 from ckptstore.errors import InvalidNameError
 from ckptstore.format import Manifest
 from ckptstore.ops.async_save import SaveHandle, save_async, wait_async
-from ckptstore.ops.dcp import (
-    ZarrStorageReader,
-    ZarrStorageWriter,
-    dcp_reader,
-    save_distributed,
-)
 from ckptstore.ops.delta import LATEST, Latest
 from ckptstore.ops.gc import DEFAULT_PENDING_GRACE_S, GcReport, gc_hot
 from ckptstore.ops.load import load_checkpoint, read_any_manifest, restore_latest, verify_hot
@@ -35,6 +29,11 @@ from ckptstore.ops.sweep import CheckpointSweep
 from ckptstore.ops.thaw_poll import complete_thaw
 from ckptstore.ops.trigger import trigger_flow
 from ckptstore.records import Checkpoint, Event, RunInfo, UsageRow
+
+if TYPE_CHECKING:
+    # Imported where used: torch.distributed.checkpoint takes most of a second to import,
+    # which every CLI command and flow run would pay.
+    from ckptstore.ops.dcp import ZarrStorageReader, ZarrStorageWriter
 
 __all__ = ["CheckpointStore", "GcReport"]
 
@@ -108,6 +107,8 @@ class CheckpointStore(StoreCore):
             CkptError: With ``distributed``, on every rank when any rank failed.
         """
         if distributed:
+            from ckptstore.ops.dcp import save_distributed
+
             extra = {} if delta is None and base is LATEST else {"delta": delta, "base": base}
             return save_distributed(
                 self, run, step, state, process_group=process_group, metrics=metrics,
@@ -176,6 +177,8 @@ class CheckpointStore(StoreCore):
         ``dcp.async_save``); ``kw``: ``metrics``, ``tags``, ``parent``, ``codec``,
         ``experiment`` (see :class:`ckptstore.ops.dcp.ZarrStorageWriter`).
         """
+        from ckptstore.ops.dcp import ZarrStorageWriter
+
         return ZarrStorageWriter(self, run, step, **kw)
 
     def dcp_reader(self, ref: str) -> ZarrStorageReader:
@@ -184,6 +187,8 @@ class CheckpointStore(StoreCore):
         ``dcp.load(state, storage_reader=store.dcp_reader(ref))`` loads it at any world size
         and placement; every rank reads only the chunks holding its slices.
         """
+        from ckptstore.ops.dcp import dcp_reader
+
         return dcp_reader(self, ref)
 
     def trigger(

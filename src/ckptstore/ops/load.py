@@ -33,7 +33,6 @@ from ckptstore.errors import (
 from ckptstore.format import Manifest, read_checkpoint, read_manifest, verify_checkpoint
 from ckptstore.format.dcp import is_dcp_manifest, verify_dcp
 from ckptstore.identity import host
-from ckptstore.ops.dcp import load_dcp, load_parted
 from ckptstore.ops.memory import load_from_memory, memory_replica_here
 from ckptstore.ops.parts import parted_manifest, verify_parts_here
 from ckptstore.ops.prefetch import note_load
@@ -73,6 +72,8 @@ def load_checkpoint(
             verify_signature(core, ck.id, require_signature)
         with core.metrics.timed("load", run=ck.run, tier="hot", step=ck.step,
                                 blocking=True) as timer:
+            from ckptstore.ops.dcp import load_parted  # here: see load_dcp's import below
+
             state = load_parted(core, ck, keys=keys, into=into)
             timer.add(bytes_logical=ck.logical_bytes, bytes_stored=ck.stored_bytes)
         return state
@@ -130,6 +131,10 @@ def _load_hot(core: StoreCore, ck: Checkpoint, *, keys: Sequence[str] | None,
             manifest.delta.mean_abs_error,
         )
     if is_dcp_manifest(manifest):
+        # Imported here: ops.dcp pulls in torch.distributed.checkpoint (most of a second
+        # to import), which processes that never load a DCP checkpoint should not pay.
+        from ckptstore.ops.dcp import load_dcp
+
         state = load_dcp(directory, manifest, keys=keys, into=into,
                          threads=core.settings.threads)
     else:

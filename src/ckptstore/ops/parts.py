@@ -46,7 +46,6 @@ from ckptstore.errors import (
 from ckptstore.format import Manifest
 from ckptstore.format.constants import COMMIT_NAME
 from ckptstore.format.dcp.chunks import ByteView, ChunkSource
-from ckptstore.format.dcp.commit import write_shared
 from ckptstore.format.dcp.layout import ArrayInfo, chunk_file, rank_of_file
 from ckptstore.format.dcp.read import verify_dcp
 from ckptstore.format.manifest import known_manifest, parse_verified
@@ -114,6 +113,15 @@ def parted_manifest(store: StoreCore, ck: Checkpoint) -> tuple[Manifest, bytes]:
     return (cached if cached is not None else parse_verified(data, actual)), data
 
 
+def _write_shared(directory: Path, manifest: Manifest, data: bytes) -> None:
+    """The documents every host's copy of a parted checkpoint shares (idempotent)."""
+    # Imported here: the commit module pulls in torch.distributed.checkpoint, most of a
+    # second to import, which the processes that only list or prune parts never need.
+    from ckptstore.format.dcp.commit import write_shared
+
+    write_shared(directory, manifest, data, exist_ok=True)
+
+
 def materialize(store: StoreCore, ck: Checkpoint, *, data: bytes | None = None
                 ) -> Path | None:
     """Give this host's part of a parted checkpoint its manifest and commit marker.
@@ -155,7 +163,7 @@ def materialize(store: StoreCore, ck: Checkpoint, *, data: bytes | None = None
             manifest = cached if cached is not None else parse_verified(data, digest)
         else:
             manifest, data = parted_manifest(store, ck)
-        write_shared(directory, manifest, data, exist_ok=True)
+        _write_shared(directory, manifest, data)
     logger.debug("materialised the manifest of %s on %s", ck.ref, host())
     return directory
 
@@ -599,7 +607,7 @@ def gather_parts(store: StoreCore, ck: Checkpoint, directory: Path, *,
             target.unlink(missing_ok=True)
             target.write_bytes(blob)
             total += len(blob)
-    write_shared(directory, manifest, data, exist_ok=True)
+    _write_shared(directory, manifest, data)
     problems = verify_dcp(directory, manifest, deep=True)
     if problems:
         raise IntegrityError(

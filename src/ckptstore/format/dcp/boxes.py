@@ -10,16 +10,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ckptstore.format.dcp.layout import (
     ArrayInfo,
@@ -89,6 +85,17 @@ def build_metadata(
     index: DcpIndex, boxes: dict[str, list[BoxLoc]]
 ) -> tuple[Metadata, dict[MetadataIndex, BoxLoc | BlobItem]]:
     """DCP ``Metadata`` for a checkpoint, and the storage location of every saved chunk."""
+    # Imported here: torch.distributed.checkpoint takes most of a second to import (it
+    # registers DTensor's ops), and every process that opens the format imports this module.
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
     sd_meta: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     where: dict[MetadataIndex, BoxLoc | BlobItem] = {}
     for fqn, item in index.tensors.items():
