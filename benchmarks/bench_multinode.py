@@ -33,8 +33,9 @@ timed), into the live DTensors (node A's files evicted from the page cache first
 * ``dcp-s3-load``: DCP's ``FsspecReader`` loading the ``dcp-s3`` checkpoint (reference).
 
 Targets: save <= 1.0x ``dcp-shared``; restore after a node loss <= 0.6x a full restore from
-S3. Ratios are per round, then the median. Every load is checked against a crc32c
-fingerprint of the local shards.
+S3. Ratios are per round, then the median. Each step also reports the CPU seconds both
+nodes and the S3 server (in this launcher process) used together. Every load is checked
+against a crc32c fingerprint of the local shards.
 
 Needs PostgreSQL on 127.0.0.1:5432 (``--pg-url``): a throwaway database is created and
 dropped.
@@ -131,12 +132,23 @@ def worker(args: argparse.Namespace) -> None:
     on_a = CheckpointStore.open(codec=args.codec, hot=str(hot_a))
     cold = can_evict()
 
-    def timed(fn: Any) -> float:
+    # CPU seconds of both nodes and of the launcher (the moto S3 server runs there), summed
+    # over each timed step: on this machine they all share the same cores.
+    ours: list[Any] = [None] * len(NODES)
+    dist.all_gather_object(ours, os.getpid())
+    pids = [*ours, os.getppid()]
+    cpu: dict[str, list[float]] = {}
+
+    def timed(fn: Any, name: str) -> float:
         dist.barrier()
+        before = _cpu_seconds(pids) if rank == 0 else 0.0
         started = time.perf_counter()
         fn()
         dist.barrier()
-        return time.perf_counter() - started
+        took = time.perf_counter() - started
+        if rank == 0:
+            cpu.setdefault(name, []).append(_cpu_seconds(pids) - before)
+        return took
 
     def check(what: str) -> None:
         if _fingerprint(state) != expected:
@@ -165,7 +177,7 @@ def worker(args: argparse.Namespace) -> None:
         for method in order:
             if method == "dcp-shared":
                 path = tmp / "shared" / f"dcp-{rnd}"
-                times[method].append(timed(partial(_dcp_save_shared, state, path)))
+                times[method].append(timed(partial(_dcp_save_shared, state, path), method))
                 dist.barrier()
                 if rank == 0:
                     usage[method] = dir_usage(path)
@@ -173,10 +185,11 @@ def worker(args: argparse.Namespace) -> None:
             elif method == "dcp-s3":
                 url = f"{args.s3_url}/dcp-{rnd}"
                 writer = _dcp_s3(url, args.endpoint, write=True)
-                times[method].append(timed(partial(save, state, storage_writer=writer)))
+                times[method].append(timed(partial(save, state, storage_writer=writer), method))
                 _scramble(state)
                 reader = _dcp_s3(url, args.endpoint, write=False)
-                times["dcp-s3-load"].append(timed(partial(load, state, storage_reader=reader)))
+                times["dcp-s3-load"].append(timed(partial(load, state, storage_reader=reader),
+                                                     "dcp-s3-load"))
                 check("dcp-s3-load")
                 dist.barrier()
                 if rank == 0:  # moto keeps objects in memory: drop what was measured
@@ -185,7 +198,7 @@ def worker(args: argparse.Namespace) -> None:
             else:
                 holder: list[Any] = []
                 times[method].append(timed(partial(
-                    _ours_save, holder, save_distributed, store, rnd, state)))
+                    _ours_save, holder, save_distributed, store, rnd, state), method))
                 ck = holder[0]
                 mine = hot / ck.run / ck.id
                 usage[method] = dir_usage(mine) if rank == 0 else (0, 0)
@@ -205,7 +218,8 @@ def worker(args: argparse.Namespace) -> None:
                 # The job resumes on node A alone: this rank runs there now.
                 os.environ["CKPT_HOST"] = NODES[0]
                 _scramble(state)
-                times["node-loss-peer"].append(timed(partial(on_a.load, ck.id, into=state)))
+                times["node-loss-peer"].append(timed(partial(on_a.load, ck.id, into=state),
+                                                        "node-loss-peer"))
                 check("node-loss-peer")
                 os.environ["CKPT_HOST"] = me
                 if rank == 0 and cold:
@@ -215,7 +229,7 @@ def worker(args: argparse.Namespace) -> None:
                 # the copy node A keeps.
                 _scramble(state)
                 times["node-loss-peer-replaced"].append(
-                    timed(partial(store.load, ck.id, into=state)))
+                    timed(partial(store.load, ck.id, into=state), "node-loss-peer-replaced"))
                 check("node-loss-peer-replaced")
                 if rank == 0:  # without that copy: node B's part comes from S3
                     remove_local_parts(store, store.get(ck.id), parts=[NODES[1]])
@@ -223,13 +237,14 @@ def worker(args: argparse.Namespace) -> None:
                         evict(mine)
                 dist.barrier()
                 _scramble(state)
-                times["node-loss"].append(timed(partial(store.load, ck.id, into=state)))
+                times["node-loss"].append(timed(partial(store.load, ck.id, into=state),
+                                                "node-loss"))
                 check("node-loss")
                 if rank == 0:
                     shutil.rmtree(mine)
                 dist.barrier()
                 _scramble(state)
-                times["full-s3"].append(timed(partial(store.load, ck.id, into=state)))
+                times["full-s3"].append(timed(partial(store.load, ck.id, into=state), "full-s3"))
                 check("full-s3")
                 dist.barrier()
                 if rank == 0:  # moto keeps objects in memory: drop what was measured
@@ -248,11 +263,25 @@ def worker(args: argparse.Namespace) -> None:
             "state_bytes_per_rank": local_bytes,
             "rounds": args.rounds,
             "times": times,
+            "cpu": cpu,
             "usage": usage,
             "cold": cold,
         }
         Path(args.out).write_text(json.dumps(out, indent=2))
     dist.destroy_process_group()
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes ``pids`` have used so far (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
 
 
 def _median(xs: list[float]) -> float:
@@ -271,16 +300,26 @@ def report(path: Path) -> str:
     lines = [
         f"state: {doc['preset']}, {doc['nodes']} simulated nodes x 1 rank, "
         f"{fmt_bytes(doc['state_bytes_per_rank'])} per rank, codec {doc['codec']}, "
-        f"{doc['rounds']} rounds; median seconds, ratios per round then median",
-        "| step | median s | x dcp-shared save | x full restore from S3 |",
-        "|---|---|---|---|",
+        f"{doc['rounds']} rounds; median seconds, ratios per round then median; CPU: "
+        "seconds used by both nodes and the S3 server together (they share this machine's "
+        f"{os.cpu_count()} CPUs)",
+        "| step | median s | x dcp-shared save | x full restore from S3 | CPU s | "
+        "CPU x full restore |",
+        "|---|---|---|---|---|---|",
     ]
+    c = doc.get("cpu", {})
+
+    def used(m: str) -> str:
+        return f"{_median(c[m]):.2f}" if c.get(m) else "-"
+
     for m in (m for m in SAVES if t[m]):
         ratio = _ratio(t[m], t["dcp-shared"])
-        lines.append(f"| save {m} | {_median(t[m]):.2f} | {ratio:.2f} | - |")
+        lines.append(f"| save {m} | {_median(t[m]):.2f} | {ratio:.2f} | - | {used(m)} | - |")
     for m in (m for m in RESTORES if t[m]):
+        cpu_ratio = (f"{_ratio(c[m], c['full-s3']):.2f}" if c.get(m) and c.get("full-s3")
+                     else "-")
         lines.append(f"| restore {m} | {_median(t[m]):.2f} | - | "
-                     f"{_ratio(t[m], t['full-s3']):.2f} |")
+                     f"{_ratio(t[m], t['full-s3']):.2f} | {used(m)} | {cpu_ratio} |")
     save_ratio = _ratio(t["ckptstore"], t["dcp-shared"])
     lines.append("")
     lines.append(f"save ckptstore / dcp-shared = {save_ratio:.2f} (target <= 1.0: "

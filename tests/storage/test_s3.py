@@ -45,6 +45,23 @@ def test_credentials_in_options_refused(options: dict[str, object]) -> None:
         S3Tier("s3://bucket/p", options)
 
 
+def test_transport_checksums_are_left_to_the_stores_own_digests(moto_s3: MotoS3) -> None:
+    # botocore's CRC32 of every body costs CPU the store's crc32c / blake3 checks make
+    # redundant; a caller's own client settings are kept, this one included.
+    plain = S3Tier(moto_s3.url("p"), moto_s3.storage_options)
+    assert plain.fs.config_kwargs["response_checksum_validation"] == "when_required"
+    assert plain.fs.config_kwargs["request_checksum_calculation"] == "when_required"
+    plain.put_bytes("k", b"x" * 100)
+    assert plain.get_bytes("k") == b"x" * 100
+    own = {**moto_s3.storage_options,
+           "config_kwargs": {"retries": {"max_attempts": 1},
+                             "response_checksum_validation": "when_supported"}}
+    tier = S3Tier(moto_s3.url("p"), own)
+    assert tier.fs.config_kwargs["retries"] == {"max_attempts": 1}
+    assert tier.fs.config_kwargs["response_checksum_validation"] == "when_supported"
+    assert tier.get_bytes("k") == b"x" * 100
+
+
 @pytest.mark.parametrize("url", ["s3://", "s3:///x", "s3://b/a/../c", "http://b/x"])
 def test_bad_urls(url: str) -> None:
     with pytest.raises(ConfigError):

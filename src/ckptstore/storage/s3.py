@@ -247,6 +247,15 @@ class S3Tier(Tier):
                 raise ConfigError(f"tier {name}: bad prefix in {url!r}: {exc}") from exc
         options = dict(storage_options or {})
         _check_options(options)
+        # botocore checksums every upload and download (CRC32, in Python's binascii: about a
+        # third of a CPU second per GB each way). Every object the store reads back is
+        # checked against its own digests (crc32c per chunk, blake3 per manifest), end to end,
+        # so the transport checksum is left to the operations S3 requires it for; a
+        # ``config_kwargs`` of the caller's own wins.
+        config = dict(options.get("config_kwargs") or {})
+        for setting in ("request_checksum_calculation", "response_checksum_validation"):
+            config.setdefault(setting, "when_required")
+        options["config_kwargs"] = config
         self.bucket = bucket
         self.prefix = prefix
         self.storage_class = storage_class.upper() if storage_class else None
