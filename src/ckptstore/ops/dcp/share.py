@@ -71,14 +71,14 @@ logger = logging.getLogger(__name__)
 #: the weight is small; 0.1 restored a lost part faster than 0.5 (docs/MULTINODE.md).
 LOCAL_COST = 0.1
 
-#: Threads that wait for the files other ranks send, one per sending rank up to this many
-#: (the files of the others are taken in turn once one of these is free).
-_RECEIVERS = 8
-
 #: What sending a byte to another rank costs, relative to downloading it (a copy out of the
 #: sender's memory and one into the receiver's): a download only moves to another rank when
 #: that rank has this much less work.
 TRANSFER_COST = 0.25
+
+#: Threads that wait for the files other ranks send, one per sending rank up to this many
+#: (the files of the others are taken in turn once one of these is free).
+_RECEIVERS = 8
 
 
 @dataclass(frozen=True)
