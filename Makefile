@@ -41,9 +41,21 @@ lint: $(STAMP)
 	bash scripts/typecheck.sh
 	bash scripts/lint-imports.sh
 
-test: $(STAMP) services browser lint
+# The type check takes about a minute of one core in a fresh clone, and the test processes
+# leave part of the second core idle: it runs beside them at a lower priority (so it takes
+# only what they leave), its report printed after theirs; either failing fails the target.
+test: $(STAMP) services browser
+	$(BIN)/ruff check .
+	bash scripts/lint-imports.sh
 	@if docker compose version >/dev/null 2>&1; then docker compose config -q && echo "docker-compose.yml: valid"; else echo "docker compose not installed: docker-compose.yml checked by tests/test_compose.py and run as processes by tests/deploy/test_stack.py"; fi
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	@echo "bash scripts/typecheck.sh (beside the tests; its report follows them)"
+	@nice -n 10 bash scripts/typecheck.sh > $(VENV)/typecheck.log 2>&1 & typecheck=$$!; \
+	echo "$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)"; \
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); tests=$$?; \
+	wait $$typecheck; types=$$?; \
+	echo "--- bash scripts/typecheck.sh:"; cat $(VENV)/typecheck.log; \
+	test $$types -eq 0 || echo "the type check failed (above)"; \
+	test $$tests -eq 0 && test $$types -eq 0
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
