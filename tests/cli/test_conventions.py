@@ -278,8 +278,13 @@ def test_version() -> None:
 
 
 def test_shell_completion() -> None:
-    result = _run_cli("--show-completion", "bash")
-    assert result.returncode == 0 and "_CKPT_COMPLETE" in result.stdout
+    # As a bash user runs it. `--show-completion` takes no value: Typer names the shell of
+    # the parent process, so the command runs under bash, not under whatever shell started
+    # the test run (`sh`, under make, is one Typer refuses).
+    script = 'out=$("$0" -m ckptstore --show-completion); rc=$?; printf "%s" "$out"; exit $rc'
+    result = subprocess.run(["bash", "-c", script, sys.executable], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and "_CKPT_COMPLETE" in result.stdout, result.stderr
     # What the installed completion script asks for when the user types `ckpt l<TAB>`.
     result = _run_cli(env={"_CKPT_COMPLETE": "complete_bash", "COMP_WORDS": "ckpt l",
                            "COMP_CWORD": "1"})
