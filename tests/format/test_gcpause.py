@@ -1,4 +1,4 @@
-"""The garbage collector is paused during a save or load and restored exactly afterwards."""
+"""The collector is paused during a save, a load or a manifest parse, then restored exactly."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from ckptstore.errors import InvalidNameError
 from ckptstore.format import read_checkpoint, read_manifest, write_checkpoint
 from ckptstore.format.gcpause import gc_paused
+from ckptstore.format.manifest import parse as parse_module
 
 
 @pytest.fixture(autouse=True)
@@ -69,4 +70,43 @@ def test_an_error_inside_still_restores_the_collector(tmp_path: Path) -> None:
     with pytest.raises(InvalidNameError):
         write_checkpoint(tmp_path / "x", {"w": torch.zeros(2)}, ckpt_id="bad id!", run="r",
                          step=0)
+    assert gc.isenabled()
+
+
+def test_parsing_a_manifest_runs_no_collection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # In a fresh process the first full collection after importing torch fell inside the
+    # parse of a large manifest (~50 ms, ten times the parse): with a threshold of one
+    # allocation, any collection a parse allowed would show here.
+    state = {f"layer.{i}.weight": torch.zeros(4, 4) for i in range(200)}
+    write_checkpoint(tmp_path / "c", state, ckpt_id=str(uuid.uuid4()), run="r", step=0)
+    data = (tmp_path / "c" / "manifest.json").read_bytes()
+    inside: list[bool] = [False]
+    during: list[int] = []
+    real = parse_module._parse
+
+    def timed_parse(doc: object) -> object:
+        inside[0] = True
+        try:
+            return real(doc)
+        finally:
+            inside[0] = False
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and inside[0]:
+            during.append(info["generation"])
+
+    monkeypatch.setattr(parse_module, "_parse", timed_parse)
+    threshold = gc.get_threshold()
+    gc.enable()
+    gc.callbacks.append(on_gc)
+    try:
+        gc.set_threshold(1)
+        fields = parse_module.parse_manifest(data)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(on_gc)
+    assert len(fields["tensors"]) == 200
+    assert during == []
     assert gc.isenabled()
