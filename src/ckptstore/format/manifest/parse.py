@@ -110,10 +110,11 @@ class ManifestFields(TypedDict):
 def parse_manifest(data: bytes) -> ManifestFields:
     """Parse and validate manifest bytes into the fields of a ``Manifest``.
 
-    The collector is paused (:mod:`ckptstore.format.gcpause`): a parse makes ~40 objects
-    per tensor, none in a cycle, and in a fresh process that has just imported torch they
-    made the interpreter's first full collection (~50 ms over torch's ~170k objects) fall
-    inside the parse, ten times the parse itself.
+    The collector is paused (:mod:`ckptstore.format.gcpause`): a parse allocates a few
+    container objects per tensor (the JSON document's, then the records), none in a cycle.
+    In a fresh process that has just imported torch, those allocations made the
+    interpreter's first full collection (~50 ms over torch's ~170k objects) fall inside the
+    parse, ten times the parse itself.
 
     Raises:
         IntegrityError: If the bytes are too large, not JSON, or fail any check.
