@@ -6,11 +6,20 @@ the base commit and the working tree in the SAME run, alternating per round (the
 rotates), each in a fresh Python process so neither inherits the other's page cache state,
 thread pools or allocator arenas. Per round and version, on the same seeded state:
 
-* ``save``: a durable synchronous save (codec ``--codec``, default ``none``);
+* ``save``: a durable synchronous save (codec ``--codec``, default ``none``), after
+  ``harness.prefault`` gave the process host-backed free memory (``--no-prefault``: not);
 * ``load``: a fresh ``store.load(ref)`` with the files hot in the page cache;
 * ``load-into``: ``store.load(ref, into=live)`` (hot);
 * ``load-cold``: a fresh load after every file was fsynced and dropped from the page cache;
-* ``async-stall``: how long the second ``save_async`` blocks the caller.
+* ``async-stall``: how long the second ``save_async`` blocks the caller;
+* ``save-user`` / ``save-sys``: the CPU seconds the save took in user space and in the
+  kernel (every thread of the process). An uncompressed save is CPU-bound on the kernel's
+  copy into the page cache, whose cost swings with the machine's memory state; the user
+  CPU is ckptstore's own work and barely moves, so its ratio shows a software cost of a
+  few percent that the wall times cannot resolve.
+
+``--only save`` measures the saves alone (a round takes a third of the time), for more
+rounds in the same hour.
 
 Printed: per measurement the median of the per-round ratios ``tree / base`` (below 1.00:
 the tree is faster) with their range. The base is exported with ``git archive`` and laid out
@@ -27,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -39,7 +49,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 #: Top-level directories setuptools maps into the ``ckptstore`` package (pyproject.toml).
 MAPPED = ("catalog", "tasks", "flows", "migrations")
-MEASURES = ("save", "load", "load-into", "load-cold", "async-stall")
+MEASURES = ("save", "save-user", "save-sys", "load", "load-into", "load-cold", "async-stall")
 
 
 def package_tree(source: Path, dest: Path) -> Path:
@@ -64,22 +74,36 @@ def export(rev: str, dest: Path) -> Path:
     return dest
 
 
+def _cpu_seconds() -> tuple[float, float]:
+    """User and system CPU seconds of this process so far, all its threads included."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime, usage.ru_stime
+
+
 def child(args: argparse.Namespace) -> None:
     """One round of one version (run in a fresh process); prints its times as JSON."""
     sys.path.insert(0, str(REPO))
     import ckptstore
     import ckptstore.catalog
-    from benchmarks.harness import evict
-    from benchmarks.state import build_state
+    from benchmarks.harness import evict, prefault
+    from benchmarks.state import build_state, state_bytes
 
     state = build_state(args.preset, seed=0)
     root = Path(args.child)
     out: dict[str, Any] = {"module": ckptstore.__file__,
                            "catalog": ckptstore.catalog.__file__}
     with ckptstore.CheckpointStore.open(root, codec=args.codec) as store:
+        if args.prefault:
+            prefault(state_bytes(state) * 5 // 4)
+        cpu = _cpu_seconds()
         t = time.perf_counter()
         ck = store.save("ab", 1, state)
         out["save"] = time.perf_counter() - t
+        user, system = _cpu_seconds()
+        out["save-user"], out["save-sys"] = user - cpu[0], system - cpu[1]
+        if args.only == "save":
+            print(json.dumps(out))
+            return
         t = time.perf_counter()
         loaded = store.load(ck.ref)
         out["load"] = time.perf_counter() - t
@@ -107,7 +131,8 @@ def _run(tree: Path, scratch: Path, args: argparse.Namespace) -> dict[str, Any]:
     try:
         done = subprocess.run(
             [sys.executable, __file__, "--child", str(root), "--preset", args.preset,
-             "--codec", args.codec], env=env, check=True, capture_output=True, text=True)
+             "--codec", args.codec, "--only", args.only,
+             "--prefault" if args.prefault else "--no-prefault"], env=env, check=True, capture_output=True, text=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -125,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="rounds (each runs both versions)")
     p.add_argument("--preset", default="gpt2-small", help="state size (benchmarks/state.py)")
     p.add_argument("--codec", default="none", help="codec of both versions' saves")
+    p.add_argument("--only", choices=("all", "save"), default="all",
+                   help="'save': measure the saves alone (wall, user and system CPU)")
+    p.add_argument("--prefault", action=argparse.BooleanOptionalAction, default=True,
+                   help="hand the save host-backed free memory first (harness.prefault)")
     p.add_argument("--tmp", type=Path, default=REPO / "bench-out", help="scratch parent")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -138,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                                       scratch / "base-pkg"),
                  "tree": package_tree(export(args.tree, scratch / "tree-src") if args.tree
                                       else REPO, scratch / "tree-pkg")}
-        times: dict[str, dict[str, list[float]]] = {v: {m: [] for m in MEASURES}
+        measures = MEASURES if args.only == "all" else MEASURES[:3]
+        times: dict[str, dict[str, list[float]]] = {v: {m: [] for m in measures}
                                                     for v in trees}
         print(f"# ckptstore {args.base} vs {args.tree or 'the working tree'} — preset "
               f"{args.preset}, codec {args.codec}, {args.rounds} rounds, scratch {scratch}")
@@ -146,14 +176,14 @@ def main(argv: list[str] | None = None) -> int:
             order = list(trees) if rnd % 2 == 0 else list(reversed(trees))
             for version in order:
                 result = _run(trees[version], scratch, args)
-                for m in MEASURES:
+                for m in measures:
                     times[version][m].append(result[m])
             print(f"round {rnd + 1}/{args.rounds}: " + ", ".join(
-                f"{m} {times['tree'][m][-1] / times['base'][m][-1]:.2f}" for m in MEASURES),
+                f"{m} {times['tree'][m][-1] / times['base'][m][-1]:.2f}" for m in measures),
                 flush=True)
         print("\n| measure | base s | tree s | tree / base (median of rounds, range) |")
         print("|---|---|---|---|")
-        for m in MEASURES:
+        for m in measures:
             ratios = [t / b for t, b in zip(times["tree"][m], times["base"][m], strict=True)]
             print(f"| {m} | {statistics.median(times['base'][m]):.3f} | "
                   f"{statistics.median(times['tree'][m]):.3f} | "
