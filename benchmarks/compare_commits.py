@@ -132,7 +132,8 @@ def _run(tree: Path, scratch: Path, args: argparse.Namespace) -> dict[str, Any]:
         done = subprocess.run(
             [sys.executable, __file__, "--child", str(root), "--preset", args.preset,
              "--codec", args.codec, "--only", args.only,
-             "--prefault" if args.prefault else "--no-prefault"], env=env, check=True, capture_output=True, text=True)
+             "--prefault" if args.prefault else "--no-prefault"],
+            env=env, check=True, capture_output=True, text=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])

@@ -193,9 +193,9 @@ def prefault(nbytes: int) -> None:
     On a virtual machine that reports its free pages to the host (virtio-balloon free page
     reporting), memory freed more than ~2 s ago is given back to the host, and the next
     allocation of it (the page cache a save writes into, or the tensors a load creates)
-    faults every page in through the host first. On the project machine that doubled the
-    kernel CPU of a 1.5 GB save (3.4 s instead of 1.6 s, wall 1.7 s instead of 0.9 s) at
-    random, depending on how long ago the previous round's files were deleted. Touching and
+    faults every page in through the host first. On the project machine a fresh process's
+    first 1.5 GB save took 1.6-1.7 s wall and 2.1-2.4 s of kernel CPU without this, and
+    0.9 s wall and 0.55 s of kernel CPU after touching 2 GB here (two runs each). Touching and
     freeing a buffer here hands the measurement host-backed pages, so two versions measured
     side by side pay the same, and only their own, costs.
     """
