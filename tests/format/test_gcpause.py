@@ -1,4 +1,5 @@
-"""The collector is paused during a save, a load or a manifest parse, then restored exactly."""
+"""The collector is paused during a save (catalog work included), a load or a manifest parse,
+then restored exactly."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,6 +37,27 @@ def test_save_and_load_pause_the_collector_and_restore_it(tmp_path: Path) -> Non
     assert gc.isenabled()
     out = read_checkpoint(tmp_path / "c", read_manifest(tmp_path / "c"))
     assert torch.equal(out["w"], state["w"]) and gc.isenabled()
+
+
+def test_a_store_save_pauses_the_collector_over_its_catalog_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptstore import CheckpointStore
+    from ckptstore.ops import save as save_module
+
+    seen: list[bool] = []
+    real = save_module.plan_save
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(save_module, "plan_save", spy)
+    gc.enable()
+    with CheckpointStore.open(tmp_path / "s") as store:
+        store.save("r", 1, {"w": torch.zeros(3)})
+    assert seen == [False]
+    assert gc.isenabled()
 
 
 def test_a_caller_that_disabled_the_collector_keeps_it_disabled() -> None:
