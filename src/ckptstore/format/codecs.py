@@ -45,7 +45,6 @@ __all__ = [
     "encode",
     "encode_into",
     "max_encoded_size",
-    "zarr_codecs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -148,30 +147,6 @@ def auto_codec(itemsize: int, is_float: bool, sample: Any) -> str:
     out = np.empty(max_encoded_size(len(data)), dtype=np.uint8)
     frame = encode_into(_SPECS["lz4"], data, itemsize, out)
     return "lz4" if len(frame) <= AUTO_MAX_RATIO * len(data) else "none"
-
-
-def zarr_codecs(spec: CodecSpec, itemsize: int) -> list[Any]:
-    """Return the zarr ``compressors`` list (bytes-to-bytes codecs) for a preset.
-
-    Args:
-        spec: The preset.
-        itemsize: Element size of the stored Zarr dtype (Blosc's shuffle granularity).
-    """
-    from zarr.codecs import BloscCodec, Crc32cCodec
-
-    codecs: list[Any] = []
-    if spec.cname is not None:
-        codecs.append(
-            BloscCodec(
-                cname=spec.cname,  # type: ignore[arg-type]
-                clevel=spec.clevel,
-                shuffle="bitshuffle",
-                typesize=itemsize,
-                blocksize=0,
-            )
-        )
-    codecs.append(Crc32cCodec())
-    return codecs
 
 
 def crc32c_update(data: Any, crc: int = 0) -> int:

@@ -1,21 +1,19 @@
-"""``zarr.json`` documents for the DCP layout, made by zarr itself and reused as templates.
+"""``zarr.json`` documents for the DCP layout.
 
-Creating an array through zarr costs milliseconds, and a DCP checkpoint has hundreds of
-arrays, so zarr writes one document per (dtype, codec) into memory once and every array's
-document is that template with its shape, chunk shape and attributes filled in. A test
-checks that plain ``zarr.open_group`` reads every array back bit-exactly.
+Every array's document is the template of its dtype and codec chain
+(:func:`ckptstore.format.zarrmeta.array_template`, chunk key separator ``.``) with its shape,
+chunk shape and attributes filled in. A test checks that plain ``zarr.open_group`` reads
+every array back bit-exactly.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
-import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ckptstore.format.codecs import codec_spec, zarr_codecs
+from ckptstore.format.codecs import codec_spec
 from ckptstore.format.constants import (
     DCP_ARRAY_GROUP,
     DCP_LAYOUT,
@@ -26,46 +24,11 @@ from ckptstore.format.constants import (
 )
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.manifest.dcpindex import DcpIndex
+from ckptstore.format.zarrmeta import array_template
 
 __all__ = ["array_doc", "dcp_documents", "group_doc", "root_doc"]
 
 logger = logging.getLogger(__name__)
-
-_TEMPLATES: dict[tuple[str, str], dict[str, Any]] = {}
-_LOCK = threading.Lock()
-
-
-def _template(dtype: str, codec: str) -> dict[str, Any]:
-    key = (dtype, codec)
-    with _LOCK:
-        found = _TEMPLATES.get(key)
-        if found is None:
-            found = _TEMPLATES[key] = _make_template(dtype, codec)
-        return found
-
-
-def _make_template(dtype: str, codec: str) -> dict[str, Any]:
-    import zarr
-    from zarr.codecs import BytesCodec
-    from zarr.storage import MemoryStore
-
-    info = dtype_by_name(dtype)
-    assert info is not None
-    store_dict: dict[str, Any] = {}
-    zarr.create_array(
-        store=MemoryStore(store_dict),
-        name="t",
-        shape=(1,),
-        chunks=(1,),
-        dtype=info.zarr_dtype,
-        compressors=zarr_codecs(codec_spec(codec), info.itemsize),
-        serializer=BytesCodec(),
-        filters=None,
-        fill_value=0,
-        chunk_key_encoding={"name": "default", "separator": "."},
-    )
-    doc: dict[str, Any] = json.loads(store_dict[f"t/{ZARR_JSON}"].to_bytes())
-    return doc
 
 
 def array_doc(dtype: str, codec: str, shape: Sequence[int], chunk_shape: Sequence[int]) -> bytes:
@@ -78,11 +41,11 @@ def array_doc(dtype: str, codec: str, shape: Sequence[int], chunk_shape: Sequenc
         shape: Array shape.
         chunk_shape: Chunk shape.
     """
-    doc = copy.deepcopy(_template(dtype, codec))
-    doc["shape"] = list(shape)
-    doc["chunk_grid"]["configuration"]["chunk_shape"] = list(chunk_shape)
     info = dtype_by_name(dtype)
     assert info is not None
+    doc = array_template(info, codec_spec(codec), separator=".")
+    doc["shape"] = list(shape)
+    doc["chunk_grid"]["configuration"]["chunk_shape"] = list(chunk_shape)
     doc["attributes"] = {} if info.native else {"torch_dtype": info.name}
     return json.dumps(doc, indent=2).encode()
 
