@@ -92,11 +92,15 @@ def _as_bytes_views(buffers: Sequence[Any]) -> list[memoryview]:
 
 
 #: Most bytes one ``writev`` call hands the kernel. The page cache sizes the folios of a
-#: buffered write by the length of the call; on Linux 6.18 with ext4, copying into the
-#: large folios of 512 KiB-and-up calls ran 3-8x slower than into those of 256 KiB calls
-#: (1.5 GB of GPT-2-small tensors, 1 MiB calls into one file per tensor: 2.7 s, 256 KiB
-#: calls: 0.34 s). Smaller calls cost only more system calls (~6,000 per 1.5 GB).
-WRITE_CALL_BYTES = 256 * 1024
+#: buffered write by the length of the call, and on the reference VM (Linux 6.18, ext4,
+#: memory whose free pages the host reclaims) copying into large folios costs more the
+#: larger they are: 1.5 GB into 5 MiB files took 0.37-0.42 s of system time in 256 KiB
+#: calls, 0.59-1.47 s in 1 MiB calls and 0.73-1.41 s in 4 MiB calls; 128 KiB calls beat
+#: 256 KiB ones in each of six alternating pairs (median ~0.55 s against ~1.15 s), and a
+#: full GPT-2-small save took 0.84x the time of one in 256 KiB calls (median of 10
+#: alternating rounds, ``benchmarks/compare_commits.py``). Smaller calls cost only more
+#: system calls (~12,000 per 1.5 GB, a few ms).
+WRITE_CALL_BYTES = 128 * 1024
 
 
 def writev_all(fd: int, buffers: Sequence[Any]) -> int:
