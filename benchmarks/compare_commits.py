@@ -21,6 +21,15 @@ thread pools or allocator arenas. Per round and version, on the same seeded stat
 ``--only save`` measures the saves alone (a round takes a third of the time), for more
 rounds in the same hour.
 
+Each run saves into a fresh directory that is kept, evicted from the page cache, until the
+end of the benchmark. Deleting it at once would bill its deletion to the next run, whichever
+version that is: ext4 without a journal (the reference machine's root file system) skips
+every inode freed in the last 1-6 minutes, one buffer lookup each, whenever it allocates a
+new one, so a save's file creations got slower the more files the run before it had
+deleted (profiled: ``recently_deleted`` and ``find_get_block_common`` made up most of the
+system-time gap between two layouts). ``--delete-each`` measures that case: a save right
+after a prune.
+
 Printed: per measurement the median of the per-round ratios ``tree / base`` (below 1.00:
 the tree is faster) with their range. The base is exported with ``git archive`` and laid out
 as the installed package (the mapped ``catalog``, ``tasks``, ``flows`` and ``migrations``
@@ -125,17 +134,24 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(out))
 
 
-def _run(tree: Path, scratch: Path, args: argparse.Namespace) -> dict[str, Any]:
+def _run(tree: Path, store: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Run one version's child on the fresh directory ``store``, then drop its files from
+    the page cache (``--delete-each``: delete them)."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.harness import evict
+
     env = dict(os.environ, PYTHONPATH=str(tree))
-    root = scratch / "store"
     try:
         done = subprocess.run(
-            [sys.executable, __file__, "--child", str(root), "--preset", args.preset,
+            [sys.executable, __file__, "--child", str(store), "--preset", args.preset,
              "--codec", args.codec, "--only", args.only,
              "--prefault" if args.prefault else "--no-prefault"],
             env=env, check=True, capture_output=True, text=True)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if args.delete_each:
+            shutil.rmtree(store, ignore_errors=True)
+        elif store.exists():
+            evict(store)
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     for module in (result["module"], result["catalog"]):
         if not str(module).startswith(str(tree)):
@@ -155,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="'save': measure the saves alone (wall, user and system CPU)")
     p.add_argument("--prefault", action=argparse.BooleanOptionalAction, default=True,
                    help="hand the save host-backed free memory first (harness.prefault)")
+    p.add_argument("--delete-each", action="store_true",
+                   help="delete each run's store before the next run instead of keeping it "
+                        "(evicted from the page cache) until the end: the next save then "
+                        "pays for the deletion on file systems that avoid reusing freed "
+                        "inodes at once")
     p.add_argument("--tmp", type=Path, default=REPO / "bench-out", help="scratch parent")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -176,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds):
             order = list(trees) if rnd % 2 == 0 else list(reversed(trees))
             for version in order:
-                result = _run(trees[version], scratch, args)
+                result = _run(trees[version], scratch / f"store-{version}-{rnd}", args)
                 for m in measures:
                     times[version][m].append(result[m])
             print(f"round {rnd + 1}/{args.rounds}: " + ", ".join(
