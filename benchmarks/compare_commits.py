@@ -8,9 +8,13 @@ thread pools or allocator arenas. Per round and version, on the same seeded stat
 
 * ``save``: a durable synchronous save (codec ``--codec``, default ``none``), after
   ``harness.prefault`` gave the process host-backed free memory (``--no-prefault``: not);
-* ``load``: a fresh ``store.load(ref)`` with the files hot in the page cache;
+* ``load``: a fresh ``store.load(ref)`` with the files hot in the page cache, after the
+  same prefault (its new tensors page-fault a state's worth of memory: on the reference VM
+  the kernel zeroing pages the host has taken back cost 2x the CPU of zeroing backed ones,
+  and which ones a process got depended on what the save before had freed);
 * ``load-into``: ``store.load(ref, into=live)`` (hot);
-* ``load-cold``: a fresh load after every file was fsynced and dropped from the page cache;
+* ``load-cold``: a fresh load after every file was fsynced and dropped from the page cache
+  (prefaulted likewise);
 * ``async-stall``: how long the second ``save_async`` blocks the caller;
 * ``save-user`` / ``save-sys``: the CPU seconds the save took in user space and in the
   kernel (every thread of the process). An uncompressed save is CPU-bound on the kernel's
@@ -113,6 +117,8 @@ def child(args: argparse.Namespace) -> None:
         if args.only == "save":
             print(json.dumps(out))
             return
+        if args.prefault:  # a fresh load page-faults a state's worth of new memory too
+            prefault(state_bytes(state) * 5 // 4)
         t = time.perf_counter()
         loaded = store.load(ck.ref)
         out["load"] = time.perf_counter() - t
@@ -121,6 +127,8 @@ def child(args: argparse.Namespace) -> None:
         store.load(ck.ref, into=state)
         out["load-into"] = time.perf_counter() - t
         evict(root)
+        if args.prefault:
+            prefault(state_bytes(state) * 5 // 4)
         t = time.perf_counter()
         loaded = store.load(ck.ref)
         out["load-cold"] = time.perf_counter() - t
