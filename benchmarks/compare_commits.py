@@ -167,6 +167,12 @@ def _run(tree: Path, store: Path, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _ratio(tree: float, base: float) -> float:
+    """``tree / base``; NaN when the base measured nothing (the CPU clock's resolution is
+    a few ms, so a tiny preset's save can take 0.0 s of system time)."""
+    return tree / base if base > 0 else float("nan")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="HEAD", help="commit to compare the working tree with")
@@ -209,12 +215,13 @@ def main(argv: list[str] | None = None) -> int:
                 for m in measures:
                     times[version][m].append(result[m])
             print(f"round {rnd + 1}/{args.rounds}: " + ", ".join(
-                f"{m} {times['tree'][m][-1] / times['base'][m][-1]:.2f}" for m in measures),
+                f"{m} {_ratio(times['tree'][m][-1], times['base'][m][-1]):.2f}"
+                for m in measures),
                 flush=True)
         print("\n| measure | base s | tree s | tree / base (median of rounds, range) |")
         print("|---|---|---|---|")
         for m in measures:
-            ratios = [t / b for t, b in zip(times["tree"][m], times["base"][m], strict=True)]
+            ratios = [_ratio(t, b) for t, b in zip(times["tree"][m], times["base"][m], strict=True)]
             print(f"| {m} | {statistics.median(times['base'][m]):.3f} | "
                   f"{statistics.median(times['tree'][m]):.3f} | "
                   f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |")
