@@ -98,8 +98,9 @@ def _as_bytes_views(buffers: Sequence[Any]) -> list[memoryview]:
 #: calls, 0.59-1.47 s in 1 MiB calls and 0.73-1.41 s in 4 MiB calls; 128 KiB calls beat
 #: 256 KiB ones in each of six alternating pairs (median ~0.55 s against ~1.15 s), and a
 #: full GPT-2-small save took 0.84x the time of one in 256 KiB calls (median of 10
-#: alternating rounds, ``benchmarks/compare_commits.py``). Smaller calls cost only more
-#: system calls (~12,000 per 1.5 GB, a few ms).
+#: alternating rounds, ``benchmarks/compare_commits.py --delete-each``; 0.97x in 5 rounds
+#: that kept the stores). 64 KiB calls gained nothing more (1.02x). Smaller calls cost only
+#: more system calls (~12,000 per 1.5 GB, a few ms).
 WRITE_CALL_BYTES = 128 * 1024
 
 
