@@ -52,7 +52,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -404,9 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         migrate.upgrade(catalog)
         with MotoS3(fail_fast=False) as s3:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
+            from ckptstore.testing.ports import free_port
+
+            port = free_port()
             procs = []
             for rank, node in enumerate(NODES):
                 env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(len(NODES)),

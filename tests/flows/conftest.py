@@ -8,7 +8,6 @@ only matter for detecting crashed runs in production.
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,9 +66,3 @@ def s3_config(tmp_path: Path) -> Iterator[tuple[Path, object]]:
         yield config, s3
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port

@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from ckptstore.testing.ports import free_port
 
 __all__ = [
     "SERVER_SCRIPT",
@@ -28,14 +29,6 @@ __all__ = [
     "stop_all",
     "wait_http",
 ]
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
@@ -73,21 +66,37 @@ def stop_all(procs: list[subprocess.Popen[bytes]], timeout: float = 5.0) -> None
         stop(proc, timeout=0.0)
 
 
-def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes]) -> None:
-    """Poll ``url`` until it answers 200; fail if ``proc`` exits or time runs out."""
+def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes],
+              log: Path | None = None) -> None:
+    """Poll ``url`` until it answers 200; fail if ``proc`` exits or time runs out.
+
+    Args:
+        url: What to poll.
+        timeout: Longest wait in seconds.
+        proc: The process that should answer.
+        log: Where ``proc`` writes its output: the failure quotes its end.
+    """
     import httpx
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"process exited early with {proc.returncode}")
+            raise AssertionError(
+                f"process exited early with {proc.returncode}{_log_tail(log)}")
         try:
             if httpx.get(url, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise AssertionError(f"{url} did not answer within {timeout}s")
+    raise AssertionError(f"{url} did not answer within {timeout}s{_log_tail(log)}")
+
+
+def _log_tail(log: Path | None, nbytes: int = 4000) -> str:
+    if log is None or not log.exists():
+        return ""
+    data = log.read_bytes()[-nbytes:].decode("utf-8", "replace")
+    return f"; the end of its output ({log}):\n{data}"
 
 
 #: The stack's entry point for the server (docker-compose.yml runs the same script).
@@ -127,14 +136,15 @@ def prefect_server(home: Path, *, startup_s: float = 120) -> Iterator[tuple[str,
     server_env = script_env(
         {**env, "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port)}
     )
-    server = subprocess.Popen(
-        [str(SERVER_SCRIPT)],
-        env=server_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    log = home / "server.log"
+    with log.open("wb") as out:
+        server = subprocess.Popen(
+            [str(SERVER_SCRIPT)],
+            env=server_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
     try:
         api = f"http://127.0.0.1:{port}/api"
-        wait_http(f"{api}/health", startup_s, server)
+        wait_http(f"{api}/health", startup_s, server, log)
         yield api, {**env, "PREFECT_API_URL": api}
     finally:
         stop(server)

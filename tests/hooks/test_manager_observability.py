@@ -16,6 +16,7 @@ import torch
 from ckptstore.errors import ConfigError, StorageError
 from ckptstore.hooks.manager import CheckpointManager
 from ckptstore.store import CheckpointStore
+from ckptstore.testing.ports import free_port
 
 
 def _state(step: int) -> dict[str, torch.Tensor]:
@@ -35,12 +36,6 @@ def _scrape(url: str) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             out[f"{s.name}{{{labels}}}"] = float(s.value)
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.mark.parametrize("async_save", [True, False])
@@ -115,7 +110,7 @@ def test_missing_extras_are_named(
     monkeypatch.undo()
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    port = _free_port()
+    port = free_port()
     with CheckpointStore.open(tmp_path / "no-tb") as st:
         with pytest.raises(ConfigError, match=r"ckptstore\[tensorboard\]"):
             CheckpointManager(st, "x", handle_sigterm=False, metrics_port=port,

@@ -1,1 +1,2 @@
-"""Test utilities shipped with ckptstore (fault injection, invariant checks)."""
+"""Test utilities shipped with ckptstore (fault injection, invariant checks, S3 and port
+helpers)."""

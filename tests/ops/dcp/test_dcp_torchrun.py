@@ -13,7 +13,6 @@ import datetime
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,17 +28,12 @@ from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.format import read_manifest
 from ckptstore.ops.dcp import is_dcp_manifest, load_dcp, verify_dcp
 from ckptstore.records import CheckpointState
+from ckptstore.testing.ports import free_port
 
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("dcp_worker.py")
 TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _env() -> dict[str, str]:
@@ -53,7 +47,7 @@ def _torchrun(nproc: int, scenarios: str, root: Path, out: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [
         str(torchrun), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-        "--master-port", str(_free_port()), str(WORKER), scenarios, str(root), str(out),
+        "--master-port", str(free_port()), str(WORKER), scenarios, str(root), str(out),
     ]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     # Status 0 also means every rank ended its gloo threads before interpreter shutdown
@@ -173,7 +167,7 @@ def test_plain_load_returns_full_tensors(saved: tuple[Path, Path]) -> None:
 def test_killed_rank_fails_the_other_fast_and_commits_nothing(tmp_path: Path) -> None:
     root, out = tmp_path / "store", tmp_path / "out"
     out.mkdir()
-    port = _free_port()
+    port = free_port()
     procs = []
     started = time.monotonic()
     for rank in range(2):

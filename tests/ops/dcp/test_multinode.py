@@ -25,7 +25,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -55,6 +54,7 @@ from ckptstore.ops.restore import restore_checkpoint
 from ckptstore.ops.retention import apply_retention
 from ckptstore.records import CheckpointState, ReplicaState, ThawState
 from ckptstore.retention import RetentionPolicy
+from ckptstore.testing.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.s3]
 
@@ -113,17 +113,11 @@ class Cluster:
                 os.environ["CKPT_HOST"] = saved
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _launch(cluster: Cluster, scenario: str, nodes: list[str], nproc: int, *,
             warm: bool = True) -> None:
     """One torchrun per simulated node, all at once, rendezvous over c10d on loopback."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    port, rdzv = _free_port(), f"mn-{uuid.uuid4().hex[:8]}"
+    port, rdzv = free_port(), f"mn-{uuid.uuid4().hex[:8]}"
     procs = []
     logs = []
     for k, node in enumerate(nodes):
@@ -583,7 +577,7 @@ def _one_rank_per_node(cluster: Cluster, scenario: str, hosts: tuple[str, ...] =
     """One plain process per node (world size 2), without torchrun's agents: a rank that
     dies then leaves the survivor running, as on a real cluster whose node crashed.
     ``hosts`` names the nodes (other names than ``NODES``: nodes without a hot directory)."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank, (node, name) in enumerate(zip(NODES, hosts, strict=True)):
         env = cluster.env(node)
