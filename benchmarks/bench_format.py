@@ -14,6 +14,11 @@
    ``--procs`` processes. Target < 10 ms.
    Side by side: ``torch.load(mmap=True)`` of the same tensors (file index only, no data
    touched) in the same fresh process.
+3. **A full save, not slower.** A durable save of the fp32 GPT-2-small state with this
+   tree ÷ the same with :data:`LAYOUT_BASE`, the last commit before tensors got arrays of
+   their own, each in fresh processes, alternating, ``--save-rounds`` rounds
+   (``benchmarks/compare_commits.py --only save``: the saves' user and system CPU too).
+   Target ≤ 1.0. Needs the repository's history (a clone, not an export).
 
 Usage::
 
@@ -46,7 +51,9 @@ from ckptstore import CheckpointStore
 
 REPO = Path(__file__).resolve().parent.parent
 WIDTH, LAYERS, FROZEN, RANK = 1024, 8, 6, 8
-TARGETS = {"frozen": 0.30, "lora": 0.05, "manifest_ms": 10.0}
+TARGETS = {"frozen": 0.30, "lora": 0.05, "manifest_ms": 10.0, "full_save": 1.0}
+#: The last commit of the layout without per-tensor arrays (format 1).
+LAYOUT_BASE = "5bc498e~1"
 RUNS = ("frozen", "frozen+adamw", "lora")
 
 # The imports are excluded, and so is the full collection they leave due: the first one
@@ -197,19 +204,44 @@ def manifest_run(tmp: Path, procs: int, n: int = 600) -> dict[str, Any]:
             "samples_ms": ours}
 
 
+def full_save_run(tmp: Path, rounds: int, preset: str) -> dict[str, Any] | None:
+    """Save time of this tree ÷ :data:`LAYOUT_BASE`'s (``compare_commits.py --only save``);
+    None when the repository's history is not here."""
+    from benchmarks import compare_commits
+
+    known = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet",
+                            f"{LAYOUT_BASE}^{{commit}}"], capture_output=True, check=False)
+    if known.returncode != 0:
+        return None
+    out = tmp / "full_save.json"
+    rc = compare_commits.main(["--base", LAYOUT_BASE, "--only", "save", "--rounds",
+                               str(rounds), "--preset", preset, "--tmp", str(tmp),
+                               "--out", str(out)])
+    if rc != 0:
+        raise RuntimeError(f"compare_commits.py exited {rc}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run both parts; print the table and the ratios; write the JSON results."""
+    """Run the three parts; print the tables and the ratios; write the JSON results."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--procs", type=int, default=7, help="fresh processes for the manifest read")
     p.add_argument("--tmp", type=Path, default=None, help="scratch directory")
     p.add_argument("--out", type=Path, default=REPO / "bench-out" / "format.json")
-    p.add_argument("--quick", action="store_true", help="3 processes (CI smoke test)")
+    p.add_argument("--save-rounds", type=int, default=8,
+                   help="rounds of the full-save comparison (each saves with both layouts)")
+    p.add_argument("--quick", action="store_true",
+                   help="3 processes, a tiny state saved in 2 rounds (CI smoke test)")
     args = p.parse_args(argv)
     procs = 3 if args.quick else args.procs
     tmp = Path(tempfile.mkdtemp(prefix="bench-format-", dir=args.tmp))
     try:
         results = {run: dedup_run(run, tmp) for run in RUNS}
         manifest = manifest_run(tmp, procs)
+        print(f"\n# full save, this tree ÷ {LAYOUT_BASE} (no per-tensor arrays)", flush=True)
+        full_save = full_save_run(tmp, 2 if args.quick else args.save_rounds,
+                                  "tiny" if args.quick else "gpt2-small")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"# format benchmark — {LAYERS}-layer MLP, width {WIDTH}, AdamW")
@@ -237,9 +269,19 @@ def main(argv: list[str] | None = None) -> int:
     ratio = manifest["manifest_ms"] / TARGETS["manifest_ms"]
     print(f"- manifest first read ÷ 10 ms: {ratio:.2f} — target ≤ 1: "
           f"{'met' if ratio <= 1 else 'missed'}")
+    if full_save is None:
+        print(f"- full save ÷ {LAYOUT_BASE}'s: not measured (commit {LAYOUT_BASE} is not in "
+              "this checkout's history; run from a git clone)")
+    else:
+        save = full_save["measures"]["save"]
+        print(f"- full save ÷ {LAYOUT_BASE}'s ({full_save['preset']}, {full_save['rounds']} "
+              f"rounds): {save['ratio']:.2f} ({save['ratio_min']:.2f}-{save['ratio_max']:.2f})"
+              f" — target ≤ {TARGETS['full_save']}: "
+              f"{'met' if save['ratio'] <= TARGETS['full_save'] else 'missed'}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"dedup": results, "manifest": manifest,
-                                    "targets": TARGETS, "cpus": os.cpu_count()}, indent=2))
+                                    "full_save": full_save, "targets": TARGETS,
+                                    "cpus": os.cpu_count()}, indent=2))
     print(f"\nresults: {args.out}")
     return 0
 

@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                         "pays for the deletion on file systems that avoid reusing freed "
                         "inodes at once")
     p.add_argument("--tmp", type=Path, default=REPO / "bench-out", help="scratch parent")
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write the summary (medians, ratios, ranges) as JSON here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -218,16 +220,34 @@ def main(argv: list[str] | None = None) -> int:
                 f"{m} {_ratio(times['tree'][m][-1], times['base'][m][-1]):.2f}"
                 for m in measures),
                 flush=True)
+        summary = summarize(times, measures)
         print("\n| measure | base s | tree s | tree / base (median of rounds, range) |")
         print("|---|---|---|---|")
-        for m in measures:
-            ratios = [_ratio(t, b) for t, b in zip(times["tree"][m], times["base"][m], strict=True)]
-            print(f"| {m} | {statistics.median(times['base'][m]):.3f} | "
-                  f"{statistics.median(times['tree'][m]):.3f} | "
-                  f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |")
+        for m, r in summary.items():
+            print(f"| {m} | {r['base_s']:.3f} | {r['tree_s']:.3f} | "
+                  f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) |")
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"base": args.base, "tree": args.tree,
+                                            "rounds": args.rounds, "preset": args.preset,
+                                            "measures": summary}, indent=2))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
+
+
+def summarize(times: dict[str, dict[str, list[float]]],
+              measures: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Per measure: both versions' median seconds and the median and range of the per-round
+    ratios ``tree / base``."""
+    out: dict[str, dict[str, float]] = {}
+    for m in measures:
+        ratios = [_ratio(t, b) for t, b in zip(times["tree"][m], times["base"][m], strict=True)]
+        out[m] = {"base_s": statistics.median(times["base"][m]),
+                  "tree_s": statistics.median(times["tree"][m]),
+                  "ratio": statistics.median(ratios), "ratio_min": min(ratios),
+                  "ratio_max": max(ratios)}
+    return out
 
 
 if __name__ == "__main__":
