@@ -60,6 +60,13 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):
+    # Run as a script: make ``benchmarks.*`` importable from the repository root (it holds no
+    # ``ckptstore`` package, so a child still imports the version on its PYTHONPATH).
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.harness import evict, prefault  # noqa: E402  (needs the path above)
+
 #: Top-level directories setuptools maps into the ``ckptstore`` package (pyproject.toml).
 MAPPED = ("catalog", "tasks", "flows", "migrations")
 MEASURES = ("save", "save-user", "save-sys", "load", "load-into", "load-cold", "async-stall")
@@ -95,10 +102,8 @@ def _cpu_seconds() -> tuple[float, float]:
 
 def child(args: argparse.Namespace) -> None:
     """One round of one version (run in a fresh process); prints its times as JSON."""
-    sys.path.insert(0, str(REPO))
     import ckptstore
     import ckptstore.catalog
-    from benchmarks.harness import evict, prefault
     from benchmarks.state import build_state, state_bytes
 
     state = build_state(args.preset, seed=0)
@@ -145,9 +150,6 @@ def child(args: argparse.Namespace) -> None:
 def _run(tree: Path, store: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Run one version's child on the fresh directory ``store``, then drop its files from
     the page cache (``--delete-each``: delete them)."""
-    sys.path.insert(0, str(REPO))
-    from benchmarks.harness import evict
-
     env = dict(os.environ, PYTHONPATH=str(tree))
     try:
         done = subprocess.run(

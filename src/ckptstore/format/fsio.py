@@ -93,14 +93,10 @@ def _as_bytes_views(buffers: Sequence[Any]) -> list[memoryview]:
 
 #: Most bytes one ``writev`` call hands the kernel. The page cache sizes the folios of a
 #: buffered write by the length of the call, and on the reference VM (Linux 6.18, ext4,
-#: memory whose free pages the host reclaims) copying into large folios costs more the
-#: larger they are: 1.5 GB into 5 MiB files took 0.37-0.42 s of system time in 256 KiB
-#: calls, 0.59-1.47 s in 1 MiB calls and 0.73-1.41 s in 4 MiB calls; 128 KiB calls beat
-#: 256 KiB ones in each of six alternating pairs (median ~0.55 s against ~1.15 s), and a
-#: full GPT-2-small save took 0.84x the time of one in 256 KiB calls (median of 10
-#: alternating rounds, ``benchmarks/compare_commits.py --delete-each``; 0.97x in 5 rounds
-#: that kept the stores). 64 KiB calls gained nothing more (1.02x). Smaller calls cost only
-#: more system calls (~12,000 per 1.5 GB, a few ms).
+#: memory the host reclaims when free) copying into a folio costs more the larger it is:
+#: 1.5 GB in 1 MiB or 4 MiB calls took 1.5-3x the system time of 256 KiB calls, and 128 KiB
+#: calls took less than 256 KiB ones in every alternating pair (a full save 0.84-0.97x;
+#: 64 KiB gained nothing more). Smaller calls cost only more system calls (a few ms).
 WRITE_CALL_BYTES = 128 * 1024
 
 
