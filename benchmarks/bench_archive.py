@@ -73,9 +73,9 @@ from benchmarks.harness import (
 )
 from benchmarks.state import fingerprint, state_bytes
 from ckptstore import CheckpointStore
-from ckptstore.ops.archive import archive_checkpoints
-from ckptstore.ops.replicas import delete_replica
-from ckptstore.ops.restore import restore_checkpoint
+from ckptstore.ops.tiering.archive import archive_checkpoints
+from ckptstore.ops.tiering.replicas import delete_replica
+from ckptstore.ops.tiering.restore import restore_checkpoint
 from ckptstore.records import Checkpoint, ReplicaState
 from ckptstore.testing.s3 import MotoS3
 

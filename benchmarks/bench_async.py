@@ -57,7 +57,7 @@ from torch import nn
 from benchmarks.harness import fmt_bytes, fmt_summary, fsync_dir, fsync_file, release_free_memory
 from benchmarks.state import build_state, iter_tensors, state_bytes
 from ckptstore.hooks.manager import CheckpointManager
-from ckptstore.ops.async_save import AsyncSaver
+from ckptstore.ops.writing.async_save import AsyncSaver
 from ckptstore.store import CheckpointStore
 
 REPO = Path(__file__).resolve().parent.parent

@@ -42,7 +42,7 @@ import torch
 
 from benchmarks.harness import PeakMemory, fmt_bytes, release_free_memory
 from ckptstore import CheckpointStore
-from ckptstore.ops.convert import export_checkpoint
+from ckptstore.ops.upkeep.convert import export_checkpoint
 
 __all__ = ["build_state", "main"]
 

@@ -9,7 +9,7 @@ the hot commit). Then, in alternating rounds:
 - **hot, cold cache**: every file of the checkpoint is fsynced and dropped from the page cache
   (``posix_fadvise(DONTNEED)``, proven effective with ``mincore`` first), then the manifest is
   read and the state loaded exactly as ``store.load`` does;
-- **memory**: :func:`ckptstore.ops.memory.load_from_memory` (manifest checked against
+- **memory**: :func:`ckptstore.ops.writing.memory.load_from_memory` (manifest checked against
   the catalog-recorded digest, every chunk's crc32c checked).
 
 Each both into fresh tensors and into the live state (``into=``: what a restarted trainer does
@@ -55,7 +55,7 @@ from benchmarks.harness import (
 )
 from benchmarks.state import build_state, fingerprint, state_bytes
 from ckptstore.format import read_checkpoint, read_manifest
-from ckptstore.ops.memory import (
+from ckptstore.ops.writing.memory import (
     MEMORY_TIER,
     attach_memory_tier,
     detach_memory_tier,

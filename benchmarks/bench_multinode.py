@@ -104,10 +104,10 @@ def worker(args: argparse.Namespace) -> None:
 
     from benchmarks.state import build_state
     from ckptstore import CheckpointStore
-    from ckptstore.ops.archive import archive_checkpoints
     from ckptstore.ops.dcp import save_distributed
     from ckptstore.ops.dcp.peers import peers_for
-    from ckptstore.ops.parts import remove_local_parts
+    from ckptstore.ops.tiering.archive import archive_checkpoints
+    from ckptstore.ops.tiering.parts import remove_local_parts
 
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))

@@ -54,8 +54,8 @@ from benchmarks.bench_convert import build_state
 from benchmarks.harness import fmt_bytes, fmt_summary, release_free_memory
 from benchmarks.state import state_bytes
 from ckptstore import CheckpointStore
-from ckptstore.ops.archive import archive_checkpoints
-from ckptstore.ops.replicas import delete_replica
+from ckptstore.ops.tiering.archive import archive_checkpoints
+from ckptstore.ops.tiering.replicas import delete_replica
 from ckptstore.records import Checkpoint, ReplicaState
 from ckptstore.testing.s3 import MotoS3
 

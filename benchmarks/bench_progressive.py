@@ -48,7 +48,7 @@ import torch
 
 from benchmarks.harness import can_evict, evict, fmt_bytes, fmt_summary, release_free_memory
 from benchmarks.state import build_state, fingerprint, state_bytes
-from ckptstore.ops.progressive import load_progressive
+from ckptstore.ops.reading.progressive import load_progressive
 from ckptstore.store import CheckpointStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,8 +113,8 @@ def hot_rounds(store: CheckpointStore, ref: str, rounds: int, expected: Any) -> 
 
 def s3_rounds(tmp: Path, rounds: int) -> dict[str, Any]:
     """Stream the quick state from moto S3: first group / full versus restore-then-load."""
-    from ckptstore.ops.archive import archive_checkpoints
-    from ckptstore.ops.replicas import delete_replica
+    from ckptstore.ops.tiering.archive import archive_checkpoints
+    from ckptstore.ops.tiering.replicas import delete_replica
     from ckptstore.testing.s3 import MotoS3
 
     state = build_state("quick")

@@ -456,8 +456,8 @@ class CheckpointManifestRow(Base):
 class ThawRow(Base):
     """The thaw of one archival copy (S3 GLACIER): requested when, ready when, done or not.
 
-    Written by ``ops/thaw.py``; retention keeps every copy of a checkpoint whose thaw is
-    PENDING (``ops/retention/plan.py``).
+    Written by ``ops/tiering/thaw.py``; retention keeps every copy of a checkpoint whose thaw is
+    PENDING (``ops/tiering/retention/plan.py``).
     """
 
     __tablename__ = "thaws"

@@ -2,7 +2,7 @@
 
 A remote is a name for another store's config file (``ckpt remote add NAME --config FILE``);
 the catalog keeps the list so every host sharing a PostgreSQL catalog sees the same remotes.
-The push itself lives in :mod:`ckptstore.ops.push`.
+The push itself lives in :mod:`ckptstore.ops.sharing.push`.
 
 A checkpoint arriving from another store keeps its id (signatures and lineage name ids), so a
 failed arrival that gc or the pusher marked FAILED would block the id for good:

@@ -1,7 +1,7 @@
 """Thaws: restore requests for copies in an archival S3 storage class (GLACIER).
 
 A load or prefetch of a checkpoint whose only copy is archival asks S3 to restore every
-object of that copy (``ops/thaw.py``) and records it here, so that every process knows a
+object of that copy (``ops/tiering/thaw.py``) and records it here, so that every process knows a
 thaw is under way (and when it should be ready), a second load does not ask again, and
 retention keeps the checkpoint's copies until the thaw is done.
 """

@@ -39,7 +39,7 @@ from ckptstore.errors import CkptError, ConfigError
 from ckptstore.flows.deployments import deploy_all, require_api_url
 from ckptstore.flows.registry import need_prefect
 from ckptstore.identity import HOST_ENV, host
-from ckptstore.ops.gc import gc_hot
+from ckptstore.ops.tiering.gc import gc_hot
 from ckptstore.store import CheckpointStore
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from ckptstore.errors import ConfigError, StorageError
 from ckptstore.flows.common import collect, open_store
-from ckptstore.ops.reencode import check_codec
+from ckptstore.ops.tiering.reencode import check_codec
 from ckptstore.tasks.archive import archive_task, demote_task
 
 __all__ = ["archive_flow", "demote_flow"]

@@ -18,8 +18,8 @@ logger = logging.getLogger(__name__)
 
 @task(name="compact-checkpoint", cache_policy=NO_CACHE)
 def compact_task(store: CheckpointStore, ref: str) -> dict[str, Any]:
-    """Run :func:`ckptstore.ops.delta.compact_checkpoint` and summarise the result."""
-    from ckptstore.ops.compact import compact_checkpoint
+    """Run :func:`ckptstore.ops.writing.delta.compact_checkpoint` and summarise the result."""
+    from ckptstore.ops.upkeep.compact import compact_checkpoint
 
     new = compact_checkpoint(store, ref)
     return {"source": ref, "compacted": new.id, "ref": new.ref, "kind": new.kind}

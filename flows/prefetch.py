@@ -1,7 +1,8 @@
 """Prefetch and thaw flows: bring a checkpoint to a host's fast tier ahead of need.
 
-Thin: the rules are in ``ops/prefetch.py`` and ``ops/thaw_poll.py``. A prefetch for another
-host runs on that host's work queue (``ckpt prefetch REF --host H``, served by ``ckpt agent``
+Thin: the rules are in ``ops/reading/prefetch.py`` and ``ops/tiering/thaw_poll.py``. A
+prefetch for another host runs on that host's work queue (``ckpt prefetch REF --host H``, served by
+``ckpt agent``
 there, docs/MULTINODE.md), since hot tiers are node-local. When the only copy is in GLACIER,
 the prefetch flow (with ``wait_thaw``) goes on to wait for the thaw and restore it.
 """

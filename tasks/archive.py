@@ -43,7 +43,7 @@ def archive_task(
         run: Only this run.
         tier: Destination tier.
         reencode: Codec preset to re-encode with (None copies as is); see
-            :mod:`ckptstore.ops.reencode`.
+            :mod:`ckptstore.ops.tiering.reencode`.
 
     Returns:
         The archive report as a dict.
@@ -51,7 +51,7 @@ def archive_task(
     Raises:
         StorageError: If a copy fails after the retries.
     """
-    from ckptstore.ops.archive import archive_checkpoints
+    from ckptstore.ops.tiering.archive import archive_checkpoints
 
     report = archive_checkpoints(store, run=run, ref=ref, tier=tier, reencode=reencode)
     logger.info("%s", report.summary())
@@ -82,7 +82,7 @@ def demote_task(
     Returns:
         The demote report as a dict.
     """
-    from ckptstore.ops.archive import demote_checkpoints
+    from ckptstore.ops.tiering.archive import demote_checkpoints
 
     report = demote_checkpoints(store, older_than_days=older_than_days, src=src, dst=dst)
     logger.info("%s", report.summary())

@@ -31,7 +31,7 @@ def export_task(store: CheckpointStore, ref: str, fmt: str, out: str) -> dict[st
     Returns:
         ``{"ref": ..., "format": ..., "path": ...}``.
     """
-    from ckptstore.ops.convert import export_checkpoint
+    from ckptstore.ops.upkeep.convert import export_checkpoint
 
     path = export_checkpoint(store, ref, fmt, out)
     return {"ref": ref, "format": fmt, "path": str(path)}
@@ -57,7 +57,7 @@ def import_task(
     Returns:
         The new checkpoint record as a dict.
     """
-    from ckptstore.ops.convert import import_checkpoint
+    from ckptstore.ops.upkeep.convert import import_checkpoint
 
     ck = import_checkpoint(store, path, run=run, step=step, fmt=fmt)
     return {"ref": ck.ref, "id": ck.id, "checkpoint": to_jsonable(ck)}

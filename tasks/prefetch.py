@@ -1,5 +1,5 @@
 """Prefect tasks that prefetch a checkpoint to this host and finish the thaw of a GLACIER
-copy (rules in ``ops/prefetch.py`` and ``ops/thaw_poll.py``)."""
+copy (rules in ``ops/reading/prefetch.py`` and ``ops/tiering/thaw_poll.py``)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def prefetch_task(store: CheckpointStore, ref: str, to: str = "hot",
     """Prefetch ``ref`` to this host's ``to`` tier under a lease of ``hold_s`` seconds.
 
     Returns:
-        :meth:`ckptstore.ops.prefetch.PrefetchResult.to_dict`.
+        :meth:`ckptstore.ops.reading.prefetch.PrefetchResult.to_dict`.
 
     Raises:
         ThawPendingError: If the only copy is archival (not retried: the thaw flow waits).

@@ -39,7 +39,7 @@ def restore_task(store: CheckpointStore, ref: str, to: str | None = None) -> dic
     Raises:
         CheckpointNotFoundError: If no verified copy exists anywhere.
     """
-    from ckptstore.ops.restore import restore_checkpoint
+    from ckptstore.ops.tiering.restore import restore_checkpoint
 
     path = restore_checkpoint(store, ref, to=to)
     logger.info("restored %s to %s", ref, path)

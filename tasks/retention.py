@@ -9,7 +9,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 if TYPE_CHECKING:
-    from ckptstore.ops.retention import RetentionPlan, RetentionReport
+    from ckptstore.ops.tiering.retention import RetentionPlan, RetentionReport
     from ckptstore.retention import RetentionPolicy
     from ckptstore.store import CheckpointStore
 
@@ -39,7 +39,7 @@ def plan_retention_task(
     Raises:
         ConfigError: If the tier is not configured.
     """
-    from ckptstore.ops.retention import plan_retention
+    from ckptstore.ops.tiering.retention import plan_retention
 
     plan = plan_retention(store, policy, run=run, tier=tier)
     logger.info("%s", plan.render(show_kept=False))
@@ -58,6 +58,6 @@ def apply_retention_plan_task(store: CheckpointStore, plan: RetentionPlan) -> Re
     Returns:
         The report (failed actions are listed, not raised).
     """
-    from ckptstore.ops.retention import apply_plan
+    from ckptstore.ops.tiering.retention import apply_plan
 
     return apply_plan(store, plan)

@@ -47,7 +47,7 @@ def verify_task(
     Returns:
         The verify report as a dict.
     """
-    from ckptstore.ops.verify import verify_replicas
+    from ckptstore.ops.upkeep.verify import verify_replicas
 
     report = verify_replicas(store, ref=ref, tier=tier, run=run, repair=repair, deep=deep)
     summary = dict(to_jsonable(report))

@@ -1,5 +1,5 @@
 """Fixtures of the push/pull tests: two stores and a third for pull-backs, each opened from
-a config file as a remote is. Used by tests/ops/remote/ and tests/flows/test_sync_flow.py.
+a config file as a remote is. Used by tests/ops/sharing/remote/ and tests/flows/test_sync_flow.py.
 
 ``a``: SQLite catalog, warm tier on one moto bucket. ``b``: PostgreSQL catalog (127.0.0.1,
 see tests/pg_support.py), warm tier on a second moto bucket. ``c``: SQLite catalog, hot tier
@@ -18,7 +18,7 @@ import torch
 from pg_support import create_pg_database, drop_pg_database, require_pg
 
 from ckptstore import CheckpointStore
-from ckptstore.ops.remote import add_remote
+from ckptstore.ops.sharing.remote import add_remote
 from ckptstore.testing.s3 import MotoS3
 
 CHUNK_BYTES = 4096

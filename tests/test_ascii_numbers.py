@@ -139,7 +139,7 @@ def test_owner_tags_with_non_ascii_pids_are_not_judged_dead() -> None:
 
 
 def test_memory_tier_sweep_reads_only_ascii_pids(tmp_path: Path) -> None:
-    from ckptstore.ops.memory import memory_tier_for
+    from ckptstore.ops.writing.memory import memory_tier_for
 
     shm = tmp_path / "shm"
     with CheckpointStore.open(tmp_path / "s", memory_tier_bytes=2**20,
@@ -182,7 +182,7 @@ def test_schedules_are_ascii_only() -> None:
 
 
 def test_bundle_pax_numbers_are_ascii_only(tmp_store: CheckpointStore, tmp_path: Path) -> None:
-    from ckptstore.ops.bundle import BUNDLE_HEADER, export_bundle, import_bundle
+    from ckptstore.ops.sharing.bundle import BUNDLE_HEADER, export_bundle, import_bundle
 
     ck = tmp_store.save("r", 1, {"w": torch.arange(8.0)})
     good = export_bundle(tmp_store, ck.id, tmp_path / "good.tar")

@@ -136,7 +136,7 @@ class StoreCore:
         flows_launched: Whether this store started a flow (``close`` then waits for them).
         saver: The async saver, created by the first ``save_async``.
         memory_tier: The shared-memory tier when enabled (see
-            :func:`ckptstore.ops.memory.memory_tier_for`).
+            :func:`ckptstore.ops.writing.memory.memory_tier_for`).
         memory_tier_resolved: Whether :attr:`memory_tier` was already looked up from the
             settings (None then means "off").
         peers: The background replication of parts to neighbour hosts (``replicas = 2``),

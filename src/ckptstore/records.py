@@ -68,7 +68,7 @@ class Replica:
         verified_at: When it was last checked intact.
         manifest_digest: Digest of the manifest this copy holds when it differs from the
             checkpoint's own (a copy re-encoded with the archive codec, see
-            :mod:`ckptstore.ops.reencode`); None when the copy holds the checkpoint's own
+            :mod:`ckptstore.ops.tiering.reencode`); None when the copy holds the checkpoint's own
             manifest. Use :func:`expected_digest` rather than reading this directly.
     """
 

@@ -2,8 +2,9 @@
 
 The store *is* a :class:`~ckptstore.core.StoreCore` (settings, catalog, tiers, metrics and the
 per-store services), so anything that takes a core takes a store. The work happens in the
-operations: a save in :mod:`ckptstore.ops.save`, a load in :mod:`ckptstore.ops.load`, hot-tier
-gc in :mod:`ckptstore.ops.gc`; docs/ARCHITECTURE.md traces a save and a load through them.
+operations: a save in :mod:`ckptstore.ops.writing.save`, a load in
+:mod:`ckptstore.ops.reading.load`, hot-tier gc in :mod:`ckptstore.ops.tiering.gc`;
+docs/ARCHITECTURE.md traces a save and a load through them.
 """
 
 from __future__ import annotations
@@ -17,17 +18,22 @@ from typing import TYPE_CHECKING, Any
 from ckptstore.core import StoreCore
 from ckptstore.errors import InvalidNameError
 from ckptstore.format import Manifest
-from ckptstore.ops.async_save import SaveHandle, save_async, wait_async
-from ckptstore.ops.delta import LATEST, Latest
-from ckptstore.ops.gc import DEFAULT_PENDING_GRACE_S, GcReport, gc_hot
-from ckptstore.ops.load import load_checkpoint, read_any_manifest, restore_latest, verify_hot
-from ckptstore.ops.prefetch import DEFAULT_HOLD_S, PrefetchResult, prefetch_checkpoint
-from ckptstore.ops.progressive import ProgressiveLoad, load_progressive
-from ckptstore.ops.save import save_checkpoint
-from ckptstore.ops.show import show_checkpoint
-from ckptstore.ops.sweep import CheckpointSweep
-from ckptstore.ops.thaw_poll import complete_thaw
+from ckptstore.ops.reading.load import (
+    load_checkpoint,
+    read_any_manifest,
+    restore_latest,
+    verify_hot,
+)
+from ckptstore.ops.reading.prefetch import DEFAULT_HOLD_S, PrefetchResult, prefetch_checkpoint
+from ckptstore.ops.reading.progressive import ProgressiveLoad, load_progressive
+from ckptstore.ops.reading.show import show_checkpoint
+from ckptstore.ops.reading.sweep import CheckpointSweep
+from ckptstore.ops.tiering.gc import DEFAULT_PENDING_GRACE_S, GcReport, gc_hot
+from ckptstore.ops.tiering.thaw_poll import complete_thaw
 from ckptstore.ops.trigger import trigger_flow
+from ckptstore.ops.writing.async_save import SaveHandle, save_async, wait_async
+from ckptstore.ops.writing.delta import LATEST, Latest
+from ckptstore.ops.writing.save import save_checkpoint
 from ckptstore.records import Checkpoint, Event, RunInfo, UsageRow
 
 if TYPE_CHECKING:
@@ -278,7 +284,7 @@ class CheckpointStore(StoreCore):
             strict: Raise if a pattern matches no tensor.
 
         Returns:
-            A :class:`~ckptstore.ops.progressive.ProgressiveLoad`: ``wait(i)`` or
+            A :class:`~ckptstore.ops.reading.progressive.ProgressiveLoad`: ``wait(i)`` or
             iteration for groups as they complete, ``result()`` for the whole state.
 
         Raises:
@@ -295,7 +301,7 @@ class CheckpointStore(StoreCore):
         Raises:
             ThawPendingError: If its only copy is archival (GLACIER): a thaw was requested.
 
-        See :func:`ckptstore.ops.prefetch.prefetch_checkpoint`.
+        See :func:`ckptstore.ops.reading.prefetch.prefetch_checkpoint`.
         """
         if to not in ("hot", "memory"):
             raise InvalidNameError(f"prefetch destination {to!r} is not 'hot' or 'memory'")
@@ -310,7 +316,7 @@ class CheckpointStore(StoreCore):
         ``preload``) the next one is loaded into memory.
 
         Close it (or use ``with``) when stopping early; an abandoned one is closed when
-        collected. See :class:`ckptstore.ops.sweep.CheckpointSweep`.
+        collected. See :class:`ckptstore.ops.reading.sweep.CheckpointSweep`.
 
         Example:
             >>> for ck, state in store.iter_checkpoints("run-a", prefetch=2):  # doctest: +SKIP
@@ -321,7 +327,7 @@ class CheckpointStore(StoreCore):
     def thaw(self, ref: str, *, poll_s: float = 300.0,
              timeout_s: float | None = None) -> Path:
         """Wait until a checkpoint's archival (GLACIER) copy has thawed, then restore it to
-        the hot tier; see :func:`ckptstore.ops.thaw_poll.complete_thaw`."""
+        the hot tier; see :func:`ckptstore.ops.tiering.thaw_poll.complete_thaw`."""
         return complete_thaw(self, ref, poll_s=poll_s, timeout_s=timeout_s)
 
     def restore_latest(self, run: str, *, into: Any | None = None) -> Any | None:

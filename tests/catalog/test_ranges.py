@@ -112,7 +112,7 @@ def test_catalog_writes_refuse_values_beyond_the_columns(store: CheckpointStore)
 def test_bundle_header_numbers_beyond_the_columns_are_refused(
     store: CheckpointStore, tmp_path: Path
 ) -> None:
-    from ckptstore.ops.bundle import BUNDLE_HEADER, export_bundle, import_bundle
+    from ckptstore.ops.sharing.bundle import BUNDLE_HEADER, export_bundle, import_bundle
 
     good = export_bundle(store, "h@latest", tmp_path / "good.tar")
     hostile = tmp_path / "metric.tar"

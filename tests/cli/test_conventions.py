@@ -53,14 +53,14 @@ class Case:
 
 
 def _keypair(fs: FilledStore) -> None:
-    from ckptstore.ops.signing import generate_keypair
+    from ckptstore.ops.sharing.signing import generate_keypair
 
     if not (fs.work / "alice.key").exists():
         generate_keypair(fs.work, "alice")
 
 
 def _signed(fs: FilledStore) -> None:
-    from ckptstore.ops.signing import sign_checkpoint
+    from ckptstore.ops.sharing.signing import sign_checkpoint
 
     _keypair(fs)
     with CheckpointStore.open(config=fs.config) as store:
@@ -73,7 +73,7 @@ def _pt_file(fs: FilledStore) -> None:
 
 
 def _bundle(fs: FilledStore) -> None:
-    from ckptstore.ops.bundle import export_bundle
+    from ckptstore.ops.sharing.bundle import export_bundle
 
     with CheckpointStore.open(config=fs.config) as store:
         export_bundle(store, "tuned@latest", fs.work / "tuned.tar")

@@ -98,7 +98,10 @@ API_CASES = [
                     "TensorBoardSink('{work}/tb')"),
     ("flows", "from ckptstore.flows.schedules import parse_schedule; parse_schedule('0 3 * * *')"),
     ("flows", "from ckptstore.flows import get_flow; get_flow('archive')"),
-    ("sign", "from ckptstore.ops.signing import generate_keypair; generate_keypair('{work}/k')"),
+    (
+        "sign",
+        "from ckptstore.ops.sharing.signing import generate_keypair; generate_keypair('{work}/k')",
+    ),
     ("ui", "import ckptstore.ui.app"),
     ("safetensors", "from pathlib import Path; from ckptstore.convert.readers import "
                     "read_source; read_source(Path('{work}/w.safetensors'), 'safetensors')"),

@@ -17,8 +17,8 @@ from cli_support import Ckpt
 
 from ckptstore import CheckpointStore
 from ckptstore.cli.prefetch import EXIT_THAW_PENDING
-from ckptstore.ops.archive import archive_checkpoints
-from ckptstore.ops.replicas import delete_replica
+from ckptstore.ops.tiering.archive import archive_checkpoints
+from ckptstore.ops.tiering.replicas import delete_replica
 from ckptstore.records import ReplicaState, ThawState
 from ckptstore.testing.s3 import MotoS3
 

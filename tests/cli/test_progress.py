@@ -48,11 +48,11 @@ def test_recorder_is_what_the_library_checks_for() -> None:
 
 
 def test_archive_import_export_compact_doctor_announce_totals(filled: FilledStore) -> None:
-    from ckptstore.ops.archive import archive_checkpoints
-    from ckptstore.ops.bundle import export_bundle, import_bundle
-    from ckptstore.ops.compact import compact_checkpoint
-    from ckptstore.ops.convert import import_checkpoint
-    from ckptstore.ops.doctor import doctor
+    from ckptstore.ops.sharing.bundle import export_bundle, import_bundle
+    from ckptstore.ops.tiering.archive import archive_checkpoints
+    from ckptstore.ops.upkeep.compact import compact_checkpoint
+    from ckptstore.ops.upkeep.convert import import_checkpoint
+    from ckptstore.ops.upkeep.doctor import doctor
 
     with CheckpointStore.open(config=filled.config) as store:
         progress = Recorder()

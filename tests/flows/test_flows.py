@@ -81,8 +81,8 @@ def test_archive_flow_reencodes_with_the_configured_codec(tmp_path: Path) -> Non
     """archive_codec from the config: a self-contained zstd-3 warm copy that carries the
     original manifest, restores and loads bit-exactly, and keeps the store's invariants."""
     from ckptstore.flows.archive import archive_flow
-    from ckptstore.ops.reencode import ORIGINAL_MANIFEST_NAME
-    from ckptstore.ops.replicas import delete_replica
+    from ckptstore.ops.tiering.reencode import ORIGINAL_MANIFEST_NAME
+    from ckptstore.ops.tiering.replicas import delete_replica
 
     config = tmp_path / "ckpt.toml"
     config.write_text(

@@ -217,7 +217,7 @@ def test_each_agent_uploads_only_its_own_hosts_part(nodes: Nodes) -> None:
 
 
 def test_each_agent_prunes_its_own_parts(nodes: Nodes) -> None:
-    from ckptstore.ops.retention import apply_retention
+    from ckptstore.ops.tiering.retention import apply_retention
     from ckptstore.retention import RetentionPolicy
 
     saved = os.environ.get("CKPT_HOST")

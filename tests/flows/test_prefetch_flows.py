@@ -11,9 +11,9 @@ import torch
 
 from ckptstore import CheckpointStore
 from ckptstore.identity import host
-from ckptstore.ops.archive import archive_checkpoints
-from ckptstore.ops.prefetch import prefetch_purpose, send_prefetch
-from ckptstore.ops.replicas import delete_replica
+from ckptstore.ops.reading.prefetch import prefetch_purpose, send_prefetch
+from ckptstore.ops.tiering.archive import archive_checkpoints
+from ckptstore.ops.tiering.replicas import delete_replica
 from ckptstore.records import ReplicaState, ThawState
 from ckptstore.testing.s3 import MotoS3
 

@@ -43,7 +43,7 @@ def test_a_store_save_pauses_the_collector_over_its_catalog_work(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from ckptstore import CheckpointStore
-    from ckptstore.ops import save as save_module
+    from ckptstore.ops.writing import save as save_module
 
     seen: list[bool] = []
     real = save_module.plan_save

@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from ckptstore import CheckpointStore
 from ckptstore.format import Manifest, flatten_state, read_manifest
 from ckptstore.format.dtypes import dtype_by_name, supported_dtype_names
-from ckptstore.ops.archive import archive_checkpoints
+from ckptstore.ops.tiering.archive import archive_checkpoints
 
 pytest.importorskip("tensorstore", reason="the interop suite needs the dev extra (tensorstore)")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptstore.ops.async_save import close_saver
+from ckptstore.ops.writing.async_save import close_saver
 from ckptstore.store import CheckpointStore
 
 

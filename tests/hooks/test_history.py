@@ -14,7 +14,7 @@ from sqlalchemy import event
 from ckptstore.errors import ConfigError
 from ckptstore.hooks.loss_monitor import LossMonitor
 from ckptstore.hooks.manager import CheckpointManager
-from ckptstore.ops.history import ALERT_EVENT, MetricHistory
+from ckptstore.ops.upkeep.history import ALERT_EVENT, MetricHistory
 from ckptstore.store import CheckpointStore
 
 

@@ -13,7 +13,7 @@ from ckptstore.errors import ConfigError, StorageError
 from ckptstore.hooks.loss_monitor import LossMonitor
 from ckptstore.hooks.manager import CheckpointManager
 from ckptstore.hooks.policies import EveryNSteps
-from ckptstore.ops.async_save import SaveHandle
+from ckptstore.ops.writing.async_save import SaveHandle
 from ckptstore.records import Checkpoint
 from ckptstore.store import CheckpointStore
 

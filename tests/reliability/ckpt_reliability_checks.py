@@ -50,7 +50,7 @@ def assert_loads_bit_exact(store: CheckpointStore, expected: Expected) -> None:
         ck = store.catalog.get(ckpt_id)
         assert ck.state == CheckpointState.COMMITTED, f"{ckpt_id} is {ck.state}"
         if ck.replica("hot") is None or ck.replica("hot").state != ReplicaState.PRESENT:
-            from ckptstore.ops.restore import restore_checkpoint
+            from ckptstore.ops.tiering.restore import restore_checkpoint
 
             restore_checkpoint(store, ckpt_id, threads=2)
         loaded = store.load(ckpt_id)
@@ -118,7 +118,7 @@ def assert_sound(store: CheckpointStore, *, deep: bool = True) -> None:
 
 def remote_claims(store: CheckpointStore, tier: str) -> list[str]:
     """PRESENT replicas on ``tier`` whose marker or manifest is not there (remote tiers)."""
-    from ckptstore.ops.replicas import manifest_on, tier_of
+    from ckptstore.ops.tiering.replicas import manifest_on, tier_of
     from ckptstore.storage.transfer import owned_files
 
     target = tier_of(store, tier)

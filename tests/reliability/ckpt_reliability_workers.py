@@ -155,8 +155,8 @@ def archive_and_die(
     """Archive hot → warm; ``kill=(target, method, n)`` SIGKILLs on the n-th call of
     ``target.method`` where target is ``"dst"`` (the warm tier) or ``"catalog"``."""
     _apply_env(env)
-    from ckptstore.ops.archive import archive_checkpoints
-    from ckptstore.ops.replicas import tier_of
+    from ckptstore.ops.tiering.archive import archive_checkpoints
+    from ckptstore.ops.tiering.replicas import tier_of
 
     store = _open(root, open_kwargs)
     if kill is not None:
@@ -182,8 +182,8 @@ def prune_and_die(
     """Apply retention (keep_last) on ``tier``; ``kill`` as in :func:`archive_and_die`
     (``target`` is ``"tier"`` for the pruned tier or ``"catalog"``)."""
     _apply_env(env)
-    from ckptstore.ops.replicas import tier_of
-    from ckptstore.ops.retention import apply_retention
+    from ckptstore.ops.tiering.replicas import tier_of
+    from ckptstore.ops.tiering.retention import apply_retention
     from ckptstore.retention import RetentionPolicy
 
     store = _open(root, open_kwargs)
@@ -207,8 +207,8 @@ def demote_and_die(
 ) -> None:
     """Move every warm copy to cold (copy → verify → record → delete source)."""
     _apply_env(env)
-    from ckptstore.ops.archive import demote_checkpoints
-    from ckptstore.ops.replicas import tier_of
+    from ckptstore.ops.tiering.archive import demote_checkpoints
+    from ckptstore.ops.tiering.replicas import tier_of
 
     store = _open(root, open_kwargs)
     if kill is not None:
@@ -234,8 +234,8 @@ def restore_and_die(
     """Restore ``ref`` to the hot tier; ``kill=("hot"|"catalog", method, n)`` or a parent's
     random SIGKILL stops it."""
     _apply_env(env)
-    from ckptstore.ops.replicas import tier_of
-    from ckptstore.ops.restore import restore_checkpoint
+    from ckptstore.ops.tiering.replicas import tier_of
+    from ckptstore.ops.tiering.restore import restore_checkpoint
 
     store = _open(root, open_kwargs)
     if kill is not None:
@@ -307,7 +307,7 @@ def saver(root: str, open_kwargs: dict[str, Any], run: str, seconds: float, seed
 def pruner(root: str, open_kwargs: dict[str, Any], tiers: list[str], seconds: float, seed: int,
            queue: Any, start: Any = None, env: dict[str, str] | None = None) -> None:
     """Apply keep_last=2 retention to the given tiers in a loop."""
-    from ckptstore.ops.retention import apply_retention
+    from ckptstore.ops.tiering.retention import apply_retention
     from ckptstore.retention import RetentionPolicy
 
     def body(store: Any, rng: random.Random, stats: dict[str, Any]) -> None:
@@ -328,7 +328,7 @@ def pruner(root: str, open_kwargs: dict[str, Any], tiers: list[str], seconds: fl
 def archiver(root: str, open_kwargs: dict[str, Any], seconds: float, seed: int, queue: Any,
              start: Any = None, env: dict[str, str] | None = None) -> None:
     """Archive hot → warm in a loop."""
-    from ckptstore.ops.archive import archive_checkpoints
+    from ckptstore.ops.tiering.archive import archive_checkpoints
 
     def body(store: Any, rng: random.Random, stats: dict[str, Any]) -> None:
         report = archive_checkpoints(store, tier="warm", threads=2, raise_errors=False)
@@ -344,7 +344,7 @@ def archiver(root: str, open_kwargs: dict[str, Any], seconds: float, seed: int, 
 def restorer(root: str, open_kwargs: dict[str, Any], run: str, seconds: float, seed: int,
              queue: Any, start: Any = None, env: dict[str, str] | None = None) -> None:
     """Load random committed checkpoints (restoring them first when only archived)."""
-    from ckptstore.ops.restore import restore_checkpoint
+    from ckptstore.ops.tiering.restore import restore_checkpoint
 
     def body(store: Any, rng: random.Random, stats: dict[str, Any]) -> None:
         found = store.list(run=run)
@@ -363,7 +363,7 @@ def prune_paused(root: str, open_kwargs: dict[str, Any], tier: str, keep_last: i
                  checked: Any, go: Any, queue: Any) -> None:
     """Retention that pauses after its checks, right before it starts deleting a checkpoint
     (``checked`` set, then waits for ``go``): the window a concurrent restore can hit."""
-    from ckptstore.ops.retention import apply_retention
+    from ckptstore.ops.tiering.retention import apply_retention
     from ckptstore.retention import RetentionPolicy
 
     try:
@@ -389,8 +389,8 @@ def restore_paused(root: str, open_kwargs: dict[str, Any], ref: str, mid: Any, r
     """Restore ``ref`` to hot, pausing after its second file (``mid`` set, waits for
     ``resume``); report "ok" (and check the tensors) or the error type."""
     from ckptstore.errors import CkptError
-    from ckptstore.ops.replicas import tier_of
-    from ckptstore.ops.restore import restore_checkpoint
+    from ckptstore.ops.tiering.replicas import tier_of
+    from ckptstore.ops.tiering.restore import restore_checkpoint
 
     try:
         store = _open(root, open_kwargs)
@@ -477,7 +477,7 @@ def load_one(root: str, ref: str, queue: Any) -> None:
 def import_file(root: str, path: str, env: dict[str, str], queue: Any) -> None:
     """Import a foreign checkpoint file/folder with ``env`` applied; report the outcome."""
     _apply_env(env)
-    from ckptstore.ops.convert import import_checkpoint
+    from ckptstore.ops.upkeep.convert import import_checkpoint
 
     store = _open(root, None)
     try:
@@ -517,7 +517,7 @@ def parse_hostile(path: str, queue: Any) -> None:
 
 def import_bundle_measured(root: str, bundle: str, queue: Any) -> None:
     """Import a (hostile) bundle; report (error type, message, peak RSS growth MiB)."""
-    from ckptstore.ops.bundle import import_bundle
+    from ckptstore.ops.sharing.bundle import import_bundle
     from ckptstore.store import CheckpointStore
 
     with CheckpointStore.open(root) as store:

@@ -43,9 +43,9 @@ _PRELOAD = [
     "sqlalchemy",
     "ckptstore.store",
     "ckptstore.catalog",
-    "ckptstore.ops.archive",
-    "ckptstore.ops.restore",
-    "ckptstore.ops.retention",
+    "ckptstore.ops.tiering.archive",
+    "ckptstore.ops.tiering.restore",
+    "ckptstore.ops.tiering.retention",
     "ckpt_reliability_workers",
 ]
 

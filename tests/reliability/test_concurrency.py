@@ -16,8 +16,8 @@ import ckpt_reliability_checks as checks
 import pytest
 from ckpt_reliability_checks import FULL, join, start_child
 
-from ckptstore.ops.archive import archive_checkpoints
-from ckptstore.ops.retention import apply_retention
+from ckptstore.ops.tiering.archive import archive_checkpoints
+from ckptstore.ops.tiering.retention import apply_retention
 from ckptstore.records import CheckpointState, ReplicaState
 from ckptstore.retention import RetentionPolicy
 from ckptstore.store import CheckpointStore
@@ -126,7 +126,7 @@ def test_mixed_workload(tmp_path: Path, procs: Any, backend: Any, w: Any,
 def _assert_no_races(outcomes: Counter[str]) -> None:
     """Racing flows end in a result or a typed refusal (a lease held, a checkpoint pruned
     meanwhile), never in files vanishing under a restore, a load or a prune: those re-plan
-    (tests/ops/test_load_race.py, test_restore_inside_prune_window)."""
+    (tests/ops/reading/test_load_race.py, test_restore_inside_prune_window)."""
     raced = {k: v for k, v in outcomes.items()
              if k in ("StorageError", "IntegrityError", "MissingBaseError", "retention-failed",
                       "archive-failed")}

@@ -19,11 +19,11 @@ import ckpt_reliability_checks as checks
 import pytest
 from ckpt_reliability_checks import FULL, join, start_child
 
-from ckptstore.ops.archive import archive_checkpoints, demote_checkpoints
-from ckptstore.ops.doctor import doctor
-from ckptstore.ops.replicas import manifest_of
-from ckptstore.ops.restore import restore_checkpoint
-from ckptstore.ops.retention import apply_retention
+from ckptstore.ops.tiering.archive import archive_checkpoints, demote_checkpoints
+from ckptstore.ops.tiering.replicas import manifest_of
+from ckptstore.ops.tiering.restore import restore_checkpoint
+from ckptstore.ops.tiering.retention import apply_retention
+from ckptstore.ops.upkeep.doctor import doctor
 from ckptstore.records import CheckpointState, ReplicaState
 from ckptstore.retention import RetentionPolicy
 from ckptstore.storage.transfer import owned_files

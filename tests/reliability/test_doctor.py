@@ -15,10 +15,10 @@ import ckpt_reliability_checks as checks
 import pytest
 
 from ckptstore.identity import owner_is_dead
-from ckptstore.ops.archive import archive_checkpoints
-from ckptstore.ops.doctor import doctor
-from ckptstore.ops.replicas import tier_of
-from ckptstore.ops.verify import verify_replicas
+from ckptstore.ops.tiering.archive import archive_checkpoints
+from ckptstore.ops.tiering.replicas import tier_of
+from ckptstore.ops.upkeep.doctor import doctor
+from ckptstore.ops.upkeep.verify import verify_replicas
 from ckptstore.records import CheckpointState, ReplicaState
 from ckptstore.store import CheckpointStore
 from ckptstore.testing.fault_injection import flip_bit

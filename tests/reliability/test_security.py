@@ -33,7 +33,7 @@ from ckptstore.errors import (
 from ckptstore.format.constants import MAX_MANIFEST_BYTES
 from ckptstore.format.manifest import manifest_digest
 from ckptstore.format.zarrcheck import check_zarr_metadata
-from ckptstore.ops.doctor import doctor
+from ckptstore.ops.upkeep.doctor import doctor
 from ckptstore.store import CheckpointStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -206,8 +206,8 @@ _PATH_ESCAPES = {"../x", "/abs", "a/../../b", "//proc/self/root", "a\x00b", "a\\
 
 def test_names_are_refused_at_the_api_boundary(new_root: Any, tmp_path: Path, w: Any,
                                                figures: Any) -> None:
-    from ckptstore.ops.convert import import_checkpoint
-    from ckptstore.ops.replicas import tier_of
+    from ckptstore.ops.tiering.replicas import tier_of
+    from ckptstore.ops.upkeep.convert import import_checkpoint
 
     root = new_root()
     outside = tmp_path
@@ -372,8 +372,8 @@ def test_cli_where_filter_cannot_be_injected() -> None:
 def test_credentials_never_leak(new_root: Any, s3: Any, tmp_path: Path, w: Any,
                                 caplog: pytest.LogCaptureFixture, monkeypatch: Any,
                                 figures: Any) -> None:
-    from ckptstore.ops.archive import archive_checkpoints
-    from ckptstore.ops.restore import restore_checkpoint
+    from ckptstore.ops.tiering.archive import archive_checkpoints
+    from ckptstore.ops.tiering.restore import restore_checkpoint
     from ckptstore.testing.fault_injection import FaultyProxy
 
     key_id = "AKIA" + uuid.uuid4().hex[:16].upper()
@@ -400,7 +400,7 @@ def test_credentials_never_leak(new_root: Any, s3: Any, tmp_path: Path, w: Any,
             assert proxy.counts["denied"] > 0
             proxy.set_rates()
             archive_checkpoints(store, tier="warm", threads=1)
-            from ckptstore.ops.replicas import delete_replica
+            from ckptstore.ops.tiering.replicas import delete_replica
 
             delete_replica(store, store.catalog.get(ck.id), "hot")
             restore_checkpoint(store, ck.id, threads=1)
@@ -432,7 +432,7 @@ def test_credentials_never_leak(new_root: Any, s3: Any, tmp_path: Path, w: Any,
 
 
 def _archive_with(root: Path, warm: str, options: dict[str, Any]) -> None:
-    from ckptstore.ops.archive import archive_checkpoints
+    from ckptstore.ops.tiering.archive import archive_checkpoints
 
     with CheckpointStore.open(root, warm=warm, storage_options=options) as store:
         archive_checkpoints(store, tier="warm")

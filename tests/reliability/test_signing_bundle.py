@@ -21,15 +21,15 @@ from ckptstore.errors import (
     InvalidNameError,
 )
 from ckptstore.format.manifest import manifest_digest
-from ckptstore.ops.archive import archive_checkpoints
-from ckptstore.ops.bundle import BUNDLE_HEADER, export_bundle, import_bundle
-from ckptstore.ops.replicas import delete_replica
-from ckptstore.ops.signing import (
+from ckptstore.ops.sharing.bundle import BUNDLE_HEADER, export_bundle, import_bundle
+from ckptstore.ops.sharing.signing import (
     SIGNATURE_NAME,
     generate_keypair,
     sign_checkpoint,
     verify_signature,
 )
+from ckptstore.ops.tiering.archive import archive_checkpoints
+from ckptstore.ops.tiering.replicas import delete_replica
 from ckptstore.store import CheckpointStore
 from ckptstore.testing.fault_injection import flip_bit
 
@@ -123,7 +123,7 @@ def test_signature_survives_archive_and_restore(store: Any, w: Any, keys: Any) -
     archive_checkpoints(store, tier="warm", threads=2)
     delete_replica(store, store.catalog.get(ck.id), "hot")
     verify_signature(store, ck.id, public)  # from the catalog event
-    from ckptstore.ops.restore import restore_checkpoint
+    from ckptstore.ops.tiering.restore import restore_checkpoint
 
     restore_checkpoint(store, ck.id)
     verify_signature(store, ck.id, public, deep=True)

@@ -27,9 +27,9 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import iter_tensors, read_manifest
-from ckptstore.ops.archive import archive_checkpoints
-from ckptstore.ops.replicas import manifest_of
-from ckptstore.ops.restore import restore_checkpoint
+from ckptstore.ops.tiering.archive import archive_checkpoints
+from ckptstore.ops.tiering.replicas import manifest_of
+from ckptstore.ops.tiering.restore import restore_checkpoint
 from ckptstore.records import CheckpointState, ReplicaState
 from ckptstore.storage import is_retryable
 from ckptstore.storage.transfer import owned_files
@@ -343,7 +343,7 @@ def _check_warm_copies(store: CheckpointStore, expected: checks.Expected, w: Any
 
 
 def _restore_from_warm(store: CheckpointStore, ck: Any, target: Path) -> Path:
-    from ckptstore.ops.replicas import tier_of
+    from ckptstore.ops.tiering.replicas import tier_of
     from ckptstore.storage import LocalTier, copy_checkpoint
 
     warm = tier_of(store, "warm")
@@ -463,7 +463,7 @@ def test_s3_short_and_corrupt_reads_on_restore(new_root: Any, s3: Any, w: Any,
             ck = store.save("r", 1, w.make_state(21, NBYTES))
             archive_checkpoints(store, tier="warm", threads=2)
             # Only the warm copy remains.
-            from ckptstore.ops.replicas import delete_replica
+            from ckptstore.ops.tiering.replicas import delete_replica
 
             delete_replica(store, store.catalog.get(ck.id), "hot")
             proxy.set_rates(truncate_get=0.25, corrupt_get=0.1)

@@ -9,7 +9,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ckptstore.ops.history import ALERT_EVENT
+from ckptstore.ops.upkeep.history import ALERT_EVENT
 from ckptstore.ui.app import BackgroundUI
 from ckptstore.ui.report import write_report
 from ckptstore.ui.views import CURVE_POINTS

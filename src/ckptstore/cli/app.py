@@ -176,7 +176,7 @@ def ls_cmd(
 
 
 def _ck_json(ck: Any) -> dict[str, Any]:
-    from ckptstore.ops.show import checkpoint_dict
+    from ckptstore.ops.reading.show import checkpoint_dict
 
     return checkpoint_dict(ck)
 

@@ -38,7 +38,7 @@ def diff_cmd(
     JSON: a, b, lossy, summary (tensors by status, elements, elements_changed,
     chunks_changed, max_abs_change) and tensors (one entry per tensor).
     """
-    from ckptstore.ops.diff import diff_checkpoints, render_rows
+    from ckptstore.ops.upkeep.diff import diff_checkpoints, render_rows
 
     with open_store(ctx) as store:
         report = diff_checkpoints(store, a, b)
@@ -75,8 +75,8 @@ def compact_cmd(
 
     JSON: the compacted checkpoint's record (keys as in `ckpt ls --json`).
     """
-    from ckptstore.ops.compact import compact_checkpoint
-    from ckptstore.ops.show import checkpoint_dict
+    from ckptstore.ops.reading.show import checkpoint_dict
+    from ckptstore.ops.upkeep.compact import compact_checkpoint
 
     with open_store(ctx) as store, progress_bar(f"compacting {ref}",
                                                 enabled=not as_json) as advance:

@@ -15,7 +15,7 @@ import typer
 from ckptstore.cli.common import ascii_int, open_store
 from ckptstore.cli.output import console, err_console, human_bytes, print_json, print_table
 from ckptstore.errors import InvalidNameError
-from ckptstore.ops.show import hosts_overview
+from ckptstore.ops.reading.show import hosts_overview
 
 __all__ = ["register"]
 

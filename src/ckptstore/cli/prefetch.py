@@ -55,7 +55,7 @@ def prefetch_cmd(
     JSON: what was done (checkpoint_id, ref, to, host, path, bytes_moved, lease_owner,
     lease_expires_at, seconds), or {"sent": host, "checkpoint_id": ...} with --host.
     """
-    from ckptstore.ops.prefetch import prefetch_checkpoint, send_prefetch
+    from ckptstore.ops.reading.prefetch import prefetch_checkpoint, send_prefetch
 
     if to not in ("hot", "memory"):
         raise typer.BadParameter(f"{to!r} is not hot or memory", param_hint="--to")
@@ -111,7 +111,7 @@ def thaw_cmd(
 
     JSON: {"ref": ..., "path": the restored hot directory}.
     """
-    from ckptstore.ops.thaw_poll import complete_thaw
+    from ckptstore.ops.tiering.thaw_poll import complete_thaw
 
     with open_store(ctx) as store:
         with spinner(f"thawing {ref}", enabled=not as_json and wait):

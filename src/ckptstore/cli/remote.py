@@ -1,9 +1,10 @@
 """CLI commands between stores: ``remote add|ls|rm``, ``push``, ``pull``, ``sync``.
 
-Each parses its options, calls :mod:`ckptstore.ops.remote` / :mod:`ckptstore.ops.push` and
-prints the result. ``remote add`` takes the remote's config file as ``--config``, the name
-the global option has elsewhere: its group is registered after the global options are
-installed (:func:`register_remote_group`), so the global options go before ``remote`` there.
+Each parses its options, calls :mod:`ckptstore.ops.sharing.remote` /
+:mod:`ckptstore.ops.sharing.push` and prints the result. ``remote add`` takes the remote's
+config file as ``--config``, the name the global option has elsewhere: its group is
+registered after the global options are installed (:func:`register_remote_group`), so the
+global options go before ``remote`` there.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def remote_add_cmd(
     JSON: {"name", "config", "created_at"}.
     """
     from ckptstore.cli.common import State, configure_logging
-    from ckptstore.ops.remote import add_remote
+    from ckptstore.ops.sharing.remote import add_remote
 
     state = ctx.ensure_object(State)
     if store_dir is not None:
@@ -89,7 +90,7 @@ def remote_ls_cmd(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
     JSON: [{"name", "config", "created_at"}].
     """
-    from ckptstore.ops.remote import list_remotes
+    from ckptstore.ops.sharing.remote import list_remotes
 
     with open_store(ctx) as store:
         found = list_remotes(store)
@@ -113,7 +114,7 @@ def remote_rm_cmd(
 
     JSON: {"removed": name}.
     """
-    from ckptstore.ops.remote import remove_remote
+    from ckptstore.ops.sharing.remote import remove_remote
 
     with open_store(ctx) as store:
         remove_remote(store, name)
@@ -127,7 +128,7 @@ def remote_rm_cmd(
 @contextmanager
 def _stores(ctx: typer.Context, name: str) -> Iterator[tuple[StoreCore, StoreCore]]:
     """This store and the remote ``name``, both closed afterwards."""
-    from ckptstore.ops.remote import open_remote
+    from ckptstore.ops.sharing.remote import open_remote
 
     with open_store(ctx) as store:
         other = open_remote(store, name)
@@ -171,7 +172,7 @@ def push_cmd(
     JSON: {"remote", "direction", "tier", "pushed", "present", "self_contained",
     "bytes_sent", "files_sent", "lineage_elsewhere"}.
     """
-    from ckptstore.ops.push import push_checkpoints
+    from ckptstore.ops.sharing.push import push_checkpoints
 
     with _stores(ctx, to) as (store, other), \
             progress_bar(f"pushing to {to}", enabled=not as_json) as advance:
@@ -198,7 +199,7 @@ def pull_cmd(
 
     JSON: as push.
     """
-    from ckptstore.ops.push import push_checkpoints
+    from ckptstore.ops.sharing.push import push_checkpoints
 
     with _stores(ctx, source) as (store, other), \
             progress_bar(f"pulling from {source}", enabled=not as_json) as advance:
@@ -229,7 +230,7 @@ def sync_cmd(
 
     JSON: as push.
     """
-    from ckptstore.ops.push import sync_run
+    from ckptstore.ops.sharing.push import sync_run
 
     with _stores(ctx, to) as (store, other), \
             progress_bar(f"syncing {run} to {to}", enabled=not as_json) as advance:

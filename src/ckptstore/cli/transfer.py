@@ -63,8 +63,8 @@ def archive_cmd(
     (ids), removed (ids), skipped and failed (id -> reason), bytes, reencode, reencoded,
     not_reencoded.
     """
-    from ckptstore.ops.archive import archive_checkpoints, demote_checkpoints
-    from ckptstore.ops.reencode import check_codec
+    from ckptstore.ops.tiering.archive import archive_checkpoints, demote_checkpoints
+    from ckptstore.ops.tiering.reencode import check_codec
 
     if reencode is not None:
         check_codec(reencode)  # before opening anything: nothing is copied with a typo
@@ -125,7 +125,7 @@ def prune_cmd(
 
     JSON: the plan and what was done: plan, executed, skipped, failed, freed_bytes.
     """
-    from ckptstore.ops.retention import apply_retention
+    from ckptstore.ops.tiering.retention import apply_retention
     from ckptstore.retention import RetentionPolicy
 
     with open_store(ctx) as store:
@@ -180,8 +180,8 @@ def restore_cmd(
 
     JSON: {"checkpoint": the record (keys as in `ckpt ls --json`), "path": where it is now}.
     """
-    from ckptstore.ops.restore import restore_checkpoint
-    from ckptstore.ops.show import checkpoint_dict
+    from ckptstore.ops.reading.show import checkpoint_dict
+    from ckptstore.ops.tiering.restore import restore_checkpoint
 
     with open_store(ctx) as store:
         ck = store.get(ref)
@@ -221,10 +221,10 @@ def verify_cmd(
     JSON: checked, ok, damaged (replica -> problems), repaired, unrepaired (replica ->
     reason), skipped; with --signature: {"ref", "id", "pubkey", "valid": true, "deep": true}.
     """
-    from ckptstore.ops.verify import verify_replicas
+    from ckptstore.ops.upkeep.verify import verify_replicas
 
     if signature:
-        from ckptstore.ops.signing import verify_signature
+        from ckptstore.ops.sharing.signing import verify_signature
 
         if ref is None or pubkey is None:
             raise InvalidNameError("--signature needs a checkpoint reference and --pubkey PATH")
@@ -289,7 +289,7 @@ def convert_cmd(
     with --codec: {"source": REF, "codec", "checkpoint": the new version's record (keys as
     in `ckpt ls --json`)}.
     """
-    from ckptstore.ops import convert
+    from ckptstore.ops.upkeep import convert
 
     fmt = "pt" if fmt == "pytorch" else fmt
     if fmt not in ("pt", "safetensors", "hf", "dcp"):
@@ -309,7 +309,7 @@ def convert_cmd(
             console.print(f"wrote {path}")
         return
     if ref is not None and codec is not None:
-        from ckptstore.ops.show import checkpoint_dict
+        from ckptstore.ops.reading.show import checkpoint_dict
 
         with open_store(ctx) as store:
             new = convert.convert_checkpoint(store, ref, codec=codec)
@@ -360,8 +360,8 @@ def import_cmd(
 
     JSON: the new checkpoint's record (keys as in `ckpt ls --json`).
     """
-    from ckptstore.ops.convert import import_checkpoint
-    from ckptstore.ops.show import checkpoint_dict
+    from ckptstore.ops.reading.show import checkpoint_dict
+    from ckptstore.ops.upkeep.convert import import_checkpoint
 
     metrics: dict[str, float] = {}
     for item in metric or []:

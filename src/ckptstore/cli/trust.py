@@ -41,7 +41,7 @@ def doctor_cmd(
     JSON: ok, fix, checked (what -> count), findings (kind, subject, detail, tier, fixable,
     fixed, error).
     """
-    from ckptstore.ops.doctor import doctor
+    from ckptstore.ops.upkeep.doctor import doctor
 
     with open_store(ctx) as store, progress_bar("checking copies", enabled=not as_json,
                                                 unit="items") as advance:
@@ -64,7 +64,7 @@ def sign_cmd(
 
     JSON: {"ref", "id", "signature": path of the SIGNATURE file}.
     """
-    from ckptstore.ops.signing import sign_checkpoint
+    from ckptstore.ops.sharing.signing import sign_checkpoint
 
     with open_store(ctx) as store:
         path = sign_checkpoint(store, ref, key)
@@ -88,7 +88,7 @@ def verify_signature_cmd(
     JSON: {"ref", "id", "pubkey", "valid": true, "deep"}; a failed check is the error
     object, exit 1.
     """
-    from ckptstore.ops.signing import verify_signature
+    from ckptstore.ops.sharing.signing import verify_signature
 
     with open_store(ctx) as store:
         verify_signature(store, ref, pubkey, deep=deep)
@@ -110,7 +110,7 @@ def export_cmd(
 
     JSON: {"ref", "id", "path": the bundle, "bytes": its size}.
     """
-    from ckptstore.ops.bundle import export_bundle
+    from ckptstore.ops.sharing.bundle import export_bundle
 
     with open_store(ctx) as store:
         ck = store.get(ref)
@@ -140,8 +140,8 @@ def import_bundle_cmd(
 
     JSON: the imported checkpoint's record (keys as in `ckpt ls --json`).
     """
-    from ckptstore.ops.bundle import import_bundle
-    from ckptstore.ops.show import checkpoint_dict
+    from ckptstore.ops.reading.show import checkpoint_dict
+    from ckptstore.ops.sharing.bundle import import_bundle
 
     with open_store(ctx) as store, progress_bar(f"importing {path.name}",
                                                 enabled=not as_json) as advance:
@@ -163,7 +163,7 @@ def keygen_cmd(
 
     JSON: {"private_key": path, "public_key": path, "fingerprint": sha256 hex}.
     """
-    from ckptstore.ops.signing import generate_keypair, key_fingerprint, load_public_key
+    from ckptstore.ops.sharing.signing import generate_keypair, key_fingerprint, load_public_key
 
     private, public = generate_keypair(out, name)
     fingerprint = key_fingerprint(load_public_key(public))

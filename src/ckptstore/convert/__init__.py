@@ -3,7 +3,7 @@
 Nothing here touches a store: these modules read and write files on their own, using only the
 base modules and :mod:`ckptstore.format` (for the key and skeleton rules). The operations
 that move checkpoints between a store and these files (export, import, codec conversion) are
-in :mod:`ckptstore.ops.convert`.
+in :mod:`ckptstore.ops.upkeep.convert`.
 
 * :mod:`~ckptstore.convert.readers`: safe readers of every input format (never unpickle code).
 * :mod:`~ckptstore.convert.writers`: atomic writers of ``.pt`` files, safetensors files and

@@ -6,7 +6,7 @@ model, optimizer, data pipeline — which measured ~5% of a save's CPU time. Not
 allocates forms reference cycles that must be freed before it returns, so the collector is
 paused for its duration and resumed afterwards; a collection that came due meanwhile runs
 at the next allocation. The same holds for parsing a manifest (``parse_manifest``) and for
-the whole save transaction with its catalog work (``ckptstore.ops.save``).
+the whole save transaction with its catalog work (``ckptstore.ops.writing.save``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ from __future__ import annotations
 from ckptstore.hooks.loss_monitor import Anomaly, LossMonitor, spike_reason
 from ckptstore.hooks.manager import CheckpointManager, PruneFn, StateFn
 from ckptstore.hooks.policies import AnyOf, EveryNSeconds, EveryNSteps, OnDemand, SavePolicy
-from ckptstore.ops.async_save import (
+from ckptstore.ops.reading.progressive import ProgressiveLoad, load_progressive
+from ckptstore.ops.upkeep.history import MetricHistory
+from ckptstore.ops.writing.async_save import (
     AsyncSaver,
     SaveHandle,
     close_saver,
@@ -19,10 +21,8 @@ from ckptstore.ops.async_save import (
     saver_for,
     wait_async,
 )
-from ckptstore.ops.history import MetricHistory
-from ckptstore.ops.memory import MemoryTier, attach_memory_tier, memory_tier_for
-from ckptstore.ops.progressive import ProgressiveLoad, load_progressive
-from ckptstore.ops.staging import StagingPool
+from ckptstore.ops.writing.memory import MemoryTier, attach_memory_tier, memory_tier_for
+from ckptstore.ops.writing.staging import StagingPool
 
 __all__ = [
     "Anomaly",

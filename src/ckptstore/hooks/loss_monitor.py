@@ -26,11 +26,11 @@ import numpy as np
 
 from ckptstore.errors import CkptError, ConfigError
 from ckptstore.names import validate_metric_name
-from ckptstore.ops.history import MetricHistory
+from ckptstore.ops.upkeep.history import MetricHistory
 
 if TYPE_CHECKING:
     from ckptstore.hooks.manager import CheckpointManager, StateFn
-    from ckptstore.ops.async_save import SaveHandle
+    from ckptstore.ops.writing.async_save import SaveHandle
     from ckptstore.records import Checkpoint
     from ckptstore.store import CheckpointStore
 

@@ -37,15 +37,15 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError
 from ckptstore.hooks.policies import AnyOf, EveryNSeconds, EveryNSteps, OnDemand, SavePolicy
-from ckptstore.ops.async_save import SaveHandle, saver_for
-from ckptstore.ops.history import DEFAULT_HISTORY_POINTS, MetricHistory
-from ckptstore.ops.retention import apply_retention
+from ckptstore.ops.tiering.retention import apply_retention
+from ckptstore.ops.upkeep.history import DEFAULT_HISTORY_POINTS, MetricHistory
+from ckptstore.ops.writing.async_save import SaveHandle, saver_for
 from ckptstore.retention import RetentionPolicy
 
 if TYPE_CHECKING:
     from ckptstore.observability.serving import MetricsServer
     from ckptstore.observability.tensorboard import TensorBoardSink
-    from ckptstore.ops.progressive import ProgressiveLoad
+    from ckptstore.ops.reading.progressive import ProgressiveLoad
     from ckptstore.records import Checkpoint
     from ckptstore.store import CheckpointStore
 
@@ -141,7 +141,7 @@ class CheckpointManager:
             experiment: Experiment the run is filed under.
             config: Run configuration recorded in the catalog (for reproduction).
             prune_fn: Retention hook ``prune_fn(store, run)``; default applies
-                ``keep_last``/``keep_best`` through ``ckptstore.ops.retention``.
+                ``keep_last``/``keep_best`` through ``ckptstore.ops.tiering.retention``.
             policy: A custom save policy; replaces ``save_interval``/``save_every_seconds``.
             metrics_port: Serve the store's Prometheus series at
                 ``http://<metrics_addr>:<port>/metrics`` while the manager is open (0 picks a
@@ -153,7 +153,7 @@ class CheckpointManager:
             history: Record the ``metrics`` passed to :meth:`step` at every step as the run's
                 metric history (the training curve ``ckpt ui`` plots), written to the
                 catalog in batches after each save and on close (see
-                :mod:`ckptstore.ops.history`).
+                :mod:`ckptstore.ops.upkeep.history`).
             history_points: The most points the catalog keeps per metric of the run (older
                 stretches are merged, min and max kept).
 
@@ -268,7 +268,7 @@ class CheckpointManager:
             into: A state of the same structure to fill in place (fastest; no allocations).
             priority: Load progressively, group by group in this order (fnmatch patterns
                 such as ``["model/*"]``; everything else last); see
-                :func:`ckptstore.ops.progressive.load_progressive`.
+                :func:`ckptstore.ops.reading.progressive.load_progressive`.
             on_group: With ``priority``: called on this thread as ``on_group(index, part)``
                 as soon as each group is loaded, before the rest is waited for.
 
@@ -288,7 +288,7 @@ class CheckpointManager:
         if priority is None:
             state = self.store.load(ck.id, into=into)
         else:
-            from ckptstore.ops.progressive import load_progressive
+            from ckptstore.ops.reading.progressive import load_progressive
 
             with load_progressive(self.store, ck.id, priority, into=into) as progressive:
                 for index, part in progressive:
@@ -310,11 +310,11 @@ class CheckpointManager:
             into: A state of the same structure to fill in place.
 
         Returns:
-            The :class:`~ckptstore.ops.progressive.ProgressiveLoad` (``wait(i)`` for a
+            The :class:`~ckptstore.ops.reading.progressive.ProgressiveLoad` (``wait(i)`` for a
             group, ``result()`` for the whole state), or None when the run has no
             checkpoint yet.
         """
-        from ckptstore.ops.progressive import load_progressive
+        from ckptstore.ops.reading.progressive import load_progressive
 
         self.wait()
         try:

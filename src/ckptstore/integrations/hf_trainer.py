@@ -46,7 +46,7 @@ Mapping of the ``Trainer``'s options:
 * **metrics**: each checkpoint records the newest value of every number in
   ``state.log_history`` up to its step (``loss``, ``learning_rate``, ``eval_loss``...), as
   the callback does; the logged training ``loss`` also goes into the run's metric history
-  (:mod:`ckptstore.ops.history`), one catalog write per save.
+  (:mod:`ckptstore.ops.upkeep.history`), one catalog write per save.
 * **after the commit**, off the training path (on a background thread of the trainer, or
   on the store's save thread with ``async_save``): the best-model alias, retention and the
   loss history below. The training loop waits for the durable commit only;
@@ -109,9 +109,9 @@ from ckptstore.integrations.hf import (
     python_rng_state,
 )
 from ckptstore.names import validate_name
-from ckptstore.ops.async_save import SaveHandle
-from ckptstore.ops.history import MetricHistory
-from ckptstore.ops.retention import apply_retention
+from ckptstore.ops.tiering.retention import apply_retention
+from ckptstore.ops.upkeep.history import MetricHistory
+from ckptstore.ops.writing.async_save import SaveHandle
 from ckptstore.retention import RetentionPolicy
 
 if TYPE_CHECKING:

@@ -71,7 +71,7 @@ from ckptstore.durable import replace_file
 from ckptstore.errors import CheckpointNotFoundError, CkptError, UnsafeObjectError
 from ckptstore.format import flatten_state
 from ckptstore.names import MAX_NAME_BYTES, validate_metric_name
-from ckptstore.ops.async_save import saver_for
+from ckptstore.ops.writing.async_save import saver_for
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -401,7 +401,7 @@ class Metrics:
         """Count a load of a prefetched checkpoint (hit) or one that fetched on demand (miss).
 
         Bytes moved ahead of need are the ``prefetch`` operation's transferred bytes
-        (:meth:`observe`); see ``ops/prefetch.py``.
+        (:meth:`observe`); see ``ops/reading/prefetch.py``.
         """
         outcome = "hit" if hit else "miss"
         with self._lock:

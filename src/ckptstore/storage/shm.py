@@ -5,7 +5,7 @@ shared-memory file system (``/dev/shm`` by default): where a copy lives, how its
 is written and parsed, which copies exist and how much they take, how much room is left, and
 how a copy is removed (commit marker first, so a half-deleted copy is never read). Which
 copies the catalog still wants, staging and eviction decisions live in the memory tier
-operation (:mod:`ckptstore.ops.memory`).
+operation (:mod:`ckptstore.ops.writing.memory`).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from ckptstore.core import StoreCore
 from ckptstore.errors import CheckpointNotFoundError, CkptError
 from ckptstore.format import iter_tensors, verify_checkpoint
 from ckptstore.numeric import decimal_or_none
-from ckptstore.ops.reencode import read_copy_manifest
+from ckptstore.ops.tiering.reencode import read_copy_manifest
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 
 __all__ = ["check_invariants"]
@@ -164,7 +164,7 @@ def _kept_chunks_only(ck_dir: Path, still: set[tuple[str, str, int]]) -> bool:
 
 
 def _check_hot_dirs(store: StoreCore, by_id: dict[str, Checkpoint]) -> list[str]:
-    from ckptstore.ops.replicas import referenced_chunks
+    from ckptstore.ops.tiering.replicas import referenced_chunks
 
     problems: list[str] = []
     if not store.hot.is_dir():

@@ -21,9 +21,9 @@ from urllib.parse import quote, urlencode
 
 from ckptstore.errors import CkptError
 from ckptstore.names import validate_metric_name, validate_name
-from ckptstore.ops.history import ALERT_EVENT
-from ckptstore.ops.prefetch import PREFETCH_EVENTS, prefetch_by_host
-from ckptstore.ops.show import hosts_overview, part_dict
+from ckptstore.ops.reading.prefetch import PREFETCH_EVENTS, prefetch_by_host
+from ckptstore.ops.reading.show import hosts_overview, part_dict
+from ckptstore.ops.upkeep.history import ALERT_EVENT
 from ckptstore.records import Checkpoint, CheckpointState, Event
 from ckptstore.ui.svg import (
     CurveMarker,
@@ -605,8 +605,8 @@ def tiers_view(store: CheckpointStore, links: Links, *, scan: bool = False) -> d
 
     Returns:
         ``{"usage", "tiers", "tiers_error", "scan", "hosts", "prefetch",
-        "prefetch_window"}`` (hosts: see :func:`ckptstore.ops.show.hosts_overview`;
-        prefetch: :func:`ckptstore.ops.prefetch.prefetch_by_host` over the newest
+        "prefetch_window"}`` (hosts: see :func:`ckptstore.ops.reading.show.hosts_overview`;
+        prefetch: :func:`ckptstore.ops.reading.prefetch.prefetch_by_host` over the newest
         ``prefetch_window`` events of each kind).
     """
     from ckptstore.observability.tiers import tier_statuses

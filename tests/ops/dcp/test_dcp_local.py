@@ -171,7 +171,7 @@ def test_zarr_metadata_check_knows_the_dcp_layout(store: CheckpointStore) -> Non
 
     from ckptstore.format import verify_checkpoint
     from ckptstore.format.zarrcheck import check_zarr_metadata, rewrite_zarr_metadata
-    from ckptstore.ops.doctor import doctor
+    from ckptstore.ops.upkeep.doctor import doctor
 
     state = _state()
     ck = _save(store, "r", 1, state)
@@ -351,8 +351,8 @@ def test_save_distributed_without_process_group(store: CheckpointStore) -> None:
 
 def test_dcp_folders_import_and_regular_checkpoints_export(store: CheckpointStore,
                                                            tmp_path: Path) -> None:
-    """The conversion engineer's DCP import/export (ops/convert.py), checked from here."""
-    from ckptstore.ops.convert import export_checkpoint, import_checkpoint
+    """The conversion engineer's DCP import/export (ops/upkeep/convert.py), checked from here."""
+    from ckptstore.ops.upkeep.convert import export_checkpoint, import_checkpoint
 
     state = {"model": {"w": torch.randn(8, 4)}, "step": 3}
     folder = tmp_path / "dcp-in"
@@ -399,9 +399,9 @@ def test_index_sizes_stay_small(store: CheckpointStore) -> None:
 
 
 def test_archive_restore_round_trip_copies_the_dcp_layout(tmp_path: Path) -> None:
-    from ckptstore.ops.archive import archive_checkpoints
-    from ckptstore.ops.replicas import delete_replica
-    from ckptstore.ops.restore import restore_checkpoint
+    from ckptstore.ops.tiering.archive import archive_checkpoints
+    from ckptstore.ops.tiering.replicas import delete_replica
+    from ckptstore.ops.tiering.restore import restore_checkpoint
 
     with CheckpointStore.open(tmp_path / "s", warm=str(tmp_path / "nas"),
                               chunk_bytes=64 * 1024) as store:
@@ -425,7 +425,7 @@ def test_archive_restore_round_trip_copies_the_dcp_layout(tmp_path: Path) -> Non
 
 
 def test_export_of_a_dcp_saved_checkpoint(store: CheckpointStore, tmp_path: Path) -> None:
-    from ckptstore.ops.convert import export_checkpoint
+    from ckptstore.ops.upkeep.convert import export_checkpoint
 
     state = _state()
     ck = _save(store, "x", 1, state)

@@ -46,12 +46,12 @@ from ckptstore.errors import ConfigError, IncompleteCheckpointError, ThawPending
 from ckptstore.format import read_manifest
 from ckptstore.format.dcp import verify_dcp
 from ckptstore.format.dcp.layout import rank_of_file
-from ckptstore.ops.archive import archive_checkpoints
 from ckptstore.ops.dcp import load_dcp
-from ckptstore.ops.gc import prune_parts
-from ckptstore.ops.replicas import delete_replica
-from ckptstore.ops.restore import restore_checkpoint
-from ckptstore.ops.retention import apply_retention
+from ckptstore.ops.tiering.archive import archive_checkpoints
+from ckptstore.ops.tiering.gc import prune_parts
+from ckptstore.ops.tiering.replicas import delete_replica
+from ckptstore.ops.tiering.restore import restore_checkpoint
+from ckptstore.ops.tiering.retention import apply_retention
 from ckptstore.records import CheckpointState, ReplicaState, ThawState
 from ckptstore.retention import RetentionPolicy
 from ckptstore.testing.ports import free_port
@@ -252,7 +252,7 @@ def archived_a(cluster: Cluster, saved: dict[int, Any]) -> RacedArchive:
     """Node A archives mn1 twice at once (its agent's flow and an operator's ``ckpt
     archive``): both see the part missing, and the first uploads it while the second is
     about to take the part's lease."""
-    from ckptstore.ops import archive as archive_mod
+    from ckptstore.ops.tiering import archive as archive_mod
 
     real_acquire = archive_mod._Lease.acquire
     first: list[Any] = []
@@ -341,7 +341,7 @@ def test_archive_from_the_second_node_completes_and_verifies(
 def test_a_signed_checkpoint_saved_across_hosts_loads_with_its_signature_anywhere(
     cluster: Cluster, saved: dict[int, Any], archived_b: Any
 ) -> None:
-    from ckptstore.ops.signing import generate_keypair, sign_checkpoint
+    from ckptstore.ops.sharing.signing import generate_keypair, sign_checkpoint
 
     mn1 = saved[0]["mn1"]
     keys = cluster.tmp / "keys"
@@ -358,7 +358,7 @@ def test_a_signed_checkpoint_saved_across_hosts_loads_with_its_signature_anywher
 def test_a_damaged_chunk_of_a_local_part_is_read_from_s3_and_verify_reports_it(
     cluster: Cluster, saved: dict[int, Any], archived_b: Any
 ) -> None:
-    from ckptstore.ops.verify import verify_replicas
+    from ckptstore.ops.upkeep.verify import verify_replicas
 
     mn1 = saved[0]["mn1"]
     directory = cluster.hot["node-a"] / "mn" / mn1
@@ -499,7 +499,7 @@ def test_a_replacement_node_gets_the_lost_part_from_the_survivor_or_shares_its_d
 def test_doctor_reports_the_parts_of_a_host_gone_silent(
     cluster: Cluster, saved: dict[int, Any], node_b_lost: dict[int, Any]
 ) -> None:
-    from ckptstore.ops.doctor import doctor
+    from ckptstore.ops.upkeep.doctor import doctor
 
     mn1, mn2 = saved[0]["mn1"], saved[0]["mn2"]
     with cluster.node("node-a", host_timeout_s=30.0) as store:

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptstore import CheckpointStore
-from ckptstore.ops.archive import archive_checkpoints
-from ckptstore.ops.replicas import delete_replica, referenced_chunks
-from ckptstore.ops.retention import apply_retention
+from ckptstore.ops.tiering.archive import archive_checkpoints
+from ckptstore.ops.tiering.replicas import delete_replica, referenced_chunks
+from ckptstore.ops.tiering.retention import apply_retention
 from ckptstore.records import CheckpointState, ReplicaState
 from ckptstore.retention import RetentionPolicy
 

@@ -20,8 +20,8 @@ from ckptstore.errors import (
     MissingBaseError,
 )
 from ckptstore.format.delta import DEFAULT_LOSSY_SCOPE
-from ckptstore.ops.compact import compact_checkpoint
-from ckptstore.ops.diff import diff_checkpoints
+from ckptstore.ops.upkeep.compact import compact_checkpoint
+from ckptstore.ops.upkeep.diff import diff_checkpoints
 
 
 def _frozen_run(store: CheckpointStore, n: int, **kw: object) -> list[tuple[str, dict]]:
@@ -116,7 +116,7 @@ def test_lossy_is_recorded_and_reported(store: CheckpointStore,
     assert manifest.lossy and manifest.delta is not None
     bound = manifest.delta.max_abs_error
     assert 0 < bound < 1e-4
-    with caplog.at_level(logging.WARNING, logger="ckptstore.ops.load"):
+    with caplog.at_level(logging.WARNING, logger="ckptstore.ops.reading.load"):
         out = flat(store.load(ck.id))
     assert any("approximate" in r.getMessage() for r in caplog.records)
     for key_name, tensor in flat(new).items():

@@ -19,7 +19,7 @@ The layout on disk is :mod:`ckptstore.format.dcp`. Here, the torch side:
   load_dcp) and the mapping of DCP's failures onto our errors;
 * :mod:`~ckptstore.ops.dcp.stage`: bounded staging buffers for ``dcp.async_save``;
 * :mod:`~ckptstore.ops.dcp.parts`: what ranks and the coordinator of a save across hosts
-  tell each other (the rest of such checkpoints: :mod:`ckptstore.ops.parts`);
+  tell each other (the rest of such checkpoints: :mod:`ckptstore.ops.tiering.parts`);
 * :mod:`~ckptstore.ops.dcp.peers`: keeping each host's part on a neighbour too
   (``replicas = 2``).
 

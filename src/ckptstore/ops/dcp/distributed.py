@@ -42,9 +42,9 @@ from ckptstore.format.manifest import parse_verified
 from ckptstore.ops.dcp.peers import peers_for, replicate_parts
 from ckptstore.ops.dcp.reader import REMOTE_READ_THREADS, SafeLoadPlanner, ZarrStorageReader
 from ckptstore.ops.dcp.writer import ZarrStorageWriter
-from ckptstore.ops.parts import PartsSource, materialize, parts_source
-from ckptstore.ops.save import save_checkpoint
-from ckptstore.ops.thaw import thawed_source
+from ckptstore.ops.tiering.parts import PartsSource, materialize, parts_source
+from ckptstore.ops.tiering.thaw import thawed_source
+from ckptstore.ops.writing.save import save_checkpoint
 from ckptstore.records import Checkpoint
 
 __all__ = ["load_dcp", "load_parted", "needs_dcp", "save_distributed"]

@@ -2,7 +2,7 @@
 each other, and the sink that uploads a rank's files to a hot tier in object storage.
 
 Everything else about such checkpoints (their manifest, reading their parts, this host's
-parts on disk) is :mod:`ckptstore.ops.parts`.
+parts on disk) is :mod:`ckptstore.ops.tiering.parts`.
 """
 
 from __future__ import annotations

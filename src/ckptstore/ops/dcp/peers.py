@@ -37,7 +37,7 @@ from ckptstore.format.codecs import TRAILER
 from ckptstore.format.dcp.layout import rank_of_file
 from ckptstore.identity import host
 from ckptstore.ops.dcp.parts import PartTask
-from ckptstore.ops.parts import part_files
+from ckptstore.ops.tiering.parts import part_files
 from ckptstore.records import Checkpoint, ReplicaState
 
 __all__ = ["PEER_TIMEOUT_S", "PeerReplication", "peers_for", "replicate_parts"]

@@ -32,8 +32,8 @@ from ckptstore.format.dcp.chunks import ChunkSource, Request, load_blob, run_req
 from ckptstore.format.dcp.layout import BlobItem
 from ckptstore.format.dcp.read import index_of
 from ckptstore.ops.dcp.share import run_shared
-from ckptstore.ops.parts import PartsSource, parts_source
-from ckptstore.ops.thaw import thawed_source
+from ckptstore.ops.tiering.parts import PartsSource, parts_source
+from ckptstore.ops.tiering.thaw import thawed_source
 
 __all__ = ["REMOTE_READ_THREADS", "SafeLoadPlanner", "ZarrStorageReader", "dcp_reader"]
 
@@ -56,7 +56,7 @@ class ZarrStorageReader(StorageReader):
         threads: Reader threads.
         source: Where the chunks come from (default: ``directory``): a checkpoint saved
             across hosts reads each host's part from the best copy this host can reach
-            (:class:`~ckptstore.ops.parts.PartsSource`).
+            (:class:`~ckptstore.ops.tiering.parts.PartsSource`).
         share_group: With a parts ``source`` under a process group of several ranks: the
             ranks share the downloads of the parts no local disk holds
             (:mod:`ckptstore.ops.dcp.share`; None for the default group). Every rank of
@@ -241,7 +241,7 @@ def dcp_reader(store: StoreCore, ref: str) -> ZarrStorageReader:
         CheckpointNotFoundError: If the reference does not resolve.
         IntegrityError: If the manifest is damaged or it is not a DCP checkpoint.
     """
-    from ckptstore.ops.restore import ensure_hot
+    from ckptstore.ops.tiering.restore import ensure_hot
 
     ck = store.catalog.get(ref)
     if ck.parted:

@@ -20,7 +20,7 @@ reported, never raised between two collectives), so no rank is left waiting:
    file's size), then fetches the files assigned to it, sending each to the ranks that need
    it as soon as it is in (errors caught: a failed fetch sends zeros);
 4. each file a rank needs goes to its source
-   (:meth:`~ckptstore.ops.parts.PartsSource.receive`) as soon as it is in, and
+   (:meth:`~ckptstore.ops.tiering.parts.PartsSource.receive`) as soon as it is in, and
    :func:`run_shared` decodes the reads it completes right away: the source checks each
    file like any other read (size, crc32c) and reads its own copies for a damaged one;
 5. ``all_gather_object``: the files whose fetch failed; the source drops what was sent in
@@ -56,7 +56,7 @@ from ckptstore.format.dcp.chunks import (
     run_jobs,
 )
 from ckptstore.format.dcp.layout import ArrayInfo, BlobItem, chunk_file
-from ckptstore.ops.parts import PartsSource
+from ckptstore.ops.tiering.parts import PartsSource
 
 __all__ = [
     "LOCAL_COST", "TRANSFER_COST", "Arrivals", "SharedReads", "assign", "run_shared",

@@ -4,7 +4,7 @@
 saves the copy on a background thread. DCP's default stager allocates a fresh copy every
 time and has no memory bound. Our writer stages instead (it implements DCP's
 ``AsyncStager``): every plain tensor and every DTensor's *local* shard is copied into a
-buffer from the store's :class:`~ckptstore.ops.async_save.StagingPool`, reused across
+buffer from the store's :class:`~ckptstore.ops.writing.async_save.StagingPool`, reused across
 saves and bounded by ``staging_budget_bytes``: when earlier saves still hold the budget,
 staging waits for them instead of allocating more. DTensors are rebuilt around the staged
 local tensor with the same mesh and placements, so DCP plans exactly the same shards.
@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ckptstore.core import StoreCore
-from ckptstore.ops.staging import BufferKey, StagingPool
+from ckptstore.ops.writing.staging import BufferKey, StagingPool
 
 __all__ = ["StagedSet", "pool_for", "stage_state"]
 

@@ -70,7 +70,7 @@ from ckptstore.identity import host, writer_id
 from ckptstore.names import validate_name, validate_tag
 from ckptstore.ops.dcp.parts import PartTask, RankInfo, TierSink
 from ckptstore.ops.dcp.stage import StagedSet, pool_for, stage_state
-from ckptstore.ops.parts import materialize, part_specs
+from ckptstore.ops.tiering.parts import materialize, part_specs
 from ckptstore.records import Checkpoint, CheckpointState
 
 __all__ = ["PACK_BELOW", "ZarrStorageWriter", "dcp_writer"]

@@ -1,0 +1,219 @@
+"""Loading a committed checkpoint: from this host's memory tier, else the hot tier.
+
+The dispatch, in order: resolve the reference (only COMMITTED checkpoints) → with
+``require_signature``, check the signature before any tensor is read → this host's
+shared-memory copy if the catalog lists one → otherwise the hot copy, restored first from the
+fastest tier holding a verified copy when the hot tier has none → the reader of the copy's
+layout (the regular packed layout, or the one of a checkpoint saved through DCP).
+
+Loads take no lease: retention may remove the hot copy (a verified copy stays on another
+tier) while a load reads it. Retention marks the copy DELETING before it removes a file, so
+a read that finds files missing asks the catalog: when the hot copy is no longer PRESENT the
+load re-plans (restores it again from the copy that stays, then reads that), a bounded number
+of times; a checkpoint pruned whole meanwhile is CheckpointNotFoundError; a hot copy still
+PRESENT is real damage and its error is raised as it is.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from ckptstore.core import StoreCore
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    StorageError,
+    ThawPendingError,
+)
+from ckptstore.format import Manifest, read_checkpoint, read_manifest, verify_checkpoint
+from ckptstore.format.dcp import is_dcp_manifest, verify_dcp
+from ckptstore.identity import host
+from ckptstore.ops.reading.prefetch import note_load
+from ckptstore.ops.sharing.signing import verify_signature
+from ckptstore.ops.tiering.parts import parted_manifest, verify_parts_here
+from ckptstore.ops.tiering.replicas import manifest_of
+from ckptstore.ops.tiering.restore import ensure_hot, hot_digest
+from ckptstore.ops.writing.memory import load_from_memory, memory_replica_here
+from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
+
+__all__ = ["load_checkpoint", "read_any_manifest", "restore_latest", "verify_hot"]
+
+logger = logging.getLogger(__name__)
+
+#: Reads of a hot copy that retention took away meanwhile, re-planned before giving up.
+_REPLANS = 3
+
+
+def load_checkpoint(
+    core: StoreCore,
+    ref: str,
+    *,
+    keys: Sequence[str] | None = None,
+    into: Any | None = None,
+    require_signature: str | os.PathLike[str] | None = None,
+) -> Any:
+    """Load a committed checkpoint; see :meth:`ckptstore.store.CheckpointStore.load`.
+
+    Raises:
+        CheckpointNotFoundError: If the reference does not resolve.
+        IncompleteCheckpointError: If it names a checkpoint that was never committed.
+        IntegrityError: If any chunk or the manifest is damaged or missing, or the signature
+            that ``require_signature`` asks for is missing or wrong.
+    """
+    ck = core.catalog.get(ref)
+    if ck.parted:
+        # Saved across hosts: each part is read from its best copy, none is restored whole.
+        if require_signature is not None:
+            verify_signature(core, ck.id, require_signature)
+        with core.metrics.timed("load", run=ck.run, tier="hot", step=ck.step,
+                                blocking=True) as timer:
+            from ckptstore.ops.dcp import load_parted  # here: see load_dcp's import below
+
+            state = load_parted(core, ck, keys=keys, into=into)
+            timer.add(bytes_logical=ck.logical_bytes, bytes_stored=ck.stored_bytes)
+        return state
+    if require_signature is not None:
+        # Before any tensor is read: nothing unvouched reaches the caller. A checkpoint only
+        # an archive tier holds is restored first, so the copy that will be read (possibly
+        # re-encoded, with a digest the catalog alone vouches for) is the one checked
+        # against the signed digest.
+        if not memory_replica_here(ck):
+            ensure_hot(core, ck)
+        verify_signature(core, ck.id, require_signature)
+    in_memory = memory_replica_here(ck)
+    hot = ck.replica("hot")
+    # Prefetch hit / miss accounting, and a used prefetch lease goes back (ops/reading/prefetch.py).
+    note_load(core, ck, ready=in_memory or (hot is not None
+                                            and hot.state == ReplicaState.PRESENT))
+    with core.metrics.timed("load", run=ck.run, tier="memory" if in_memory else "hot",
+                            step=ck.step, blocking=True) as timer:
+        if in_memory:
+            # This host's shared-memory copy (a restart after a crash): no disk reads. A
+            # vanished or damaged copy is marked so, and the hot tier is used.
+            hit, state = load_from_memory(core, ck, keys=keys, into=into)
+            if hit:
+                timer.add(bytes_logical=ck.logical_bytes, bytes_stored=ck.logical_bytes)
+                return state
+        for attempt in range(_REPLANS + 1):
+            try:
+                state, manifest = _load_hot(core, ck, keys=keys, into=into)
+                break
+            except ThawPendingError:
+                raise  # the only copy is thawing: nothing to re-plan until it is readable
+            except (CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError,
+                    StorageError) as exc:
+                if attempt == _REPLANS or not _hot_copy_changed(core, ck, exc):
+                    raise
+                ck = core.catalog.get_any(ck.id)  # the hot copy as it is now
+                logger.info("loading %s: its hot copy was pruned meanwhile (%s); loading "
+                            "from the copy that stays", ck.ref, exc)
+        timer.add(bytes_logical=manifest.logical_bytes, bytes_stored=manifest.stored_bytes)
+    return state
+
+
+def _load_hot(core: StoreCore, ck: Checkpoint, *, keys: Sequence[str] | None,
+              into: Any | None) -> tuple[Any, Manifest]:
+    """Read ``ck`` from the hot tier, restoring it there first when it is not."""
+    # A checkpoint that only S3 holds is restored to the hot tier first (verified).
+    directory = ensure_hot(core, ck)
+    # The hot copy may be a re-encoded one (restored from the archive codec's copy).
+    manifest = read_manifest(directory, expected_digest=hot_digest(core, ck))
+    if manifest.delta is not None and manifest.delta.lossy:
+        logger.warning(
+            "loading %s: values of %s are approximate (lossy delta, max abs error %g, "
+            "mean %g); compact it or save in full where exact values matter",
+            ck.ref, list(manifest.delta.scope), manifest.delta.max_abs_error,
+            manifest.delta.mean_abs_error,
+        )
+    if is_dcp_manifest(manifest):
+        # Imported here: ops.dcp pulls in torch.distributed.checkpoint (most of a second
+        # to import), which processes that never load a DCP checkpoint should not pay.
+        from ckptstore.ops.dcp import load_dcp
+
+        state = load_dcp(directory, manifest, keys=keys, into=into,
+                         threads=core.settings.threads)
+    else:
+        state = read_checkpoint(
+            directory, manifest, keys=keys, into=into, locate=core.locate,
+            threads=core.settings.threads,
+        )
+    return state, manifest
+
+
+def _hot_copy_changed(core: StoreCore, ck: Checkpoint, exc: Exception) -> bool:
+    """Whether a failed hot read failed because the copy it read changed meanwhile: retention
+    took it away (it is not PRESENT any more), or took it away and a restore brought it back
+    (verified again since ``ck`` was read). Then the load re-plans. A copy unchanged and
+    PRESENT is damaged: not a race.
+
+    Raises:
+        CheckpointNotFoundError: If the checkpoint itself was pruned meanwhile.
+    """
+    try:
+        now = core.catalog.get_any(ck.id)
+    except CheckpointNotFoundError:
+        now = None
+    if now is None or now.state != CheckpointState.COMMITTED:
+        raise CheckpointNotFoundError(
+            f"checkpoint {ck.ref} ({ck.id}) was pruned while it was being loaded; "
+            f"`ckpt events {ck.id}` shows its history"
+        ) from exc
+    hot, before = now.replica("hot"), ck.replica("hot")
+    return (hot is None or hot.state != ReplicaState.PRESENT or before is None
+            or before.state != ReplicaState.PRESENT or hot.verified_at != before.verified_at)
+
+
+def read_any_manifest(core: StoreCore, ref: str) -> Manifest:
+    """Read and verify the manifest of a committed checkpoint (no tensor data).
+
+    From the fastest copy that holds it: no need to restore tensors to read the index.
+    """
+    ck = core.catalog.get(ref)
+    if ck.parted:
+        return parted_manifest(core, ck)[0]
+    return manifest_of(core, ck)
+
+
+def restore_latest(core: StoreCore, run: str, *, into: Any | None = None) -> Any | None:
+    """Load the newest committed checkpoint of ``run``, or None if it has none."""
+    try:
+        ck = core.catalog.latest(run)
+    except CheckpointNotFoundError:
+        return None
+    return load_checkpoint(core, ck.id, into=into)
+
+
+def verify_hot(core: StoreCore, ref: str, *, deep: bool = True) -> builtins.list[str]:
+    """Re-hash a checkpoint's hot copy; return the problems found (``[]`` when intact).
+
+    The result is recorded as a ``verified`` event.
+    """
+    ck = core.catalog.get(ref)
+    if ck.parted:
+        problems = verify_parts_here(core, ck, deep=deep)
+        core.catalog.record_event(
+            "verified",
+            checkpoint_id=ck.id,
+            detail={"tier": "hot", "host": host(), "ok": not problems,
+                    "problems": problems[:20]},
+        )
+        return problems
+    directory = core.hot_dir_of(ck)
+    manifest = read_manifest(directory, expected_digest=expected_digest(ck, "hot"))
+    if is_dcp_manifest(manifest):
+        problems = verify_dcp(directory, manifest, deep=deep)
+    else:
+        problems = verify_checkpoint(directory, manifest, locate=core.locate, deep=deep)
+    if directory.is_symlink():  # reads would silently come from the link's target
+        problems.insert(0, f"{directory}: the checkpoint directory is a symlink")
+    core.catalog.record_event(
+        "verified",
+        checkpoint_id=ck.id,
+        detail={"tier": "hot", "ok": not problems, "problems": problems[:20]},
+    )
+    return problems

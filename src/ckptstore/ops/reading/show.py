@@ -1,0 +1,174 @@
+"""Plain-JSON views of checkpoints for ``ckpt show``, ``--json`` output and the UI.
+
+Pure presentation: every function returns JSON-able dicts built from catalog records and
+manifests; nothing here writes.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from ckptstore.core import StoreCore
+from ckptstore.errors import CkptError
+from ckptstore.format import Manifest, read_manifest
+from ckptstore.ops.tiering.parts import parted_manifest
+from ckptstore.records import Checkpoint, ReplicaPart, expected_digest
+
+__all__ = ["checkpoint_dict", "hosts_overview", "manifest_summary", "part_dict",
+           "show_checkpoint"]
+
+
+def checkpoint_dict(ck: Checkpoint) -> dict[str, Any]:
+    """A checkpoint's catalog record as a JSON-able dict (replicas included)."""
+    return {
+        "id": ck.id,
+        "ref": ck.ref,
+        "run": ck.run,
+        "step": ck.step,
+        "version": ck.version,
+        "state": str(ck.state),
+        "kind": ck.kind,
+        "base_id": ck.base_id,
+        "parent_id": ck.parent_id,
+        "created_at": ck.created_at.isoformat(),
+        "metrics": dict(ck.metrics),
+        "tags": list(ck.tags),
+        "logical_bytes": ck.logical_bytes,
+        "stored_bytes": ck.stored_bytes,
+        "codec": ck.codec,
+        "manifest_digest": ck.manifest_digest,
+        "lossy": ck.lossy,
+        "error_bound": ck.error_bound,
+        "lossy_scope": list(ck.lossy_scope),
+        "pinned": ck.pinned,
+        "aliases": list(ck.aliases),
+        "hosts": list(ck.hosts),
+        "replicas": [
+            {
+                "tier": r.tier,
+                "state": str(r.state),
+                "bytes": r.bytes,
+                "verified_at": r.verified_at.isoformat() if r.verified_at else None,
+                "manifest_digest": r.manifest_digest,
+            }
+            for r in ck.replicas
+        ],
+    }
+
+
+def part_dict(part: ReplicaPart) -> dict[str, Any]:
+    """One copy of one host's part as a JSON-able dict."""
+    return {
+        "tier": part.tier,
+        "part": part.part,
+        "stored_on": part.stored_on,
+        "state": str(part.state),
+        "bytes": part.bytes,
+        "files": part.files,
+        "verified_at": part.verified_at.isoformat() if part.verified_at else None,
+    }
+
+
+def hosts_overview(core: StoreCore) -> list[dict[str, Any]]:
+    """Every host the catalog knows: last heartbeat, and the part copies per tier.
+
+    For each host: ``name``, ``first_seen``, ``last_seen``, ``age_s`` (since the last
+    heartbeat), ``role``, ``gone`` (silent for longer than ``host_timeout_s``), ``stores``
+    (copies on its own disk: tier -> checkpoints, bytes) and ``parts`` (copies of its parts
+    on every tier, wherever stored: tier -> checkpoints, bytes).
+    """
+    now = datetime.now(UTC)
+    out: dict[str, dict[str, Any]] = {}
+    for h in core.catalog.hosts():
+        age = (now - h.last_seen).total_seconds()
+        out[h.name] = {"name": h.name, "first_seen": h.first_seen.isoformat(),
+                       "last_seen": h.last_seen.isoformat(), "age_s": round(age, 1),
+                       "role": h.role, "gone": age > core.settings.host_timeout_s,
+                       "stores": {}, "parts": {}}
+    for tier, part, stored_on, count, nbytes in core.catalog.part_usage():
+        for name, key in ((stored_on, "stores"), (part, "parts")):
+            if name is None:
+                continue
+            entry = out.setdefault(name, {"name": name, "first_seen": None, "last_seen": None,
+                                          "age_s": None, "role": "", "gone": False,
+                                          "stores": {}, "parts": {}})
+            slot = entry[key].setdefault(tier, {"checkpoints": 0, "bytes": 0})
+            slot["checkpoints"] += count
+            slot["bytes"] += nbytes
+    return [out[name] for name in sorted(out)]
+
+
+def manifest_summary(manifest: Manifest) -> dict[str, Any]:
+    """A short JSON-able summary of a manifest for ``ckpt show``."""
+    if manifest.dcp is not None:
+        # Saved through DCP: the tensors are in the DCP index, not the packed arrays.
+        index = manifest.dcp
+        counts: dict[str, int] = {}
+        for item in index.tensors.values():
+            counts[item.dtype] = counts.get(item.dtype, 0) + 1
+        return {
+            "format_version": manifest.format_version,
+            "codec": manifest.codec,
+            "kind": manifest.kind,
+            "tensors": len(index.tensors),
+            "dtypes": counts,
+            "arrays": len(index.arrays),
+            "chunks": sum(len(a.chunks) for a in index.arrays.values()),
+            "logical_bytes": manifest.logical_bytes,
+            "stored_bytes": manifest.stored_bytes,
+            "delta": None,
+            "world_size": index.world_size,
+        }
+    dtypes: dict[str, int] = {}
+    for entry in manifest.tensors.values():
+        dtype = str(entry["torch_dtype"] if isinstance(entry, dict) else entry.torch_dtype)
+        dtypes[dtype] = dtypes.get(dtype, 0) + 1
+    chunks = 0
+    for arr in manifest.arrays.values():
+        chunk_list = arr["chunks"] if isinstance(arr, dict) else arr.chunks
+        chunks += len(chunk_list)
+    return {
+        "format_version": manifest.format_version,
+        "codec": manifest.codec,
+        "kind": manifest.kind,
+        "tensors": len(manifest.tensors),
+        "dtypes": dtypes,
+        "arrays": len(manifest.arrays),
+        "chunks": chunks,
+        "logical_bytes": manifest.logical_bytes,
+        "stored_bytes": manifest.stored_bytes,
+        "delta": manifest.delta.to_dict() if manifest.delta is not None else None,
+    }
+
+
+def show_checkpoint(core: StoreCore, ref: str) -> dict[str, Any]:
+    """Everything needed to understand and reproduce a checkpoint.
+
+    Returns:
+        A JSON-able dict: the catalog record, the run's reproduction record and a summary of
+        the manifest (tensor count, dtypes, bytes, codec, chunks); for a checkpoint saved
+        across hosts also ``parts``: every copy of every host's part (:func:`part_dict`).
+    """
+    ck = core.catalog.get(ref)
+    info: dict[str, Any] = {"checkpoint": checkpoint_dict(ck)}
+    record = core.catalog.run_record(ck.id)
+    info["reproduction"] = {
+        **record.get("run", {}),
+        "parents": [p["ref"] for p in record.get("parents", [])],
+        "metrics_at_save": record.get("metrics", {}),
+        "edges": record.get("edges", []),
+    }
+    if ck.parted:
+        info["parts"] = [part_dict(p) for p in core.catalog.parts(ck.id)]
+    try:
+        if ck.parted:
+            manifest = parted_manifest(core, ck)[0]
+        else:
+            manifest = read_manifest(core.hot_dir_of(ck),
+                                     expected_digest=expected_digest(ck, "hot"))
+    except CkptError as exc:
+        info["manifest"] = {"error": str(exc)}
+        return info
+    info["manifest"] = manifest_summary(manifest)
+    return info

@@ -1,0 +1,697 @@
+"""Bundles: one checkpoint as a single tar file, to move between stores and machines.
+
+A bundle holds ``ckptstore-bundle.json`` (what it is: id, run, step, digest, metrics, tags,
+file list) and the checkpoint's own files under ``checkpoint/`` (chunks, Zarr metadata,
+``manifest.json``, ``COMMITTED``, and ``SIGNATURE`` when signed).
+
+A hot copy re-encoded with the archive codec (restored from such an archive copy, see
+:mod:`ckptstore.ops.tiering.reencode`) is exported as it is, with the original manifest it carries
+(``manifest.orig.json``): the header's ``manifest_digest`` is the checkpoint's own (original)
+digest, the identity signatures sign, and ``copy_digest`` the re-encoded manifest's. The
+importer checks the re-encoded manifest against the marker and ``copy_digest``, the original
+bytes against ``manifest_digest`` (and the signature over it), and that both describe the same
+chunks (:func:`ckptstore.ops.tiering.reencode.check_same_content`); the imported checkpoint
+keeps the original digest and its hot replica records the re-encoded one.
+
+Importing treats the tar as hostile. Reading the tar itself is bounded first: Python's
+``tarfile`` reads a PAX extended header or a GNU long name whole, at whatever size its header
+declares, and follows sparse maps of any length, so :class:`_BundleTarInfo` refuses extended
+headers over a few KiB, chains of them, global headers beyond a small total and every sparse
+format *before* ``tarfile`` allocates anything for them (a 2 MB ``.tar.gz`` can otherwise
+inflate a 512 MiB header). Before anything is written it then refuses members with
+absolute paths, ``..``, backslashes or odd names, anything but regular files (links, devices,
+FIFOs), members larger than their kind allows (each chunk exactly the size its manifest
+records), duplicates and unexpected files; it bounds the member count and checks the manifest
+(size, JSON nesting/item counts, digest against ``COMMITTED`` and the header) and, when asked,
+the Ed25519 signature. Files are then written one by one with exclusive, no-follow creates
+(never ``tarfile.extract``), every chunk is re-hashed, the Zarr metadata must be what the
+manifest implies, and only then is the commit marker written and the catalog row committed.
+
+Export and import stay in one module, long as it is: they are the two sides of one file
+format, and every rule the importer checks is a property the exporter writes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import shutil
+import tarfile
+from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
+from typing import IO, Any
+
+from ckptstore.catalog.checks import check_metrics, check_step, check_tags
+from ckptstore.core import StoreCore
+from ckptstore.durable import fsync_fd, fsync_tree, rename_into_place
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    ConflictError,
+    IntegrityError,
+    InvalidNameError,
+    StorageError,
+)
+from ckptstore.format import Manifest, read_manifest, verify_checkpoint
+from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, ZARR_JSON
+from ckptstore.format.manifest import manifest_digest
+from ckptstore.names import validate_name
+from ckptstore.numeric import float_or_none, is_decimal
+from ckptstore.ops.sharing.signing import (
+    SIGNATURE_NAME,
+    SignatureDoc,
+    check_signature,
+    load_public_key,
+)
+from ckptstore.ops.tiering.reencode import check_original
+from ckptstore.ops.writing.delta import lossy_record
+from ckptstore.progress import Progress, announce_total
+from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.storage.transfer import (
+    ORIGINAL_MANIFEST_NAME,
+    is_reencoded,
+    owned_files,
+)
+
+__all__ = ["BUNDLE_HEADER", "export_bundle", "import_bundle"]
+
+logger = logging.getLogger(__name__)
+
+#: Name of the header member (always the first one).
+BUNDLE_HEADER = "ckptstore-bundle.json"
+_PREFIX = "checkpoint/"
+_FORMAT = "ckptstore-bundle"
+_VERSION = 1
+_MAX_SMALL = 64 * 1024  # zarr.json, COMMITTED, SIGNATURE
+_MAX_HEADER = 16 * 1024 * 1024
+_DEFAULT_MAX_MEMBERS = 200_000
+# A JSON document costs ~100 bytes of Python objects per value: bound the values before
+# json.loads builds them, so a small hostile manifest cannot take gigabytes.
+_MAX_JSON_ITEMS = 4_000_000
+_COPY_BLOCK = 4 * 1024 * 1024
+# Extended tar headers, bounded before tarfile reads them (it reads each one whole). Our
+# exporter writes at most one small PAX header per member (a name over 100 characters); GNU
+# tar writes a long-name header, and git-style tools a small global one.
+_MAX_PAX_HEADER = 64 * 1024  # one PAX extended header
+_MAX_LONG_NAME = 4096  # one GNU long name or long link (member names are at most 1024)
+_MAX_HEADER_CHAIN = 8  # extended headers in front of one member
+_MAX_GLOBAL_HEADERS = 64 * 1024  # all PAX global headers together (they accumulate)
+# All extended headers of the archive together: what they carry (long names) stays in memory
+# with every member until the import ends. 8 MiB is ~30,000 names of 250 characters.
+_MAX_EXTENDED_TOTAL = 8 * 1024 * 1024
+
+
+# ---------------------------------------------------------------------- export
+def _tar_add(tar: tarfile.TarFile, name: str, data: IO[bytes], size: int, mtime: int) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mode = 0o644
+    info.mtime = mtime
+    info.type = tarfile.REGTYPE
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    tar.addfile(info, data)
+
+
+def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *,
+                  progress: Progress | None = None) -> Path:
+    """Write one committed checkpoint as a bundle (an uncompressed tar).
+
+    An archived checkpoint is restored to the hot tier first. Only full checkpoints can be
+    bundled alone (a delta needs its base; re-save it in full first).
+
+    Args:
+        store: The open store.
+        ref: Checkpoint reference.
+        out_tar: Output path; written atomically (a temp name, then a rename).
+        progress: Called with the size of each file added; one with ``set_total``
+            (:mod:`ckptstore.progress`) is first told the bytes of all of them.
+
+    Returns:
+        The bundle's path.
+
+    Raises:
+        CheckpointNotFoundError: If the reference does not resolve.
+        InvalidNameError: If the checkpoint is a delta.
+        IntegrityError: If the hot copy is damaged.
+        StorageError: If the bundle cannot be written.
+    """
+    from ckptstore.ops.tiering.reencode import read_copy_manifest
+    from ckptstore.ops.tiering.restore import ensure_hot, hot_digest
+
+    ck = store.catalog.get(ref)
+    directory = ensure_hot(store, ck)
+    if ck.manifest_digest is None:
+        raise IntegrityError(f"checkpoint {ck.ref} has no manifest digest in the catalog")
+    # The hot copy may be a re-encoded one: its original manifest must check out too.
+    manifest = read_copy_manifest(directory, ck.manifest_digest, hot_digest(store, ck))
+    if manifest.referenced_checkpoints():
+        raise InvalidNameError(
+            f"checkpoint {ck.ref} is a delta (it reads chunks of "
+            f"{', '.join(sorted(manifest.referenced_checkpoints()))}); a bundle holds one full "
+            "checkpoint: re-save it in full (`ckpt convert REF --codec ...`) and export that"
+        )
+    problems = verify_checkpoint(directory, manifest, deep=False)
+    if problems:
+        raise IntegrityError(f"cannot export {ck.ref}: its hot copy is damaged: "
+                             + "; ".join(problems[:3]) + "; run `ckpt verify` to repair it")
+    files = owned_files(manifest)
+    signature = directory / SIGNATURE_NAME
+    if signature.is_file():
+        files.append(SIGNATURE_NAME)
+    sizes = {rel: (directory / rel).stat().st_size for rel in files}
+    header = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "checkpoint_id": ck.id,
+        "run": ck.run,
+        "step": ck.step,
+        "manifest_digest": ck.manifest_digest,
+        "metrics": dict(ck.metrics),
+        "tags": list(ck.tags),
+        "created_at": ck.created_at.isoformat(),
+        "exported_at": datetime.now(UTC).isoformat(),
+        "files": [{"path": rel, "size": sizes[rel]} for rel in files],
+    }
+    if is_reencoded(manifest):
+        header["copy_digest"] = manifest.digest
+    out = Path(out_tar)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    mtime = int(ck.created_at.timestamp())
+    announce_total(progress, sum(sizes.values()))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+            data = json.dumps(header, sort_keys=True, indent=1).encode()
+            _tar_add(tar, BUNDLE_HEADER, io.BytesIO(data), len(data), mtime)
+            for rel in files:
+                with open(directory / rel, "rb") as fh:
+                    _tar_add(tar, _PREFIX + rel, fh, sizes[rel], mtime)
+                if progress is not None:
+                    progress(sizes[rel])
+        rename_into_place(tmp, out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise StorageError(exc.errno or 5, f"cannot write bundle {out}: {exc.strerror or exc}; "
+                                           "check the path and free space") from exc
+    store.catalog.record_event("exported", checkpoint_id=ck.id,
+                               detail={"bundle": str(out), "files": len(files),
+                                       "signed": SIGNATURE_NAME in files})
+    logger.info("exported %s (%s) to %s: %d files", ck.ref, ck.id, out, len(files))
+    return out
+
+
+# ---------------------------------------------------------------------- import: reading the tar
+class _BundleTarFile(tarfile.TarFile):
+    """A read-only ``TarFile`` that counts what its extended headers cost (see below)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Set before TarFile.__init__, which already reads the first member.
+        self.header_chain = 0
+        self.global_header_bytes = 0
+        self.extended_bytes = 0
+        kwargs["tarinfo"] = _BundleTarInfo
+        super().__init__(*args, **kwargs)
+
+
+class _BundleTarInfo(tarfile.TarInfo):
+    """``TarInfo`` that checks an extended header's declared size before it is read.
+
+    ``TarInfo._proc_member`` is tarfile's documented extension point ("can be overridden in a
+    subclass"); it runs once per header block, before ``_proc_pax``/``_proc_gnulong`` read the
+    header's payload with a single ``read(size)``.
+    """
+
+    def _proc_member(self, tar: _BundleTarFile) -> tarfile.TarInfo:  # type: ignore[override]
+        size = self.size
+        if self.type == tarfile.GNUTYPE_SPARSE:
+            raise IntegrityError(f"bundle member {self.name!r} is a sparse file; refusing it")
+        if self.type in (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK):
+            if size > _MAX_LONG_NAME:
+                raise InvalidNameError(
+                    f"the bundle declares a {size}-byte GNU long name; member names are at "
+                    f"most {_MAX_LONG_NAME} bytes, refusing the bundle"
+                )
+        elif self.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE):
+            if size > _MAX_PAX_HEADER:
+                raise IntegrityError(
+                    f"the bundle declares a {size}-byte PAX extended header (at most "
+                    f"{_MAX_PAX_HEADER} are allowed); refusing the bundle"
+                )
+            if self.type == tarfile.XGLTYPE:
+                # Global headers stay in memory for the rest of the archive.
+                tar.global_header_bytes += size
+                if tar.global_header_bytes > _MAX_GLOBAL_HEADERS:
+                    raise IntegrityError(
+                        f"the bundle's PAX global headers exceed {_MAX_GLOBAL_HEADERS} bytes; "
+                        "refusing the bundle"
+                    )
+        else:
+            return super()._proc_member(tar)  # type: ignore[misc, no-any-return]
+        tar.extended_bytes += size
+        if tar.extended_bytes > _MAX_EXTENDED_TOTAL:
+            raise IntegrityError(
+                f"the bundle's extended tar headers exceed {_MAX_EXTENDED_TOTAL} bytes in "
+                "total; refusing the bundle"
+            )
+        # An extended header applies to the next header, which tarfile reads recursively:
+        # bound the chain (memory held per member, and the recursion depth).
+        tar.header_chain += 1
+        try:
+            if tar.header_chain > _MAX_HEADER_CHAIN:
+                raise IntegrityError(
+                    f"the bundle has more than {_MAX_HEADER_CHAIN} extended headers in front "
+                    "of one member; refusing the bundle"
+                )
+            return super()._proc_member(tar)  # type: ignore[misc, no-any-return]
+        finally:
+            tar.header_chain -= 1
+
+    def _apply_pax_info(self, pax_headers: dict[str, str], encoding: str,
+                        errors: str) -> None:
+        # tarfile converts these with int()/float(), which read non-ASCII digits, and turns
+        # a value it cannot read into 0: a member's size must be plain ASCII digits.
+        for key, value in pax_headers.items():
+            if key in ("size", "uid", "gid") and not is_decimal(value):
+                raise IntegrityError(f"the bundle's PAX header sets {key} to {value[:40]!r}, "
+                                     "not a decimal number; refusing the bundle")
+            if key in ("mtime", "atime", "ctime") and float_or_none(value) is None:
+                raise IntegrityError(f"the bundle's PAX header sets {key} to {value[:40]!r}, "
+                                     "not a number; refusing the bundle")
+        super()._apply_pax_info(pax_headers, encoding, errors)  # type: ignore[misc]
+
+    # PAX-encoded GNU sparse maps: version 1.0 is read from the member's data, number by
+    # number, without bound. Bundles never hold sparse files, so none is even parsed.
+    def _sparse(self, *_args: Any) -> None:
+        raise IntegrityError("the bundle holds a sparse file (GNU sparse PAX headers); "
+                             "bundles hold regular files only, refusing it")
+
+    _proc_gnusparse_00 = _proc_gnusparse_01 = _proc_gnusparse_10 = _sparse
+
+
+# ---------------------------------------------------------------------- import: checks
+def _member_name(info: tarfile.TarInfo) -> str:
+    """The member's path, or InvalidNameError if it could escape or is not one of ours."""
+    name = info.name
+    bad = (
+        not name
+        or name.startswith("/")
+        or "\\" in name
+        or "\x00" in name
+        or any(ord(ch) < 32 for ch in name)
+        or len(name) > 1024
+    )
+    parts = PurePosixPath(name).parts
+    if bad or any(p in ("..", ".", "") for p in name.split("/")) or not parts:
+        raise InvalidNameError(
+            f"bundle member {name!r} has an unsafe path (absolute, '..', backslash or control "
+            "characters); refusing the bundle"
+        )
+    if name != BUNDLE_HEADER and not name.startswith(_PREFIX):
+        raise InvalidNameError(f"bundle member {name!r} is not part of a ckptstore bundle")
+    return name
+
+
+def _check_type(info: tarfile.TarInfo) -> None:
+    if info.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
+        kind = ("link" if info.issym() or info.islnk() else
+                "device" if info.isdev() else "directory" if info.isdir() else
+                "FIFO" if info.isfifo() else f"type {info.type!r}")
+        raise IntegrityError(
+            f"bundle member {info.name!r} is a {kind}; bundles hold regular files only, "
+            "refusing the bundle"
+        )
+    if info.sparse is not None:  # type: ignore[attr-defined]
+        raise IntegrityError(f"bundle member {info.name!r} is a sparse file; refusing it")
+
+
+def _read_member(tar: tarfile.TarFile, info: tarfile.TarInfo, limit: int) -> bytes:
+    if info.size > limit:
+        raise IntegrityError(
+            f"bundle member {info.name!r} is {info.size} bytes, over the {limit} bytes such a "
+            "file may have; refusing the bundle"
+        )
+    handle = tar.extractfile(info)
+    if handle is None:
+        raise IntegrityError(f"bundle member {info.name!r} cannot be read")
+    with handle:
+        data = handle.read(limit + 1)
+    if len(data) != info.size:
+        raise IntegrityError(f"bundle member {info.name!r} is truncated")
+    return data
+
+
+def _bounded_json(data: bytes, what: str, max_items: int = _MAX_JSON_ITEMS) -> Any:
+    items = data.count(b",") + data.count(b"{") + data.count(b"[")
+    if items > max_items:
+        raise IntegrityError(
+            f"{what} holds over {max_items} JSON values ({items}); refusing to parse it"
+        )
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise IntegrityError(f"{what} is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"{what} is not valid JSON: {exc}") from None
+
+
+def _parse_header(data: bytes, members: int) -> dict[str, Any]:
+    # The header lists every member (three JSON values each) plus metrics and tags: bound
+    # its values by the member count, so a small bundle cannot carry a huge header.
+    header = _bounded_json(data, f"the bundle header {BUNDLE_HEADER}",
+                           min(_MAX_JSON_ITEMS, 4 * members + 4096))
+    if not isinstance(header, dict) or (header.get("format"), header.get("version")) != (
+        _FORMAT, _VERSION
+    ):
+        raise IntegrityError(f"{BUNDLE_HEADER} is not a version {_VERSION} ckptstore bundle "
+                             "header; refusing the bundle")
+    for key, kind in (("checkpoint_id", str), ("manifest_digest", str), ("run", str),
+                      ("metrics", dict), ("tags", list)):
+        if not isinstance(header.get(key), kind):
+            raise IntegrityError(f"{BUNDLE_HEADER}: field {key!r} is missing or malformed")
+    if "copy_digest" in header and not isinstance(header["copy_digest"], str):
+        raise IntegrityError(f"{BUNDLE_HEADER}: field 'copy_digest' is malformed")
+    # What the catalog will record, checked against its columns here, at the boundary: a
+    # 400-digit metric would otherwise end in an OverflowError (float() of it).
+    try:
+        header["metrics"] = check_metrics(header["metrics"])
+        header["tags"] = list(check_tags(header["tags"]))
+        if "step" in header:
+            check_step(header["step"])
+    except InvalidNameError as exc:
+        raise IntegrityError(f"{BUNDLE_HEADER}: {exc}; refusing the bundle") from None
+    return header
+
+
+def _parse_manifest(data: bytes, marker: bytes, header: dict[str, Any]) -> Manifest:
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise IntegrityError("the bundle's manifest is over the size limit")
+    # Checked before parsing: a hostile manifest costs nothing but a hash.
+    digest = manifest_digest(data)
+    if marker.decode("ascii", "replace").strip() != digest:
+        raise IntegrityError(
+            f"the bundle's {COMMIT_NAME} does not hold its manifest's digest {digest}: the "
+            "bundle is damaged or was tampered with"
+        )
+    # A re-encoded copy's digest is the header's copy_digest; manifest_digest is then the
+    # original's, checked against the original manifest bytes by the caller.
+    named = header.get("copy_digest", header["manifest_digest"])
+    if named != digest:
+        raise IntegrityError(
+            f"the bundle header names manifest {named}, but the manifest "
+            f"has digest {digest}: the bundle was tampered with"
+        )
+    _bounded_json(data, "the bundle's manifest")  # bounds the parse Manifest.from_json does
+    manifest = Manifest.from_json(data)
+    if is_reencoded(manifest) != ("copy_digest" in header) or (
+            is_reencoded(manifest)
+            and manifest.reencoded_from != header["manifest_digest"]):
+        raise IntegrityError(
+            "the bundle header and its manifest disagree on whether (and from which "
+            "original) the copy was re-encoded: the bundle was tampered with"
+        )
+    if manifest.id != header["checkpoint_id"]:
+        raise IntegrityError(f"the bundle header names checkpoint {header['checkpoint_id']}, "
+                             f"but the manifest is checkpoint {manifest.id}")
+    if manifest.referenced_checkpoints():
+        raise IntegrityError("the bundle holds a delta checkpoint without its base")
+    return manifest
+
+
+def _size_limits(manifest: Manifest) -> dict[str, int]:
+    """Exact size of every chunk file, and upper bounds for the small files."""
+    limits: dict[str, int] = {}
+    for array in manifest.arrays.values():
+        for chunk in array.chunks:
+            limits[array.chunk_path(chunk.i)] = chunk.nbytes
+    for rel, nbytes, _crc in manifest.files:
+        limits[rel] = nbytes
+    for rel in owned_files(manifest):
+        limits.setdefault(rel, MAX_MANIFEST_BYTES
+                          if rel in (MANIFEST_NAME, ORIGINAL_MANIFEST_NAME) else _MAX_SMALL)
+    limits[SIGNATURE_NAME] = _MAX_SMALL
+    return limits
+
+
+def _scan(tar: tarfile.TarFile, max_members: int) -> dict[str, tarfile.TarInfo]:
+    members: dict[str, tarfile.TarInfo] = {}
+    count = 0
+    while True:
+        info = tar.next()
+        if info is None:
+            return members
+        count += 1
+        if count > max_members:
+            raise IntegrityError(f"the bundle has more than {max_members} members; refusing it")
+        name = _member_name(info)
+        _check_type(info)
+        if name in members:
+            raise IntegrityError(f"bundle member {name!r} appears twice; refusing the bundle")
+        members[name] = info
+
+
+def _precheck_content(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo],
+                      manifest: Manifest) -> None:
+    """Check every chunk's crc32c and the Zarr metadata straight from the tar, before the
+    catalog or the hot tier is touched (one chunk in memory at a time)."""
+    from ckptstore.format.codecs import TRAILER, crc32c_update
+    from ckptstore.format.zarrcheck import zarr_metadata_problems
+
+    for array in manifest.arrays.values():
+        for chunk in array.chunks:
+            rel = array.chunk_path(chunk.i)
+            data = _read_member(tar, members[_PREFIX + rel], chunk.nbytes)
+            body, trailer = data[: -TRAILER.size], data[-TRAILER.size :]
+            crc = crc32c_update(memoryview(body), 0)
+            if crc != TRAILER.unpack(trailer)[0] or crc != chunk.crc32c:
+                raise IntegrityError(
+                    f"bundle member {_PREFIX + rel} (checkpoint {manifest.id}, tensors "
+                    f"{', '.join(manifest.tensors_in_chunk(array.name, chunk.i)[:3]) or '-'}) "
+                    "fails its crc32c: the bundle is damaged or was tampered with"
+                )
+    docs = {rel: _read_member(tar, info, _MAX_SMALL)
+            for rel, info in ((n[len(_PREFIX):], i) for n, i in members.items())
+            if rel.endswith(ZARR_JSON)}
+    problems = zarr_metadata_problems(docs, manifest)
+    if problems:
+        raise IntegrityError("the bundle's Zarr metadata does not match its manifest: "
+                             + "; ".join(problems[:3]) + "; refusing it")
+
+
+# ---------------------------------------------------------------------- import: writing
+def _write_member(tar: tarfile.TarFile, info: tarfile.TarInfo, target: Path) -> None:
+    """Copy one member to ``target`` with an exclusive, no-follow create, fsynced."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle = tar.extractfile(info)
+    if handle is None:
+        raise IntegrityError(f"bundle member {info.name!r} cannot be read")
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644)
+    try:
+        remaining = info.size
+        with handle:
+            while remaining > 0:
+                block = handle.read(min(_COPY_BLOCK, remaining))
+                if not block:
+                    raise IntegrityError(f"bundle member {info.name!r} is truncated")
+                view = memoryview(block)
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
+                remaining -= len(block)
+        fsync_fd(fd, target)
+    finally:
+        os.close(fd)
+
+
+def import_bundle(
+    store: StoreCore,
+    tar_path: str | os.PathLike[str],
+    *,
+    run: str | None = None,
+    require_signature: str | os.PathLike[str] | None = None,
+    max_members: int = _DEFAULT_MAX_MEMBERS,
+    progress: Progress | None = None,
+) -> Checkpoint:
+    """Register the checkpoint held in a bundle, after checking everything in it.
+
+    The checkpoint keeps its id (so signatures and lineage stay valid); importing a bundle
+    already in the store returns the existing checkpoint.
+
+    Args:
+        store: The open store.
+        tar_path: The bundle (a tar, optionally compressed).
+        run: Run to file it under (default: the run named in the bundle).
+        require_signature: A PEM public key: refuse the bundle unless its signature verifies
+            with that key.
+        max_members: Refuse bundles with more members than this.
+        progress: Called with the size of each file written to the hot tier; one with
+            ``set_total`` (:mod:`ckptstore.progress`) is first told the bytes of all of them
+            (once the bundle's header and manifest checked out).
+
+    Returns:
+        The COMMITTED checkpoint.
+
+    Raises:
+        InvalidNameError: For an unsafe member path or run name.
+        IntegrityError: For a malformed, oversized, tampered or damaged bundle, or a missing
+            or invalid signature when one is required.
+        ConflictError: If the store has a different checkpoint with the same id.
+        StorageError: If the bundle cannot be read or the hot tier cannot be written.
+    """
+    path = Path(tar_path)
+    public_key = load_public_key(require_signature) if require_signature is not None else None
+    if not path.is_file():
+        raise StorageError(2, f"bundle {path} does not exist or is not a file")
+    try:
+        with _BundleTarFile.open(path, "r:*") as tar:
+            return _import(store, tar, path, run, public_key, max_members, progress)
+    except tarfile.TarError as exc:
+        raise IntegrityError(f"{path} is not a valid tar bundle ({exc})") from exc
+    except EOFError as exc:
+        raise IntegrityError(f"{path} is truncated ({exc})") from exc
+
+
+def _import(store: StoreCore, tar: tarfile.TarFile, path: Path, run: str | None,
+            public_key: Any, max_members: int, progress: Progress | None) -> Checkpoint:
+    members = _scan(tar, max_members)
+    if BUNDLE_HEADER not in members:
+        raise IntegrityError(f"{path} has no {BUNDLE_HEADER}: it is not a ckptstore bundle")
+    header = _parse_header(_read_member(tar, members[BUNDLE_HEADER], _MAX_HEADER), len(members))
+    for rel in (MANIFEST_NAME, COMMIT_NAME):
+        if _PREFIX + rel not in members:
+            raise IntegrityError(f"the bundle has no {rel}; refusing it")
+    manifest_bytes = _read_member(tar, members[_PREFIX + MANIFEST_NAME], MAX_MANIFEST_BYTES)
+    marker = _read_member(tar, members[_PREFIX + COMMIT_NAME], _MAX_SMALL)
+    manifest = _parse_manifest(manifest_bytes, marker, header)
+    limits = _size_limits(manifest)
+    expected = set(owned_files(manifest))
+    present = {name[len(_PREFIX):] for name in members if name != BUNDLE_HEADER}
+    unexpected = sorted(present - expected - {SIGNATURE_NAME})
+    if unexpected:
+        raise IntegrityError(f"the bundle holds files that are not part of checkpoint "
+                             f"{manifest.id}: {unexpected[:5]}; refusing it")
+    missing = sorted(expected - present)
+    if missing:
+        raise IntegrityError(f"the bundle lacks {len(missing)} files of checkpoint "
+                             f"{manifest.id} (first: {missing[0]}); it is incomplete")
+    exact_sizes = {array.chunk_path(c.i) for array in manifest.arrays.values()
+                   for c in array.chunks} | {rel for rel, _, _ in manifest.files}
+    for rel in present:
+        info = members[_PREFIX + rel]
+        exact = rel in exact_sizes
+        if (exact and info.size != limits[rel]) or info.size > limits.get(rel, _MAX_SMALL):
+            raise IntegrityError(f"bundle member {info.name!r} is {info.size} bytes, but "
+                                 f"{'exactly' if exact else 'at most'} {limits[rel]} are "
+                                 "allowed; refusing the bundle")
+    signature: SignatureDoc | None = None
+    if SIGNATURE_NAME in present:
+        signature = SignatureDoc.parse(_read_member(tar, members[_PREFIX + SIGNATURE_NAME],
+                                                    _MAX_SMALL))
+    digest = manifest.digest
+    # The checkpoint's identity: its original manifest (the copy's own when not re-encoded).
+    original = manifest
+    if is_reencoded(manifest):
+        original = check_original(
+            manifest,
+            _read_member(tar, members[_PREFIX + ORIGINAL_MANIFEST_NAME], MAX_MANIFEST_BYTES),
+            header["manifest_digest"],
+        )
+    own = original.digest
+    if public_key is not None:
+        if signature is None:
+            raise IntegrityError(f"bundle {path.name} is not signed, and a signature is "
+                                 "required; refusing it")
+        check_signature(signature, manifest.id, own, public_key)
+
+    _precheck_content(tar, members, manifest)
+    target_run = validate_name(run if run is not None else header["run"])
+    existing = _existing(store, manifest.id, own)
+    if existing is not None:
+        logger.info("bundle %s is already in the store as %s", path, existing.ref)
+        return existing
+    ck = store.catalog.begin_checkpoint(
+        target_run, manifest.step, ckpt_id=manifest.id, metrics=header["metrics"],
+        tags=tuple(header["tags"]), codec=original.codec, kind="full",
+    )
+    directory = store.checkpoint_dir(target_run, ck.id)
+    announce_total(progress, sum(members[_PREFIX + rel].size for rel in present))
+    try:
+        _extract(tar, members, present, directory, store.hot, progress)
+        # Re-hash what landed on disk (blake3 of every decoded chunk, sizes, crc32c).
+        problems = [p for p in verify_checkpoint(directory, manifest, deep=True)
+                    if not p.startswith(f"{COMMIT_NAME}:")]
+        if problems:
+            raise IntegrityError(f"bundle {path.name} is damaged: " + "; ".join(problems[:3]))
+        _write_member(tar, members[_PREFIX + COMMIT_NAME], directory / COMMIT_NAME)
+        if progress is not None:
+            progress(members[_PREFIX + COMMIT_NAME].size)
+        fsync_tree(directory)
+        read_manifest(directory, expected_digest=digest)
+        if original is not manifest:
+            # What landed on disk, not only what the tar held, must prove the original.
+            check_original(manifest, (directory / ORIGINAL_MANIFEST_NAME).read_bytes(), own)
+    except BaseException as exc:
+        _abandon(store, ck.id, directory, exc)
+        if isinstance(exc, OSError) and not isinstance(exc, CkptError):
+            raise StorageError(exc.errno or 5, f"importing {path} failed: {exc}") from exc
+        raise
+    committed = store.catalog.commit_checkpoint(
+        ck.id, manifest_digest=own, logical_bytes=original.logical_bytes,
+        stored_bytes=original.stored_bytes, replica_bytes=manifest.stored_bytes,
+        uri=str(directory), **lossy_record(original),
+    )
+    if original is not manifest:
+        # commit_checkpoint records the checkpoint's own manifest on the hot replica; this
+        # copy holds the re-encoded one. Until this update a reader of the new row gets a
+        # clear digest mismatch (IntegrityError), never wrong data.
+        store.catalog.set_replica(ck.id, "hot", state=ReplicaState.PRESENT,
+                                  manifest_digest=digest)
+        committed = store.catalog.get_any(ck.id)
+    store.catalog.record_event(
+        "imported", checkpoint_id=ck.id,
+        detail={"bundle": path.name, "signed": signature is not None,
+                "signature_verified": public_key is not None,
+                "signer": signature.key_fingerprint if signature is not None else None},
+    )
+    logger.info("imported bundle %s as %s (%s)", path, committed.ref, committed.id)
+    return committed
+
+
+def _existing(store: StoreCore, ckpt_id: str, digest: str) -> Checkpoint | None:
+    try:
+        found = store.catalog.get_any(ckpt_id)
+    except CheckpointNotFoundError:
+        return None
+    if found.state == CheckpointState.COMMITTED and found.manifest_digest == digest:
+        return found
+    raise ConflictError(
+        f"the store already has checkpoint {ckpt_id} ({found.ref}, {found.state}) with other "
+        "content; refusing to import a different checkpoint under the same id"
+    )
+
+
+def _extract(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], present: set[str],
+             directory: Path, root: Path, progress: Progress | None) -> None:
+    directory.mkdir(parents=True, exist_ok=False)
+    resolved_root = root.resolve()
+    if directory.is_symlink() or resolved_root not in directory.resolve().parents:
+        raise InvalidNameError(f"{directory} is not inside the hot tier {root}; refusing it")
+    for rel in sorted(present - {COMMIT_NAME}):
+        target = directory / rel
+        if resolved_root not in target.parent.resolve().parents:
+            raise InvalidNameError(f"bundle member {rel!r} would land outside {directory}")
+        _write_member(tar, members[_PREFIX + rel], target)
+        if progress is not None:
+            progress(members[_PREFIX + rel].size)
+
+
+def _abandon(store: StoreCore, ckpt_id: str, directory: Path, exc: BaseException) -> None:
+    try:
+        store.catalog.fail_checkpoint(ckpt_id, f"bundle import failed: {type(exc).__name__}")
+    except CkptError:  # the catalog may be what failed; gc finishes the job
+        logger.warning("could not mark imported checkpoint %s FAILED", ckpt_id, exc_info=True)
+    if directory.is_dir() and not directory.is_symlink():
+        shutil.rmtree(directory, ignore_errors=True)
