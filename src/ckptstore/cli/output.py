@@ -16,6 +16,7 @@ from ckptstore.records import Checkpoint
 __all__ = [
     "LS_COLUMNS",
     "LS_WIDE_COLUMNS",
+    "checkpoint_json",
     "checkpoint_row",
     "console",
     "err_console",
@@ -113,3 +114,11 @@ def checkpoint_row(ck: Checkpoint, *, wide: bool = False) -> list[str]:
     if wide:
         row += [ck.created_at.strftime("%Y-%m-%d %H:%M"), ck.id]
     return row
+
+
+def checkpoint_json(ck: Checkpoint) -> dict[str, Any]:
+    """A checkpoint as ``ckpt ls --json`` prints it (the record every command shares)."""
+    # Imported here: the operations are loaded only by the commands that print a record.
+    from ckptstore.ops.reading.show import checkpoint_dict
+
+    return checkpoint_dict(ck)

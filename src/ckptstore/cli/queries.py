@@ -1,0 +1,339 @@
+"""CLI commands that query the catalog: ls, show, runs, lineage, du, events.
+
+Each reads through the store and prints a table for people or, with ``--json``, one JSON
+document for scripts; none of them changes the store.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from ckptstore.cli.common import ascii_int, open_store, parse_where
+from ckptstore.cli.output import (
+    LS_COLUMNS,
+    LS_WIDE_COLUMNS,
+    checkpoint_json,
+    checkpoint_row,
+    console,
+    err_console,
+    human_bytes,
+    print_json,
+    print_table,
+)
+from ckptstore.errors import InvalidNameError
+
+__all__ = [
+    "du_cmd",
+    "events_cmd",
+    "lineage_cmd",
+    "ls_cmd",
+    "register",
+    "runs_cmd",
+    "show_cmd",
+]
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def ls_cmd(
+    ctx: typer.Context,
+    run: Annotated[str | None, typer.Option("--run", "-r", help="Only this run.")] = None,
+    experiment: Annotated[str | None, typer.Option(help="Only runs of this experiment.")] = None,
+    tag: Annotated[str | None, typer.Option(help="Only checkpoints with this tag.")] = None,
+    min_step: Annotated[
+        int | None, typer.Option(parser=ascii_int, help="Smallest step.")
+    ] = None,
+    max_step: Annotated[
+        int | None, typer.Option(parser=ascii_int, help="Largest step.")
+    ] = None,
+    where: Annotated[
+        list[str] | None,
+        typer.Option(help="Metric filter such as 'loss<2.0' (repeatable; < <= > >= == !=)."),
+    ] = None,
+    tier: Annotated[str | None, typer.Option(help="Only checkpoints present on this tier.")] = None,
+    order_by: Annotated[
+        str, typer.Option(help="step, version, created_at, stored_bytes, run, metric:<name>; "
+                               "prefix '-' for descending.")
+    ] = "run",
+    limit: Annotated[
+        int | None, typer.Option(parser=ascii_int, help="At most this many rows.")
+    ] = None,
+    wide: Annotated[bool, typer.Option("--wide", "-w", help="Also show time and id.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """List committed checkpoints.
+
+    JSON: a list of records with id, ref, run, step, version, state, kind, base_id,
+    parent_id, created_at, metrics, tags, logical_bytes, stored_bytes, codec,
+    manifest_digest, lossy, error_bound, lossy_scope, pinned, aliases and replicas (tier,
+    state, bytes, verified_at, manifest_digest). Other commands print records of this shape.
+    """
+    metrics = dict(parse_where(w) for w in (where or []))
+    step_range = (min_step, max_step) if min_step is not None or max_step is not None else None
+    with open_store(ctx) as store:
+        items = store.list(
+            run=run,
+            experiment=experiment,
+            tag=tag,
+            step_range=step_range,
+            metrics=metrics or None,
+            tier=tier,
+            order_by=order_by,
+            limit=limit,
+        )
+    if as_json:
+        print_json([checkpoint_json(c) for c in items])
+        return
+    if not items:
+        err_console.print("no checkpoints match")
+        return
+    print_table(
+        LS_WIDE_COLUMNS if wide else LS_COLUMNS,
+        (checkpoint_row(c, wide=wide) for c in items),
+        no_wrap=("checkpoint", "step", "stored", "id", "created"),
+    )
+
+
+def show_cmd(
+    ctx: typer.Context,
+    ref: Annotated[str, typer.Argument(help="Checkpoint reference.")],
+    as_json: JsonOpt = False,
+    tensors: Annotated[bool, typer.Option(help="Also list every tensor.")] = False,
+) -> None:
+    """Show a checkpoint: catalog record, manifest summary and how to reproduce it.
+
+    JSON: {"checkpoint": the record (keys as in `ckpt ls --json`), "reproduction": the run's
+    experiment, config, code_version, data_version, host, parents, metrics_at_save, edges,
+    "manifest": format_version, codec, kind, tensors, dtypes, arrays, chunks, logical_bytes,
+    stored_bytes, delta (or {"error": ...}), "tensors" with --tensors: [key, dtype, shape],
+    "parts" for a checkpoint saved across hosts: every copy of every host's part (tier, part,
+    stored_on (null on a shared tier), state, bytes, files, verified_at)}.
+    """
+    with open_store(ctx) as store:
+        info = store.show(ref)
+        if tensors:
+            manifest = store.manifest(ref)
+            info["tensors"] = [
+                {"key": k, **_tensor_entry(v)} for k, v in manifest.tensors.items()
+            ]
+    if as_json:
+        print_json(info)
+        return
+    ck = info["checkpoint"]
+    man = info.get("manifest", {})
+    rows = [
+        ("id", ck["id"]),
+        ("ref", ck["ref"]),
+        ("run / step", f"{ck['run']} / {ck['step']}"),
+        ("created", ck["created_at"]),
+        ("kind", ck["kind"] + (f" (base {ck['base_id']})" if ck["base_id"] else "")),
+        ("codec", ck["codec"]),
+        ("bytes", f"{human_bytes(ck['logical_bytes'])} logical, "
+                  f"{human_bytes(ck['stored_bytes'])} stored"),
+        ("metrics", ", ".join(f"{k}={v}" for k, v in ck["metrics"].items()) or "-"),
+        ("tags", ", ".join(ck["tags"]) or "-"),
+        ("pinned / aliases", f"{ck['pinned']} / {', '.join(ck['aliases']) or '-'}"),
+        ("replicas", ", ".join(f"{r['tier']}:{r['state']}" for r in ck["replicas"]) or "-"),
+        *_part_rows(ck, info.get("parts") or []),
+        ("lossy", f"yes, max abs error {ck['error_bound']} in {', '.join(ck['lossy_scope'])}"
+                  if ck["lossy"] else "no"),
+    ]
+    if "error" in man:
+        rows.append(("manifest", f"unreadable: {man['error']}"))
+    elif man:
+        rows.append(("tensors", f"{man['tensors']} in {man['arrays']} arrays, "
+                                f"{man['chunks']} chunks"))
+        rows.append(("dtypes", ", ".join(f"{k} x{v}" for k, v in man["dtypes"].items())))
+    repro = info.get("reproduction") or {}
+    for key in ("experiment", "code_version", "data_version", "host"):
+        if repro.get(key):
+            rows.append((key.replace("_", " "), str(repro[key])))
+    if repro.get("config"):
+        rows.append(("run config", str(repro["config"])))
+    if repro.get("parents"):
+        rows.append(("parent chain", " ← ".join(str(p) for p in repro["parents"])))
+    rows.append(("restore with", f"ckpt restore {ck['ref']}  |  store.load({ck['ref']!r})"))
+    print_table(["field", "value"], rows)
+    if tensors:
+        print_table(
+            ["tensor", "dtype", "shape"],
+            ((t["key"], t["dtype"], t["shape"]) for t in info["tensors"]),
+        )
+
+
+def _part_rows(ck: dict[str, Any], parts: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """``ckpt show`` rows of a checkpoint saved across hosts: its hosts, then per tier each
+    host's part and where its copies are."""
+    if not ck.get("hosts"):
+        return []
+    rows = [("hosts", ", ".join(ck["hosts"]))]
+    tiers: dict[str, dict[str, list[str]]] = {}
+    for p in parts:
+        where = p["stored_on"] or p["tier"]
+        tiers.setdefault(p["tier"], {}).setdefault(p["part"], []).append(
+            f"{where}:{p['state']}" if p["state"] != "PRESENT" else where)
+    for tier, by_part in tiers.items():
+        text = "; ".join(f"{part} on {', '.join(where)}" for part, where in sorted(by_part.items()))
+        missing = [h for h in ck["hosts"] if h not in by_part]
+        if missing:
+            text += f"; missing: {', '.join(missing)}"
+        rows.append((f"parts ({tier})", text))
+    return rows
+
+
+def _tensor_entry(entry: Any) -> dict[str, Any]:
+    get = entry.get if isinstance(entry, dict) else lambda k, d=None: getattr(entry, k, d)
+    return {"dtype": get("torch_dtype"), "shape": list(get("shape") or [])}
+
+
+def runs_cmd(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """List runs with their checkpoint counts.
+
+    JSON: a list of runs with name, created_at, experiment, config, code_version,
+    data_version, host, status, checkpoints.
+    """
+    with open_store(ctx) as store:
+        runs = store.runs()
+    if as_json:
+        print_json(runs)
+        return
+    print_table(
+        ["run", "experiment", "checkpoints", "created", "code"],
+        (
+            (r.name, r.experiment or "-", r.checkpoints, r.created_at.strftime("%Y-%m-%d %H:%M"),
+             (r.code_version or "-")[:12])
+            for r in runs
+        ),
+    )
+
+
+def lineage_cmd(
+    ctx: typer.Context,
+    ref: Annotated[str, typer.Argument(help="Checkpoint reference.")],
+    fmt: Annotated[
+        str, typer.Option("--format", "-f", help="tree, dot or mermaid.")
+    ] = "tree",
+    descendants: Annotated[
+        bool, typer.Option(help="Show what was derived from it instead of its ancestors.")
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print JSON instead (overrides --format).")
+    ] = False,
+) -> None:
+    """Show where a checkpoint came from (resumed / fine-tuned from), across runs.
+
+    JSON: {"checkpoint": REF's record, "direction": "ancestors" or "descendants",
+    "nodes": [records, nearest first], "edges": [{"from": ref, "to": ref}, ...]}; a record
+    has the keys of `ckpt ls --json`.
+    """
+    if fmt not in ("tree", "dot", "mermaid"):
+        raise InvalidNameError(f"unknown --format {fmt!r}; use tree, dot or mermaid")
+    with open_store(ctx) as store:
+        me = store.get(ref)
+        chain = store.descendants(ref) if descendants else store.lineage(ref)
+    nodes = [me, *chain]
+    if as_json:
+        known = {ck.id: ck for ck in nodes}
+        print_json({
+            "checkpoint": checkpoint_json(me),
+            "direction": "descendants" if descendants else "ancestors",
+            "nodes": [checkpoint_json(ck) for ck in chain],
+            "edges": [{"from": known[ck.parent_id].ref, "to": ck.ref} for ck in nodes
+                      if ck.parent_id in known],
+        })
+        return
+    if fmt == "tree":
+        for depth, ck in enumerate(nodes):
+            arrow = "" if depth == 0 else ("└─ derived " if descendants else "└─ from ")
+            indent = "   " * max(depth - 1, 0)
+            console.print(f"{indent}{arrow}{ck.ref} (step {ck.step}, {ck.id[:8]})")
+        return
+    edges = []
+    by_id = {ck.id: ck for ck in nodes}
+    for ck in nodes:
+        if ck.parent_id and ck.parent_id in by_id:
+            edges.append((by_id[ck.parent_id].ref, ck.ref))
+    if fmt == "dot":
+        lines = ["digraph lineage {"]
+        lines += [f'  "{a}" -> "{b}";' for a, b in edges]
+        if not edges:
+            lines.append(f'  "{me.ref}";')
+        lines.append("}")
+    else:
+        lines = ["graph TD"]
+        lines += [f'  {_mid(a)}["{a}"] --> {_mid(b)}["{b}"]' for a, b in edges]
+        if not edges:
+            lines.append(f'  {_mid(me.ref)}["{me.ref}"]')
+    sys.stdout.write("\n".join(lines) + "\n")
+
+
+def _mid(ref: str) -> str:
+    return "n_" + "".join(c if c.isalnum() else "_" for c in ref)
+
+
+def du_cmd(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """Storage used by run and tier.
+
+    JSON: a list of rows with run, tier, checkpoints, bytes.
+    """
+    with open_store(ctx) as store:
+        rows = store.usage()
+    if as_json:
+        print_json(rows)
+        return
+    total = sum(r.bytes for r in rows)
+    print_table(
+        ["run", "tier", "checkpoints", "bytes"],
+        [(r.run, r.tier, r.checkpoints, human_bytes(r.bytes)) for r in rows]
+        + [("total", "", sum(r.checkpoints for r in rows), human_bytes(total))],
+    )
+
+
+def events_cmd(
+    ctx: typer.Context,
+    ref: Annotated[
+        str | None, typer.Argument(help="Checkpoint reference (all if omitted).")
+    ] = None,
+    limit: Annotated[
+        int, typer.Option(parser=ascii_int, help="At most this many events.")
+    ] = 50,
+    as_json: JsonOpt = False,
+) -> None:
+    """The audit log: saved, archived, pruned, restored, converted, verified.
+
+    JSON: a list of events with kind, at, checkpoint_id, actor, detail, run.
+    """
+    with open_store(ctx) as store:
+        events = store.events(ref, limit=limit)
+    if as_json:
+        print_json(events)
+        return
+    print_table(
+        ["when", "event", "checkpoint", "actor", "detail"],
+        (
+            (e.at.strftime("%m-%d %H:%M:%S"), e.kind, (e.checkpoint_id or "-")[:8],
+             (e.actor or "-").split(":")[0], _detail_text(e.detail))
+            for e in events
+        ),
+        no_wrap=("when", "event", "checkpoint"),
+    )
+
+
+def _detail_text(detail: dict[str, Any], limit: int = 48) -> str:
+    parts = [f"{k}={v}" for k, v in detail.items() if v not in (None, [], {}, "")]
+    text = ", ".join(parts)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``ls``, ``show``, ``runs``, ``lineage``, ``du`` and ``events`` to the ``ckpt``
+    command."""
+    app.command("ls")(ls_cmd)
+    app.command("show")(show_cmd)
+    app.command("runs")(runs_cmd)
+    app.command("lineage")(lineage_cmd)
+    app.command("du")(du_cmd)
+    app.command("events")(events_cmd)
