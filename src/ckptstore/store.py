@@ -32,9 +32,9 @@ from ckptstore.ops.tiering.gc import DEFAULT_PENDING_GRACE_S, GcReport, gc_hot
 from ckptstore.ops.tiering.thaw_poll import complete_thaw
 from ckptstore.ops.trigger import trigger_flow
 from ckptstore.ops.writing.async_save import SaveHandle, save_async, wait_async
-from ckptstore.ops.writing.delta import LATEST, Latest
 from ckptstore.ops.writing.save import save_checkpoint
 from ckptstore.records import Checkpoint, Event, RunInfo, UsageRow
+from ckptstore.save_options import LATEST, Latest, SaveOptions
 
 if TYPE_CHECKING:
     # Imported where used: torch.distributed.checkpoint takes most of a second to import,
@@ -112,18 +112,14 @@ class CheckpointStore(StoreCore):
             StorageError: If the hot tier fails (disk full, permissions); nothing is committed.
             CkptError: With ``distributed``, on every rank when any rank failed.
         """
+        options = SaveOptions(metrics=metrics, tags=tuple(tags), parent=parent, codec=codec,
+                              experiment=experiment, delta=delta, base=base)
         if distributed:
             from ckptstore.ops.dcp import save_distributed
 
-            extra = {} if delta is None and base is LATEST else {"delta": delta, "base": base}
-            return save_distributed(
-                self, run, step, state, process_group=process_group, metrics=metrics,
-                tags=tags, parent=parent, codec=codec, experiment=experiment, **extra,
-            )
-        return save_checkpoint(
-            self, run, step, state, metrics=metrics, tags=tags, parent=parent, codec=codec,
-            experiment=experiment, progress=progress, delta=delta, base=base,
-        )
+            return save_distributed(self, run, step, state, options,
+                                    process_group=process_group)
+        return save_checkpoint(self, run, step, state, options, progress=progress)
 
     def save_async(
         self,
@@ -167,10 +163,9 @@ class CheckpointStore(StoreCore):
             ConfigError: If the state is larger than ``staging_budget_bytes``.
             UnsafeObjectError: If the state holds an object that would need pickle.
         """
-        return save_async(
-            self, run, step, state, on_commit=on_commit, metrics=metrics, tags=tuple(tags),
-            parent=parent, codec=codec, experiment=experiment, delta=delta, base=base,
-        )
+        options = SaveOptions(metrics=metrics, tags=tuple(tags), parent=parent, codec=codec,
+                              experiment=experiment, delta=delta, base=base)
+        return save_async(self, run, step, state, options, on_commit=on_commit)
 
     def wait(self) -> None:
         """Wait for every pending async save; raise the first failure not yet reported."""

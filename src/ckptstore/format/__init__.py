@@ -20,7 +20,7 @@ from ckptstore.format.basecache import KeyframeCache
 from ckptstore.format.codecs import CODEC_PRESETS
 from ckptstore.format.constants import DEFAULT_CHUNK_BYTES, FORMAT_VERSION
 from ckptstore.format.delta import DeltaSpec, parse_delta
-from ckptstore.format.flatten import FlatState, flatten_state, unflatten_state
+from ckptstore.format.flatten import FlatState, as_flat, flatten_state, unflatten_state
 from ckptstore.format.manifest import (
     ArrayEntry,
     BaseChunk,
@@ -51,6 +51,7 @@ __all__ = [
     "KeyframeCache",
     "Manifest",
     "TensorEntry",
+    "as_flat",
     "chunk_files",
     "flatten_state",
     "iter_tensors",

@@ -39,7 +39,7 @@ from ckptstore.format.dtypes import dtype_info
 from ckptstore.format.keys import join_key, render_path
 from ckptstore.format.tree import decode_scalar, encode_scalar
 
-__all__ = ["FlatState", "flatten_state", "rebuild_state", "unflatten_state"]
+__all__ = ["FlatState", "as_flat", "flatten_state", "rebuild_state", "unflatten_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +219,20 @@ def flatten_state(state: Any) -> FlatState:
     flattener = _Flattener()
     tree = flattener.visit(state, "", 0)
     return FlatState(tensors=flattener.tensors, tree=tree)
+
+
+def as_flat(state: Any) -> FlatState:
+    """``state`` flattened, or ``state`` itself when it already is a :class:`FlatState`.
+
+    A save flattens its state once, where it first needs to refuse what cannot be stored,
+    and hands the result down (async staging, the writer, the memory tier); each of them
+    calls this instead of walking the state again.
+
+    Raises:
+        UnsafeObjectError: As :func:`flatten_state`.
+        InvalidNameError: As :func:`flatten_state`.
+    """
+    return state if isinstance(state, FlatState) else flatten_state(state)
 
 
 def unflatten_state(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:

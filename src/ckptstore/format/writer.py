@@ -1,8 +1,9 @@
 """Write one checkpoint directory: chunk files, zarr metadata, manifest, commit marker.
 
 This module is the save transaction of the packed layout: it checks the arguments,
-flattens the state, plans the arrays, has :class:`~ckptstore.format.chunkwriter.ChunkWriter`
-write the chunks, then writes the metadata and the manifest and commits.
+takes the flattened state (flattening it only if the caller has not), plans the arrays,
+has :class:`~ckptstore.format.chunkwriter.ChunkWriter` write the chunks, then writes the
+metadata and the manifest and commits.
 
 Durability order: chunks (fsynced) -> array/group ``zarr.json``, ``manifest.json`` and the
 directories (flushed together) -> ``COMMITTED``. A directory without ``COMMITTED`` is garbage
@@ -46,7 +47,7 @@ from ckptstore.format.constants import (
     PER_TENSOR_MIN_BYTES,
 )
 from ckptstore.format.delta import DeltaSpec
-from ckptstore.format.flatten import flatten_state
+from ckptstore.format.flatten import as_flat
 from ckptstore.format.gcpause import without_gc
 from ckptstore.format.layout import ArrayPlan, chunk_span, plan_layout
 from ckptstore.format.manifest import (
@@ -96,7 +97,8 @@ def write_checkpoint(
     Args:
         directory: Checkpoint directory; created (with parents) if absent, must be empty if
             present. Nothing in it is ever overwritten.
-        state: The state (see :mod:`ckptstore.format.flatten` for what it may hold).
+        state: The state (see :mod:`ckptstore.format.flatten` for what it may hold), or
+            the :class:`~ckptstore.format.flatten.FlatState` a caller already made of it.
         ckpt_id: The checkpoint's uuid (canonical lower-case form).
         run: Run name, recorded in the manifest.
         step: Training step, recorded in the manifest.
@@ -137,7 +139,7 @@ def write_checkpoint(
     if sys.byteorder != "little":
         raise CkptError("the checkpoint format stores little-endian bytes; this host is not")
     extra_doc = _normalise_extra(extra)
-    flat = flatten_state(state)
+    flat = as_flat(state)
     scope = delta.scope if delta is not None and delta.lossy else None
     plans = plan_layout(
         flat.tensors, chunk_bytes, lossy_scope=scope,

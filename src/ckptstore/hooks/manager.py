@@ -40,7 +40,9 @@ from ckptstore.hooks.policies import AnyOf, EveryNSeconds, EveryNSteps, OnDemand
 from ckptstore.ops.tiering.retention import apply_retention
 from ckptstore.ops.upkeep.history import DEFAULT_HISTORY_POINTS, MetricHistory
 from ckptstore.ops.writing.async_save import SaveHandle, saver_for
+from ckptstore.ops.writing.save import save_checkpoint
 from ckptstore.retention import RetentionPolicy
+from ckptstore.save_options import SaveOptions
 
 if TYPE_CHECKING:
     from ckptstore.observability.serving import MetricsServer
@@ -423,21 +425,19 @@ class CheckpointManager:
     ) -> SaveHandle | Checkpoint:
         state = state_fn()
         now = time.monotonic()
-        kwargs: dict[str, Any] = {"metrics": _finite_metrics(metrics), "tags": tags}
-        if self._parent_pending is not None:
-            kwargs["parent"] = self._parent_pending
+        options = SaveOptions(metrics=_finite_metrics(metrics), tags=tags,
+                              parent=self._parent_pending)
         after = functools.partial(self._after_commit, pin=pin)
         result: SaveHandle | Checkpoint
         if self._async:
-            handle = saver_for(self.store).submit(
-                self.run, step, state, on_commit=after, **kwargs
-            )
+            handle = saver_for(self.store).submit(self.run, step, state, options,
+                                                  on_commit=after)
             with self._handles_lock:
                 self._handles = [h for h in self._handles if not h.done()]
                 self._handles.append(handle)
             result = handle
         else:
-            ck = self.store.save(self.run, step, state, **kwargs)
+            ck = save_checkpoint(self.store, self.run, step, state, options)
             after(ck)
             result = ck
         # Only after a successful submit: a refused save leaves the policy due.

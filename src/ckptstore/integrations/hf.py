@@ -49,6 +49,7 @@ import shutil
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from ckptstore.convert.readers import CONFIG_NAME, load_pt, read_hf
 from ckptstore.errors import CkptError, ConflictError, StorageError, UnsafeObjectError
 from ckptstore.names import validate_metric_name
+from ckptstore.ops.writing.save import save_checkpoint
+from ckptstore.save_options import SaveOptions
 
 if TYPE_CHECKING:
     from ckptstore.records import Checkpoint
@@ -337,8 +340,7 @@ class CkptStoreCallback(TrainerCallback):
         self.archive = archive
         self.delete_folder = delete_folder
         self.saved: list[Checkpoint] = []
-        self._tags = tuple(tags)
-        self._codec = codec
+        self._options = SaveOptions(tags=tuple(tags), codec=codec)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hf") if async_save else None
         self._futures: list[Future[Checkpoint]] = []
 
@@ -368,8 +370,8 @@ class CkptStoreCallback(TrainerCallback):
 
     def _save(self, folder: Path, step: int, content: dict[str, Any],
               metrics: dict[str, float]) -> Checkpoint:
-        ck = self.store.save(self.run, step, content, metrics=metrics or None,
-                             tags=self._tags, codec=self._codec)
+        ck = save_checkpoint(self.store, self.run, step, content,
+                             replace(self._options, metrics=metrics or None))
         self.store.catalog.record_event(
             "imported", checkpoint_id=ck.id,
             detail={"fmt": "hf-trainer", "path": str(folder.absolute())},

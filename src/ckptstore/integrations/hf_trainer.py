@@ -111,8 +111,10 @@ from ckptstore.integrations.hf import (
 from ckptstore.names import validate_name
 from ckptstore.ops.tiering.retention import apply_retention
 from ckptstore.ops.upkeep.history import MetricHistory
-from ckptstore.ops.writing.async_save import SaveHandle
+from ckptstore.ops.writing.async_save import SaveHandle, save_async
+from ckptstore.ops.writing.save import save_checkpoint
 from ckptstore.retention import RetentionPolicy
+from ckptstore.save_options import SaveOptions
 
 if TYPE_CHECKING:
     from ckptstore.records import Checkpoint
@@ -207,8 +209,7 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
         self.best_alias = validate_name(best_alias or f"{self.run}.best", "alias")
         self.saved: list[Checkpoint] = []
         self.resumed_from: Checkpoint | None = None
-        self._tags = tuple(tags)
-        self._codec = codec
+        self._options = SaveOptions(tags=tuple(tags), codec=codec)
         self._async = async_save
         self._pending: list[SaveHandle] = []
         self._chores: ThreadPoolExecutor | None = None
@@ -442,20 +443,17 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
         content = self._checkpoint_content(step)
         metrics = metrics_from_log_history(self.state.log_history, step) or None
         parent, self._parent_pending = self._parent_pending, None
-        kwargs: dict[str, Any] = {"metrics": metrics, "tags": self._tags, "codec": self._codec}
-        if parent is not None:
-            kwargs["parent"] = parent
+        options = dataclasses.replace(self._options, metrics=metrics, parent=parent)
         best = self.state.best_model_checkpoint if best_step else None
         try:
             if self._async:
-                handle = self.store.save_async(
-                    self.run, step, content,
-                    on_commit=lambda ck: self._after_commit(ck, best), **kwargs,
-                )
+                handle = save_async(self.store, self.run, step, content, options,
+                                    on_commit=lambda ck: self._after_commit(ck, best))
                 with self._lock:
                     self._pending = [h for h in self._pending if not h.done()] + [handle]
             else:
-                self._after_commit(self.store.save(self.run, step, content, **kwargs), best)
+                self._after_commit(save_checkpoint(self.store, self.run, step, content, options),
+                                   best)
         except BaseException:
             self._parent_pending = parent  # the next save still records the lineage
             raise

@@ -52,7 +52,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +72,8 @@ from ckptstore.errors import CheckpointNotFoundError, CkptError, UnsafeObjectErr
 from ckptstore.format import flatten_state
 from ckptstore.names import MAX_NAME_BYTES, validate_metric_name
 from ckptstore.ops.writing.async_save import saver_for
+from ckptstore.ops.writing.save import save_checkpoint as save_to_store
+from ckptstore.save_options import SaveOptions
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -233,8 +235,7 @@ class CkptStoreIO(CheckpointIO):
         self.run = store.run(run, **({"experiment": experiment} if experiment else {})).name
         self.async_save = async_save
         self.stubs = stubs
-        self._tags = tuple(tags)
-        self._codec = codec
+        self._options = SaveOptions(tags=tuple(tags), codec=codec)
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
         self._handles: list[Any] = []
@@ -260,7 +261,8 @@ class CkptStoreIO(CheckpointIO):
         key = os.path.abspath(os.fspath(path))
         state = lightning_state(checkpoint)
         try:
-            flatten_state(state)
+            # The save's one walk of the state; the flattened state is what is saved.
+            flat = flatten_state(state)
         except UnsafeObjectError as exc:
             raise UnsafeObjectError(
                 f"{exc}. Lightning put this object in the checkpoint: for hyper-parameters "
@@ -270,11 +272,10 @@ class CkptStoreIO(CheckpointIO):
         step = int(checkpoint.get("global_step", 0))
         hint = checkpoint.get(HINT_KEY)
         extra = hint.get("tags", ()) if isinstance(hint, Mapping) else ()
-        tags = tuple(dict.fromkeys((*self._tags, *extra)))
-        kwargs: dict[str, Any] = {"metrics": _metrics(checkpoint) or None, "tags": tags,
-                                  "codec": self._codec}
+        tags = tuple(dict.fromkeys((*self._options.tags, *extra)))
+        options = replace(self._options, metrics=_metrics(checkpoint) or None, tags=tags)
         if not self.async_save:
-            ck = self.store.save(self.run, step, state, **kwargs)
+            ck = save_to_store(self.store, self.run, step, flat, options)
             self._committed(ck, key=key, pending=None)
             return
         pending = _Pending()
@@ -285,8 +286,8 @@ class CkptStoreIO(CheckpointIO):
         try:
             # Not under the lock: submit may wait for earlier saves, whose commit callbacks
             # take the lock.
-            handle = saver_for(self.store).submit(self.run, step, state, on_commit=on_commit,
-                                                  **kwargs)
+            handle = saver_for(self.store).submit(self.run, step, flat, options,
+                                                  on_commit=on_commit)
         except BaseException:
             self._settle(key, pending)
             raise

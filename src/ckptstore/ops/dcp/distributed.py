@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from ckptstore.ops.tiering.parts import PartsSource, materialize, parts_source
 from ckptstore.ops.tiering.thaw import thawed_source
 from ckptstore.ops.writing.save import save_checkpoint
 from ckptstore.records import Checkpoint
+from ckptstore.save_options import LATEST, SaveOptions, options_of
 
 __all__ = ["load_dcp", "load_parted", "needs_dcp", "save_distributed"]
 
@@ -126,9 +128,11 @@ def save_distributed(
     run: str,
     step: int,
     state: Any,
+    options: SaveOptions | None = None,
     *,
     process_group: Any = None,
-    **kw: Any,
+    pack_below: int | None = None,
+    **fields: Any,
 ) -> Checkpoint:
     """Save from every rank of a process group; return the committed checkpoint on all.
 
@@ -143,26 +147,30 @@ def save_distributed(
         run: Run name.
         step: Training step.
         state: The state (a dict for sharded states).
+        options: The save's options; ``delta`` and ``base`` apply to plain states and are
+            ignored for sharded ones.
         process_group: Process group (default: the default group).
-        **kw: ``metrics``, ``tags``, ``parent``, ``codec``, ``experiment``; ``delta`` and
-            ``base`` reach ``store.save`` for plain states and are ignored for sharded ones.
+        pack_below: For sharded states, see :class:`ZarrStorageWriter`.
+        **fields: The options as keywords (``metrics=``, ``tags=``, ...), for a caller that
+            passes no ``options``.
 
     Raises:
         CkptError: On every rank if any rank failed; nothing is committed and earlier
             checkpoints are untouched. The class is the cause's where it is a CkptError.
     """
+    options = options_of(options, **fields)
     sharded = needs_dcp(state)
     if not _dist_on() and not sharded:
-        return save_checkpoint(store, run, step, state, **kw)
+        return save_checkpoint(store, run, step, state, options)
     if sharded:
         # Chunk dedup and delta encoding apply to the regular format only.
-        dcp_kw = {k: v for k, v in kw.items() if k not in ("delta", "base")}
-        return _save_sharded(store, run, step, state, process_group, dcp_kw)
-    return _save_replicated(store, run, step, state, process_group, kw)
+        dcp_options = replace(options, delta=None, base=LATEST)
+        return _save_sharded(store, run, step, state, process_group, dcp_options, pack_below)
+    return _save_replicated(store, run, step, state, process_group, options)
 
 
 def _save_sharded(store: StoreCore, run: str, step: int, state: Any, group: Any,
-                  kw: dict[str, Any]) -> Checkpoint:
+                  options: SaveOptions, pack_below: int | None) -> Checkpoint:
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     if not isinstance(state, dict):
@@ -172,7 +180,7 @@ def _save_sharded(store: StoreCore, run: str, step: int, state: Any, group: Any,
     if store.peers is not None:
         # A neighbour may still be receiving the previous save's part: one transfer at a time.
         peers_for(store).wait()
-    writer = ZarrStorageWriter(store, run, step, **kw)
+    writer = ZarrStorageWriter(store, run, step, options, pack_below=pack_below)
     writer.materialize_on_exit = False  # one broadcast below instead of a catalog read per host
     try:
         with writer, warnings.catch_warnings():
@@ -235,14 +243,14 @@ def _share_manifest(store: StoreCore, writer: ZarrStorageWriter,
 
 
 def _save_replicated(store: StoreCore, run: str, step: int, state: Any, group: Any,
-                     kw: dict[str, Any]) -> Checkpoint:
+                     options: SaveOptions) -> Checkpoint:
     rank = dist.get_rank(group)
     src = dist.get_global_rank(group, 0) if group is not None else 0
     payload: list[Any] = [None]
     failure: BaseException | None = None
     if rank == 0:
         try:
-            payload = [("ok", save_checkpoint(store, run, step, state, **kw).id)]
+            payload = [("ok", save_checkpoint(store, run, step, state, options).id)]
         except Exception as exc:
             failure = exc
             payload = [("error", type(exc).__name__, str(exc))]

@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
@@ -66,12 +65,14 @@ from ckptstore.format.dcp.commit import (
 from ckptstore.format.dcp.plan import ArraySpec, RankTask, assign_slots, item_dtype_name
 from ckptstore.format.dcp.write import ChunkSink, write_rank
 from ckptstore.format.manifest import remember_manifest
-from ckptstore.identity import host, writer_id
+from ckptstore.identity import host
 from ckptstore.names import validate_name, validate_tag
 from ckptstore.ops.dcp.parts import PartTask, RankInfo, TierSink
 from ckptstore.ops.dcp.stage import StagedSet, pool_for, stage_state
 from ckptstore.ops.tiering.parts import materialize, part_specs
+from ckptstore.ops.writing.save import begin_save
 from ckptstore.records import Checkpoint, CheckpointState
+from ckptstore.save_options import SaveOptions, options_of
 
 __all__ = ["PACK_BELOW", "ZarrStorageWriter", "dcp_writer"]
 
@@ -106,19 +107,19 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
         store: The open store (on every rank).
         run: Run name.
         step: Training step.
-        metrics: Metrics recorded with the checkpoint.
-        tags: Tags.
-        parent: Reference of the checkpoint this run resumed from.
-        codec: Codec preset (default: the store's).
-        experiment: Experiment to file the run under.
+        options: The save's options: metrics, tags, parent, codec (default: the store's),
+            experiment. ``delta`` and ``base`` do not apply: a DCP save is written in full.
         pack_below: Shards smaller than this many bytes are packed per rank (default:
             :data:`PACK_BELOW`; in a save across hosts, where no array is shared between
             ranks anyway, the chunk size: a shard that fits one chunk costs no files of its
             own).
+        **fields: The options as keywords (``metrics=``, ``tags=``, ...), for a caller that
+            passes no ``options``.
 
     Raises:
-        InvalidNameError: For a bad run name, step, tag or codec (on every rank, before any
-            I/O or collective).
+        InvalidNameError: For a bad run name, step, tag or codec, or a ``delta`` or ``base``
+            (on every rank, before any I/O or collective).
+        TypeError: For both ``options`` and keywords, or a keyword that is no option.
     """
 
     # Our stage() returns the staged state itself: nothing to synchronize afterwards.
@@ -129,26 +130,27 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
         store: StoreCore,
         run: str,
         step: int,
+        options: SaveOptions | None = None,
         *,
-        metrics: Mapping[str, float] | None = None,
-        tags: Sequence[str] = (),
-        parent: str | None = None,
-        codec: str | None = None,
-        experiment: str | None = None,
         pack_below: int | None = None,
+        **fields: Any,
     ) -> None:
+        options = options_of(options, **fields)
         validate_name(run)
-        for tag in tags:
+        for tag in options.tags:
             validate_tag(tag)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise InvalidNameError(f"step must be a non-negative int, got {step!r}")
+        if not options.default_encoding:
+            raise InvalidNameError(
+                "a DCP save is written in full: delta and base do not apply to it; leave "
+                "them out (store.save(..., distributed=True) drops them for sharded states)"
+            )
         self.store = store
         self.run = run
         self.step = step
-        self.metrics = dict(metrics) if metrics is not None else None
-        self.tags = tuple(tags)
-        self.parent = parent
-        self.codec = codec or store.settings.codec
+        self.options = options
+        self.codec = options.codec or store.settings.codec
         if self.codec == AUTO:
             # The DCP layout stores a checkpoint with one codec; the per-array choice of
             # ``auto`` keeps 4-byte and wider dtypes (most of a sharded state) raw.
@@ -157,7 +159,6 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
             codec_spec(self.codec)
         except ValueError as exc:
             raise InvalidNameError(str(exc)) from None
-        self.experiment = experiment
         self.pack_below = None if pack_below is None else int(pack_below)
         self.is_coordinator = False
         self._pending: Checkpoint | None = None  # coordinator: the row of the save under way
@@ -251,7 +252,6 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: allocate the version, create the directory, assign every shard."""
         settings = self.store.settings
-        catalog = self.store.catalog
         hosts, parted = self._topology(plans)
         remote = settings.hot_remote is not None
         pack_below = self.pack_below
@@ -260,20 +260,7 @@ class ZarrStorageWriter(StorageWriter, AsyncStager):
         slots, specs = assign_slots(
             plans, chunk_bytes=settings.chunk_bytes, pack_below=pack_below, per_rank=parted,
         )
-        parent_id = catalog.get(self.parent).id if self.parent is not None else None
-        if self.experiment is not None:
-            catalog.ensure_run(self.run, experiment=self.experiment)
-        ck = catalog.begin_checkpoint(
-            self.run,
-            self.step,
-            metrics=self.metrics,
-            tags=self.tags,
-            parent_id=parent_id,
-            codec=self.codec,
-            writer=writer_id(),
-            tier="hot",
-            uri="",
-        )
+        ck = begin_save(self.store, self.run, self.step, self.options, codec=self.codec)
         self._pending = ck
         self._hosts, self._parted, self._remote = hosts, parted, remote
         directory = self.store.checkpoint_dir(self.run, ck.id)

@@ -17,6 +17,7 @@ from ckptstore.ops.tiering.replicas import manifest_of
 from ckptstore.ops.writing.save import save_checkpoint
 from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState
+from ckptstore.save_options import SaveOptions
 
 __all__ = ["compact_checkpoint"]
 
@@ -61,19 +62,9 @@ def compact_checkpoint(store: StoreCore, ref: str, *, progress: Progress | None 
     # Loading first means a missing base fails here, before anything is written.
     announce_total(progress, src.logical_bytes)
     state = load_checkpoint(store, src.id)
-    new = save_checkpoint(
-        store,
-        src.run,
-        src.step,
-        state,
-        metrics=dict(src.metrics),
-        tags=src.tags,
-        parent=src.parent_id,
-        codec=src.codec,
-        delta=False,
-        base=None,
-        progress=progress,
-    )
+    options = SaveOptions(metrics=src.metrics, tags=src.tags, parent=src.parent_id,
+                          codec=src.codec, delta=False, base=None)
+    new = save_checkpoint(store, src.run, src.step, state, options, progress=progress)
     del state
     store.catalog.add_edge(src.id, new.id, "converted-from")
     detail: dict[str, Any] = {"from": src.id, "kind": manifest.kind}

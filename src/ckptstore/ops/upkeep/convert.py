@@ -50,7 +50,7 @@ from ckptstore.convert.safetensors import TensorSpec, hf_name_map
 from ckptstore.convert.writers import staged_output, write_hf, write_pt, write_safetensors
 from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, InvalidNameError
-from ckptstore.format import Manifest, flatten_state, iter_tensors, unflatten_state
+from ckptstore.format import FlatState, Manifest, flatten_state, iter_tensors, unflatten_state
 from ckptstore.format.dcp.layout import is_dcp_manifest
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.tree import iter_tensor_refs, select_tree
@@ -59,6 +59,7 @@ from ckptstore.ops.tiering.replicas import manifest_of
 from ckptstore.ops.writing.save import save_checkpoint
 from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint
+from ckptstore.save_options import SaveOptions
 
 __all__ = [
     "convert_checkpoint",
@@ -356,10 +357,12 @@ def import_checkpoint(
             )
     # hf weights go under "model", so that exporting as hf again gives the same names.
     state = {"model": source.state} if source.fmt == "hf" else source.state
+    # Flattened once: the progress total and the save both take it.
+    flat = flatten_state(state)
     if progress is not None:
-        announce_total(progress, _tensor_bytes(state))
-    ck = save_checkpoint(store, run, step, state, metrics=metrics, tags=tags, parent=parent,
-                         codec=codec, progress=progress)
+        announce_total(progress, _tensor_bytes(flat))
+    options = SaveOptions(metrics=metrics, tags=tuple(tags), parent=parent, codec=codec)
+    ck = save_checkpoint(store, run, step, flat, options, progress=progress)
     store.catalog.record_event(
         "imported",
         checkpoint_id=ck.id,
@@ -369,9 +372,9 @@ def import_checkpoint(
     return ck
 
 
-def _tensor_bytes(state: Any) -> int:
-    """Bytes of the tensors in ``state`` (each once; what a save reports as progress)."""
-    return sum(t.nelement() * t.element_size() for t in flatten_state(state).tensors.values())
+def _tensor_bytes(flat: FlatState) -> int:
+    """Bytes of the tensors in ``flat`` (each once; what a save reports as progress)."""
+    return sum(t.nelement() * t.element_size() for t in flat.tensors.values())
 
 
 def convert_checkpoint(store: StoreCore, ref: str, *, codec: str) -> Checkpoint:
@@ -405,16 +408,9 @@ def convert_checkpoint(store: StoreCore, ref: str, *, codec: str) -> Checkpoint:
         logger.info("%s was already re-encoded with %s as %s", src.ref, codec, done.ref)
         return done
     state = load_checkpoint(store, src.id)
-    new = save_checkpoint(
-        store,
-        src.run,
-        src.step,
-        state,
-        metrics=dict(src.metrics),
-        tags=src.tags,
-        parent=src.parent_id,
-        codec=codec,
-    )
+    options = SaveOptions(metrics=src.metrics, tags=src.tags, parent=src.parent_id,
+                          codec=codec)
+    new = save_checkpoint(store, src.run, src.step, state, options)
     del state
     store.catalog.add_edge(src.id, new.id, "converted-from")
     store.catalog.record_event(

@@ -10,9 +10,12 @@ Host memory is bounded by ``staging_budget_bytes``: the pool never holds more th
 (buffers in use by unfinished saves plus idle buffers kept for reuse). When staging a state
 would exceed it, ``submit`` waits for earlier saves to finish instead of allocating more.
 
-One background thread per saver runs ``store.save`` on the staged copies in submission order.
-A failed save is never COMMITTED (``store.save`` marks it FAILED); its exception is raised,
-once, by the next ``submit()`` or ``wait()`` and is available from its handle.
+``submit`` flattens the state once (refusing what cannot be stored, as a synchronous save
+does), stages the flattened tensors, and hands the staged flat state to one background thread
+per saver, which runs the save transaction on it in submission order
+(:func:`~ckptstore.ops.writing.save.write_save`): the state is never walked again. A failed
+save is never COMMITTED (it is marked FAILED); its exception is raised, once, by the next
+``submit()`` or ``wait()`` and is available from its handle.
 
 Example:
     >>> saver = AsyncSaver(store, staging_budget_bytes=8 * 2**30)    # doctest: +SKIP
@@ -25,7 +28,6 @@ Example:
 from __future__ import annotations
 
 import atexit
-import copy
 import logging
 import os
 import queue
@@ -33,7 +35,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,17 +44,18 @@ import torch
 
 from ckptstore.core import StoreCore, StoreService
 from ckptstore.errors import CkptError, ConfigError
-from ckptstore.format import flatten_state
+from ckptstore.format import FlatState, as_flat
 from ckptstore.observability.timing import off_training_path
-from ckptstore.ops.writing.save import check_save_args, save_checkpoint
+from ckptstore.ops.writing.save import check_save, write_save
 from ckptstore.ops.writing.staging import (
     BufferKey,
     StagingPool,
     copy_into_buffers,
     key_nbytes,
     plan_staging,
-    rebuild_staged,
+    staged_state,
 )
+from ckptstore.save_options import SaveOptions, options_of
 
 if TYPE_CHECKING:
     from ckptstore.records import Checkpoint
@@ -129,10 +132,11 @@ class SaveHandle:
 class _Job:
     run: str
     step: int
-    state: Any
+    state: FlatState | None  # the staged copy; dropped once the save is done
     keys: list[BufferKey]
     buffers: list[torch.Tensor]
-    save_kwargs: dict[str, Any]
+    options: SaveOptions
+    progress: Callable[[int], None] | None
     on_commit: Callable[[Checkpoint], None] | None
     handle: SaveHandle
     future: Future[Checkpoint]
@@ -193,9 +197,11 @@ class AsyncSaver(StoreService):
         run: str,
         step: int,
         state: Any,
+        options: SaveOptions | None = None,
         *,
         on_commit: Callable[[Checkpoint], None] | None = None,
-        **save_kwargs: Any,
+        progress: Callable[[int], None] | None = None,
+        **fields: Any,
     ) -> SaveHandle:
         """Stage ``state`` and save it in the background.
 
@@ -205,12 +211,16 @@ class AsyncSaver(StoreService):
         Args:
             run: Run name.
             step: Training step.
-            state: Any nesting of dicts/lists/tuples of tensors and plain values.
+            state: Any nesting of dicts/lists/tuples of tensors and plain values, or its
+                :class:`~ckptstore.format.FlatState` when the caller flattened it already.
+            options: The save's options (metrics, tags, parent, codec, experiment, delta,
+                base).
             on_commit: Called on the background thread with the committed checkpoint, before
                 the handle completes (post-commit work such as pinning or pruning); its
                 errors are logged, not raised.
-            **save_kwargs: Passed to :meth:`StoreCore.save` (``metrics``, ``tags``,
-                ``parent``, ``codec``, ``experiment``, ``progress``).
+            progress: Called on the background thread with the bytes of each chunk written.
+            **fields: The options as keywords (the fields of :class:`SaveOptions`), for a
+                caller that passes no ``options``.
 
         Returns:
             A handle on the pending save.
@@ -218,9 +228,13 @@ class AsyncSaver(StoreService):
         Raises:
             CkptError: The error of an earlier background save that failed and was not
                 reported yet (this state is then not submitted), or if the saver is closed.
-            ConfigError: If the state alone is larger than the staging budget.
+            ConfigError: If the state alone is larger than the staging budget, or the hot
+                tier is object storage.
+            InvalidNameError: For a bad run name, tag, step or metric.
             UnsafeObjectError: If the state holds an object that would need pickle.
+            TypeError: For both ``options`` and keywords, or a keyword that is no option.
         """
+        options = options_of(options, **fields)
         self._check_not_worker("submit")
         self._raise_unreported()
         if self._closed:
@@ -228,30 +242,31 @@ class AsyncSaver(StoreService):
                 f"cannot save {run}@{step}: the async saver is closed; open the store again"
             )
         started = time.perf_counter()
-        # Refuse pickle-only objects here, like a synchronous save, instead of deep-copying
-        # them and failing later in the background (a walk of the tree: ~1 ms for 600 tensors).
-        flatten_state(state)
         # Like a synchronous save, refuse a bad step or metric now, not in the background.
-        check_save_args(run, step, save_kwargs.get("metrics"), save_kwargs.get("tags", ()))
-        plan = plan_staging(state)
+        step, options = check_save(self.store, run, step, options)
+        # The one walk of the state: it refuses pickle-only objects here, like a synchronous
+        # save, and what it returns is what is staged and written (the tree is already a
+        # snapshot of the plain values; the tensors are copied into the buffers below).
+        flat = as_flat(state)
+        plan = plan_staging(flat)
         buffers = self.pool.acquire(plan.keys, should_stop=lambda: self._closed)
         acquired = time.perf_counter()
         try:
             # An earlier save may have failed while we waited: report it before this one.
             self._raise_unreported()
             copy_into_buffers(buffers, plan.sources)
-            staged = rebuild_staged(state, buffers, plan.slots)
-            kwargs = _copy_kwargs(save_kwargs)
         except BaseException:
             self.pool.release(plan.keys, buffers)
             raise
+        staged = staged_state(flat, buffers)
         future: Future[Checkpoint] = Future()
         handle = SaveHandle(run, step, future)
         handle.staged_bytes = sum(key_nbytes(key) for key in plan.keys)
         handle.waited_s = acquired - started
         handle.blocked_s = time.perf_counter() - started
         self.store.metrics.observe_blocked("save", handle.blocked_s, run=run, step=step)
-        job = _Job(run, step, staged, plan.keys, buffers, kwargs, on_commit, handle, future)
+        job = _Job(run, step, staged, plan.keys, buffers, options, progress, on_commit, handle,
+                   future)
         with self._lock:
             self._pending.add(future)
             self._ensure_thread()
@@ -360,7 +375,9 @@ class AsyncSaver(StoreService):
         try:
             # The background write does not block training; submit() reported what did.
             with off_training_path():
-                ck = save_checkpoint(self.store, job.run, job.step, job.state, **job.save_kwargs)
+                assert job.state is not None
+                ck = write_save(self.store, job.run, job.step, job.state, job.options,
+                                progress=job.progress)
         except BaseException as exc:  # every failure must reach the caller, not kill the thread
             job.state = None
             self.pool.release(job.keys, job.buffers)
@@ -403,17 +420,6 @@ def _lower_priority(nice: int) -> None:
         logger.debug("could not lower the priority of the async save thread", exc_info=True)
 
 
-def _copy_kwargs(save_kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Snapshot mutable save arguments (metrics dicts, tag lists) at submit time."""
-    out: dict[str, Any] = {}
-    for key, value in save_kwargs.items():
-        if key == "progress" or callable(value):
-            out[key] = value
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
 _LIVE: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
 
 
@@ -447,9 +453,9 @@ def save_async(
     run: str,
     step: int,
     state: Any,
+    options: SaveOptions | None = None,
     *,
     on_commit: Callable[[Checkpoint], None] | None = None,
-    **save_kwargs: Any,
 ) -> SaveHandle:
     """Save through the store's async saver; see :meth:`AsyncSaver.submit`.
 
@@ -458,8 +464,8 @@ def save_async(
         run: Run name.
         step: Training step.
         state: The training state; may be changed as soon as this returns.
+        options: The save's options.
         on_commit: Post-commit callback, run on the background thread.
-        **save_kwargs: Passed to :meth:`StoreCore.save`.
 
     Returns:
         A handle on the pending save.
@@ -468,7 +474,7 @@ def save_async(
         CkptError: An earlier async save's failure (raised once), or a closed saver.
         ConfigError: If the state is larger than ``staging_budget_bytes``.
     """
-    return saver_for(store).submit(run, step, state, on_commit=on_commit, **save_kwargs)
+    return saver_for(store).submit(run, step, state, options, on_commit=on_commit)
 
 
 def wait_async(store: StoreCore) -> None:

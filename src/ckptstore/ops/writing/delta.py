@@ -17,7 +17,6 @@ writer deduplicates or encodes against, and into what the catalog records:
 
 from __future__ import annotations
 
-import enum
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +27,9 @@ from ckptstore.errors import CheckpointNotFoundError, CkptError
 from ckptstore.format import BaseRef, Manifest, read_manifest
 from ckptstore.format.delta import DeltaSpec, parse_delta
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
+from ckptstore.save_options import LATEST, Latest
 
-__all__ = ["LATEST", "Latest", "SavePlan", "lossy_record", "plan_save"]
+__all__ = ["SavePlan", "lossy_record", "plan_save"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,16 +44,6 @@ def lossy_record(manifest: Manifest) -> dict[str, Any]:
     if info is None or not info.lossy:
         return {"lossy": False}
     return {"lossy": True, "error_bound": info.max_abs_error, "lossy_scope": info.scope}
-
-
-class Latest(enum.Enum):
-    """Type of :data:`LATEST`."""
-
-    LATEST = "latest"
-
-
-#: ``base=`` default of a save: the run's latest committed checkpoint.
-LATEST = Latest.LATEST
 
 
 @dataclass(frozen=True)

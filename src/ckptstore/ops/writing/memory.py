@@ -176,7 +176,8 @@ class MemoryTier(StoreService):
 
         Args:
             ck: The checkpoint, already COMMITTED on the hot tier.
-            state: The same state that was saved (e.g. the async saver's staging buffers).
+            state: The same state that was saved, or the save's flattened state
+                (:class:`~ckptstore.format.FlatState`: not walked again).
 
         Returns:
             The copy's directory, or None when it does not fit (logged).

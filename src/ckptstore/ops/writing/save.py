@@ -1,9 +1,10 @@
 """The save transaction: PENDING row → durable files on the hot tier → COMMITTED row.
 
-A save is: validate the state (no pickle) → a PENDING catalog row with the next version →
-chunks, manifest and commit marker on the hot tier, each durable → the COMMITTED row. Anything
-that is not COMMITTED is invisible to loads and listings; ``gc`` removes what dead saves left
-behind (:mod:`ckptstore.ops.tiering.gc`).
+A save is: check its options (:func:`check_save`) → flatten the state once (no pickle) → a
+PENDING catalog row with the next version → chunks, manifest and commit marker on the hot
+tier, each durable → the COMMITTED row (:func:`write_save`, which the async saver calls with
+its staged copy of the flattened state). Anything that is not COMMITTED is invisible to loads
+and listings; ``gc`` removes what dead saves left behind (:mod:`ckptstore.ops.tiering.gc`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,23 +21,24 @@ from ckptstore.catalog.checks import check_metrics, check_step
 from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, ConfigError, StorageError
 from ckptstore.faultpoints import fault_point
-from ckptstore.format import flatten_state, write_checkpoint
+from ckptstore.format import FlatState, as_flat, write_checkpoint
 from ckptstore.format.gcpause import without_gc
 from ckptstore.identity import writer_id
 from ckptstore.names import validate_name, validate_tag
 from ckptstore.observability.metrics import dedup_bytes
-from ckptstore.ops.writing.delta import LATEST, Latest, lossy_record, plan_save
+from ckptstore.ops.writing.delta import lossy_record, plan_save
 from ckptstore.ops.writing.memory import stage_after_commit
 from ckptstore.records import Checkpoint
+from ckptstore.save_options import SaveOptions
 
-__all__ = ["check_save_args", "save_checkpoint"]
+__all__ = ["abandon_save", "begin_save", "check_save", "save_checkpoint", "write_save"]
 
 logger = logging.getLogger(__name__)
 
 
-def check_save_args(
-    run: str, step: object, metrics: Mapping[str, object] | None, tags: Sequence[str]
-) -> tuple[int, dict[str, float]]:
+def check_save(
+    core: StoreCore, run: str, step: object, options: SaveOptions
+) -> tuple[int, SaveOptions]:
     """Validate what a save records, before anything is written or catalogued.
 
     The catalog checks these too, but a save creates the run (``experiment``) and stages
@@ -43,15 +46,64 @@ def check_save_args(
     metric beyond the float range must fail first, leaving nothing behind.
 
     Returns:
-        The step and the metrics as ``{name: float}``.
+        The step, and the options with the metrics as ``{name: float}`` and the codec
+        resolved (the store's setting when the options name none).
 
     Raises:
+        ConfigError: If the hot tier is object storage (only distributed saves write there).
         InvalidNameError: For a bad run name, tag, step or metric.
     """
+    if core.settings.hot_remote is not None:
+        raise ConfigError(
+            f"the hot tier is object storage ({core.settings.hot_remote}): only distributed "
+            "saves of sharded states write there (store.save(..., distributed=True) with "
+            "DTensor/FSDP state, or dcp.save with store.dcp_writer); set hot to a local path "
+            "for other saves"
+        )
     validate_name(run)
-    for tag in tags:
+    for tag in options.tags:
         validate_tag(tag)
-    return check_step(step), check_metrics(metrics)
+    checked_step, metrics = check_step(step), check_metrics(options.metrics)
+    return checked_step, replace(options, metrics=metrics,
+                                 codec=options.codec or core.settings.codec)
+
+
+def begin_save(
+    core: StoreCore,
+    run: str,
+    step: int,
+    options: SaveOptions,
+    *,
+    codec: str,
+    kind: str = "full",
+    base_id: str | None = None,
+    lossy: bool = False,
+) -> Checkpoint:
+    """File the run under its experiment and begin the PENDING row of a save.
+
+    Shared by the regular save below and the DCP writer's coordinator
+    (:mod:`ckptstore.ops.dcp.writer`), so both record a save's options the same way.
+
+    Raises:
+        CheckpointNotFoundError: If ``options.parent`` does not resolve.
+    """
+    parent_id = core.catalog.get(options.parent).id if options.parent is not None else None
+    if options.experiment is not None:
+        core.catalog.ensure_run(run, experiment=options.experiment)
+    return core.catalog.begin_checkpoint(
+        run,
+        step,
+        metrics=options.metrics,
+        tags=options.tags,
+        parent_id=parent_id,
+        kind=kind,
+        base_id=base_id,
+        codec=codec,
+        lossy=lossy,
+        writer=writer_id(),
+        tier="hot",
+        uri="",
+    )
 
 
 # The collector is paused for the whole transaction, not only while the files are written:
@@ -64,20 +116,16 @@ def save_checkpoint(
     run: str,
     step: int,
     state: Any,
+    options: SaveOptions | None = None,
     *,
-    metrics: dict[str, float] | None = None,
-    tags: Sequence[str] = (),
-    parent: str | None = None,
-    codec: str | None = None,
-    experiment: str | None = None,
     progress: Callable[[int], None] | None = None,
-    delta: Any = None,
-    base: str | Latest | None = LATEST,
 ) -> Checkpoint:
     """Save ``state`` as a new version of ``run`` at ``step``; return it once COMMITTED.
 
     The arguments are those of :meth:`ckptstore.store.CheckpointStore.save` (one process;
-    distributed saves go through :mod:`ckptstore.ops.dcp`).
+    distributed saves go through :mod:`ckptstore.ops.dcp`), the options as one value.
+    ``state`` may already be flattened (a :class:`~ckptstore.format.FlatState`): it is
+    then passed down as it is, never walked again.
 
     Raises:
         InvalidNameError: For a bad run name, tag, metric or ``delta`` setting.
@@ -86,35 +134,42 @@ def save_checkpoint(
         StorageError: If the hot tier fails (disk full, permissions); nothing is committed.
         ConfigError: If the hot tier is object storage (only distributed saves write there).
     """
-    if core.settings.hot_remote is not None:
-        raise ConfigError(
-            f"the hot tier is object storage ({core.settings.hot_remote}): only distributed "
-            "saves of sharded states write there (store.save(..., distributed=True) with "
-            "DTensor/FSDP state, or dcp.save with store.dcp_writer); set hot to a local path "
-            "for other saves"
-        )
-    step, metrics = check_save_args(run, step, metrics, tags)
-    codec = codec or core.settings.codec
-    # Refuse pickle-only objects before anything is written or catalogued.
-    flatten_state(state)
-    parent_id = core.catalog.get(parent).id if parent is not None else None
-    if experiment is not None:
-        core.catalog.ensure_run(run, experiment=experiment)
-    plan = plan_save(core, run, delta, base)
-    ck = core.catalog.begin_checkpoint(
-        run,
-        step,
-        metrics=metrics,
-        tags=tuple(tags),
-        parent_id=parent_id,
-        kind=plan.kind,
-        base_id=plan.base_id,
-        codec=codec,
-        lossy=plan.lossy,
-        writer=writer_id(),
-        tier="hot",
-        uri="",
-    )
+    step, options = check_save(core, run, step, options or SaveOptions())
+    # Refuse pickle-only objects before anything is written or catalogued; the flattened
+    # state is what the writer and the memory tier take, so this is the only walk of it.
+    flat = as_flat(state)
+    return write_save(core, run, step, flat, options, progress=progress)
+
+
+@without_gc
+def write_save(
+    core: StoreCore,
+    run: str,
+    step: int,
+    flat: FlatState,
+    options: SaveOptions,
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> Checkpoint:
+    """The transaction of a checked save: PENDING row → files → COMMITTED row.
+
+    Args:
+        core: The open store.
+        run: Run name.
+        step: The step as :func:`check_save` returned it.
+        flat: The flattened state (the async saver's staged copy, for a background save).
+        options: The options as :func:`check_save` returned them.
+        progress: Called with the number of bytes written after each chunk.
+
+    Raises:
+        CheckpointNotFoundError: If an explicit ``base`` or ``parent`` does not resolve.
+        InvalidNameError: For a bad ``delta`` setting.
+        StorageError: If the hot tier fails (disk full, permissions); nothing is committed.
+    """
+    codec = options.codec or core.settings.codec
+    plan = plan_save(core, run, options.delta, options.base)
+    ck = begin_save(core, run, step, options, codec=codec, kind=plan.kind,
+                    base_id=plan.base_id, lossy=plan.lossy)
     directory = core.checkpoint_dir(run, ck.id)
     fault_point("save.pending")
     started = time.perf_counter()
@@ -123,7 +178,7 @@ def save_checkpoint(
             _check_run_dir(core, directory)
             manifest = write_checkpoint(
                 directory,
-                state,
+                flat,
                 ckpt_id=ck.id,
                 run=run,
                 step=step,
@@ -178,7 +233,7 @@ def save_checkpoint(
         )
     # An extra copy in host shared memory (memory_tier_bytes > 0), only now that the hot
     # copy is committed; it never fails the save.
-    if stage_after_commit(core, committed, state):
+    if stage_after_commit(core, committed, flat):
         committed = core.catalog.get_any(committed.id)
     return committed
 

@@ -2,23 +2,24 @@
 
 Copying into memory that is already faulted in runs at memcpy speed while copying into fresh
 pages runs several times slower (docs/ARCHITECTURE.md, "The path of a save"), so the buffers
-of one save are kept for the next save of the same shapes. Used by the async saver
-(:mod:`ckptstore.ops.writing.async_save`) and by ``dcp.async_save`` staging.
+of one save are kept for the next save of the same shapes. The async saver
+(:mod:`ckptstore.ops.writing.async_save`) stages the tensors of the state it flattened, so
+staging never walks the state itself; ``dcp.async_save`` staging
+(:mod:`ckptstore.ops.dcp.stage`) uses the pool.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ckptstore.errors import CkptError, ConfigError
+from ckptstore.format import FlatState
 
 __all__ = [
     "BufferKey",
@@ -27,8 +28,7 @@ __all__ = [
     "copy_into_buffers",
     "key_nbytes",
     "plan_staging",
-    "rebuild_staged",
-    "stageable",
+    "staged_state",
 ]
 
 logger = logging.getLogger(__name__)
@@ -198,124 +198,40 @@ def key_nbytes(key: BufferKey) -> int:
     return numel * dtype.itemsize
 
 
-@dataclass
+@dataclass(frozen=True)
 class StagingPlan:
-    """Where every tensor of a state goes.
+    """Where every tensor of a flattened state goes.
 
     Attributes:
-        keys: One buffer key per distinct tensor.
+        keys: One buffer key per tensor, in the flattened state's order.
         sources: The tensor each buffer is filled from.
-        slots: For every stageable tensor occurrence, in walk order, its buffer index.
-            Occurrences of one tensor (or of one exact view, as tied weights are in a
-            ``state_dict``) share a slot, so the format still stores them once.
     """
 
-    keys: list[BufferKey] = field(default_factory=list)
-    sources: list[torch.Tensor] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    by_alias: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    keys: list[BufferKey]
+    sources: list[torch.Tensor]
 
 
-def plan_staging(state: Any) -> StagingPlan:
-    """Where every tensor of ``state`` goes: one buffer per distinct tensor (views shared)."""
-    plan = StagingPlan()
-    _collect(state, "", plan)
-    return plan
+def plan_staging(flat: FlatState) -> StagingPlan:
+    """One buffer per tensor of ``flat``.
 
-
-def _collect(obj: Any, path: str, plan: StagingPlan) -> None:
-    """Collect the tensors of ``obj`` that get staging buffers."""
-    if isinstance(obj, torch.Tensor):
-        if stageable(obj):
-            alias = _alias_key(obj)
-            slot = plan.by_alias.get(alias)
-            if slot is None:
-                slot = len(plan.keys)
-                pinned = obj.device.type == "cuda" and torch.cuda.is_available()
-                plan.keys.append((path, tuple(obj.shape), obj.dtype, pinned))
-                plan.sources.append(obj)
-                plan.by_alias[alias] = slot
-            plan.slots.append(slot)
-        return
-    if isinstance(obj, Mapping):
-        for key, value in obj.items():
-            _collect(value, f"{path}/{key}" if path else str(key), plan)
-    elif isinstance(obj, list | tuple) and not isinstance(obj, torch.Size):
-        for i, value in enumerate(obj):
-            _collect(value, f"{path}/{i}" if path else str(i), plan)
-
-
-def _alias_key(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """Identity of a tensor's values: same memory, offset, shape, strides, dtype, device."""
-    if tensor.numel() == 0:
-        return ("id", id(tensor))
-    return (
-        tensor.untyped_storage().data_ptr(),
-        tensor.storage_offset(),
-        tuple(tensor.shape),
-        tensor.stride(),
-        tensor.dtype,
-        tensor.device,
-    )
-
-
-def stageable(tensor: torch.Tensor) -> bool:
-    """Whether a tensor gets a pool buffer (plain strided, not quantized, meta or a subclass)."""
-    # Plain strided tensors (parameters included) get pool buffers; sparse, quantized, meta
-    # and subclass tensors are cloned instead so the format layer sees them as they were.
-    return (
-        tensor.layout == torch.strided
-        and not tensor.is_quantized
-        and tensor.device.type != "meta"
-        and type(tensor) in (torch.Tensor, torch.nn.Parameter)
-    )
-
-
-def rebuild_staged(obj: Any, buffers: Sequence[torch.Tensor], slots: Iterable[int]) -> Any:
-    """Copy ``obj``'s structure, placing the staged buffers where its tensors were.
-
-    ``slots`` gives, in the order :func:`plan_staging` visited the tensors, the index of each one's
-    buffer. Non-tensor leaves are deep-copied, so later mutation by the caller cannot reach
-    them.
+    The flattener already stored every tensor, and every exact view of one (tied weights in
+    a ``state_dict``), once, and refused the tensors it cannot store; so each buffer stands
+    for one stored tensor and the staged copy is stored exactly as the state would be.
     """
-    it = (buffers[slot] for slot in slots)
+    keys: list[BufferKey] = []
+    for key, tensor in flat.tensors.items():
+        pinned = tensor.device.type == "cuda" and torch.cuda.is_available()
+        keys.append((key, tuple(tensor.shape), tensor.dtype, pinned))
+    return StagingPlan(keys, list(flat.tensors.values()))
 
-    def walk(node: Any) -> Any:
-        if isinstance(node, torch.Tensor):
-            if stageable(node):
-                return next(it)
-            return node.detach().clone()
-        if isinstance(node, Mapping):
-            items = [(key, walk(value)) for key, value in node.items()]
-            if type(node) is dict:
-                return dict(items)
-            # Keep the mapping's own type (OrderedDict, or a subclass the format will name in
-            # its error) so an async save accepts and refuses exactly what a sync save does.
-            try:
-                rebuilt: Any = copy.copy(node)
-                rebuilt.clear()
-                rebuilt.update(items)
-            except (AttributeError, TypeError):
-                rebuilt = dict(items)
-            return rebuilt
-        if isinstance(node, torch.Size):
-            return node
-        if isinstance(node, tuple):
-            values = [walk(value) for value in node]
-            if hasattr(node, "_fields"):  # namedtuple
-                return type(node)(*values)
-            return tuple(values) if type(node) is tuple else type(node)(values)
-        if isinstance(node, list):
-            items_list = [walk(value) for value in node]
-            if type(node) is list:
-                return items_list
-            try:
-                return type(node)(items_list)
-            except TypeError:
-                return items_list
-        return copy.deepcopy(node)
 
-    return walk(obj)
+def staged_state(flat: FlatState, buffers: Sequence[torch.Tensor]) -> FlatState:
+    """``flat`` with each tensor replaced by its filled staging buffer.
+
+    The tree is shared: the flattener built it from fresh JSON values, so nothing the
+    caller changes later reaches it.
+    """
+    return FlatState(dict(zip(flat.tensors, buffers, strict=True)), flat.tree)
 
 
 def copy_into_buffers(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
