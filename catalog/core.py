@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ckptstore.catalog import migrate
 from ckptstore.catalog.checks import check_checkpoint_id
-from ckptstore.catalog.engine import WRITE_OPTION, create_catalog_engine, mask_url
+from ckptstore.catalog.engine import WRITE_OPTION, create_catalog_engine
 from ckptstore.catalog.models import Base, EventRow, RunRow, utcnow
 from ckptstore.errors import (
     CheckpointNotFoundError,
@@ -34,6 +34,7 @@ from ckptstore.errors import (
     InvalidNameError,
     StorageError,
 )
+from ckptstore.redact import mask_url, scrub
 from ckptstore.refs import Ref, parse_ref
 
 __all__ = [
@@ -199,8 +200,9 @@ class CatalogCore:
                     session.connection(execution_options={WRITE_OPTION: True})
                 yield session
         except (OperationalError, InterfaceError) as e:
-            # The driver's message names host and database but never the password.
-            raise StorageError(f"catalog {self._url} failed: {e.orig}") from e
+            # The driver's message names host and database; scrubbed in case it repeats a
+            # URL or a DSN fragment with the password.
+            raise StorageError(f"catalog {self._url} failed: {scrub(str(e.orig))}") from e
 
     @contextmanager
     def _read(self) -> Iterator[Session]:

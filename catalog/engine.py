@@ -21,11 +21,11 @@ UPDATE``) instead, see ``ckptstore.catalog.checkpoints``.
 from __future__ import annotations
 
 import logging
-import re
 import sqlite3
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, unquote
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, Connection, make_url
@@ -33,6 +33,7 @@ from sqlalchemy.exc import ArgumentError
 from sqlalchemy.pool import StaticPool
 
 from ckptstore.errors import ConfigError
+from ckptstore.redact import mask_url, register_secret, split_userinfo
 
 __all__ = ["WRITE_OPTION", "create_catalog_engine", "mask_url", "parse_catalog_url"]
 
@@ -42,35 +43,15 @@ logger = logging.getLogger(__name__)
 WRITE_OPTION = "ckpt_write"
 
 _BUSY_TIMEOUT_MS = 30_000
-_PASSWORD_RE = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@]*:)(?P<pw>[^@/]*)@")
-
-
-def mask_url(url: str | URL) -> str:
-    """Render a database URL with its password replaced by ``***``.
-
-    Works on anything URL-like, also on text SQLAlchemy cannot parse, so it is safe to use in
-    error messages about bad URLs.
-
-    Args:
-        url: A URL string or a SQLAlchemy :class:`~sqlalchemy.engine.URL`.
-
-    Returns:
-        The URL without its password.
-
-    Example:
-        >>> mask_url("postgresql+psycopg://ckpt:s3cret@db:5432/catalog")
-        'postgresql+psycopg://ckpt:***@db:5432/catalog'
-    """
-    if isinstance(url, URL):
-        return url.render_as_string(hide_password=True)
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError, TypeError):
-        return _PASSWORD_RE.sub(lambda m: f"{m.group('head')}***@", str(url))
 
 
 def parse_catalog_url(url: str | URL) -> URL:
     """Parse and check a catalog URL, choosing psycopg 3 for plain ``postgresql://``.
+
+    A password holding raw ``@``, ``:`` or ``/`` ends at the last ``@`` of the authority,
+    the rule :func:`ckptstore.redact.split_userinfo` masks by (SQLAlchemy alone would end it
+    at the first ``@`` and take the rest of the password for the host). The password is
+    registered with :func:`ckptstore.redact.register_secret`, so no message repeats it.
 
     Args:
         url: ``sqlite:///path/to/catalog.db``, ``sqlite://`` (in memory, tests only) or
@@ -83,12 +64,15 @@ def parse_catalog_url(url: str | URL) -> URL:
         ConfigError: If the URL cannot be parsed or names another database or driver.
     """
     try:
-        parsed = make_url(url)
-    except (ArgumentError, ValueError) as e:
+        parsed = make_url(_with_encoded_userinfo(url) if isinstance(url, str) else url)
+    except (ArgumentError, ValueError):
+        # Not chained: SQLAlchemy's message quotes the whole URL, password included.
         raise ConfigError(
             f"cannot parse catalog URL {mask_url(url)!r}: use sqlite:///path/to/catalog.db or "
-            "postgresql+psycopg://user@host:5432/db"
-        ) from e
+            "postgresql+psycopg://user@host:5432/db (characters such as @ : / in the "
+            "password may be written as %40 %3A %2F)"
+        ) from None
+    register_secret(parsed.password if isinstance(parsed.password, str) else None)
     backend, driver = parsed.get_backend_name(), parsed.get_driver_name()
     if backend == "postgresql":
         if parsed.drivername == "postgresql":
@@ -104,6 +88,19 @@ def parse_catalog_url(url: str | URL) -> URL:
             "postgresql+psycopg://..."
         )
     return parsed
+
+
+def _with_encoded_userinfo(url: str) -> str:
+    """``url`` with its user name and password percent-encoded, cut at the authority's last
+    ``@`` (unchanged when there is no password, or nothing in the userinfo needs it)."""
+    parts = split_userinfo(url)
+    if parts is None or parts.password is None:
+        return url
+    user, password = unquote(parts.user), unquote(parts.password)
+    register_secret(parts.password)
+    if "@" not in parts.user + parts.password:
+        return url
+    return f"{parts.head}{quote(user, safe='')}:{quote(password, safe='')}@{parts.rest}"
 
 
 def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:

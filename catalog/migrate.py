@@ -22,8 +22,9 @@ from sqlalchemy import Engine
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from ckptstore.catalog.engine import WRITE_OPTION, create_catalog_engine, mask_url
+from ckptstore.catalog.engine import WRITE_OPTION, create_catalog_engine
 from ckptstore.errors import StorageError
+from ckptstore.redact import mask_url, scrub
 
 __all__ = [
     "SCRIPT_LOCATION",
@@ -166,7 +167,8 @@ def current(url: str | URL | Engine) -> str | None:
         raise AssertionError("unreachable")
     except DBAPIError as e:
         raise StorageError(
-            f"cannot read the schema revision of catalog {mask_url(engine.url)}: {e.orig}"
+            f"cannot read the schema revision of catalog {mask_url(engine.url)}: "
+            f"{scrub(str(e.orig))}"
         ) from e
     finally:
         if own:
@@ -188,7 +190,8 @@ def _run_command(url: str | URL | Engine, action: str, revision: str) -> None:
                     command.downgrade(cfg, revision)
     except DBAPIError as e:
         raise StorageError(
-            f"catalog {mask_url(engine.url)}: {action} to {revision} failed: {e.orig}"
+            f"catalog {mask_url(engine.url)}: {action} to {revision} failed: "
+            f"{scrub(str(e.orig))}"
         ) from e
     finally:
         if own:

@@ -34,7 +34,7 @@ from ckptstore.cli import (
     trust,
 )
 from ckptstore.cli.common import State, configure_logging, install_global_options
-from ckptstore.cli.output import console, err_console, print_error_json
+from ckptstore.cli.output import console, err_console, print_error, print_error_json
 from ckptstore.errors import CkptError, ThawPendingError
 from ckptstore.extras import extra_for, missing_extra
 
@@ -131,9 +131,7 @@ def _fail(as_json: bool, kind: str, message: str, code: int) -> int:
     if as_json:
         print_error_json(kind, message)
     else:
-        # One line whatever its length (soft_wrap: the terminal wraps it, rich does not), so
-        # logs and grep see the whole message.
-        err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+        print_error(message)
     return code
 
 

@@ -27,6 +27,7 @@ from rich.progress import (
 from ckptstore.config import Settings, load_settings
 from ckptstore.errors import InvalidNameError
 from ckptstore.numeric import MAX_INT64, decimal_or_none, float_or_none, parse_float
+from ckptstore.redact import RedactingFormatter
 from ckptstore.store import CheckpointStore
 
 __all__ = [
@@ -57,11 +58,20 @@ class State:
         return load_settings(self.config, root=self.store)
 
 
+_LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+
+
 def configure_logging(verbose: bool) -> None:
     """Log at INFO with ``--verbose``, else WARNING (to stderr, never into ``--json``)."""
     level = logging.INFO if verbose else logging.WARNING
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger().setLevel(level)
+    root = logging.getLogger()
+    before = list(root.handlers)
+    logging.basicConfig(level=level, format=_LOG_FORMAT)
+    for handler in root.handlers:
+        if handler not in before:
+            # Log lines quote drivers' and backends' messages: never a credential on stderr.
+            handler.setFormatter(RedactingFormatter(_LOG_FORMAT))
+    root.setLevel(level)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from ckptstore.observability import configure_logging as configure_library_logging
 

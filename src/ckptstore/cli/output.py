@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ckptstore.records import Checkpoint
+from ckptstore.redact import scrub
 
 __all__ = [
     "LS_COLUMNS",
@@ -21,6 +22,7 @@ __all__ = [
     "console",
     "err_console",
     "human_bytes",
+    "print_error",
     "print_error_json",
     "print_json",
     "print_table",
@@ -60,11 +62,24 @@ def print_json(data: Any) -> None:
 def print_error_json(kind: str, message: str) -> None:
     """Write a failure as ``{"error": {"type": ..., "message": ...}}`` to stdout (``--json``).
 
+    The message is scrubbed of credentials first (:func:`ckptstore.redact.scrub`): it may
+    quote a driver's or a backend's own text.
+
     Args:
         kind: The error's class name (``CheckpointNotFoundError``, ``UsageError``, ...).
         message: What failed and what to do, as the text output says it.
     """
-    print_json({"error": {"type": kind, "message": message}})
+    print_json({"error": {"type": kind, "message": scrub(message)}})
+
+
+def print_error(message: str) -> None:
+    """Write a failure as one ``error: ...`` line to stderr, scrubbed of credentials.
+
+    One line whatever its length (soft_wrap: the terminal wraps it, rich does not), so logs
+    and grep see the whole message.
+    """
+    err_console.print(f"error: {scrub(message)}", markup=False, highlight=False,
+                      soft_wrap=True)
 
 
 def print_table(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Annotated, Any
 
 import typer
@@ -13,6 +12,7 @@ from rich.markup import escape
 
 from ckptstore.cli.common import State
 from ckptstore.cli.output import console, print_json, print_table
+from ckptstore.redact import redact_setting
 
 __all__ = ["config_cmd", "register"]
 
@@ -39,7 +39,7 @@ def config_cmd(ctx: typer.Context, as_json: JsonOpt = False) -> None:
             value, detail = settings.resolved_catalog_url, "the embedded catalog under root"
         elif name == "hot" and value is None:
             value, detail = str(settings.hot_path), "<root>/hot"
-        report[name] = {"value": _redacted(_plain(value)), "from": origin.kind,
+        report[name] = {"value": redact_setting(_plain(value), name), "from": origin.kind,
                         "detail": detail}
     found = {"path": str(resolved.config) if resolved.config else None,
              "found_by": resolved.config_found_by or None}
@@ -70,28 +70,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     return value
-
-
-def _redacted(value: Any, key: str = "") -> Any:
-    """``value`` without credentials: URL passwords and secret storage options masked."""
-    from ckptstore.catalog import mask_url
-    from ckptstore.storage.base import is_secret_option
-
-    if key and is_secret_option(key) and value not in (None, ""):
-        return "***"
-    if isinstance(value, str):
-        if "://" in value and "@" in value:
-            value = mask_url(value)
-        # A password passed as a URL query parameter (?password=...) is not part of userinfo.
-        return _SECRET_QUERY.sub(lambda m: f"{m.group(1)}=***", value)
-    if isinstance(value, dict):
-        return {k: _redacted(v, k) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_redacted(v) for v in value]
-    return value
-
-
-_SECRET_QUERY = re.compile(r"(?i)\b(password|passwd|secret|token|sslpassword)=[^&\s]+")
 
 
 def _display(value: Any) -> str:

@@ -19,6 +19,8 @@ import sys
 from datetime import UTC, datetime
 from typing import IO, Any
 
+from ckptstore.redact import scrub
+
 __all__ = [
     "FIELDS_ATTR",
     "JsonFormatter",
@@ -33,6 +35,7 @@ FIELDS_ATTR = "ckpt"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _HANDLER_MARK = "_ckpt_json_handler"
+_LEVEL_MARK = "_ckpt_json_sets_level"
 
 
 def json_logging_requested() -> bool:
@@ -41,7 +44,10 @@ def json_logging_requested() -> bool:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, (str, int, float, bool)) or value is None:
+    """``value`` as JSON data, every string scrubbed of credentials."""
+    if isinstance(value, str):
+        return scrub(value)
+    if isinstance(value, (int, float, bool)) or value is None:
         return value
     if isinstance(value, datetime):
         return value.isoformat()
@@ -49,7 +55,7 @@ def _plain(value: Any) -> Any:
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
         return [_plain(v) for v in value]
-    return str(value)
+    return scrub(str(value))
 
 
 class JsonFormatter(logging.Formatter):
@@ -63,13 +69,16 @@ class JsonFormatter(logging.Formatter):
 
         Returns:
             A single-line JSON object with ``ts`` (ISO 8601, UTC), ``level``, ``logger``,
-            ``msg``, the structured fields if any, and ``exc`` when an exception is attached.
+            ``msg``, the structured fields if any, and ``exc`` when an exception is attached;
+            every string scrubbed of credentials (:func:`ckptstore.redact.scrub`).
         """
         doc: dict[str, Any] = {
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
-            "msg": record.getMessage(),
+            # A message may quote a driver's or a backend's text (and a traceback its
+            # exception chain): neither may carry a credential into a log shipper.
+            "msg": scrub(record.getMessage()),
         }
         fields = getattr(record, FIELDS_ATTR, None)
         if isinstance(fields, dict):
@@ -78,7 +87,7 @@ class JsonFormatter(logging.Formatter):
                 # otherwise silently replace the message.
                 doc.setdefault(str(key), _plain(value))
         if record.exc_info:
-            doc["exc"] = self.formatException(record.exc_info)
+            doc["exc"] = scrub(self.formatException(record.exc_info))
         return json.dumps(doc, ensure_ascii=False, allow_nan=False, default=str)
 
 
@@ -93,7 +102,8 @@ def configure_logging(
 
     Args:
         json_lines: Force JSON on or off; None follows ``CKPT_LOG_JSON``.
-        level: Level of the handler, and of the ``ckptstore`` logger unless one is set.
+        level: Level of the handler, and of the ``ckptstore`` logger unless one is set
+            (called again, the handler and the level it set take the new level).
         stream: Where lines go (default ``sys.stderr``).
         logger_name: The logger to attach to (default: the package logger).
 
@@ -107,6 +117,11 @@ def configure_logging(
     target = logging.getLogger(logger_name)
     for handler in target.handlers:
         if getattr(handler, _HANDLER_MARK, False):
+            # Called again with another level (``ckpt --verbose`` given after the command
+            # name reconfigures what the root options configured): the new level holds.
+            handler.setLevel(level)
+            if getattr(handler, _LEVEL_MARK, False):
+                target.setLevel(level)
             return handler
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter())
@@ -117,6 +132,7 @@ def configure_logging(
         # Without this the root logger's WARNING default would drop the per-operation INFO
         # records; a level someone set on purpose is kept.
         target.setLevel(level)
+        setattr(handler, _LEVEL_MARK, True)
     # Lines must not appear twice (once as JSON, once through a plain root handler).
     target.propagate = False
     logger.debug("JSON log lines enabled on logger %s", logger_name)

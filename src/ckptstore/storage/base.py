@@ -11,7 +11,6 @@ from __future__ import annotations
 import abc
 import errno
 import logging
-import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -23,6 +22,7 @@ from ckptstore.errors import InvalidNameError
 # the format names them; tiers and transfers only need to know which files those are.
 from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME
 from ckptstore.names import validate_name
+from ckptstore.redact import is_secret_option, scrub
 
 __all__ = [
     "COMMIT_NAME",
@@ -41,35 +41,6 @@ logger = logging.getLogger(__name__)
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _BAD_KEY_CHARS = ("\\", "\x00", "\r", "\n")
-
-# Keys of storage_options (and environment variables) whose values are secrets. Their values
-# are replaced in every message we build, whatever the backend put into its error text.
-_SECRET_OPTION_KEYS = frozenset(
-    {
-        "key",
-        "secret",
-        "token",
-        "password",
-        "aws_access_key_id",
-        "aws_secret_access_key",
-        "aws_session_token",
-        "session_token",
-        "access_key",
-        "secret_key",
-    }
-)
-_SECRET_ENV_VARS = (
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_SECURITY_TOKEN",
-    "AWS_ACCESS_KEY_ID",
-)
-
-
-def is_secret_option(name: str) -> bool:
-    """Whether a ``storage_options`` key holds a secret (its value must never be shown)."""
-    return name.lower() in _SECRET_OPTION_KEYS
-
 
 def check_checkpoint_id(ckpt_id: str) -> str:
     """Check that a checkpoint id is safe to use as one path component.
@@ -119,29 +90,11 @@ def scrub_secrets(text: str, storage_options: Mapping[str, Any] | None = None) -
     """Replace credential values that could appear in ``text`` with ``***``.
 
     Backend error messages may echo request details; this removes the values of
-    credential-like ``storage_options`` entries (at any nesting depth) and of the AWS
-    credential environment variables. ``endpoint_url`` is kept: it helps and is not secret.
+    credential-like ``storage_options`` entries (at any nesting depth), of the AWS credential
+    environment variables and any URL password (an ``endpoint_url`` with userinfo):
+    :func:`ckptstore.redact.scrub` with the tier's options.
     """
-    secrets: set[str] = set()
-
-    def collect(options: Mapping[str, Any]) -> None:
-        for name, value in options.items():
-            if isinstance(value, Mapping):
-                collect(value)
-            elif isinstance(value, str) and name.lower() in _SECRET_OPTION_KEYS:
-                secrets.add(value)
-
-    if storage_options:
-        collect(storage_options)
-    for var in _SECRET_ENV_VARS:
-        value = os.environ.get(var)
-        if value:
-            secrets.add(value)
-    # Longest first so a secret that contains another one is replaced whole.
-    for secret in sorted(secrets, key=len, reverse=True):
-        if len(secret) >= 4:
-            text = text.replace(secret, "***")
-    return text
+    return scrub(text, storage_options)
 
 
 def _chain(exc: BaseException) -> Iterable[BaseException]:

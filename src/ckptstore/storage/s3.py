@@ -35,6 +35,7 @@ from typing import Any, ClassVar, TypeVar
 from ckptstore.durable import TEMP_PREFIX
 from ckptstore.errors import ConfigError, ConflictError, InvalidNameError, StorageError
 from ckptstore.extras import require
+from ckptstore.redact import mask_url, split_userinfo
 from ckptstore.storage.base import (
     COMMIT_NAME,
     MANIFEST_NAME,
@@ -103,6 +104,13 @@ def _check_options(options: Mapping[str, Any], where: str = "storage_options") -
             raise ConfigError(
                 f"{where}.{name} would put a credential into the configuration; remove it and "
                 "provide credentials through the environment (AWS_ACCESS_KEY_ID, "
+                "AWS_SECRET_ACCESS_KEY) or the AWS credential chain (profile, instance role)"
+            )
+        if isinstance(value, str) and (found := split_userinfo(value)) is not None \
+                and (found.user or found.password is not None):
+            raise ConfigError(
+                f"{where}.{name} ({mask_url(value)}) carries credentials in its URL; remove "
+                "them and provide credentials through the environment (AWS_ACCESS_KEY_ID, "
                 "AWS_SECRET_ACCESS_KEY) or the AWS credential chain (profile, instance role)"
             )
         if isinstance(value, Mapping):
@@ -232,19 +240,26 @@ class S3Tier(Tier):
                 credentials.
         """
         super().__init__(name)
+        shown = mask_url(url)  # the URL may carry credentials it must not repeat
         if not url.startswith("s3://"):
-            raise ConfigError(f"tier {name}: {url!r} is not an s3:// URL")
+            raise ConfigError(f"tier {name}: {shown!r} is not an s3:// URL")
         bucket, _, prefix = url[len("s3://") :].partition("/")
         prefix = prefix.strip("/")
+        if "@" in bucket or ":" in bucket:
+            raise ConfigError(
+                f"tier {name}: {shown!r} carries credentials (or a port) before the bucket; "
+                "use s3://bucket[/prefix] and provide credentials through the environment "
+                "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) or the AWS credential chain"
+            )
         if not bucket or "//" in prefix:
             raise ConfigError(
-                f"tier {name}: {url!r} is not a valid S3 URL; use s3://bucket[/prefix]"
+                f"tier {name}: {shown!r} is not a valid S3 URL; use s3://bucket[/prefix]"
             )
         if prefix:
             try:
                 check_key(prefix)
             except InvalidNameError as exc:
-                raise ConfigError(f"tier {name}: bad prefix in {url!r}: {exc}") from exc
+                raise ConfigError(f"tier {name}: bad prefix in {shown!r}: {exc}") from exc
         options = dict(storage_options or {})
         _check_options(options)
         # botocore checksums every upload and download (CRC32, in Python's binascii: about a
@@ -295,7 +310,7 @@ class S3Tier(Tier):
 
     def _error(self, action: str, key: str, exc: BaseException) -> StorageError:
         code = _error_code(exc)
-        endpoint = self._options.get("endpoint_url", "the default AWS endpoint")
+        endpoint = mask_url(self._options.get("endpoint_url", "the default AWS endpoint"))
         if is_not_found(exc) or code in ("NoSuchKey", "NoSuchBucket", "404"):
             number = errno.ENOENT
             hint = (

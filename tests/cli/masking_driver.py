@@ -1,0 +1,40 @@
+"""Runs several ``ckpt`` command lines in one process, as ``ckpt`` itself runs them.
+
+Used by test_secret_masking.py: starting the CLI once per command line would cost seconds
+each on a loaded machine. Each argument is one command line (JSON: ``{"args": [...],
+"env": {...}}``); every run is framed by ``=== <n>`` lines on stdout and stderr and its exit
+code is printed as ``=== <n> exit <code>`` on stdout. Logging is configured by the CLI
+itself (``--verbose``, ``CKPT_LOG_JSON``), so log lines reach stderr as they would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from ckptstore.cli.app import main
+
+
+def run(lines: list[str]) -> None:
+    """Run each command line (JSON) in order."""
+    for n, line in enumerate(lines):
+        spec = json.loads(line)
+        saved = {k: os.environ.get(k) for k in spec.get("env", {})}
+        os.environ.update(spec.get("env", {}))
+        print(f"=== {n}", flush=True)
+        print(f"=== {n}", file=sys.stderr, flush=True)
+        try:
+            code = main(spec["args"])
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        sys.stderr.flush()
+        print(f"=== {n} exit {code}", flush=True)
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])
