@@ -53,6 +53,7 @@ SECTIONS = {
     "test_security": "bad inputs (security)",
     "test_signing_bundle": "signatures and hostile bundles",
     "test_doctor": "doctor (catalog vs storage)",
+    "test_read_repair": "damaged copies under reads (read repair)",
     "test_cli": "CLI",
 }
 
@@ -134,6 +135,11 @@ def _summary(module: str, section: dict[str, Any]) -> str:
                      f"{f.get('prune_restore_races', 0)} restores racing prune, "
                      f"{f.get('archive_races', 0)} double archives")
         return "; ".join(parts)
+    if module == "test_read_repair":
+        damage = f.get("damaged_hot_copies", {})
+        kinds = ", ".join(f"{k} x{v}" for k, v in sorted(damage.items())) or "-"
+        return (f"{sum(damage.values())} damaged copies ({kinds}); "
+                f"{f.get('reads_served', 0)} reads served exact from the next copy")
     if module in ("test_security", "test_signing_bundle"):
         text = f"{f.get('bad_inputs', 0)} bad inputs tried"
         manifests = {k.removeprefix("manifest_"): v for k, v in section["details"].items()

@@ -10,8 +10,10 @@ Loads take no lease: retention may remove the hot copy (a verified copy stays on
 tier) while a load reads it. Retention marks the copy DELETING before it removes a file, so
 a read that finds files missing asks the catalog: when the hot copy is no longer PRESENT the
 load re-plans (restores it again from the copy that stays, then reads that), a bounded number
-of times; a checkpoint pruned whole meanwhile is CheckpointNotFoundError; a hot copy still
-PRESENT is real damage and its error is raised as it is.
+of times; a checkpoint pruned whole meanwhile is CheckpointNotFoundError. A hot copy still
+PRESENT and unchanged is real damage: it is marked DAMAGED and restored from the next
+verified copy, then read again (read repair, :mod:`ckptstore.ops.tiering.readrepair`); with
+no other verified copy its error, naming checkpoint, tensor and chunk, is raised as it is.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ckptstore.identity import host
 from ckptstore.ops.reading.prefetch import note_load
 from ckptstore.ops.sharing.signing import verify_signature
 from ckptstore.ops.tiering.parts import parted_manifest, verify_parts_here
+from ckptstore.ops.tiering.readrepair import is_repairable, read_repair
 from ckptstore.ops.tiering.replicas import manifest_of
 from ckptstore.ops.tiering.restore import ensure_hot, hot_digest
 from ckptstore.ops.writing.memory import load_from_memory, memory_replica_here
@@ -62,8 +65,9 @@ def load_checkpoint(
     Raises:
         CheckpointNotFoundError: If the reference does not resolve.
         IncompleteCheckpointError: If it names a checkpoint that was never committed.
-        IntegrityError: If any chunk or the manifest is damaged or missing, or the signature
-            that ``require_signature`` asks for is missing or wrong.
+        IntegrityError: If any chunk or the manifest is damaged or missing and no other
+            verified copy can be read instead, or the signature that ``require_signature``
+            asks for is missing or wrong.
     """
     ck = core.catalog.get(ref)
     if ck.parted:
@@ -99,6 +103,7 @@ def load_checkpoint(
             if hit:
                 timer.add(bytes_logical=ck.logical_bytes, bytes_stored=ck.logical_bytes)
                 return state
+        repaired = False
         for attempt in range(_REPLANS + 1):
             try:
                 state, manifest = _load_hot(core, ck, keys=keys, into=into)
@@ -107,11 +112,20 @@ def load_checkpoint(
                 raise  # the only copy is thawing: nothing to re-plan until it is readable
             except (CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError,
                     StorageError) as exc:
-                if attempt == _REPLANS or not _hot_copy_changed(core, ck, exc):
+                if attempt == _REPLANS:
                     raise
+                if _hot_copy_changed(core, ck, exc):
+                    logger.info("loading %s: its hot copy was pruned meanwhile (%s); loading "
+                                "from the copy that stays", ck.ref, exc)
+                elif repaired or not is_repairable(exc):
+                    raise
+                else:
+                    # The hot copy is damaged: read it again once restored from the next
+                    # verified copy over it (ops/tiering/readrepair.py); ``into`` is filled
+                    # again whole.
+                    read_repair(core, ck, exc, found_by="load")
+                    repaired = True
                 ck = core.catalog.get_any(ck.id)  # the hot copy as it is now
-                logger.info("loading %s: its hot copy was pruned meanwhile (%s); loading "
-                            "from the copy that stays", ck.ref, exc)
         timer.add(bytes_logical=manifest.logical_bytes, bytes_stored=manifest.stored_bytes)
     return state
 

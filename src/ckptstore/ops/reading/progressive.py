@@ -23,6 +23,13 @@ Each group is read with :func:`ckptstore.format.read_checkpoint` into tensors al
 front (or the caller's ``into`` tensors), so a completed group's tensors are final and the
 later groups never touch them.
 
+A group that meets a damaged copy (a chunk failing its crc32c, a truncated or missing file)
+is read again from the hot copy restored from the next verified copy (read repair,
+:mod:`ckptstore.ops.tiering.readrepair`): a damaged hot copy is marked DAMAGED and restored
+over, a stream from a remote tier is dropped (that copy marked DAMAGED when its bytes were
+wrong) and the checkpoint restored from the tier after it. The groups already completed were
+read whole and verified, and stay as they are.
+
 Example:
     >>> with load_progressive(store, "run-a@latest", order=["model/*"]) as pl:  # doctest: +SKIP
     ...     model.load_state_dict(pl.wait(0)["model"])
@@ -56,8 +63,10 @@ from ckptstore.format.flatten import rebuild_state
 from ckptstore.format.fsio import advise_hugepages
 from ckptstore.format.tree import match_into
 from ckptstore.ops.reading.progressive_plan import GroupPlan, Order, plan_groups
+from ckptstore.ops.tiering.readrepair import is_repairable, read_repair
 from ckptstore.ops.writing.memory import memory_copy
 from ckptstore.records import Checkpoint, ReplicaState, expected_digest
+from ckptstore.storage import is_not_found
 from ckptstore.storage.transfer import owned_files
 
 if TYPE_CHECKING:
@@ -291,6 +300,7 @@ class ProgressiveLoad:
         started: float,
         time_to_manifest_s: float,
         time_to_plan_s: float,
+        store: StoreCore | None = None,
     ) -> None:
         self.checkpoint = checkpoint
         self.manifest = manifest
@@ -298,6 +308,10 @@ class ProgressiveLoad:
         self.source = source.name
         self.time_to_manifest_s = time_to_manifest_s
         self.time_to_plan_s = time_to_plan_s
+        self._store = store
+        # The catalog's view of the copies as reading starts (after any restore the source
+        # needed): what read repair compares against when a group meets damage.
+        self._seen = store.catalog.get_any(checkpoint.id) if store is not None else checkpoint
         self._src = source
         self._state = destination
         self._threads = threads
@@ -318,11 +332,7 @@ class ProgressiveLoad:
                         f"loading {self.checkpoint.ref} was cancelled before group "
                         f"{group.index}; start a new load to get the rest"
                     )
-                self._src.ready(group.index)
-                part = read_checkpoint(
-                    self._src.directory, self.manifest, keys=list(group.select),
-                    into=self._state, locate=self._src.locate, threads=self._threads,
-                )
+                part = self._read_group(group)
                 self._progress.parts[group.index] = part
                 self._progress.seconds[group.index] = time.perf_counter() - self._started
                 event.set()
@@ -342,6 +352,60 @@ class ProgressiveLoad:
             for event in self._events:
                 event.set()
             self._finished.set()
+
+    def _read_group(self, group: GroupPlan) -> Any:
+        """Read one group, falling back once to the next verified copy when the source
+        turns out damaged (read repair): the group is read again whole, the groups before it
+        were read and verified already."""
+        repaired = False
+        while True:
+            try:
+                self._src.ready(group.index)
+                return read_checkpoint(
+                    self._src.directory, self.manifest, keys=list(group.select),
+                    into=self._state, locate=self._src.locate, threads=self._threads,
+                )
+            except CkptError as exc:
+                remote = isinstance(self._src, _RemoteSource)
+                if self._store is None or repaired or not (
+                        is_repairable(exc) or (remote and is_not_found(exc))):
+                    raise
+                self._fall_back(exc)
+                repaired = True
+
+    def _fall_back(self, exc: CkptError) -> None:
+        """Switch to the hot copy restored from the next verified copy after ``exc``."""
+        from ckptstore.ops.tiering.damage import mark_damaged, other_copies
+        from ckptstore.ops.tiering.restore import ensure_hot, hot_digest
+
+        store = self._store
+        assert store is not None
+        failed = self._src
+        if failed.name == "hot":
+            directory = read_repair(store, self._seen, exc, found_by="progressive load")
+        else:
+            # A copy streamed from a remote tier (or this host's memory copy) failed: drop
+            # what was fetched, mark a damaged remote copy, read the hot copy restored from
+            # the next verified one.
+            failed.abort()
+            if not other_copies(store, store.catalog.get_any(self.checkpoint.id), failed.name):
+                raise exc
+            if isinstance(failed, _RemoteSource) and is_repairable(exc):
+                mark_damaged(store, self._seen, failed.name, [str(exc)],
+                             found_by="progressive load", seen=self._seen.replica(failed.name))
+            try:
+                directory = ensure_hot(store, store.catalog.get_any(self.checkpoint.id))
+            except CkptError as failure:
+                exc.add_note(f"reading another copy of {self.checkpoint.ref} failed too "
+                             f"({failure})")
+                raise exc from failure
+        self._seen = store.catalog.get_any(self.checkpoint.id)
+        self.manifest = read_manifest(directory, expected_digest=hot_digest(store, self._seen))
+        self._src = _Source("hot", directory, store.locate)
+        self.source = "hot"
+        logger.warning("loading %s: the %s copy failed (%s); the rest comes from the hot "
+                       "copy restored from the next verified copy", self.checkpoint.ref,
+                       failed.name, exc)
 
     # ------------------------------------------------------------------ waiting
     def done(self, index: int) -> bool:
@@ -507,4 +571,4 @@ def load_progressive(
     )
     return ProgressiveLoad(ck, manifest, groups, source, destination, threads=threads,
                            started=started, time_to_manifest_s=manifest_s,
-                           time_to_plan_s=plan_s)
+                           time_to_plan_s=plan_s, store=store)

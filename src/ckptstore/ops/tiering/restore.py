@@ -39,6 +39,7 @@ from ckptstore.format.localize import link_shared_chunks
 from ckptstore.identity import host
 from ckptstore.names import validate_name
 from ckptstore.ops.leases import acquire_lease, lease_owner
+from ckptstore.ops.tiering.damage import mark_damaged
 from ckptstore.ops.tiering.parts import gather_parts
 from ckptstore.ops.tiering.replicas import (
     delete_replica,
@@ -56,6 +57,7 @@ from ckptstore.storage import (
     copy_checkpoint,
     copy_keys,
     foreign_chunks,
+    is_not_found,
 )
 from ckptstore.storage.transfer import source_checker
 
@@ -93,13 +95,23 @@ def _restore_foreign(
     *,
     threads: int,
     progress: Progress | None,
+    repair: bool = False,
 ) -> None:
-    """Put the chunks ``ck`` reads from other checkpoints into their owners' dirs on target."""
+    """Put the chunks ``ck`` reads from other checkpoints into their owners' dirs on target.
+
+    With ``repair`` (restoring over a damaged copy) the chunks already there are checked too
+    (size and crc32c against the manifest), and the damaged ones are copied again: the
+    damage a read found may lie in a chunk another checkpoint owns.
+    """
     tiers = sorted(store_tiers(store).values(), key=lambda t: tier_rank(t.name))
+    check_target = source_checker(manifest, _key_of(target, run_of)) if repair else None
     for owner, refs in foreign_chunks(manifest).items():
         owner_run = run_of(owner)
         have = set(target.list_prefix(target.prefix_for(owner_run, owner)))
-        missing = [r for r in refs if target.key_for(owner_run, owner, r.rel) not in have]
+        missing = [r for r in refs if target.key_for(owner_run, owner, r.rel) not in have
+                   or (check_target is not None
+                       and _damaged_on(target, target.key_for(owner_run, owner, r.rel),
+                                       check_target))]
         if not missing:
             continue
         problems: list[str] = []
@@ -125,6 +137,36 @@ def _restore_foreign(
             )
 
 
+def _damaged_on(tier: Tier, key: str, check: Callable[[str, bytes], str | None]) -> bool:
+    """Whether the chunk file ``key`` on ``tier`` fails its size and crc32c."""
+    try:
+        return check(key, tier.get_bytes(key)) is not None
+    except StorageError:
+        return True  # unreadable is as good as damaged: copy it again
+
+
+def _drop_stale_links(directory: Path, manifest: Manifest,
+                      locate: Callable[[str], Path]) -> None:
+    """Remove the links in ``directory`` to chunks of other checkpoints that are no longer
+    the owner's file (it was replaced by a repair): reads then use the owner's file, and
+    :func:`link_shared_chunks` links the new one in."""
+    for array in manifest.arrays.values():
+        for chunk in array.chunks:
+            if chunk.src is None:
+                continue
+            own = directory / array.chunk_path(chunk.i)
+            if not os.path.lexists(own):
+                continue
+            source = Path(locate(chunk.src)) / array.chunk_path(chunk.i)
+            try:
+                same = os.path.samefile(own, source)
+            except OSError:
+                same = False
+            if not same:
+                logger.info("dropping the stale link %s (its owner's chunk was repaired)", own)
+                own.unlink(missing_ok=True)
+
+
 def _restore_from(
     store: StoreCore,
     ck: Checkpoint,
@@ -137,9 +179,11 @@ def _restore_from(
     record: bool,
     actor: str,
     depth: int,
+    repair: bool = False,
 ) -> tuple[Path, int, str | None]:
     """Restore ``ck`` from ``src``; return its directory, bytes and the copy's own digest
-    (None when the copy holds the checkpoint's manifest)."""
+    (None when the copy holds the checkpoint's manifest). ``repair``: the target holds a
+    damaged copy of ``ck`` to restore over."""
     run_of = run_resolver(store, ck)
     manifest = manifest_on(src, ck)
     # Bases come back whole first: the reader needs each base directory to be a committed
@@ -158,9 +202,7 @@ def _restore_from(
                 _restore_into(store, base, target, record=False, threads=threads,
                               progress=progress, deep=deep, actor=actor, depth=depth + 1)
     _restore_foreign(store, ck, manifest, src, target, run_of, threads=threads,
-                     progress=progress)
-    nbytes = copy_checkpoint(src, target, ck.run, ck.id, manifest, threads=threads,
-                             progress=progress, run_of=run_of)
+                     progress=progress, repair=repair)
     directory = target.local_dir(ck.run, ck.id)
     assert directory is not None  # restore targets are local
 
@@ -169,6 +211,10 @@ def _restore_from(
         assert found is not None
         return found
 
+    if repair and directory.is_dir():
+        _drop_stale_links(directory, manifest, locate)
+    nbytes = copy_checkpoint(src, target, ck.run, ck.id, manifest, threads=threads,
+                             progress=progress, run_of=run_of)
     # Shared chunks were restored into their owners' directories: link them in, so the
     # local copy is a complete Zarr group again, as a fresh save leaves it.
     link_shared_chunks(directory, manifest, locate)
@@ -195,9 +241,14 @@ def _restore_into(
     actor: str,
     depth: int = 0,
     archival: tuple[Tier, ...] = (),
+    repair: bool = False,
 ) -> Path:
     """Restore ``ck`` into ``target`` from the fastest good copy (``archival``: only from
-    these thawed views of archival tiers)."""
+    these thawed views of archival tiers; ``repair``: over a damaged copy on ``target``).
+
+    A local source whose copy turns out damaged on the way is checked and, when damaged,
+    marked so (:func:`~ckptstore.ops.tiering.damage.mark_damaged`) before the next one is
+    tried."""
     sources = list(archival) or _sources(store, ck, exclude=target.name if record else None)
     from_thaw = bool(archival)
     if not sources:
@@ -216,10 +267,11 @@ def _restore_into(
         try:
             directory, nbytes, digest = _restore_from(store, ck, src, target, threads=threads,
                                               progress=progress, deep=deep, record=record,
-                                              actor=actor, depth=depth)
+                                              actor=actor, depth=depth, repair=repair)
         except (IntegrityError, IncompleteCheckpointError, StorageError) as exc:
             logger.warning("restoring %s from %s failed: %s", ck.ref, src.name, exc)
             failures.append(exc)
+            _mark_if_damaged(store, ck, src, exc, deep=deep)
             continue
         if record:
             store.catalog.set_replica(ck.id, target.name, uri=str(directory),
@@ -247,10 +299,38 @@ def _restore_into(
         if thawed is not None:
             return _restore_into(store, ck, target, record=record, threads=threads,
                                  progress=progress, deep=deep, actor=actor, depth=depth,
-                                 archival=(thawed,))
+                                 archival=(thawed,), repair=repair)
     last = failures[-1]
     last.add_note("tried: " + tried)
     raise last
+
+
+def _mark_if_damaged(store: StoreCore, ck: Checkpoint, src: Tier, exc: CkptError, *,
+                     deep: bool) -> None:
+    """After a restore from ``src`` failed: when ``src`` is a local copy that fails its own
+    check, mark it DAMAGED. A remote copy is left to ``ckpt verify`` (a failure there is
+    as likely the network); so is a failure that is not about the bytes (a missing base)."""
+    directory = src.local_dir(ck.run, ck.id)
+    if directory is None or isinstance(exc, MissingBaseError) or (
+            isinstance(exc, StorageError) and not is_not_found(exc)):
+        return
+    run_of = run_resolver(store, ck)
+
+    def locate(ckpt_id: str) -> Path:
+        found = src.local_dir(run_of(ckpt_id), ckpt_id)
+        assert found is not None
+        return found
+
+    try:
+        manifest = manifest_on(src, ck, use_cache=False)
+        problems = verify_checkpoint(directory, manifest, locate=locate, deep=deep)
+    except (IntegrityError, IncompleteCheckpointError, CheckpointNotFoundError) as err:
+        problems = [f"manifest: {err}"]
+    except StorageError:
+        return
+    if problems:
+        mark_damaged(store, ck, src.name, problems, found_by="restore",
+                     seen=ck.replica(src.name))
 
 
 def restore_checkpoint(
@@ -355,8 +435,12 @@ def _restore_hot(
         replica = current.replica("hot")
         if replica is not None and replica.state == ReplicaState.PRESENT:
             return directory
+        # Over a damaged copy (marked by a read or the scrub): what is there is checked, not
+        # trusted, shared chunks of other checkpoints included.
+        damaged = replica is not None and replica.state == ReplicaState.DAMAGED
         return _restore_into(store, current, hot, record=True, threads=threads,
-                             progress=progress, deep=deep, actor=actor, depth=depth)
+                             progress=progress, deep=deep, actor=actor, depth=depth,
+                             repair=damaged)
     finally:
         store.catalog.release_lease(ck.id, "restore:hot", actor)
 

@@ -50,12 +50,21 @@ from ckptstore.convert.safetensors import TensorSpec, hf_name_map
 from ckptstore.convert.writers import staged_output, write_hf, write_pt, write_safetensors
 from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, InvalidNameError
-from ckptstore.format import FlatState, Manifest, flatten_state, iter_tensors, unflatten_state
+from ckptstore.format import (
+    FlatState,
+    Manifest,
+    flatten_state,
+    iter_tensors,
+    read_manifest,
+    unflatten_state,
+)
 from ckptstore.format.dcp.layout import is_dcp_manifest
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.tree import iter_tensor_refs, select_tree
 from ckptstore.ops.reading.load import load_checkpoint
+from ckptstore.ops.tiering.readrepair import is_repairable, read_repair
 from ckptstore.ops.tiering.replicas import manifest_of
+from ckptstore.ops.tiering.restore import ensure_hot, hot_digest
 from ckptstore.ops.writing.save import save_checkpoint
 from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint
@@ -103,11 +112,12 @@ def export_checkpoint(
         The output path.
 
     Raises:
-        CheckpointNotFoundError: If ``ref`` does not resolve or has no hot copy.
+        CheckpointNotFoundError: If ``ref`` does not resolve or no tier holds a copy.
         ConflictError: If ``out`` exists and ``overwrite`` is False.
         InvalidNameError: For an unknown format or keys that match nothing.
         CkptError: If a dtype cannot be represented in the target format.
-        IntegrityError: If the checkpoint is damaged.
+        IntegrityError: If the checkpoint is damaged and no other verified copy can be read
+            instead (read repair, :mod:`ckptstore.ops.tiering.readrepair`).
         StorageError: If writing fails.
 
     Example:
@@ -117,7 +127,6 @@ def export_checkpoint(
     out = Path(out)
     ck = store.catalog.get(ref)
     manifest = manifest_of(store, ck)
-    directory = store.checkpoint_dir(ck.run, ck.id)
     if is_dcp_manifest(manifest):
         # Saved through DCP: its tensors are not in the packed arrays; store.load gives the
         # full (unsharded) state, which pt and dcp can write as it is.
@@ -141,29 +150,9 @@ def export_checkpoint(
     with staged_output(out, overwrite=overwrite) as tmp:
         if fmt == "pt":
             write_pt(load_checkpoint(store, ck.id, keys=keys), tmp)
-        elif fmt == "safetensors":
-            part = _restrict(manifest, _referenced(tree))
-            doc = {"version": 1, "tree": tree, "checkpoint": {"id": ck.id, "ref": ck.ref}}
-            write_safetensors(
-                tmp,
-                _specs(part, {k: k for k in part.tensors}),
-                _stream(store, directory, part),
-                metadata={"format": "pt", METADATA_KEY: json.dumps(doc)},
-                progress=progress,
-            )
-        elif fmt == "hf":
-            names = _hf_names(manifest, keys, tree)
-            part = _restrict(manifest, set(names))
-            write_hf(
-                tmp,
-                _specs(part, names),
-                ((names[k], t) for k, t in _stream(store, directory, part)),
-                shard_bytes=shard_bytes,
-                config=_run_config(store, ck),
-                progress=progress,
-            )
         else:
-            _export_dcp(store, directory, manifest, tree, tmp, progress)
+            _export_streaming(store, ck, fmt, tmp, keys=keys, tree=tree, progress=progress,
+                              shard_bytes=shard_bytes)
     store.catalog.record_event(
         "converted",
         checkpoint_id=ck.id,
@@ -171,6 +160,93 @@ def export_checkpoint(
     )
     logger.info("exported %s as %s to %s", ck.ref, fmt, out)
     return out
+
+
+def _export_streaming(
+    store: StoreCore,
+    ck: Checkpoint,
+    fmt: str,
+    tmp: Path,
+    *,
+    keys: Sequence[str] | None,
+    tree: Any,
+    progress: Callable[[int], None] | None,
+    shard_bytes: int,
+) -> None:
+    """Write safetensors, hf or dcp from the hot copy, one tensor at a time.
+
+    The hot copy is restored first when only another tier holds the checkpoint, as a load
+    does; a damaged one met on the way is replaced by the next verified copy
+    (:class:`_HotStream`).
+    """
+    stream = _HotStream(store, ck)
+    hot = stream.manifest
+    if fmt == "safetensors":
+        part = _restrict(hot, _referenced(tree))
+        doc = {"version": 1, "tree": tree, "checkpoint": {"id": ck.id, "ref": ck.ref}}
+        write_safetensors(
+            tmp,
+            _specs(part, {k: k for k in part.tensors}),
+            stream.tensors(part),
+            metadata={"format": "pt", METADATA_KEY: json.dumps(doc)},
+            progress=progress,
+        )
+    elif fmt == "hf":
+        names = _hf_names(hot, keys, tree)
+        part = _restrict(hot, set(names))
+        write_hf(
+            tmp,
+            _specs(part, names),
+            ((names[k], t) for k, t in stream.tensors(part)),
+            shard_bytes=shard_bytes,
+            config=_run_config(store, ck),
+            progress=progress,
+        )
+    else:
+        _export_dcp(stream, tree, tmp, progress)
+
+
+class _HotStream:
+    """The tensors of a checkpoint's hot copy, one at a time, with read repair.
+
+    A damaged chunk met on the way (the hot copy PRESENT, but a flipped bit, a truncated or
+    missing file) makes the copy be replaced by the next verified one
+    (:func:`~ckptstore.ops.tiering.readrepair.read_repair`), and the stream goes on with the
+    tensor that failed: the tensors already handed out were read whole and verified.
+    """
+
+    def __init__(self, store: StoreCore, ck: Checkpoint) -> None:
+        self.store = store
+        self.directory = ensure_hot(store, ck)
+        self.ck = store.catalog.get_any(ck.id)  # as it is now: the read's "before"
+        self.manifest = read_manifest(self.directory,
+                                      expected_digest=hot_digest(store, self.ck))
+
+    def _locate(self, ckpt_id: str) -> Path:
+        other = self.store.catalog.get_any(ckpt_id)
+        return self.store.checkpoint_dir(other.run, other.id)
+
+    def tensors(self, part: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(key, tensor)`` for the tensors of ``part`` (a restriction of
+        :attr:`manifest`), in :func:`iter_tensors` order."""
+        done: set[str] = set()
+        repaired = False
+        while True:
+            rest = _restrict(part, set(part.tensors) - done)
+            try:
+                for key, tensor in iter_tensors(self.directory, rest, locate=self._locate):
+                    done.add(key)
+                    yield key, tensor
+                return
+            except CkptError as exc:
+                if repaired or not is_repairable(exc):
+                    raise
+                self.directory = read_repair(self.store, self.ck, exc, found_by="export")
+                repaired = True
+                self.ck = self.store.catalog.get_any(self.ck.id)
+                again = read_manifest(self.directory,
+                                      expected_digest=hot_digest(self.store, self.ck))
+                part = _restrict(again, set(part.tensors))
 
 
 def _save_dcp_folder(state: Any, path: Path) -> None:
@@ -223,16 +299,6 @@ def _specs(manifest: Manifest, names: dict[str, str]) -> list[TensorSpec]:
     return specs
 
 
-def _stream(
-    store: StoreCore, directory: Path, manifest: Manifest
-) -> Iterator[tuple[str, torch.Tensor]]:
-    def locate(ckpt_id: str) -> Path:
-        other = store.catalog.get_any(ckpt_id)
-        return store.checkpoint_dir(other.run, other.id)
-
-    return iter_tensors(directory, manifest, locate=locate)
-
-
 def _hf_names(manifest: Manifest, keys: Sequence[str] | None, tree: Any) -> dict[str, str]:
     """Tensor key -> Hugging Face weight name, for the selected tensors."""
     selected = _referenced(tree) if keys else set(manifest.tensors)
@@ -251,15 +317,13 @@ def _run_config(store: StoreCore, ck: Checkpoint) -> dict[str, Any] | None:
 
 
 def _export_dcp(
-    store: StoreCore,
-    directory: Path,
-    manifest: Manifest,
+    stream: _HotStream,
     tree: Any,
     tmp: Path,
     progress: Callable[[int], None] | None,
 ) -> None:
     refs = list(iter_tensor_refs(tree))
-    part = _restrict(manifest, {key for _, _, key in refs})
+    part = _restrict(stream.manifest, {key for _, _, key in refs})
     metas = {
         key: torch.empty(entry.shape, dtype=_dtype(entry.torch_dtype), device="meta")
         for key, entry in part.tensors.items()
@@ -267,7 +331,7 @@ def _export_dcp(
     skeleton = unflatten_state(_as_tensor_nodes(tree), metas)
     if not isinstance(skeleton, dict):
         skeleton = {"state": skeleton}
-    feed = TensorFeed(_stream(store, directory, part), Counter(key for _, _, key in refs))
+    feed = TensorFeed(stream.tensors(part), Counter(key for _, _, key in refs))
     write_dcp(
         tmp,
         skeleton,
