@@ -136,7 +136,7 @@ def _summary(module: str, section: dict[str, Any]) -> str:
                      f"{f.get('archive_races', 0)} double archives")
         return "; ".join(parts)
     if module == "test_read_repair":
-        damage = f.get("damaged_hot_copies", {})
+        damage = f.get("damaged_copies", {})
         kinds = ", ".join(f"{k} x{v}" for k, v in sorted(damage.items())) or "-"
         return (f"{sum(damage.values())} damaged copies ({kinds}); "
                 f"{f.get('reads_served', 0)} reads served exact from the next copy")

@@ -12,6 +12,7 @@ reader's error still names checkpoint, tensor and chunk.
 from __future__ import annotations
 
 import json
+import shutil
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -136,7 +137,7 @@ def test_load_reads_the_next_copy(store: CheckpointStore, how: str, figures: Any
     assert _equal(store.load(ck.ref), state)
     _assert_repaired(store, ck, "load")
     assert _equal(store.load(ck.ref), state)  # the hot copy serves the next load again
-    figures.add("damaged_hot_copies", {how: 1})
+    figures.add("damaged_copies", {how: 1})
     figures.add("reads_served", 1)
 
 
@@ -156,7 +157,7 @@ def test_load_into_a_partly_filled_destination_ends_exact(store: CheckpointStore
     assert all(a is b for a, b in zip(
         [out["model"]["w"], out["model"]["b"], out["optim"]["m"]], buffers, strict=True))
     _assert_repaired(store, ck, "load")
-    figures.add("damaged_hot_copies", {"flip": 1})
+    figures.add("damaged_copies", {"flip": 1})
     figures.add("reads_served", 1)
 
 
@@ -172,7 +173,7 @@ def test_keys_filtered_loads(store: CheckpointStore, figures: Any) -> None:
     part = store.load(ck.ref, keys=["model/*"])
     assert _equal(part["model"], state["model"])
     _assert_repaired(store, ck, "load")
-    figures.add("damaged_hot_copies", {"truncate": 1})
+    figures.add("damaged_copies", {"truncate": 1})
     figures.add("reads_served", 2)
 
 
@@ -184,7 +185,7 @@ def test_progressive_load_reads_the_next_copy(store: CheckpointStore, figures: A
         assert _equal(pl.wait(0)["model"], state["model"])
         assert _equal(pl.result(timeout=120), state)
     _assert_repaired(store, ck, "progressive load")
-    figures.add("damaged_hot_copies", {"flip": 1})
+    figures.add("damaged_copies", {"flip": 1})
     figures.add("reads_served", 1)
 
 
@@ -212,7 +213,7 @@ def test_progressive_stream_from_a_damaged_warm_copy_reads_cold(
     assert _equal(store.load(ck.ref), state)
     report = verify_replicas(store, ref=ck.id)
     assert report.repaired == [f"{ck.id}@warm"] and report.clean
-    figures.add("damaged_hot_copies", {"warm flip": 1})
+    figures.add("damaged_copies", {"warm flip": 1})
     figures.add("reads_served", 1)
 
 
@@ -230,7 +231,7 @@ def test_falls_back_to_cold_when_warm_is_damaged_too(store: CheckpointStore,
     # The warm copy's loss is the scrub's to find (a remote failure may be the network).
     report = verify_replicas(store, ref=ck.id)
     assert report.repaired == [f"{ck.id}@warm"] and report.clean
-    figures.add("damaged_hot_copies", {"flip": 1})
+    figures.add("damaged_copies", {"flip": 1})
     figures.add("reads_served", 1)
 
 
@@ -252,8 +253,33 @@ def test_damaged_chunk_shared_with_an_older_checkpoint(store: CheckpointStore,
     assert _equal(store.load(base.ref), base_state)
     report = verify_replicas(store, ref=base.id, tier="hot")
     assert report.ok == [f"{base.id}@hot"], report
-    figures.add("damaged_hot_copies", {"shared chunk": 1})
+    figures.add("damaged_copies", {"shared chunk": 1})
     figures.add("reads_served", 2)
+
+
+def test_damaged_memory_and_hot_copies_read_warm(store: CheckpointStore, tmp_path: Path,
+                                                 figures: Any) -> None:
+    """The memory copy falls through to the hot copy, whose damage falls through to warm."""
+    from ckptstore.ops.writing.memory import MEMORY_TIER, attach_memory_tier
+
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    root = shm / f"ckptstore-test-{uuid.uuid4().hex[:10]}"
+    try:
+        tier = attach_memory_tier(store, 64 * 2**20, root=root)
+        state = _state(12)
+        ck = _saved(store, state, tiers=("warm",))
+        assert ck.replica(MEMORY_TIER) is not None
+        in_memory = tier.path_for(ck.run, ck.id) / _chunk_file(store, ck, "model/w").relative_to(
+            store.checkpoint_dir(ck.run, ck.id))
+        _damage(in_memory, "flip")
+        _damage(_chunk_file(store, ck, "model/w"), "flip")
+        assert _equal(store.load(ck.ref), state)
+        assert store.get(ck.id).replica(MEMORY_TIER).state == ReplicaState.DAMAGED  # type: ignore[union-attr]
+        _assert_repaired(store, ck, "load")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    figures.add("damaged_copies", {"flip": 2})
+    figures.add("reads_served", 1)
 
 
 def test_dcp_layout_load_reads_the_next_copy(store: CheckpointStore, figures: Any) -> None:
@@ -275,7 +301,7 @@ def test_dcp_layout_load_reads_the_next_copy(store: CheckpointStore, figures: An
     assert torch.equal(out["model"]["w"], state["model"]["w"])
     assert torch.equal(out["model"]["ids"], state["model"]["ids"])
     _assert_repaired(store, store.get(ck.id), "load")
-    figures.add("damaged_hot_copies", {"flip": 1})
+    figures.add("damaged_copies", {"flip": 1})
     figures.add("reads_served", 1)
 
 
@@ -296,7 +322,7 @@ def test_restore_to_a_directory_then_verify_repairs(store: CheckpointStore, tmp_
     assert report.repaired == [f"{ck.id}@hot"] and report.clean
     assert _hot(store, ck) == ReplicaState.PRESENT
     assert _equal(store.load(ck.ref), state)
-    figures.add("damaged_hot_copies", {"flip": 1})
+    figures.add("damaged_copies", {"flip": 1})
     figures.add("reads_served", 1)
 
 
@@ -316,7 +342,7 @@ def test_export_reads_the_next_copy(store: CheckpointStore, tmp_path: Path, fmt:
     else:
         assert _equal(torch.load(out, weights_only=True), state)
     _assert_repaired(store, ck, "export" if fmt == "safetensors" else "load")
-    figures.add("damaged_hot_copies", {"missing": 1})
+    figures.add("damaged_copies", {"missing": 1})
     figures.add("reads_served", 1)
 
 
@@ -327,7 +353,7 @@ def test_codec_conversion_reads_the_next_copy(store: CheckpointStore, figures: A
     new = convert_checkpoint(store, ck.ref, codec="zstd-1")
     assert _equal(store.load(new.id), state)
     _assert_repaired(store, ck, "load")
-    figures.add("damaged_hot_copies", {"truncate": 1})
+    figures.add("damaged_copies", {"truncate": 1})
     figures.add("reads_served", 1)
 
 
@@ -350,7 +376,7 @@ def test_ckpt_convert_and_events(store: CheckpointStore, config: Path, tmp_path:
     assert main(["--config", str(config), "events", ck.ref, "--json"]) == 0
     kinds = [e["kind"] for e in json.loads(capsys.readouterr().out)]
     assert "damaged" in kinds and "restored" in kinds
-    figures.add("damaged_hot_copies", {"flip": 1})
+    figures.add("damaged_copies", {"flip": 1})
     figures.add("reads_served", 1)
 
 
