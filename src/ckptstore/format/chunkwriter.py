@@ -1,11 +1,13 @@
 """Chunk files of the packed layout: one save's chunks written, hashed and flushed in parallel.
 
 :class:`ChunkWriter` writes every chunk of every packed array on a small thread pool, at the
-keys zarr v3 uses, from the tensors' own memory: vectored writes of the tensor segments that
-fall in the chunk (no gathered copy when uncompressed), crc32c and blake3 computed on the
-way (both release the GIL), early writeback so the final fsyncs find little to do, and, with
-a base checkpoint, a reference to an identical base chunk or a delta against it instead of
-the chunk. Going through zarr's own ``__setitem__`` measured ~2x slower.
+keys zarr v3 uses, from the tensors' own memory (or from the bytes a streamed state's source
+produces for that chunk, :mod:`ckptstore.format.sources`): vectored writes of the tensor
+segments that fall in the chunk (no gathered copy when uncompressed), crc32c and blake3
+computed on the way (both release the GIL), early writeback so the final fsyncs find little
+to do, and, with a base checkpoint, a reference to an identical base chunk or a delta
+against it instead of the chunk. Going through zarr's own ``__setitem__`` measured ~2x
+slower.
 
 A chunk identical to the base's is recorded as the base's (``src``) and hard-linked into
 this checkpoint's own directory, so the copy stays a complete Zarr array for any reader and
@@ -56,6 +58,7 @@ from ckptstore.format.delta import (
 from ckptstore.format.fsio import create_exclusive, start_writeback, writev_all
 from ckptstore.format.layout import ArrayPlan
 from ckptstore.format.manifest import ArrayEntry, BaseChunk, BaseRef, ChunkEntry
+from ckptstore.format.sources import TensorSource
 
 __all__ = ["ChunkWriter", "ErrorStats", "write_chunk_file"]
 
@@ -108,7 +111,7 @@ class ChunkWriter:
         self,
         directory: Path,
         specs: dict[str, CodecSpec],
-        sources: dict[str, np.ndarray[Any, np.dtype[np.uint8]]],
+        sources: TensorSource,
         plans: dict[str, ArrayPlan],
         base: BaseRef | None,
         delta: DeltaSpec | None = None,
@@ -221,11 +224,9 @@ class ChunkWriter:
 
     def _write_chunk(self, plan: ArrayPlan, index: int) -> _Written:
         spec = self._specs[plan.name]
-        isz = plan.info.itemsize
-        segments: list[Any] = [
-            self._sources[member.key][first * isz : stop * isz]
-            for member, first, stop in plan.chunk_members(index)
-        ]
+        segments: list[Any] = self._sources.read(
+            [(member.key, first, stop) for member, first, stop in plan.chunk_members(index)]
+        )
         logical = sum(len(s) for s in segments)
         pad = plan.chunk_nbytes - logical
         if pad:
@@ -283,7 +284,7 @@ class ChunkWriter:
         payload: list[Any] = segments
         if spec.compressed:
             out = self._buffer("encoded", max_encoded_size(self._gather_size))
-            payload = [encode_into(spec, segments[0], isz, out)]
+            payload = [encode_into(spec, segments[0], plan.info.itemsize, out)]
         crc, nbytes = self._write_file(path, payload)
         return _Written(ChunkEntry(index, nbytes, crc, digest, None), path, logical)
 

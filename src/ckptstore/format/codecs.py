@@ -38,6 +38,7 @@ __all__ = [
     "TRAILER",
     "CodecSpec",
     "auto_codec",
+    "auto_samples",
     "check_codec_setting",
     "codec_spec",
     "crc32c_update",
@@ -129,6 +130,15 @@ def check_codec_setting(name: str) -> str:
     return name
 
 
+def auto_samples(itemsize: int, is_float: bool) -> bool:
+    """Whether :func:`auto_codec` looks at a sample of an array of this dtype at all.
+
+    Only 16-bit and narrower floats can gain from LZ4 (their exponent bytes repeat); for any
+    other dtype the choice is ``none`` whatever the bytes.
+    """
+    return itemsize <= 2 and is_float
+
+
 def auto_codec(itemsize: int, is_float: bool, sample: Any) -> str:
     """The codec ``auto`` stores an array with (see the module docstring).
 
@@ -141,7 +151,7 @@ def auto_codec(itemsize: int, is_float: bool, sample: Any) -> str:
         ``"lz4"`` or ``"none"``.
     """
     data = _as_uint8(sample)
-    if itemsize > 2 or not is_float or len(data) < 4096:
+    if not auto_samples(itemsize, is_float) or len(data) < 4096:
         return "none"
     data = data[: AUTO_SAMPLE_BYTES - AUTO_SAMPLE_BYTES % itemsize]
     out = np.empty(max_encoded_size(len(data)), dtype=np.uint8)

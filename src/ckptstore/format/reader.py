@@ -1,5 +1,5 @@
-"""Read committed checkpoints: the manifest, the whole state, a subset, or one tensor at a
-time.
+"""Read committed checkpoints: the manifest, the whole state, a subset, one tensor at a
+time, or ranges of tensors (:class:`RangeReader`).
 
 Loading parallelises over chunks. Uncompressed chunks are read with positional vectored
 reads straight into the destination tensors; compressed ones are decoded straight into the
@@ -48,7 +48,7 @@ from ckptstore.format.manifest import (
 )
 from ckptstore.format.tree import iter_tensor_refs, match_into, select_tree
 
-__all__ = ["iter_tensors", "read_checkpoint", "read_manifest", "read_tensors"]
+__all__ = ["RangeReader", "iter_tensors", "read_checkpoint", "read_manifest", "read_tensors"]
 
 logger = logging.getLogger(__name__)
 
@@ -239,15 +239,25 @@ class _Prefaulter:
 
 
 def _chunk_dests(
-    entry: TensorEntry, array: ArrayEntry, view: ByteBuffer, plan: dict[tuple[str, int], list[Dest]]
+    entry: TensorEntry,
+    array: ArrayEntry,
+    view: ByteBuffer,
+    plan: dict[tuple[str, int], list[Dest]],
+    first: int = 0,
+    stop: int | None = None,
 ) -> None:
+    """Add to ``plan`` where elements ``[first, stop)`` of ``entry`` (``view``) come from."""
     isz = array.itemsize
-    end = entry.offset + entry.numel
-    for k in range(entry.chunk_start, entry.chunk_stop):
-        lo = max(k * array.chunk_len, entry.offset)
-        hi = min((k + 1) * array.chunk_len, end)
-        dest = view[(lo - entry.offset) * isz : (hi - entry.offset) * isz]
-        plan.setdefault((array.name, k), []).append(((lo - k * array.chunk_len) * isz, dest))
+    start = entry.offset + first
+    end = entry.offset + (entry.numel if stop is None else stop)
+    if end <= start:
+        return
+    n = array.chunk_len
+    for k in range(start // n, (end - 1) // n + 1):
+        lo = max(k * n, start)
+        hi = min((k + 1) * n, end)
+        dest = view[(lo - start) * isz : (hi - start) * isz]
+        plan.setdefault((array.name, k), []).append(((lo - k * n) * isz, dest))
 
 
 @without_gc
@@ -439,6 +449,52 @@ def _parallel_reads(
             for future in futures:
                 future.cancel()
             raise
+
+
+class RangeReader:
+    """Reads ranges of a checkpoint's tensors into caller buffers, one call per chunk group.
+
+    For tools that stream a checkpoint in pieces smaller than a tensor (merging reads the
+    same ranges of several checkpoints, chunk by chunk). Thread-safe: each call reads on
+    the calling thread.
+    """
+
+    def __init__(self, directory: Path, manifest: Manifest, *,
+                 locate: Locate | None = None) -> None:
+        """Read from ``directory`` (a committed checkpoint with this ``manifest``).
+
+        Raises:
+            InvalidNameError: If the checkpoint was saved through torch.distributed.checkpoint
+                (its tensors are not in packed arrays).
+        """
+        if manifest.dcp is not None:
+            raise InvalidNameError(
+                f"checkpoint {manifest.id} was saved through torch.distributed.checkpoint; "
+                "read it whole with store.load (ranges are read from the packed layout only)"
+            )
+        self.manifest = manifest
+        self._reader = ChunkReader(Path(directory), manifest, locate)
+
+    def read(self, ranges: Sequence[tuple[str, int, int, ByteBuffer]]) -> None:
+        """Fill each buffer with elements ``[first, stop)`` of tensor ``key``.
+
+        Every chunk involved is read once, whatever number of ranges it serves, and is
+        verified whole (crc32c) like any load.
+
+        Args:
+            ranges: ``(key, first, stop, buffer)``: ``buffer`` holds exactly
+                ``(stop - first) * itemsize`` bytes.
+
+        Raises:
+            IntegrityError: On a damaged, missing or truncated chunk (names it).
+            MissingBaseError: If a chunk's base checkpoint cannot be found.
+        """
+        plan: dict[tuple[str, int], list[Dest]] = {}
+        for key, first, stop, buf in ranges:
+            entry = self.manifest.tensors[key]
+            _chunk_dests(entry, self.manifest.arrays[entry.array], buf, plan, first, stop)
+        for (name, index), dests in sorted(plan.items()):
+            self._reader.read(self.manifest.arrays[name], index, sorted(dests, key=lambda d: d[0]))
 
 
 def iter_tensors(

@@ -3,7 +3,9 @@
 This module is the save transaction of the packed layout: it checks the arguments,
 takes the flattened state (flattening it only if the caller has not), plans the arrays,
 has :class:`~ckptstore.format.chunkwriter.ChunkWriter` write the chunks, then writes the
-metadata and the manifest and commits.
+metadata and the manifest and commits. The state's tensors are read from their own memory,
+or, for a :class:`~ckptstore.format.sources.StreamedState`, produced chunk by chunk by its
+source.
 
 Durability order: chunks (fsynced) -> array/group ``zarr.json``, ``manifest.json`` and the
 directories (flushed together) -> ``COMMITTED``. A directory without ``COMMITTED`` is garbage
@@ -34,6 +36,7 @@ from ckptstore.format.codecs import (
     AUTO_SAMPLE_BYTES,
     CodecSpec,
     auto_codec,
+    auto_samples,
     check_codec_setting,
     codec_spec,
 )
@@ -63,6 +66,7 @@ from ckptstore.format.manifest import (
     remember_manifest,
 )
 from ckptstore.format.marker import write_marker
+from ckptstore.format.sources import ByteBuffer, MemorySource, StreamedState, TensorSource
 from ckptstore.format.zarrmeta import ArrayMeta, build_metadata, document_variants
 
 __all__ = ["PHASES", "write_checkpoint"]
@@ -97,8 +101,10 @@ def write_checkpoint(
     Args:
         directory: Checkpoint directory; created (with parents) if absent, must be empty if
             present. Nothing in it is ever overwritten.
-        state: The state (see :mod:`ckptstore.format.flatten` for what it may hold), or
-            the :class:`~ckptstore.format.flatten.FlatState` a caller already made of it.
+        state: The state (see :mod:`ckptstore.format.flatten` for what it may hold), the
+            :class:`~ckptstore.format.flatten.FlatState` a caller already made of it, or a
+            :class:`~ckptstore.format.sources.StreamedState` whose source produces the
+            tensors' bytes as their chunks are written.
         ckpt_id: The checkpoint's uuid (canonical lower-case form).
         run: Run name, recorded in the manifest.
         step: Training step, recorded in the manifest.
@@ -139,13 +145,18 @@ def write_checkpoint(
     if sys.byteorder != "little":
         raise CkptError("the checkpoint format stores little-endian bytes; this host is not")
     extra_doc = _normalise_extra(extra)
-    flat = as_flat(state)
+    flat = state.flat() if isinstance(state, StreamedState) else as_flat(state)
     scope = delta.scope if delta is not None and delta.lossy else None
     plans = plan_layout(
         flat.tensors, chunk_bytes, lossy_scope=scope,
         per_tensor_bytes=PER_TENSOR_MIN_BYTES,
     )
-    sources = {key: _byte_view(t) for key, t in flat.tensors.items()}
+    sources: TensorSource = (
+        state.source if isinstance(state, StreamedState) else MemorySource(
+            {key: _byte_view(t) for key, t in flat.tensors.items()},
+            {key: t.element_size() for key, t in flat.tensors.items()},
+        )
+    )
     specs = {name: _array_codec(codec, plan, sources, base) for name, plan in plans.items()}
     docs: dict[str, bytes] = {}
 
@@ -263,7 +274,7 @@ def _check_args(
 def _array_codec(
     codec: str,
     plan: ArrayPlan,
-    sources: dict[str, np.ndarray[Any, np.dtype[np.uint8]]],
+    sources: TensorSource,
     base: BaseRef | None,
 ) -> CodecSpec:
     """The codec an array's chunks are stored with (``auto`` resolved for this array)."""
@@ -272,17 +283,23 @@ def _array_codec(
     old = base.manifest.arrays.get(plan.name) if base is not None else None
     if old is not None and old.torch_dtype == plan.info.name:
         return codec_spec(old.codec)  # the base's choice, so unchanged chunks compare equal
-    sample: list[Any] = []
-    need = AUTO_SAMPLE_BYTES
+    isz = plan.info.itemsize
+    is_float = plan.info.torch_dtype.is_floating_point
+    if not auto_samples(isz, is_float):
+        # Decided by the dtype alone: a streamed source need not produce a sample.
+        return codec_spec(auto_codec(isz, is_float, b""))
+    ranges = []
+    need = AUTO_SAMPLE_BYTES // isz
     for member in plan.members:
         if need <= 0:
             break
-        data = sources[member.key][:need]
-        sample.append(data)
-        need -= len(data)
+        take = min(member.numel, need)
+        if take:
+            ranges.append((member.key, 0, take))
+        need -= take
+    sample: list[ByteBuffer] = sources.read(ranges) if ranges else []
     joined = np.concatenate(sample) if len(sample) > 1 else (sample[0] if sample else b"")
-    is_float = plan.info.torch_dtype.is_floating_point
-    return codec_spec(auto_codec(plan.info.itemsize, is_float, joined))
+    return codec_spec(auto_codec(isz, is_float, joined))
 
 
 def _normalise_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
