@@ -298,6 +298,11 @@ class LineageEdgeRow(Base):
     )
     kind: Mapped[str] = mapped_column(String(32), primary_key=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
+    # A merged-from edge's share of the merge (normalised weights of one merge sum to 1) and
+    # the input's place in it (0 = first: integer tensors and non-tensor values came from
+    # it). NULL for every other kind of edge.
+    weight: Mapped[float | None] = mapped_column(Float)
+    position: Mapped[int | None] = mapped_column(Integer)
 
 
 class AliasRow(Base):
