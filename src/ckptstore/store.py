@@ -31,8 +31,10 @@ from ckptstore.ops.reading.sweep import CheckpointSweep
 from ckptstore.ops.tiering.gc import DEFAULT_PENDING_GRACE_S, GcReport, gc_hot
 from ckptstore.ops.tiering.thaw_poll import complete_thaw
 from ckptstore.ops.trigger import trigger_flow
+from ckptstore.ops.upkeep.merge import merge_checkpoints
 from ckptstore.ops.writing.async_save import SaveHandle, save_async, wait_async
 from ckptstore.ops.writing.save import save_checkpoint
+from ckptstore.progress import Progress
 from ckptstore.records import Checkpoint, Event, RunInfo, UsageRow
 from ckptstore.save_options import LATEST, Latest, SaveOptions
 
@@ -191,6 +193,72 @@ class CheckpointStore(StoreCore):
         from ckptstore.ops.dcp import dcp_reader
 
         return dcp_reader(self, ref)
+
+    def merge(
+        self,
+        refs: Sequence[str],
+        *,
+        run: str,
+        step: int,
+        method: str | None = None,
+        weights: Sequence[float] | None = None,
+        weights_from_metric: str | None = None,
+        keys: Sequence[str] | None = None,
+        accumulate: str = "auto",
+        metrics: dict[str, float] | None = None,
+        tags: Sequence[str] = (),
+        codec: str | None = None,
+        progress: Progress | None = None,
+    ) -> Checkpoint:
+        """Merge checkpoints into a new one: the weighted mean of their floating-point tensors.
+
+        Model soups, averaging a run's last checkpoints, federated averaging. The merge
+        streams chunk by chunk (memory: a few chunks per writer thread, never a state) and
+        the result is an ordinary checkpoint of ``run`` at ``step`` whose lineage lists every
+        input (a ``merged-from`` edge each, with its weight and position; the method and
+        weights in a ``merged`` event). Integer and bool tensors and non-tensor values come
+        from the first input. Merging the same inputs the same way into the same run and
+        step again returns the existing checkpoint.
+
+        Args:
+            refs: Two or more checkpoint references, each naming a different checkpoint.
+            run: Run of the merged checkpoint.
+            step: Its step.
+            method: ``mean`` (equal weights) or ``weighted``; default ``weighted`` when
+                weights are given, else ``mean``.
+            weights: One finite, non-negative weight per input, normalised to sum to 1.
+            weights_from_metric: Take each input's weight from this recorded metric (e.g.
+                ``samples``, for federated averaging).
+            keys: fnmatch patterns selecting what is merged and kept (e.g. ``["model/*"]``);
+                the rest is left out of the result.
+            accumulate: ``auto`` (float64 for 32/64-bit floats, float32 for 16/8-bit ones),
+                ``float32`` or ``float64``.
+            metrics: Metrics to record with the merged checkpoint.
+            tags: Tags to record.
+            codec: Codec preset (default from the settings).
+            progress: Called with the bytes of each chunk written (one with ``set_total`` is
+                told the total first).
+
+        Returns:
+            The merged (COMMITTED) checkpoint.
+
+        Raises:
+            InvalidNameError: For fewer than two inputs, one named twice, an unknown method,
+                weights that are missing, miscounted, NaN/inf, negative or sum to zero, a
+                missing metric, or inputs whose keys, shapes or dtypes differ (the first
+                such key is named).
+            CheckpointNotFoundError: If an input does not resolve.
+            IntegrityError: If an input's chunk is damaged (named); nothing is committed.
+
+        Example:
+            >>> store.merge(["site-a@latest", "site-b@latest"], run="global", step=10,
+            ...             weights_from_metric="samples")  # doctest: +SKIP
+        """
+        return merge_checkpoints(
+            self, refs, run=run, step=step, method=method, weights=weights,
+            weights_from_metric=weights_from_metric, keys=keys, accumulate=accumulate,
+            metrics=metrics, tags=tags, codec=codec, progress=progress,
+        )
 
     def trigger(
         self, flow_name: str, checkpoint: Checkpoint | None = None, **params: Any

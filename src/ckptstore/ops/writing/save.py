@@ -23,6 +23,7 @@ from ckptstore.errors import CkptError, ConfigError, StorageError
 from ckptstore.faultpoints import fault_point
 from ckptstore.format import FlatState, as_flat, write_checkpoint
 from ckptstore.format.gcpause import without_gc
+from ckptstore.format.sources import StreamedState
 from ckptstore.identity import writer_id
 from ckptstore.names import validate_name, validate_tag
 from ckptstore.observability.metrics import dedup_bytes
@@ -137,7 +138,13 @@ def save_checkpoint(
     step, options = check_save(core, run, step, options or SaveOptions())
     # Refuse pickle-only objects before anything is written or catalogued; the flattened
     # state is what the writer and the memory tier take, so this is the only walk of it.
-    flat = as_flat(state)
+    # A streamed state (a merge: tensors produced while written) checks its own tree.
+    flat: FlatState | StreamedState
+    if isinstance(state, StreamedState):
+        state.flat()
+        flat = state
+    else:
+        flat = as_flat(state)
     return write_save(core, run, step, flat, options, progress=progress)
 
 
@@ -146,7 +153,7 @@ def write_save(
     core: StoreCore,
     run: str,
     step: int,
-    flat: FlatState,
+    flat: FlatState | StreamedState,
     options: SaveOptions,
     *,
     progress: Callable[[int], None] | None = None,
@@ -157,7 +164,8 @@ def write_save(
         core: The open store.
         run: Run name.
         step: The step as :func:`check_save` returned it.
-        flat: The flattened state (the async saver's staged copy, for a background save).
+        flat: The flattened state (the async saver's staged copy, for a background save),
+            or a :class:`~ckptstore.format.sources.StreamedState` (a merge).
         options: The options as :func:`check_save` returned them.
         progress: Called with the number of bytes written after each chunk.
 
@@ -232,8 +240,9 @@ def write_save(
             manifest.delta.max_abs_error,
         )
     # An extra copy in host shared memory (memory_tier_bytes > 0), only now that the hot
-    # copy is committed; it never fails the save.
-    if stage_after_commit(core, committed, flat):
+    # copy is committed; it never fails the save. A streamed state (a merge) has no tensors
+    # in memory to copy: it is loaded from the hot tier like any other checkpoint.
+    if isinstance(flat, FlatState) and stage_after_commit(core, committed, flat):
         committed = core.catalog.get_any(committed.id)
     return committed
 
