@@ -40,13 +40,16 @@ from ckptstore.errors import InvalidNameError
 from ckptstore.records import Checkpoint
 from ckptstore.refs import Ref
 
-__all__ = ["MAX_DEPTH", "MERGED_FROM", "LineageGraph", "LineageLink", "LineageMixin"]
+__all__ = ["MAX_DEPTH", "MERGED_FROM", "MERGE_EVENT", "LineageGraph", "LineageLink",
+           "LineageMixin"]
 
 #: Longest chain a walk follows.
 MAX_DEPTH = 100_000
 
 #: The edge kind from each input of a merge to the merged checkpoint.
 MERGED_FROM = "merged-from"
+#: Kind of the audit-log event recording a merge (method, weights, keys, ...).
+MERGE_EVENT = "merged"
 
 
 @dataclass(frozen=True)
@@ -274,7 +277,7 @@ class LineageMixin(CatalogCore):
                 .on_conflict_do_nothing(index_elements=["src_id", "dst_id", "kind"])
             )
             run_id = s.scalar(select(C.run_id).where(C.id == dst))
-            self._add_event(s, "merged", checkpoint_id=dst, run_id=run_id, detail=payload)
+            self._add_event(s, MERGE_EVENT, checkpoint_id=dst, run_id=run_id, detail=payload)
 
     def edges(self, ckpt_id: str | Ref) -> list[tuple[str, str, str]]:
         """Derivation edges touching a checkpoint, as ``(src_id, dst_id, kind)``, oldest first."""

@@ -25,6 +25,8 @@ from ckptstore.cli import (
     db,
     deltas,
     labels,
+    lineage,
+    merge,
     overview,
     prefetch,
     queries,
@@ -109,6 +111,8 @@ transfer.register(app)
 trust.register(app)
 overview.register(app)
 deltas.register(app)
+lineage.register(app)
+merge.register(app)
 prefetch.register(app)
 remote.register(app)
 # Last, so that every command registered above gets them.

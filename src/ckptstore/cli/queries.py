@@ -1,4 +1,5 @@
-"""CLI commands that query the catalog: ls, show, runs, lineage, du, events.
+"""CLI commands that query the catalog: ls, show, runs, du, events (lineage:
+:mod:`ckptstore.cli.lineage`).
 
 Each reads through the store and prints a table for people or, with ``--json``, one JSON
 document for scripts; none of them changes the store.
@@ -6,29 +7,26 @@ document for scripts; none of them changes the store.
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated, Any
 
 import typer
 
 from ckptstore.cli.common import ascii_int, open_store, parse_where
+from ckptstore.cli.merge import merge_rows
 from ckptstore.cli.output import (
     LS_COLUMNS,
     LS_WIDE_COLUMNS,
     checkpoint_json,
     checkpoint_row,
-    console,
     err_console,
     human_bytes,
     print_json,
     print_table,
 )
-from ckptstore.errors import InvalidNameError
 
 __all__ = [
     "du_cmd",
     "events_cmd",
-    "lineage_cmd",
     "ls_cmd",
     "register",
     "runs_cmd",
@@ -110,7 +108,9 @@ def show_cmd(
     "manifest": format_version, codec, kind, tensors, dtypes, arrays, chunks, logical_bytes,
     stored_bytes, delta (or {"error": ...}), "tensors" with --tensors: [key, dtype, shape],
     "parts" for a checkpoint saved across hosts: every copy of every host's part (tier, part,
-    stored_on (null on a shared tier), state, bytes, files, verified_at)}.
+    stored_on (null on a shared tier), state, bytes, files, verified_at), "merge" for a
+    merged checkpoint: method, accumulate, keys, weights_from_metric, inputs (id, ref,
+    state, weight, position)}.
     """
     with open_store(ctx) as store:
         info = store.show(ref)
@@ -155,6 +155,8 @@ def show_cmd(
         rows.append(("run config", str(repro["config"])))
     if repro.get("parents"):
         rows.append(("parent chain", " ← ".join(str(p) for p in repro["parents"])))
+    if info.get("merge"):
+        rows += merge_rows(info["merge"])
     rows.append(("restore with", f"ckpt restore {ck['ref']}  |  store.load({ck['ref']!r})"))
     print_table(["field", "value"], rows)
     if tensors:
@@ -208,70 +210,6 @@ def runs_cmd(ctx: typer.Context, as_json: JsonOpt = False) -> None:
             for r in runs
         ),
     )
-
-
-def lineage_cmd(
-    ctx: typer.Context,
-    ref: Annotated[str, typer.Argument(help="Checkpoint reference.")],
-    fmt: Annotated[
-        str, typer.Option("--format", "-f", help="tree, dot or mermaid.")
-    ] = "tree",
-    descendants: Annotated[
-        bool, typer.Option(help="Show what was derived from it instead of its ancestors.")
-    ] = False,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print JSON instead (overrides --format).")
-    ] = False,
-) -> None:
-    """Show where a checkpoint came from (resumed / fine-tuned from), across runs.
-
-    JSON: {"checkpoint": REF's record, "direction": "ancestors" or "descendants",
-    "nodes": [records, nearest first], "edges": [{"from": ref, "to": ref}, ...]}; a record
-    has the keys of `ckpt ls --json`.
-    """
-    if fmt not in ("tree", "dot", "mermaid"):
-        raise InvalidNameError(f"unknown --format {fmt!r}; use tree, dot or mermaid")
-    with open_store(ctx) as store:
-        me = store.get(ref)
-        chain = store.descendants(ref) if descendants else store.lineage(ref)
-    nodes = [me, *chain]
-    if as_json:
-        known = {ck.id: ck for ck in nodes}
-        print_json({
-            "checkpoint": checkpoint_json(me),
-            "direction": "descendants" if descendants else "ancestors",
-            "nodes": [checkpoint_json(ck) for ck in chain],
-            "edges": [{"from": known[ck.parent_id].ref, "to": ck.ref} for ck in nodes
-                      if ck.parent_id in known],
-        })
-        return
-    if fmt == "tree":
-        for depth, ck in enumerate(nodes):
-            arrow = "" if depth == 0 else ("└─ derived " if descendants else "└─ from ")
-            indent = "   " * max(depth - 1, 0)
-            console.print(f"{indent}{arrow}{ck.ref} (step {ck.step}, {ck.id[:8]})")
-        return
-    edges = []
-    by_id = {ck.id: ck for ck in nodes}
-    for ck in nodes:
-        if ck.parent_id and ck.parent_id in by_id:
-            edges.append((by_id[ck.parent_id].ref, ck.ref))
-    if fmt == "dot":
-        lines = ["digraph lineage {"]
-        lines += [f'  "{a}" -> "{b}";' for a, b in edges]
-        if not edges:
-            lines.append(f'  "{me.ref}";')
-        lines.append("}")
-    else:
-        lines = ["graph TD"]
-        lines += [f'  {_mid(a)}["{a}"] --> {_mid(b)}["{b}"]' for a, b in edges]
-        if not edges:
-            lines.append(f'  {_mid(me.ref)}["{me.ref}"]')
-    sys.stdout.write("\n".join(lines) + "\n")
-
-
-def _mid(ref: str) -> str:
-    return "n_" + "".join(c if c.isalnum() else "_" for c in ref)
 
 
 def du_cmd(ctx: typer.Context, as_json: JsonOpt = False) -> None:
@@ -329,11 +267,9 @@ def _detail_text(detail: dict[str, Any], limit: int = 48) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``ls``, ``show``, ``runs``, ``lineage``, ``du`` and ``events`` to the ``ckpt``
-    command."""
+    """Add ``ls``, ``show``, ``runs``, ``du`` and ``events`` to the ``ckpt`` command."""
     app.command("ls")(ls_cmd)
     app.command("show")(show_cmd)
     app.command("runs")(runs_cmd)
-    app.command("lineage")(lineage_cmd)
     app.command("du")(du_cmd)
     app.command("events")(events_cmd)

@@ -9,14 +9,15 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from ckptstore.catalog.lineage import MERGE_EVENT
 from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError
 from ckptstore.format import Manifest, read_manifest
 from ckptstore.ops.tiering.parts import parted_manifest
 from ckptstore.records import Checkpoint, ReplicaPart, expected_digest
 
-__all__ = ["checkpoint_dict", "hosts_overview", "manifest_summary", "part_dict",
-           "show_checkpoint"]
+__all__ = ["checkpoint_dict", "hosts_overview", "manifest_summary", "merge_record",
+           "part_dict", "show_checkpoint"]
 
 
 def checkpoint_dict(ck: Checkpoint) -> dict[str, Any]:
@@ -142,13 +143,46 @@ def manifest_summary(manifest: Manifest) -> dict[str, Any]:
     }
 
 
+def merge_record(core: StoreCore, ck: Checkpoint) -> dict[str, Any] | None:
+    """How a merged checkpoint was made, or None for one that is not a merge.
+
+    Returns:
+        ``{"method", "accumulate", "keys", "weights_from_metric", "inputs": [{"id", "ref",
+        "state", "weight", "position"}, ...]}``: the inputs in their order (the first one
+        supplied integer tensors and non-tensor values), from the merged-from edges; the
+        rest from the ``merged`` event.
+    """
+    links = core.catalog.merge_inputs(ck.id)
+    if not links:
+        return None
+    inputs = []
+    for link in links:
+        try:
+            parent = core.catalog.get_any(link.src)
+            ref, state = parent.ref, str(parent.state)
+        except CkptError:
+            ref, state = link.src, "unknown"
+        inputs.append({"id": link.src, "ref": ref, "state": state, "weight": link.weight,
+                       "position": link.position})
+    events = core.catalog.events(ck.id, kind=MERGE_EVENT, limit=1)
+    detail = events[0].detail if events else {}
+    return {
+        "method": detail.get("method"),
+        "accumulate": detail.get("accumulate"),
+        "keys": detail.get("keys"),
+        "weights_from_metric": detail.get("weights_from_metric"),
+        "inputs": inputs,
+    }
+
+
 def show_checkpoint(core: StoreCore, ref: str) -> dict[str, Any]:
     """Everything needed to understand and reproduce a checkpoint.
 
     Returns:
         A JSON-able dict: the catalog record, the run's reproduction record and a summary of
         the manifest (tensor count, dtypes, bytes, codec, chunks); for a checkpoint saved
-        across hosts also ``parts``: every copy of every host's part (:func:`part_dict`).
+        across hosts also ``parts``: every copy of every host's part (:func:`part_dict`);
+        for a merged one ``merge``: its inputs, weights and method (:func:`merge_record`).
     """
     ck = core.catalog.get(ref)
     info: dict[str, Any] = {"checkpoint": checkpoint_dict(ck)}
@@ -159,6 +193,9 @@ def show_checkpoint(core: StoreCore, ref: str) -> dict[str, Any]:
         "metrics_at_save": record.get("metrics", {}),
         "edges": record.get("edges", []),
     }
+    merged = merge_record(core, ck)
+    if merged is not None:
+        info["merge"] = merged
     if ck.parted:
         info["parts"] = [part_dict(p) for p in core.catalog.parts(ck.id)]
     try:

@@ -10,7 +10,7 @@ operation resolves, checks, saves and records the lineage
 
 from __future__ import annotations
 
-from ckptstore.ops.upkeep.merge.run import MERGE_EVENT, merge_checkpoints
+from ckptstore.ops.upkeep.merge.run import merge_checkpoints
 from ckptstore.ops.upkeep.merge.spec import ACCUMULATE, METHODS, MergeSpec, merge_spec
 
-__all__ = ["ACCUMULATE", "MERGE_EVENT", "METHODS", "MergeSpec", "merge_checkpoints", "merge_spec"]
+__all__ = ["ACCUMULATE", "METHODS", "MergeSpec", "merge_checkpoints", "merge_spec"]

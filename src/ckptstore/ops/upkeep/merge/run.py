@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ckptstore.catalog.lineage import MERGE_EVENT, MERGED_FROM
 from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, InvalidNameError
 from ckptstore.format import Manifest, read_manifest
@@ -47,12 +48,10 @@ from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState
 from ckptstore.save_options import SaveOptions
 
-__all__ = ["MERGE_EVENT", "merge_checkpoints"]
+__all__ = ["merge_checkpoints"]
 
 logger = logging.getLogger(__name__)
 
-#: Kind of the audit-log event a merge records.
-MERGE_EVENT = "merged"
 #: How long a merge's leases on its inputs last unless renewed (renewed as chunks are written).
 _LEASE_TTL_S = 600.0
 
@@ -183,7 +182,7 @@ def _already_merged(
     wanted = [(ck.id, w) for ck, w in zip(cks, spec.weights, strict=True)]
     record = spec.record()
     for link in core.catalog.links(cks[0].id):
-        if link.src != cks[0].id or link.kind != "merged-from" or link.position != 0:
+        if link.src != cks[0].id or link.kind != MERGED_FROM or link.position != 0:
             continue
         try:
             candidate = core.catalog.get_any(link.dst)
