@@ -409,11 +409,15 @@ class Node:
 
 @dataclass(frozen=True)
 class Edge:
-    """An arrow ``src → dst``; ``kind`` becomes its CSS class (``parent``, ``same-run``...)."""
+    """An arrow ``src → dst``; ``kind`` becomes its CSS class (``parent``, ``same-run``...).
+
+    ``label`` (a merged-from edge's weight) is written beside the arrow's middle.
+    """
 
     src: str
     dst: str
     kind: str = "parent"
+    label: str = ""
 
 
 def group_colors(groups: Sequence[str]) -> dict[str, str]:
@@ -510,7 +514,8 @@ def dag_svg(nodes: Sequence[Node], edges: Sequence[Edge], *, title: str = "linea
 
     Returns:
         ``<svg class="dag">`` markup with one ``<g class="node" data-id=...>`` per node and
-        one ``<path class="edge <kind>">`` per edge.
+        one ``<path class="edge <kind>">`` per edge (and a ``<text class="edge-label">``
+        beside each labelled one).
     """
     if not nodes:
         return (
@@ -545,12 +550,22 @@ def dag_svg(nodes: Sequence[Node], edges: Sequence[Edge], *, title: str = "linea
         x1, y1 = sx + _NODE_W, sy + _NODE_H / 2
         x2, y2 = dx, dy + _NODE_H / 2
         bend = max(abs(x2 - x1) / 2, 24)
+        title = f"{edge.kind} {edge.label}".strip()
         parts.append(
             f'<path class="edge {_e(edge.kind)}" data-src="{_e(edge.src)}" '
             f'data-dst="{_e(edge.dst)}" d="M{x1:.1f},{y1:.1f} C{x1 + bend:.1f},{y1:.1f} '
             f'{x2 - bend:.1f},{y2:.1f} {x2:.1f},{y2:.1f}" marker-end="url(#arrow)">'
-            f"<title>{_e(edge.kind)}</title></path>"
+            f"<title>{_e(title)}</title></path>"
         )
+        if edge.label:
+            # The middle of the curve (its control points are symmetric about it), a little
+            # toward the target so the labels of edges meeting at one node stay apart.
+            mx, my = x1 + (x2 - x1) * 0.6, y1 + (y2 - y1) * 0.6
+            parts.append(
+                f'<text class="edge-label {_e(edge.kind)}" data-src="{_e(edge.src)}" '
+                f'data-dst="{_e(edge.dst)}" x="{mx:.1f}" y="{my - 3:.1f}" '
+                f'text-anchor="middle">{_e(_clip(edge.label, 12))}</text>'
+            )
     for node in nodes:
         x, y = origin(node.id)
         color = colors[node.group]

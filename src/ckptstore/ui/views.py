@@ -443,6 +443,7 @@ def checkpoint_view(store: CheckpointStore, ckpt_id: str, links: Links) -> dict[
     manifest: dict[str, Any] | None = None
     manifest_error: str | None = None
     reproduction: dict[str, Any] = {}
+    merge: dict[str, Any] | None = None
     if ck.state == CheckpointState.COMMITTED:
         try:
             info = store.show(ck.id)
@@ -455,6 +456,7 @@ def checkpoint_view(store: CheckpointStore, ckpt_id: str, links: Links) -> dict[
             else:
                 manifest = found
             reproduction = info.get("reproduction") or {}
+            merge = info.get("merge")
     else:
         manifest_error = f"the checkpoint is {ck.state}; its data is no longer readable"
     neighbours: list[dict[str, Any]] = []
@@ -476,11 +478,15 @@ def checkpoint_view(store: CheckpointStore, ckpt_id: str, links: Links) -> dict[
         except CkptError:
             logger.debug("descendants of %s unavailable", ck.id, exc_info=True)
     try:
-        edges = store.catalog.edges(ck.id)
+        edges = store.catalog.links(ck.id)
     except CkptError:
         edges = []
-    for src, dst, kind in edges:
-        other, relation = (dst, f"{kind} (derived)") if src == ck.id else (src, kind)
+    for link in edges:
+        other, relation = (
+            (link.dst, f"{link.kind} (derived)") if link.src == ck.id else (link.src, link.kind)
+        )
+        if link.weight is not None:
+            relation += f" · weight {link.weight:.4g}"
         try:
             neighbours.append(_neighbour(store.catalog.get_any(other), links, relation))
         except CkptError:
@@ -502,6 +508,7 @@ def checkpoint_view(store: CheckpointStore, ckpt_id: str, links: Links) -> dict[
         "manifest": manifest,
         "manifest_error": manifest_error,
         "reproduction": reproduction,
+        "merge": merge,
         "neighbours": neighbours,
         "events": events,
         "restore": restore_snippets(store, ck.ref),
@@ -510,14 +517,19 @@ def checkpoint_view(store: CheckpointStore, ckpt_id: str, links: Links) -> dict[
 
 
 # --------------------------------------------------------------------------- lineage
-def _all_edges(store: CheckpointStore, ids: Iterable[str]) -> list[tuple[str, str, str]]:
-    """Derivation edges among ``ids`` (converted-from, merged-from...)."""
+def _all_edges(store: CheckpointStore, ids: Iterable[str]) -> list[Edge]:
+    """Derivation edges among ``ids`` (converted-from, merged-from with its weight...)."""
     try:
-        return store.catalog.edges_among(ids)
+        links = store.catalog.links_among(ids)
     except CkptError:
         # The graph still shows parent links and run lanes without the derivation edges.
         logger.warning("derivation edges unavailable for the lineage graph", exc_info=True)
         return []
+    return [Edge(link.src, link.dst, link.kind, _weight_text(link.weight)) for link in links]
+
+
+def _weight_text(weight: float | None) -> str:
+    return "" if weight is None else f"w={weight:.3g}"
 
 
 def lineage_view(
@@ -544,9 +556,9 @@ def lineage_view(
         if ck.parent_id and ck.parent_id in by_id:
             involved.update((ck.id, ck.parent_id))
             edges.append(Edge(ck.parent_id, ck.id, "parent"))
-    for src, dst, kind in _all_edges(store, by_id):
-        involved.update((src, dst))
-        edges.append(Edge(src, dst, kind))
+    for edge in _all_edges(store, by_id):
+        involved.update((edge.src, edge.dst))
+        edges.append(edge)
     # Each run's newest committed checkpoint joins too, so every run shows up as a lane that
     # ends at its current head (a run without lineage is a single box).
     heads: dict[str, Checkpoint] = {}
