@@ -57,7 +57,8 @@ logger = logging.getLogger(__name__)
 DEPLOYMENT_NAME = "ckptstore"
 
 #: Flows that need parameters nobody can schedule (a ref, an output path).
-_UNSCHEDULABLE = frozenset({"restore", "convert", "import", "compact", "prefetch", "thaw"})
+_UNSCHEDULABLE = frozenset({"restore", "convert", "import", "compact", "merge", "prefetch",
+                            "thaw"})
 
 #: Longest the worker sleeps between looks at the schedules (seconds).
 _MAX_SLEEP_S = 1.0

@@ -26,6 +26,7 @@ FLOWS: dict[str, tuple[str, str]] = {
     "import": ("ckptstore.flows.convert", "import_flow"),
     "gc": ("ckptstore.flows.gc", "gc_flow"),
     "compact": ("ckptstore.flows.compact", "compact_flow"),
+    "merge": ("ckptstore.flows.merge", "merge_flow"),
     "sync": ("ckptstore.flows.sync", "sync_flow"),
 }
 

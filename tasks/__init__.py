@@ -8,6 +8,7 @@ optional operation module is missing.
 from ckptstore.tasks.archive import archive_task, demote_task
 from ckptstore.tasks.convert import export_task, import_task
 from ckptstore.tasks.maintenance import gc_task
+from ckptstore.tasks.merge import merge_task
 from ckptstore.tasks.restore import restore_task
 from ckptstore.tasks.retention import apply_retention_plan_task, plan_retention_task
 from ckptstore.tasks.verify import verify_task
@@ -19,6 +20,7 @@ __all__ = [
     "export_task",
     "gc_task",
     "import_task",
+    "merge_task",
     "plan_retention_task",
     "restore_task",
     "verify_task",
