@@ -78,8 +78,8 @@ def merge_cmd(
 ) -> None:
     """Average checkpoints (model soup, FedAvg) into a new checkpoint of --run at --step.
 
-    Floating-point tensors are averaged chunk by chunk (memory: a few chunks, never a
-    state) and keep their dtype; integer and bool tensors and other values come from the
+    Floating-point tensors are averaged chunk by chunk (memory: a chunk per input,
+    never a state) and keep their dtype; integer and bool tensors and other values come from the
     first input. The result lists every input as a parent (merged-from, with its weight:
     `ckpt lineage`, `ckpt show`). Running it again returns the same checkpoint.
 

@@ -6,10 +6,10 @@ for each chunk it writes: it reads the same element ranges from every input
 the accumulation dtype, and rounds once into the output's dtype. Integer and bool ranges are
 the first input's bytes.
 
-Memory: per writer thread, one output buffer and one accumulator of one chunk each (the
-accumulator twice as wide for float64 sums; a conversion buffer too for float8, which torch
-cannot add across dtypes), reused for every chunk; so a merge holds ``threads`` chunks'
-worth of buffers, whatever the size of the tensors or the number of inputs.
+Memory: per writer thread, one chunk-sized buffer per input, reused for every chunk (the
+result is written over the first input's, piece by piece, once every input's piece was
+added), plus an accumulator and a conversion buffer of :data:`_PIECE` elements; so a merge
+holds ``threads x inputs`` chunks of buffers, whatever the size of the tensors or the state.
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ __all__ = ["MergeSource"]
 
 logger = logging.getLogger(__name__)
 
-# Dtypes torch will not promote in a mixed-dtype add: converted through a buffer first.
-_NO_PROMOTION = frozenset({
-    torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz,
-})
+#: Elements summed at a time: an accumulator piece (2 MiB in float64) stays in cache while
+#: every input's piece is added to it.
+_PIECE = 1 << 18
 
 
 class MergeSource(TensorSource):
@@ -73,44 +72,65 @@ class MergeSource(TensorSource):
         return buf[:nbytes]
 
     def read(self, ranges: Sequence[Range]) -> list[ByteBuffer]:
-        """The merged bytes of each range (views of this thread's output buffer)."""
+        """The merged bytes of each range (views of this thread's first input buffer)."""
         if not ranges:
             return []
         dtype = self._dtypes[ranges[0][0]]
         isz = torch.empty((), dtype=dtype).element_size()
         sizes = [(stop - first) * isz for _, first, stop in ranges]
-        out = self._buffer("out", sum(sizes))
-        views: list[ByteBuffer] = []
-        pos = 0
-        for size in sizes:
-            views.append(out[pos : pos + size])
-            pos += size
-        wanted = [(key, first, stop, view)
-                  for (key, first, stop), view in zip(ranges, views, strict=True)]
+        total = sum(sizes)
         acc_dtype = self._accumulate[ranges[0][0]]
-        if acc_dtype is None:
-            self._inputs[0].read(wanted)
-            return views
-        n = len(out) // isz
-        acc = self._tensor("acc", n, acc_dtype)
-        values = _typed(out, dtype)
-        acc.zero_()
-        for reader, weight in zip(self._inputs, self._weights, strict=True):
-            # Each input lands in the output buffer, is added into the accumulator, and the
-            # buffer is reused for the next: two chunk buffers whatever the input count.
-            reader.read(wanted)
-            if dtype in _NO_PROMOTION:
-                wide = self._tensor("convert", n, acc_dtype)
-                wide.copy_(values)
-                acc.add_(wide, alpha=weight)
-            else:
-                acc.add_(values, alpha=weight)
-        values.copy_(acc)  # rounded once, into the tensor's own dtype
-        return views
+        inputs = self._inputs if acc_dtype is not None else self._inputs[:1]
+        buffers = []
+        for j, reader in enumerate(inputs):
+            buf = self._buffer(f"in{j}", total)
+            views = _split(buf, sizes)
+            reader.read([(key, first, stop, view)
+                         for (key, first, stop), view in zip(ranges, views, strict=True)])
+            buffers.append(buf)
+        if acc_dtype is not None:
+            self._sum([_typed(b, dtype) for b in buffers], acc_dtype)
+        return _split(buffers[0], sizes)
+
+    def _sum(self, xs: list[torch.Tensor], acc_dtype: torch.dtype) -> None:
+        """``xs[0] = sum(w_i * xs[i])``, summed in ``acc_dtype`` piece by piece.
+
+        Piece by piece, so the accumulator stays in cache and no chunk-sized temporary is
+        ever allocated: torch would allocate one for every mixed-dtype add, and glibc keeps
+        such freed blocks, which made the process grow by a chunk per chunk written.
+        """
+        n = len(xs[0])
+        acc_full = self._tensor("acc", min(n, _PIECE), acc_dtype)
+        convert = xs[0].dtype != acc_dtype
+        tmp_full = self._tensor("convert", min(n, _PIECE), acc_dtype) if convert else None
+        first, rest = self._weights[0], list(zip(xs[1:], self._weights[1:], strict=True))
+        for lo in range(0, n, _PIECE):
+            hi = min(lo + _PIECE, n)
+            acc = acc_full[: hi - lo]
+            acc.copy_(xs[0][lo:hi])
+            acc.mul_(first)
+            for x, weight in rest:
+                if tmp_full is None:
+                    acc.add_(x[lo:hi], alpha=weight)
+                else:
+                    tmp = tmp_full[: hi - lo]
+                    tmp.copy_(x[lo:hi])
+                    acc.add_(tmp, alpha=weight)
+            xs[0][lo:hi].copy_(acc)  # rounded once, into the tensor's own dtype
 
     def _tensor(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
         isz = torch.empty((), dtype=dtype).element_size()
         return _typed(self._buffer(name, n * isz), dtype)
+
+
+def _split(buf: ByteBuffer, sizes: Sequence[int]) -> list[ByteBuffer]:
+    """Consecutive views of ``buf``, of ``sizes`` bytes each."""
+    views = []
+    pos = 0
+    for size in sizes:
+        views.append(buf[pos : pos + size])
+        pos += size
+    return views
 
 
 def _typed(buf: ByteBuffer, dtype: torch.dtype) -> torch.Tensor:
