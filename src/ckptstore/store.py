@@ -216,9 +216,9 @@ class CheckpointStore(StoreCore):
         streams chunk by chunk (memory: one chunk per input per writer thread, never a
         state) and the result is an ordinary checkpoint of ``run`` at ``step`` whose lineage
         lists every input (a ``merged-from`` edge each, with its weight and position; the
-        method and weights in a ``merged`` event). Integer and bool tensors and non-tensor values come
-        from the first input. Merging the same inputs the same way into the same run and
-        step again returns the existing checkpoint.
+        method and weights in a ``merged`` event). Integer and bool tensors and non-tensor
+        values come from the first input. Merging the same inputs the same way into the
+        same run and step again returns the existing checkpoint.
 
         Args:
             refs: Two or more checkpoint references, each naming a different checkpoint.
