@@ -177,3 +177,107 @@ def test_run_record(catalog: Catalog, save) -> None:
     assert record["metrics"] == {"loss": 0.5} and record["tags"] == ["release"]
     assert [r["tier"] for r in record["replicas"]] == ["hot", "warm"]
     assert record["edges"] == [{"src": parent.id, "dst": ck.id, "kind": "resumed-from"}]
+
+
+# --------------------------------------------------------------------------- merges
+def test_record_merge_writes_every_parent_and_the_event_at_once(catalog: Catalog, save) -> None:
+    a, b, c = (save(run, 1) for run in ("a", "b", "c"))
+    merged = save("m", 1)
+    catalog.record_merge(merged.id, [(a.id, 0.5), ("b@latest", 0.25), (c.id, 0.25)],
+                         {"method": "weighted", "weights": [0.5, 0.25, 0.25]})
+    inputs = catalog.merge_inputs("m@latest")
+    assert [(i.src, i.weight, i.position) for i in inputs] == [
+        (a.id, 0.5, 0), (b.id, 0.25, 1), (c.id, 0.25, 2)]
+    assert catalog.edges(merged.id) == [(p.id, merged.id, "merged-from") for p in (a, b, c)]
+    (event_row,) = catalog.events(merged.id, kind="merged")
+    assert event_row.detail["method"] == "weighted" and event_row.run == "m"
+    assert catalog.run_record(merged.id)["edges"][0] == {
+        "src": a.id, "dst": merged.id, "kind": "merged-from", "weight": 0.5, "position": 0}
+    assert catalog.merge_inputs(a.id) == []  # an input is not itself a merge
+    # Recording it again changes nothing (idempotent edges).
+    catalog.record_merge(merged.id, [(a.id, 0.5), (b.id, 0.25), (c.id, 0.25)], {})
+    assert len(catalog.merge_inputs(merged.id)) == 3
+
+
+@pytest.mark.parametrize(
+    ("parents", "words"),
+    [
+        ([("a", 1.0)], "two or more"),
+        ([("a", 0.5), ("a", 0.5)], "two or more distinct"),
+        ([("a", 0.5), ("m", 0.5)], "itself"),
+        ([("a", 1.5), ("b", 0.5)], "in \\[0, 1\\]"),
+        ([("a", float("nan")), ("b", 0.5)], "in \\[0, 1\\]"),
+        ([("a", 0.5), ("ghost", 0.5)], "ghost"),
+    ],
+)
+def test_record_merge_refuses_bad_parents_and_writes_nothing(
+    catalog: Catalog, save, parents: list[tuple[str, float]], words: str
+) -> None:
+    ids = {run: save(run, 1).id for run in ("a", "b", "m")}
+    resolved = [(ids.get(p, "ghost@latest"), w) for p, w in parents]
+    with pytest.raises((InvalidNameError, CheckpointNotFoundError), match=words):
+        catalog.record_merge(ids["m"], resolved, {"method": "mean"})
+    assert catalog.edges(ids["m"]) == [] and catalog.events(ids["m"], kind="merged") == []
+
+
+def test_only_merge_edges_carry_weights(catalog: Catalog, save) -> None:
+    a, b = save("a", 1), save("b", 1)
+    with pytest.raises(InvalidNameError, match="only merged-from"):
+        catalog.add_edge(a.id, b.id, "converted-from", weight=0.5)
+    catalog.add_edge(a.id, b.id, "merged-from", weight=0.5, position=1)  # a copied edge
+    assert [(link.weight, link.position) for link in catalog.links(b.id)] == [(0.5, 1)]
+    assert [(link.weight, link.position) for link in catalog.links_among([a.id, b.id])] == [
+        (0.5, 1)]
+
+
+def test_lineage_graph_follows_parents_and_merges_as_a_dag(catalog: Catalog, save) -> None:
+    """base -> {a, b} (fine-tuned); m1 = merge(a, b); m2 = merge(m1, a): a is reached by
+    two paths and listed once, at its nearest distance."""
+    base = save("base", 1)
+    a = save("a", 1, parent_id=base.id)
+    b = save("b", 1, parent_id=base.id)
+    m1 = save("m", 1)
+    catalog.record_merge(m1.id, [(a.id, 0.5), (b.id, 0.5)], {})
+    m2 = save("m", 2)
+    catalog.record_merge(m2.id, [(m1.id, 0.75), (a.id, 0.25)], {})
+    after = save("ft", 1, parent_id=m2.id)
+    save("unrelated", 1)
+
+    up = catalog.lineage_graph(after.ref)
+    assert up.root.id == after.id
+    assert [n.id for n in up.nodes[:1]] == [m2.id]
+    assert {n.id for n in up.nodes} == {m2.id, m1.id, a.id, b.id, base.id}
+    assert len(up.nodes) == 5
+    depth_of = {n.id: i for i, n in enumerate(up.nodes)}
+    assert depth_of[a.id] < depth_of[b.id]  # a at distance 2 (via m2), b at 3 (via m1)
+    assert {(link.src, link.dst, link.kind, link.weight) for link in up.links} == {
+        (m2.id, after.id, "parent", None), (m1.id, m2.id, "merged-from", 0.75),
+        (a.id, m2.id, "merged-from", 0.25), (a.id, m1.id, "merged-from", 0.5),
+        (b.id, m1.id, "merged-from", 0.5), (base.id, a.id, "parent", None),
+        (base.id, b.id, "parent", None)}
+
+    down = catalog.lineage_graph(base.id, descendants=True)
+    assert {n.id for n in down.nodes} == {a.id, b.id, m1.id, m2.id, after.id}
+    assert [n.id for n in down.nodes[-1:]] == [after.id]
+    assert catalog.lineage_graph("unrelated@latest").nodes == []
+
+
+def test_lineage_graph_is_one_walk_whatever_the_depth(catalog: Catalog, save) -> None:
+    chain = [save("r", 0)]
+    for step in range(1, 12):
+        chain.append(save("r", step, parent_id=chain[-1].id))
+    side = save("side", 1)
+    merged = save("m", 1)
+    catalog.record_merge(merged.id, [(chain[-1].id, 0.5), (side.id, 0.5)], {})
+    statements: list[str] = []
+
+    def count(conn, cursor, statement, params, context, executemany) -> None:  # type: ignore[no-untyped-def]
+        if "WITH RECURSIVE" in statement.upper():
+            statements.append(statement)
+
+    event.listen(catalog.engine, "before_cursor_execute", count)
+    try:
+        graph = catalog.lineage_graph(merged.id)
+    finally:
+        event.remove(catalog.engine, "before_cursor_execute", count)
+    assert len(graph.nodes) == 13 and len(statements) == 1

@@ -96,7 +96,7 @@ CASES = [
     Case("runs", check=lambda d: {r["name"] for r in d} >= {"base", "tuned"}),
     Case("lineage", ["tuned@latest"],
          lambda d: d["direction"] == "ancestors" and d["nodes"][0]["ref"] == "base@v3"
-         and d["edges"] == [{"from": "base@v3", "to": "tuned@v1"}]),
+         and d["edges"] == [{"from": "base@v3", "to": "tuned@v1", "kind": "parent"}]),
     Case("alias", ["base@20", "prod"],
          lambda d: d["alias"] == "prod" and d["checkpoint"]["step"] == 20),
     Case("pin", ["base@10"], lambda d: _record(d) and d["pinned"] is True),
@@ -137,6 +137,9 @@ CASES = [
     Case("diff", ["base@10", "base@20"], lambda d: d["summary"]["elements_changed"] == 256),
     Case("compact", ["delta@latest"],
          lambda d: _record(d) and d["kind"] == "full" and d["ref"] == "delta@v3"),
+    Case("merge", ["base@10", "base@20", "--run", "soup", "--step", "1"],
+         lambda d: _record(d["checkpoint"]) and d["checkpoint"]["ref"] == "soup@v1"
+         and [i["ref"] for i in d["merge"]["inputs"]] == ["base@v1", "base@v2"]),
     Case("prefetch", ["base@10"], lambda d: d["to"] == "hot" and d["ref"].startswith("base@v")
          and d["lease_expires_at"]),
     Case("thaw", ["base@latest"], lambda d: d["ref"].startswith("base@v") and d["path"]),

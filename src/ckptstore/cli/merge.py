@@ -1,4 +1,4 @@
-"""``ckpt merge A B ... --run R --step S``: average checkpoints into a new one.
+"""``ckpt merge site-a@latest site-b@latest --run global --step 10``: average checkpoints.
 
 Usage errors (exit 2) are caught here, before the store is opened: an unknown ``--method`` or
 ``--accumulate``, weights that are not numbers, a weight count that differs from the
