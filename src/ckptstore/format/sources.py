@@ -104,11 +104,15 @@ class StreamedState:
             (first occurrence in the tree, as :func:`~ckptstore.format.flatten_state`
             orders a state's tensors).
         source: Produces their bytes.
+        threads: At least this many writer threads: a source that reads and computes its
+            chunks (a merge reads every input's) keeps more threads busy than the writes
+            alone; the writer takes the larger of this and its own count.
     """
 
     tree: Any
     tensors: Mapping[str, StreamedTensor]
     source: TensorSource
+    threads: int = 1
 
     def flat(self) -> FlatState:
         """The state as the writer plans it: meta tensors (dtype and shape, no memory).

@@ -112,7 +112,7 @@ def write_checkpoint(
             array (:func:`~ckptstore.format.codecs.auto_codec`), keeping the base's choice
             for an array the base has.
         chunk_bytes: Target chunk size in bytes.
-        threads: Writer threads (one chunk per task).
+        threads: Writer threads (one chunk per task); a streamed state may ask for more.
         base: Committed checkpoint to deduplicate against: a chunk with the same array,
             index, chunk length, codec and blake3 as the base's (raw) chunk is not written but
             referenced (``src``). With an xor or lossy ``delta``, the base is the keyframe and
@@ -145,7 +145,11 @@ def write_checkpoint(
     if sys.byteorder != "little":
         raise CkptError("the checkpoint format stores little-endian bytes; this host is not")
     extra_doc = _normalise_extra(extra)
-    flat = state.flat() if isinstance(state, StreamedState) else as_flat(state)
+    if isinstance(state, StreamedState):
+        flat = state.flat()
+        threads = max(threads, state.threads)
+    else:
+        flat = as_flat(state)
     scope = delta.scope if delta is not None and delta.lossy else None
     plans = plan_layout(
         flat.tensors, chunk_bytes, lossy_scope=scope,

@@ -36,7 +36,7 @@ from ckptstore.errors import CkptError, InvalidNameError
 from ckptstore.format import Manifest, read_manifest
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.keys import render_path
-from ckptstore.format.reader import RangeReader
+from ckptstore.format.reader import MIN_READ_THREADS, RangeReader
 from ckptstore.format.sources import StreamedState, StreamedTensor
 from ckptstore.format.tree import iter_tensor_refs, select_tree
 from ckptstore.ops.leases import acquire_lease, lease_owner
@@ -251,7 +251,9 @@ def _plan(inputs: Sequence[_Input], spec: MergeSpec) -> StreamedState:
         accumulate[key] = accumulation_dtype(info.torch_dtype, spec.accumulate,
                                              render_path(key))
     source = MergeSource([inp.reader for inp in inputs], spec.weights, dtypes, accumulate)
-    return StreamedState(tree, tensors, source)
+    # Each chunk of a merge reads every input's chunk before it is summed and written: as
+    # many threads as a load reads with (format/reader.py), not only as many as a save's.
+    return StreamedState(tree, tensors, source, threads=MIN_READ_THREADS)
 
 
 def _compare(first: _Input, other: _Input, ours: list[str], theirs: list[str]) -> None:
