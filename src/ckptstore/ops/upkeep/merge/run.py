@@ -22,6 +22,7 @@ The order of a merge, so that bad input leaves nothing behind:
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -48,12 +49,14 @@ from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState
 from ckptstore.save_options import SaveOptions
 
-__all__ = ["merge_checkpoints"]
+__all__ = ["MAX_MERGE_THREADS", "merge_checkpoints", "merge_threads"]
 
 logger = logging.getLogger(__name__)
 
 #: How long a merge's leases on its inputs last unless renewed (renewed as chunks are written).
 _LEASE_TTL_S = 600.0
+#: Most writer threads a merge uses (see :func:`merge_threads`).
+MAX_MERGE_THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -251,9 +254,19 @@ def _plan(inputs: Sequence[_Input], spec: MergeSpec) -> StreamedState:
         accumulate[key] = accumulation_dtype(info.torch_dtype, spec.accumulate,
                                              render_path(key))
     source = MergeSource([inp.reader for inp in inputs], spec.weights, dtypes, accumulate)
-    # Each chunk of a merge reads every input's chunk before it is summed and written: as
-    # many threads as a load reads with (format/reader.py), not only as many as a save's.
-    return StreamedState(tree, tensors, source, threads=MIN_READ_THREADS)
+    return StreamedState(tree, tensors, source, threads=merge_threads())
+
+
+def merge_threads() -> int:
+    """Writer threads of a merge: at least as many as a load reads with, up to 8 cores.
+
+    Each chunk of a merge reads (and checks) every input's chunk, sums them and hashes and
+    writes the result: several times a save's CPU work per byte written, so the save's own
+    thread count would leave a merge bound by it. A merge runs off the training path; the
+    cap bounds its buffers (threads x inputs x one chunk; 192 MiB for three inputs at the
+    default 8 MiB chunks).
+    """
+    return max(MIN_READ_THREADS, min(MAX_MERGE_THREADS, os.cpu_count() or 1))
 
 
 def _compare(first: _Input, other: _Input, ours: list[str], theirs: list[str]) -> None:

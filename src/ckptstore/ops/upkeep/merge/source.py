@@ -9,8 +9,9 @@ the first input's bytes.
 Memory: per writer thread, one chunk-sized buffer per input, reused for every chunk (the
 result is written over the first input's, piece by piece, once every input's piece was
 added), plus an accumulator and a conversion buffer of :data:`_PIECE` elements; so a merge
-holds ``threads x inputs`` chunks of buffers (threads: at least 4, as a load reads with),
-whatever the size of the tensors or the state.
+holds ``threads x inputs`` chunks of buffers (threads: 4 to 8,
+:func:`~ckptstore.ops.upkeep.merge.run.merge_threads`), whatever the size of the tensors or
+the state.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ logger = logging.getLogger(__name__)
 #: Elements summed at a time: an accumulator piece (128 KiB in float64) stays in cache while
 #: every input's piece is added to it, and stays under torch's intra-op grain (32768
 #: elements), so each writer thread sums on its own instead of waking torch's thread pool
-#: for every piece (measured: 64Ki-element pieces cost 4x the CPU with 2 torch threads).
+#: for every piece (measured on 2 cores: a 64Ki-element piece kept the calling thread busy
+#: 4-5x longer with torch's 2 threads than with 1).
 _PIECE = 1 << 14
 
 
