@@ -133,11 +133,7 @@ def render_dot(root: str, edges: list[dict[str, Any]]) -> list[str]:
     """Graphviz lines; merged-from edges dashed and labelled with their weight."""
     lines = ["digraph lineage {"]
     for edge in edges:
-        attrs = ""
-        if edge["kind"] != "parent":
-            text = edge["kind"] + (f" {edge['weight']:.4g}" if edge.get("weight") is not None
-                                   else "")
-            attrs = f' [label="{text}", style=dashed]'
+        attrs = "" if edge["kind"] == "parent" else f' [label="{_label(edge)}", style=dashed]'
         lines.append(f'  "{edge["from"]}" -> "{edge["to"]}"{attrs};')
     if not edges:
         lines.append(f'  "{root}";')
@@ -150,16 +146,17 @@ def render_mermaid(root: str, edges: list[dict[str, Any]]) -> list[str]:
     lines = ["graph TD"]
     for edge in edges:
         a, b = edge["from"], edge["to"]
-        if edge["kind"] == "parent":
-            arrow = "-->"
-        else:
-            text = edge["kind"] + (f" {edge['weight']:.4g}" if edge.get("weight") is not None
-                                   else "")
-            arrow = f'-. "{text}" .->'
+        arrow = "-->" if edge["kind"] == "parent" else f'-. "{_label(edge)}" .->'
         lines.append(f'  {_mid(a)}["{a}"] {arrow} {_mid(b)}["{b}"]')
     if not edges:
         lines.append(f'  {_mid(root)}["{root}"]')
     return lines
+
+
+def _label(edge: dict[str, Any]) -> str:
+    """A derivation edge's label: its kind, and a merge input's weight."""
+    weight = edge.get("weight")
+    return edge["kind"] + (f" {weight:.4g}" if weight is not None else "")
 
 
 def _mid(ref: str) -> str:
