@@ -156,7 +156,7 @@ def render_mermaid(root: str, edges: list[dict[str, Any]]) -> list[str]:
 def _label(edge: dict[str, Any]) -> str:
     """A derivation edge's label: its kind, and a merge input's weight."""
     weight = edge.get("weight")
-    return edge["kind"] + (f" {weight:.4g}" if weight is not None else "")
+    return str(edge["kind"]) + (f" {weight:.4g}" if weight is not None else "")
 
 
 def _mid(ref: str) -> str:
