@@ -41,19 +41,43 @@ from ckptstore.records import (
     UsageRow,
 )
 from ckptstore.refs import Ref, parse_ref
+from ckptstore.save_options import SaveOptions
 
 if TYPE_CHECKING:
-    from ckptstore.hooks import CheckpointManager, LossMonitor, SaveHandle
-    from ckptstore.store import CheckpointStore, GcReport
+    from ckptstore.hooks import (
+        AnyOf,
+        CheckpointManager,
+        EveryNSeconds,
+        EveryNSteps,
+        LossMonitor,
+        OnDemand,
+        SavePolicy,
+    )
+    from ckptstore.ops.reading.prefetch import PrefetchResult
+    from ckptstore.ops.reading.progressive import ProgressiveLoad
+    from ckptstore.ops.reading.sweep import CheckpointSweep
+    from ckptstore.ops.tiering.gc import GcReport
+    from ckptstore.ops.writing.async_save import SaveHandle
+    from ckptstore.store import CheckpointStore
 
 __version__ = "0.1.0"
 
+# What users import, by the module that is each name's one home: the store, the training
+# loop's manager and policies, and what the store's methods hand back.
 _LAZY = {
     "CheckpointStore": "ckptstore.store",
-    "GcReport": "ckptstore.store",
     "CheckpointManager": "ckptstore.hooks",
     "LossMonitor": "ckptstore.hooks",
-    "SaveHandle": "ckptstore.hooks",
+    "SavePolicy": "ckptstore.hooks",
+    "AnyOf": "ckptstore.hooks",
+    "EveryNSteps": "ckptstore.hooks",
+    "EveryNSeconds": "ckptstore.hooks",
+    "OnDemand": "ckptstore.hooks",
+    "SaveHandle": "ckptstore.ops.writing.async_save",
+    "GcReport": "ckptstore.ops.tiering.gc",
+    "ProgressiveLoad": "ckptstore.ops.reading.progressive",
+    "PrefetchResult": "ckptstore.ops.reading.prefetch",
+    "CheckpointSweep": "ckptstore.ops.reading.sweep",
 }
 
 
@@ -70,15 +94,19 @@ def __getattr__(name: str) -> object:
     return value
 
 __all__ = [
+    "AnyOf",
     "Checkpoint",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointState",
     "CheckpointStore",
+    "CheckpointSweep",
     "CkptError",
     "ConfigError",
     "ConflictError",
     "Event",
+    "EveryNSeconds",
+    "EveryNSteps",
     "GcReport",
     "IncompleteCheckpointError",
     "IntegrityError",
@@ -86,11 +114,16 @@ __all__ = [
     "LeaseHeldError",
     "LossMonitor",
     "MissingBaseError",
+    "OnDemand",
+    "PrefetchResult",
+    "ProgressiveLoad",
     "Ref",
     "Replica",
     "ReplicaState",
     "RunInfo",
     "SaveHandle",
+    "SaveOptions",
+    "SavePolicy",
     "Settings",
     "StorageError",
     "UnsafeObjectError",

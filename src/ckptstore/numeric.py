@@ -1,4 +1,5 @@
-"""Numbers read from text: ASCII digits only, bounded before they are converted.
+"""Numbers read from text (ASCII digits only, bounded before they are converted), and
+numbers written for people (byte counts in binary units).
 
 Python's ``int()``, ``float()`` and ``str.isdigit()`` accept every Unicode decimal digit:
 ``int("\\uff13")`` (a full-width 3) and ``int("\\u0663")`` (an Arabic-Indic 3) are 3, and
@@ -8,6 +9,9 @@ would name a real pid, and two spellings of one number would mean the same check
 number ckptstore reads from text (references, CLI options and filters, config files and
 ``CKPT_*`` variables, tar headers, lease and writer tags, fault points, staging directory
 names) goes through this module instead.
+
+Byte counts people read go through :func:`human_bytes` (``1.5 GiB``) everywhere text is
+printed: the CLI, the web view, retention reports.
 
 Parsing is pure and has no dependencies, so every layer may use it.
 """
@@ -24,6 +28,7 @@ __all__ = [
     "MAX_INT64",
     "decimal_or_none",
     "float_or_none",
+    "human_bytes",
     "is_decimal",
     "parse_decimal",
     "parse_float",
@@ -144,3 +149,19 @@ def parse_float(
 def _shown(text: object) -> str:
     shown = repr(text)
     return shown if len(shown) <= 48 else shown[:45] + "..."
+
+
+def human_bytes(n: int | float | None) -> str:
+    """A byte count in binary units for people (``"1.5 GiB"``, ``"312 B"``; ``"-"`` for None).
+
+    Every byte count a command prints as text goes through here; ``--json`` prints the exact
+    integer instead.
+    """
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     # which every CLI command and flow run would pay.
     from ckptstore.ops.dcp import ZarrStorageReader, ZarrStorageWriter
 
-__all__ = ["CheckpointStore", "GcReport"]
+__all__ = ["CheckpointStore"]
 
 
 class CheckpointStore(StoreCore):
@@ -158,7 +158,8 @@ class CheckpointStore(StoreCore):
             base: As for :meth:`save`.
 
         Returns:
-            A :class:`~ckptstore.hooks.SaveHandle`; ``.result()`` waits for the commit.
+            A :class:`~ckptstore.ops.writing.async_save.SaveHandle`; ``.result()`` waits for
+            the commit.
 
         Raises:
             CkptError: An earlier async save's failure (raised once, by the next call).

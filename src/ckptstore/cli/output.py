@@ -11,6 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ckptstore.numeric import human_bytes
 from ckptstore.records import Checkpoint
 from ckptstore.redact import scrub
 
@@ -30,18 +31,6 @@ __all__ = [
 
 console = Console()
 err_console = Console(stderr=True)
-
-
-def human_bytes(n: int | float | None) -> str:
-    """Format a byte count with binary units (``1.5 GiB``)."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} PiB"  # pragma: no cover - unreachable
 
 
 def _default(obj: object) -> Any:

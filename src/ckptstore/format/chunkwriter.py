@@ -58,6 +58,7 @@ from ckptstore.format.delta import (
 from ckptstore.format.fsio import create_exclusive, start_writeback, writev_all
 from ckptstore.format.layout import ArrayPlan
 from ckptstore.format.manifest import ArrayEntry, BaseChunk, BaseRef, ChunkEntry
+from ckptstore.format.pool import cancel_on_error
 from ckptstore.format.sources import TensorSource
 
 __all__ = ["ChunkWriter", "ErrorStats", "write_chunk_file"]
@@ -186,7 +187,9 @@ class ChunkWriter:
                 for name, plan in self._plans.items()
                 for i in range(plan.n_chunks)
             ]
-            try:
+            # Stop queued chunks on a failure; running ones finish before the pool closes,
+            # so no write happens after we return.
+            with cancel_on_error(future for _, future in futures):
                 if meanwhile is not None:
                     meanwhile()
                 for name, future in futures:
@@ -204,12 +207,6 @@ class ChunkWriter:
                 # Writeback of every file is already under way; these mostly just wait, many
                 # at once (the file system commits waiting flushes together).
                 fsync_many(written)
-            except BaseException:
-                # Stop queued chunks; running ones finish before the pool closes, so no write
-                # happens after we return.
-                for _, future in futures:
-                    future.cancel()
-                raise
         entries = {name: [e for e in chunks if e is not None] for name, chunks in results.items()}
         return entries, stored
 

@@ -17,7 +17,8 @@ import stat
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from ckptstore.format.manifest import (
     manifest_digest,
     parse_verified,
 )
+from ckptstore.format.pool import run_all
 from ckptstore.format.tree import iter_tensor_refs, match_into, select_tree
 
 __all__ = ["RangeReader", "iter_tensors", "read_checkpoint", "read_manifest", "read_tensors"]
@@ -441,14 +443,7 @@ def _parallel_reads(
     )
     workers = threads if decoding else max(threads, MIN_READ_THREADS)
     with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-read") as pool:
-        futures: list[Future[None]] = [pool.submit(read, i) for i in range(len(jobs))]
-        try:
-            for future in futures:
-                future.result()
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
+        run_all(pool, [partial(read, i) for i in range(len(jobs))])
 
 
 class RangeReader:

@@ -23,23 +23,12 @@ require("jinja2", "HTML pages (ckpt ui, ckpt report)")
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 from markupsafe import Markup
 
+from ckptstore.numeric import human_bytes
 from ckptstore.ui.views import Links
 
-__all__ = ["PACKAGE_DIR", "environment", "human_bytes", "render"]
+__all__ = ["PACKAGE_DIR", "environment", "render"]
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-
-
-def human_bytes(n: int | float | None) -> str:
-    """``1536`` → ``1.5 KiB``; None → ``-``."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} PiB"  # pragma: no cover - unreachable
 
 
 def _when(value: datetime | None) -> str:

@@ -75,6 +75,93 @@ def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
     return ticks
 
 
+# --------------------------------------------------------------------------- plot frame
+#: Margins of a plot around its data area, in px: left (y tick labels), right, top (title),
+#: bottom (x tick labels and the axis label).
+_MARGINS = (60, 14, 26, 34)
+
+
+def _head(kind: str, title: str, x_label: str, width: int, height: int, left: int) -> str:
+    """The opening ``<svg>`` of a plot and its title."""
+    return (
+        f'<svg class="{kind}" xmlns="http://www.w3.org/2000/svg" width="{width}" '
+        f'height="{height}" viewBox="0 0 {width} {height}" role="img" '
+        f'data-metric="{_e(title)}" aria-label="{_e(title)} over {_e(x_label)}">'
+        f'<text class="title" x="{left}" y="16">{_e(title)}</text>'
+    )
+
+
+def _empty(head: str, width: int, height: int, text: str) -> str:
+    """A plot with nothing to draw: its head and one line saying so."""
+    return (
+        head + f'<text class="empty" x="{width / 2:.0f}" y="{height / 2:.0f}" '
+        f'text-anchor="middle">{text}</text></svg>'
+    )
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """The data area of a plot: where it lies in px and the data ranges it shows."""
+
+    left: int
+    top: int
+    width: int
+    height: int
+    x_lo: float
+    x_hi: float
+    y_lo: float
+    y_hi: float
+
+    @classmethod
+    def around(cls, xs: Sequence[float], ys: Sequence[float], *, width: int, height: int,
+               top: int) -> _Frame:
+        """The frame showing every x and y: the x range as it is (widened when it is one
+        value), the y range padded by 6 % (10 % of the value, or 1, when it is one value)."""
+        left, right, _, bottom = _MARGINS
+        x_lo, x_hi = min(xs), max(xs)
+        y_lo, y_hi = min(ys), max(ys)
+        if x_hi == x_lo:
+            x_lo, x_hi = x_lo - 1, x_hi + 1
+        pad = (y_hi - y_lo) * 0.06 if y_hi > y_lo else (abs(y_lo) * 0.1 or 1.0)
+        return cls(left, top, width - left - right, height - top - bottom,
+                   x_lo, x_hi, y_lo - pad, y_hi + pad)
+
+    def sx(self, x: float) -> float:
+        """The px column of data ``x``."""
+        return self.left + (x - self.x_lo) / (self.x_hi - self.x_lo) * self.width
+
+    def sy(self, y: float) -> float:
+        """The px row of data ``y``."""
+        return self.top + (1 - (y - self.y_lo) / (self.y_hi - self.y_lo)) * self.height
+
+    def axes(self, x_label: str, svg_height: int) -> str:
+        """The axes, the y grid lines, the ticks and the x axis label."""
+        left, top = self.left, self.top
+        right, bottom = left + self.width, top + self.height
+        parts = [
+            f'<g class="axes"><line x1="{left}" y1="{bottom}" x2="{right}" '
+            f'y2="{bottom}"/><line x1="{left}" y1="{top}" x2="{left}" y2="{bottom}"/>'
+        ]
+        for tick in nice_ticks(self.y_lo, self.y_hi, 4):
+            y = self.sy(tick)
+            parts.append(
+                f'<line class="grid" x1="{left}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}"/>'
+                f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">'
+                f"{_num(tick)}</text>"
+            )
+        for tick in nice_ticks(self.x_lo, self.x_hi, 6):
+            parts.append(
+                f'<text class="tick" x="{self.sx(tick):.1f}" y="{bottom + 16}" '
+                f'text-anchor="middle">{_num(tick)}</text>'
+            )
+        parts.append(
+            f'<text class="axis-label" x="{right}" y="{svg_height - 4}" text-anchor="end">'
+            f"{_e(x_label)}</text></g>"
+        )
+        return "".join(parts)
+
+
+# --------------------------------------------------------------------------- line plot
 @dataclass(frozen=True)
 class PlotPoint:
     """One checkpoint on a metric plot.
@@ -116,59 +203,14 @@ def line_plot(
     good = sorted(
         (p for p in points if math.isfinite(p.x) and math.isfinite(p.y)), key=lambda p: p.x
     )
-    left, right, top, bottom = 60, 14, 26, 34
-    head = (
-        f'<svg class="plot" xmlns="http://www.w3.org/2000/svg" width="{width}" '
-        f'height="{height}" viewBox="0 0 {width} {height}" role="img" '
-        f'data-metric="{_e(title)}" aria-label="{_e(title)} over {_e(x_label)}">'
-        f'<text class="title" x="{left}" y="16">{_e(title)}</text>'
-    )
+    left, _, top, _ = _MARGINS
+    head = _head("plot", title, x_label, width, height, left)
     if not good:
-        return (
-            head + f'<text class="empty" x="{width / 2:.0f}" y="{height / 2:.0f}" '
-            'text-anchor="middle">no values</text></svg>'
-        )
-    x_lo, x_hi = good[0].x, good[-1].x
-    y_lo = min(p.y for p in good)
-    y_hi = max(p.y for p in good)
-    if x_hi == x_lo:
-        x_lo, x_hi = x_lo - 1, x_hi + 1
-    if y_hi == y_lo:
-        pad = abs(y_lo) * 0.1 or 1.0
-        y_lo, y_hi = y_lo - pad, y_hi + pad
-    else:
-        pad = (y_hi - y_lo) * 0.06
-        y_lo, y_hi = y_lo - pad, y_hi + pad
-    plot_w, plot_h = width - left - right, height - top - bottom
-
-    def sx(x: float) -> float:
-        return left + (x - x_lo) / (x_hi - x_lo) * plot_w
-
-    def sy(y: float) -> float:
-        return top + (1 - (y - y_lo) / (y_hi - y_lo)) * plot_h
-
-    parts = [head]
-    parts.append(
-        f'<g class="axes"><line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" '
-        f'y2="{top + plot_h}"/><line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}"/>'
-    )
-    for tick in nice_ticks(y_lo, y_hi, 4):
-        y = sy(tick)
-        parts.append(
-            f'<line class="grid" x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}"/>'
-            f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">'
-            f"{_num(tick)}</text>"
-        )
-    for tick in nice_ticks(x_lo, x_hi, 6):
-        x = sx(tick)
-        parts.append(
-            f'<text class="tick" x="{x:.1f}" y="{top + plot_h + 16}" text-anchor="middle">'
-            f"{_num(tick)}</text>"
-        )
-    parts.append(
-        f'<text class="axis-label" x="{left + plot_w}" y="{height - 4}" text-anchor="end">'
-        f"{_e(x_label)}</text></g>"
-    )
+        return _empty(head, width, height, "no values")
+    frame = _Frame.around([p.x for p in good], [p.y for p in good], width=width,
+                          height=height, top=top)
+    sx, sy = frame.sx, frame.sy
+    parts = [head, frame.axes(x_label, height)]
     d = " ".join(
         f"{'M' if i == 0 else 'L'}{sx(p.x):.1f},{sy(p.y):.1f}" for i, p in enumerate(good)
     )
@@ -264,7 +306,7 @@ def curve_plot(
     Returns:
         ``<svg class="curve">`` markup.
     """
-    left, right, top, bottom = 60, 14, 26, 34
+    left, _, top, _ = _MARGINS
     legend = len(series) > 1
     if legend:
         top += 16
@@ -273,18 +315,10 @@ def curve_plot(
             p.min) and math.isfinite(p.max)], s.color)
         for s in series
     ]
-    head = (
-        f'<svg class="curve" xmlns="http://www.w3.org/2000/svg" width="{width}" '
-        f'height="{height}" viewBox="0 0 {width} {height}" role="img" '
-        f'data-metric="{_e(title)}" aria-label="{_e(title)} over {_e(x_label)}">'
-        f'<text class="title" x="{left}" y="16">{_e(title)}</text>'
-    )
+    head = _head("curve", title, x_label, width, height, left)
     every = [p for s in drawn for p in s.points]
     if not every:
-        return (
-            head + f'<text class="empty" x="{width / 2:.0f}" y="{height / 2:.0f}" '
-            'text-anchor="middle">no values recorded</text></svg>'
-        )
+        return _empty(head, width, height, "no values recorded")
     by_name = {s.name: s for s in drawn}
     placed: list[tuple[CurveMarker, float, float | None]] = []
     for m in markers:
@@ -301,20 +335,8 @@ def curve_plot(
     xs += [x for _, x, _ in placed]
     ys = [p.min for p in every] + [p.max for p in every]
     ys += [y for _, _, y in placed if y is not None]
-    x_lo, x_hi = min(xs), max(xs)
-    y_lo, y_hi = min(ys), max(ys)
-    if x_hi == x_lo:
-        x_lo, x_hi = x_lo - 1, x_hi + 1
-    pad = (y_hi - y_lo) * 0.06 if y_hi > y_lo else (abs(y_lo) * 0.1 or 1.0)
-    y_lo, y_hi = y_lo - pad, y_hi + pad
-    plot_w, plot_h = width - left - right, height - top - bottom
-
-    def sx(x: float) -> float:
-        return left + (x - x_lo) / (x_hi - x_lo) * plot_w
-
-    def sy(y: float) -> float:
-        return top + (1 - (y - y_lo) / (y_hi - y_lo)) * plot_h
-
+    frame = _Frame.around(xs, ys, width=width, height=height, top=top)
+    sx, sy = frame.sx, frame.sy
     parts = [head]
     if legend:
         x = float(left)
@@ -325,26 +347,7 @@ def curve_plot(
                 f'y="31">{_e(s.name)}</text></g>'
             )
             x += 24 + 7 * len(s.name)
-    parts.append(
-        f'<g class="axes"><line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" '
-        f'y2="{top + plot_h}"/><line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}"/>'
-    )
-    for tick in nice_ticks(y_lo, y_hi, 4):
-        y = sy(tick)
-        parts.append(
-            f'<line class="grid" x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}"/>'
-            f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">'
-            f"{_num(tick)}</text>"
-        )
-    for tick in nice_ticks(x_lo, x_hi, 6):
-        parts.append(
-            f'<text class="tick" x="{sx(tick):.1f}" y="{top + plot_h + 16}" '
-            f'text-anchor="middle">{_num(tick)}</text>'
-        )
-    parts.append(
-        f'<text class="axis-label" x="{left + plot_w}" y="{height - 4}" text-anchor="end">'
-        f"{_e(x_label)}</text></g>"
-    )
+    parts.append(frame.axes(x_label, height))
     for s in drawn:
         if not s.points:
             continue

@@ -15,7 +15,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -30,6 +30,7 @@ from ckptstore.format.codecs import TRAILER, codec_spec, crc32c_update, decode_i
 from ckptstore.format.dcp.boxes import BoxLoc
 from ckptstore.format.dcp.layout import ArrayInfo, BlobItem, DcpIndex, chunk_file
 from ckptstore.format.fsio import fadvise_willneed, preadv_all
+from ckptstore.format.pool import run_all
 
 __all__ = [
     "PREFETCH_AHEAD", "ByteView", "ChunkSource", "ReadJob", "Request", "flat_chunks",
@@ -356,14 +357,7 @@ def run_jobs(jobs: Sequence[ReadJob], threads: int) -> None:
             job(i)
         return
     with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-dcp-read") as pool:
-        futures: list[Future[None]] = [pool.submit(job, i) for i in range(len(jobs))]
-        try:
-            for future in futures:
-                future.result()
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
+        run_all(pool, [partial(job, i) for i in range(len(jobs))])
 
 
 def run_requests(source: ChunkSource, requests: Sequence[Request], threads: int) -> None:

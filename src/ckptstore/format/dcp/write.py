@@ -22,7 +22,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -58,6 +58,7 @@ from ckptstore.format.dcp.layout import (
 from ckptstore.format.dcp.plan import ArraySpec, RankTask, Slot
 from ckptstore.format.dcp.zarrdocs import array_doc, group_doc
 from ckptstore.format.layout import ArrayPlan, plan_layout
+from ckptstore.format.pool import run_all
 
 __all__ = ["FSYNC_THREADS", "ChunkSink", "RankReport", "Stored", "write_rank"]
 
@@ -258,16 +259,6 @@ def _fsync_all(paths: list[Path], dirs: list[Path]) -> None:
         list(pool.map(fsync_dir, dirs))
 
 
-def _run(pool: ThreadPoolExecutor, jobs: list[Callable[[], Any]]) -> list[Any]:
-    futures: list[Future[Any]] = [pool.submit(job) for job in jobs]
-    try:
-        return [f.result() for f in futures]
-    except BaseException:
-        for f in futures:
-            f.cancel()
-        raise
-
-
 def write_rank(
     task: RankTask,
     plan: SavePlan,
@@ -372,9 +363,9 @@ def write_rank(
         docs.append((f"{group}/{ZARR_JSON}", group_doc()))
 
     with ThreadPoolExecutor(task.threads, thread_name_prefix="ckpt-dcp-write") as pool:
-        written: list[_Written] = _run(pool, jobs)
+        written: list[_Written] = run_all(pool, jobs)
     with ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="ckpt-dcp-meta") as pool:
-        meta_files: list[tuple[str, int]] = _run(
+        meta_files: list[tuple[str, int]] = run_all(
             pool, [partial(writer.write_doc, rel, data) for rel, data in docs]
         )
     if sink is None:

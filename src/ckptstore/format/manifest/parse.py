@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import re
 from datetime import datetime
-from typing import Any, TypedDict
+from typing import Any
 
 from ckptstore.format.codecs import ARRAY_CODECS, CODEC_PRESETS
 from ckptstore.format.constants import (
@@ -64,7 +64,7 @@ from ckptstore.format.validate import (
     str_max,
 )
 
-__all__ = ["ManifestFields", "parse_manifest"]
+__all__ = ["parse_manifest"]
 
 _ARRAY_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 # Version 2: a tensor's own array, ``tensors/<escaped key>`` (format.keys.escape_node_name).
@@ -80,35 +80,14 @@ _BLOSC_OVERHEAD = 16 + 4  # frame header + crc trailer
 _MAX_SCOPE = 256
 
 
-class ManifestFields(TypedDict):
-    """The fields of a :class:`~ckptstore.format.manifest.Manifest`, parsed and checked."""
-
-    format_version: int
-    id: str
-    run: str
-    step: int
-    created_at: str
-    kind: str
-    base_id: str | None
-    codec: str
-    chunk_bytes: int
-    arrays: dict[str, ArrayEntry]
-    tensors: dict[str, TensorEntry]
-    tree: Any
-    logical_bytes: int
-    stored_bytes: int
-    extra: dict[str, Any]
-    delta: DeltaInfo | None
-    dcp: DcpIndex | None
-    files: tuple[FileEntry, ...]
-    reencoded_from: str | None
-    metadata: dict[str, str]
-    metadata_ref: dict[str, str]
-
-
 @without_gc
-def parse_manifest(data: bytes) -> ManifestFields:
+def parse_manifest(data: bytes) -> dict[str, Any]:
     """Parse and validate manifest bytes into the fields of a ``Manifest``.
+
+    The result is the keyword arguments of
+    :class:`~ckptstore.format.manifest.model.Manifest` (``Manifest(**fields)``), which
+    declares the fields and their types once; this module only imports the records, so
+    the manifest's own module can use it.
 
     The collector is paused (:mod:`ckptstore.format.gcpause`): a parse allocates a few
     container objects per tensor (the JSON document's, then the records), none in a cycle.
@@ -148,7 +127,7 @@ _TOP_FIELDS = frozenset(
 )
 
 
-def _parse(doc: Any) -> ManifestFields:
+def _parse(doc: Any) -> dict[str, Any]:
     require(isinstance(doc, dict), "top level must be an object")
     version = int_in(doc.get("format_version"), "format_version")
     require(

@@ -7,13 +7,9 @@ missing (files already on the destination that match are kept). A checkpoint nev
 verified copies: the source copy is deleted (demote only) after the destination copy is
 verified and recorded.
 
-A checkpoint saved across hosts (:mod:`ckptstore.ops.dcp.parts`) is archived part by part:
-each host uploads the parts its own disk holds (this function run on that host: ``ckpt
-archive``, its agent's flow, or the embedded worker of its training processes), each part
-under a lease of its own, checked against the manifest on the way and read back on the
-destination, and recorded as one ``replica_parts`` row. The copy becomes PRESENT (verified)
-only when the last part is in and the copy's manifest and marker are written: until then it
-is never used as a complete copy, and retention keeps the hot parts.
+A checkpoint saved across hosts (:mod:`ckptstore.ops.dcp.parts`) is archived part by part,
+each host uploading its own parts (:mod:`ckptstore.ops.tiering.parts_archive`); the copy
+becomes PRESENT only when the last part is in.
 
 Archive may re-encode (``reencode`` / the ``archive_codec`` setting): the copy is then written
 by :mod:`ckptstore.ops.tiering.reencode` as a self-contained copy whose chunks use the archive
@@ -21,8 +17,9 @@ codec, with a manifest of its own whose digest the replica row records
 (:attr:`~ckptstore.records.Replica.manifest_digest`). Demote copies whatever the source copy
 is, re-encoded or not, as is, with its digest.
 
-One module because archive, per-part archive and demote are one transaction with one set of
-rules (lease, copy, verify, record, then maybe delete); re-encoding lives apart.
+One module because archive and demote are one transaction with one set of rules (lease,
+copy, verify, record, then maybe delete); uploading the parts of a checkpoint saved across
+hosts and re-encoding live apart.
 """
 
 from __future__ import annotations
@@ -31,20 +28,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
-
-import blake3
-import crc32c as _crc32c
 
 from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, ConfigError, MissingExtraError
-from ckptstore.format import Manifest
-from ckptstore.format.codecs import TRAILER
-from ckptstore.format.constants import MANIFEST_NAME, chunk_rel
-from ckptstore.format.dcp.commit import shared_docs
-from ckptstore.identity import host
+from ckptstore.format.constants import chunk_rel
 from ckptstore.ops.leases import acquire_lease, lease_owner
-from ckptstore.ops.tiering.parts import materialize, part_files, parted_manifest
+from ckptstore.ops.tiering.parts_archive import archive_parts, by_parts
 from ckptstore.ops.tiering.reencode import (
     ReencodeResult,
     check_codec,
@@ -62,7 +51,7 @@ from ckptstore.ops.tiering.replicas import (
 from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import COMMIT_NAME, Tier, copy_checkpoint, is_retryable
-from ckptstore.storage.transfer import copy_foreign_chunks, copy_keys, put_verified
+from ckptstore.storage.transfer import copy_foreign_chunks
 
 __all__ = ["ArchiveReport", "archive_checkpoints", "demote_checkpoints"]
 
@@ -138,11 +127,6 @@ def _deleting(ck: Checkpoint, tier: str) -> bool:
     return replica is not None and replica.state == ReplicaState.DELETING
 
 
-def _by_parts(store: StoreCore, ck: Checkpoint, src: str) -> bool:
-    """Whether ``ck`` is archived from ``src`` part by part (saved across node-local disks)."""
-    return ck.parted and src == "hot" and store.settings.hot_remote is None
-
-
 def _candidates(
     store: StoreCore, *, run: str | None, ref: str | None, src: str, dst: str
 ) -> list[Checkpoint]:
@@ -154,7 +138,7 @@ def _candidates(
                                    order_by="created_at")
 
     def on_src(ck: Checkpoint) -> bool:
-        if _by_parts(store, ck, src):
+        if by_parts(store, ck, src):
             # Parts survive on their hosts when another host's part is lost (DAMAGED).
             replica = ck.replica(src)
             return replica is not None and replica.state in (ReplicaState.PRESENT,
@@ -323,14 +307,16 @@ def _run(
             return
         visited.add(ckpt_id)
         listed = store.catalog.get_any(ckpt_id)
-        if not remove_source and _by_parts(store, listed, src.name):
+        if not remove_source and by_parts(store, listed, src.name):
             if reencode is not None:
                 report.not_reencoded[ckpt_id] = (
                     "saved across hosts: each host's part is copied as it is")
             try:
-                report.bytes += _archive_parts(store, listed, src, dst, owner=owner,
-                                               threads=threads, progress=counted, deep=deep,
-                                               lease_ttl_s=lease_ttl_s, report=report)
+                report.bytes += archive_parts(
+                    store, listed, src, dst, owner=owner, threads=threads, progress=counted,
+                    deep=deep, report=report,
+                    lease_for=lambda purpose: _Lease(store, ckpt_id, purpose, owner, lease_ttl_s),
+                )
             except CkptError as exc:
                 report.failed.setdefault(ckpt_id, str(exc))
                 raise
@@ -419,175 +405,6 @@ def _run(
         first.add_note(f"archive report: {report.summary()}; rerun to resume")
         raise first
     return report
-
-
-def _part_purpose(tier: str, part: str) -> str:
-    """Lease purpose for uploading one host's part (leases hold at most 64 characters)."""
-    purpose = f"archive:{tier}:{part}"
-    if len(purpose) <= 64:
-        return purpose
-    return f"archive:{tier}:#" + blake3.blake3(part.encode()).hexdigest()[:32]
-
-
-def _dcp_checker(manifest: Manifest, key_of: dict[str, str]) -> Any:
-    """Checks source files of a DCP-layout part against the manifest (size, crc32c)."""
-    assert manifest.dcp is not None
-    expect: dict[str, tuple[int, int | None]] = {
-        key_of[f.path]: (f.nbytes, None) for f in manifest.files if f.path in key_of
-    }
-    for rel, size, crc in manifest.dcp.files():
-        if rel in key_of:
-            expect[key_of[rel]] = (size, crc)
-
-    def check(key: str, data: bytes) -> str | None:
-        if key not in expect:
-            return None
-        size, crc = expect[key]
-        if len(data) != size:
-            return f"{len(data)} bytes, the manifest records {size}"
-        if crc is not None:
-            got = int(_crc32c.crc32c(data[: -TRAILER.size]))
-            trailer = TRAILER.unpack(data[-TRAILER.size:])[0] if len(data) >= TRAILER.size else -1
-            if got != crc or trailer != crc:
-                return f"crc32c {got:#010x} differs from the manifest's {crc:#010x}"
-        return None
-
-    return check
-
-
-def _archive_parts(
-    store: StoreCore,
-    ck: Checkpoint,
-    src: Tier,
-    dst: Tier,
-    *,
-    owner: str,
-    threads: int,
-    progress: Progress | None,
-    deep: bool,
-    lease_ttl_s: float,
-    report: ArchiveReport,
-) -> int:
-    """Upload the parts of ``ck`` this host holds to ``dst``; complete the copy when the last
-    part is in (whichever host uploads it). Returns the bytes uploaded."""
-    me = host()
-    rows = store.catalog.parts(ck.id)
-    here = sorted({p.part for p in rows if p.tier == src.name and p.stored_on == me
-                   and p.state == ReplicaState.PRESENT})
-    done = {p.part for p in rows if p.tier == dst.name and p.stored_on is None
-            and p.state == ReplicaState.PRESENT}
-    todo = [part for part in here if part not in done]
-    total = 0
-    if todo:
-        materialize(store, ck)
-        manifest, _ = parted_manifest(store, ck)
-        ranks = store.catalog.part_ranks(ck.id)
-        uri = dst.uri_for(ck.run, ck.id)
-        existing = set(dst.list_prefix(dst.prefix_for(ck.run, ck.id)))
-        for part in todo:
-            lease = _Lease(store, ck.id, _part_purpose(dst.name, part), owner, lease_ttl_s)
-            if not lease.acquire():
-                holder = store.catalog.lease_holder(ck.id, _part_purpose(dst.name, part))
-                report.skipped[ck.id] = f"part of {part}: lease held by {holder}"
-                continue
-            if _part_present(store, ck.id, dst.name, part):
-                # Another archiver of this host uploaded it while we were getting here
-                # (the lease was free again): marking it COPYING now would make a complete
-                # copy look incomplete to the host that completes it.
-                lease.release()
-                continue
-            try:
-                files = part_files(manifest, ranks.get(part, []))
-                pairs = [(src.key_for(ck.run, ck.id, rel), dst.key_for(ck.run, ck.id, rel))
-                         for rel, _ in files]
-                store.catalog.set_part(ck.id, dst.name, part, stored_on=None,
-                                       state=ReplicaState.COPYING, uri=uri)
-
-                def tick(nbytes: int, lease: _Lease = lease) -> None:
-                    lease.touch()
-                    if progress is not None:
-                        progress(nbytes)
-
-                try:
-                    nbytes = copy_keys(
-                        src, dst, pairs, threads=threads, progress=tick, deep=deep,
-                        existing=existing,
-                        check_source=_dcp_checker(manifest, {rel: k for (rel, _), (k, _) in
-                                                             zip(files, pairs, strict=True)}),
-                    )
-                except BaseException:
-                    # Files already uploaded and read back stay: a rerun keeps those.
-                    store.catalog.set_part(ck.id, dst.name, part, stored_on=None,
-                                           state=ReplicaState.DELETED, bytes=0, files=0)
-                    raise
-                store.catalog.set_part(ck.id, dst.name, part, stored_on=None,
-                                       state=ReplicaState.PRESENT, bytes=nbytes,
-                                       files=len(files), verified=True)
-                store.catalog.record_event(
-                    "part_archived", checkpoint_id=ck.id, actor=owner,
-                    detail={"part": part, "host": me, "tier": dst.name, "bytes": nbytes,
-                            "files": len(files)},
-                )
-                report.parts.setdefault(ck.id, []).append(part)
-                total += nbytes
-                logger.info("uploaded the part of %s of %s (%s) to %s: %d files, %d bytes",
-                            part, ck.ref, ck.id, dst.name, len(files), nbytes)
-            finally:
-                lease.release()
-    elif not here:
-        report.skipped.setdefault(ck.id, f"no part of it on this host ({me})")
-    total += _complete_parts(store, ck, dst, owner=owner, deep=deep, lease_ttl_s=lease_ttl_s,
-                             report=report)
-    return total
-
-
-def _part_present(store: StoreCore, ckpt_id: str, tier: str, part: str) -> bool:
-    """Whether ``part`` already has a PRESENT copy on ``tier`` (a shared tier: stored on no
-    host)."""
-    return any(p.part == part and p.stored_on is None and p.state == ReplicaState.PRESENT
-               for p in store.catalog.parts(ckpt_id, tier))
-
-
-def _complete_parts(store: StoreCore, ck: Checkpoint, dst: Tier, *, owner: str, deep: bool,
-                    lease_ttl_s: float, report: ArchiveReport) -> int:
-    """Write the copy's shared files, manifest and marker once every part is on ``dst``,
-    then record it PRESENT (verified). Any host may do it; the first one does."""
-    current = store.catalog.get_any(ck.id)
-    if _present(current, dst.name):
-        return 0
-    rows = store.catalog.parts(ck.id, dst.name)
-    have = {p.part for p in rows if p.stored_on is None and p.state == ReplicaState.PRESENT}
-    missing = [h for h in current.hosts if h not in have]
-    if missing:
-        report.skipped.setdefault(
-            ck.id, f"{dst.name} copy incomplete: waiting for the parts of {', '.join(missing)}")
-        return 0
-    lease = _Lease(store, ck.id, f"archive:{dst.name}", owner, lease_ttl_s)
-    if not lease.acquire():
-        report.skipped.setdefault(ck.id, "another host is completing the copy")
-        return 0
-    try:
-        manifest, data = parted_manifest(store, current)
-        total = 0
-        for rel, doc in shared_docs(manifest).items():
-            total += put_verified(dst, dst.key_for(ck.run, ck.id, rel), doc, deep=deep)
-        total += put_verified(dst, dst.key_for(ck.run, ck.id, MANIFEST_NAME), data, deep=deep)
-        # Every part and the manifest are on dst and read back: only now the marker.
-        marker = (manifest.digest + "\n").encode("ascii")
-        total += put_verified(dst, dst.key_for(ck.run, ck.id, COMMIT_NAME), marker, deep=deep)
-        store.catalog.complete_parts(ck.id, dst.name, uri=dst.uri_for(ck.run, ck.id))
-        size = sum(p.bytes for p in rows if p.stored_on is None) + total
-        store.catalog.record_event(
-            "archived", checkpoint_id=ck.id, actor=owner,
-            detail={"from": "hot", "tier": dst.name, "bytes": size,
-                    "uri": dst.uri_for(ck.run, ck.id), "parts": sorted(have)},
-        )
-        report.archived.append(ck.id)
-        logger.info("archived %s (%s) to %s: all %d parts in", ck.ref, ck.id, dst.name,
-                    len(have))
-        return total
-    finally:
-        lease.release()
 
 
 def _remove_source(store: StoreCore, ck: Checkpoint, src: Tier, report: ArchiveReport,

@@ -19,12 +19,12 @@ from typing import Any
 from ckptstore.core import StoreCore
 from ckptstore.errors import CheckpointNotFoundError, CkptError, StorageError
 from ckptstore.format.constants import COMMIT_NAME
+from ckptstore.numeric import human_bytes
 from ckptstore.ops.tiering.retention.plan import (
     REASON_THAWING,
     ActionKind,
     PlannedAction,
     RetentionPlan,
-    human_size,
     later_copy_present,
     live_lease,
     other_copy_present,
@@ -134,7 +134,7 @@ def apply_plan(
     logger.info(
         "retention on %s: %d executed, %d skipped, %d failed, %s freed",
         plan.tier, len(report.executed), len(report.skipped), len(report.failed),
-        human_size(report.freed_bytes),
+        human_bytes(report.freed_bytes),
     )
     return report
 

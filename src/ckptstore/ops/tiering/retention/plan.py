@@ -34,6 +34,7 @@ from typing import Any
 
 from ckptstore.core import StoreCore
 from ckptstore.errors import ConfigError
+from ckptstore.numeric import human_bytes
 from ckptstore.records import TIER_ORDER, Checkpoint, CheckpointState, ReplicaState, ThawState
 from ckptstore.retention import CandidateInfo, Decision, RetentionPolicy
 
@@ -43,7 +44,6 @@ __all__ = [
     "REASON_THAWING",
     "PlannedKeep",
     "RetentionPlan",
-    "human_size",
     "later_copy_present",
     "live_lease",
     "other_copy_present",
@@ -99,7 +99,7 @@ class PlannedAction:
         if self.resume:
             what = "finish: " + what
         return (
-            f"{what:<38} {self.ref:<24} step {self.step:<10} {human_size(self.bytes):>10}  "
+            f"{what:<38} {self.ref:<24} step {self.step:<10} {human_bytes(self.bytes):>10}  "
             f"{self.checkpoint_id}  ({'; '.join(self.reasons)})"
         )
 
@@ -164,7 +164,7 @@ class RetentionPlan:
         scope = f"run {self.run}" if self.run else "all runs"
         lines = [
             f"retention plan for tier {self.tier}, {scope}; policy: {self.policy.describe()}",
-            f"{len(self.actions)} action(s), {human_size(self.bytes_to_free)} to free; "
+            f"{len(self.actions)} action(s), {human_bytes(self.bytes_to_free)} to free; "
             f"{len(self.kept)} copy(ies) kept",
         ]
         lines.extend(f"  {a.describe()}" for a in self.actions)
@@ -539,13 +539,3 @@ def _newest_first(by_id: dict[str, Checkpoint]) -> Any:
         return (0 if a.resume else 1, -step, -version, a.checkpoint_id)
 
     return key
-
-
-def human_size(n: int) -> str:
-    """``n`` bytes for people: ``512 B``, ``1.5 MiB``."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"

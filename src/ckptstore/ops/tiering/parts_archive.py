@@ -1,0 +1,273 @@
+"""Archiving a checkpoint saved across hosts, part by part.
+
+A checkpoint saved across node-local disks (:mod:`ckptstore.ops.tiering.parts`) has no host
+that holds all of it, so no host can copy it whole. Each host uploads the parts its own disk
+holds (:func:`archive_parts`, run by archive on that host: ``ckpt archive``, its agent's flow,
+or the embedded worker of its training processes), each part under a lease of its own,
+checked against the manifest on the way (size, crc32c) and read back on the destination,
+and recorded as one ``replica_parts`` row. The copy becomes PRESENT (verified) only when the
+last part is in and the copy's shared documents, manifest and marker are written, by
+whichever host comes last: until then it is never used as a complete copy, and retention
+keeps the hot parts.
+
+The rules around it (which checkpoints, the order, the report, leases renewed while copying)
+are archive's (:mod:`ckptstore.ops.tiering.archive`), which calls in here with the lease it
+holds work under (:class:`RenewingLease`) and the report it fills (:class:`PartsReport`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import blake3
+import crc32c as _crc32c
+
+from ckptstore.core import StoreCore
+from ckptstore.format import Manifest
+from ckptstore.format.codecs import TRAILER
+from ckptstore.format.constants import MANIFEST_NAME
+from ckptstore.format.dcp.commit import shared_docs
+from ckptstore.identity import host
+from ckptstore.ops.tiering.parts import materialize, part_files, parted_manifest
+from ckptstore.progress import Progress
+from ckptstore.records import Checkpoint, ReplicaState
+from ckptstore.storage import COMMIT_NAME, Tier
+from ckptstore.storage.transfer import copy_keys, put_verified
+
+__all__ = ["PartsReport", "RenewingLease", "archive_parts", "by_parts"]
+
+logger = logging.getLogger(__name__)
+
+
+class RenewingLease(Protocol):
+    """A catalog lease on one checkpoint for one purpose that renews itself while the work
+    it guards makes progress.
+
+    Call order: :meth:`acquire` (False: someone else holds it; do not work) → :meth:`touch`
+    after each piece of work (renews when due) → :meth:`release` (always, in a ``finally``).
+    """
+
+    def acquire(self) -> bool:
+        """Take (or renew) the lease; False when another owner holds it."""
+        ...
+
+    def touch(self) -> None:
+        """Renew the lease if it is due."""
+        ...
+
+    def release(self) -> None:
+        """Give the lease up (best effort: expiry frees it anyway)."""
+        ...
+
+
+class PartsReport(Protocol):
+    """What archiving the parts adds to a run's report (an archive run's report has it).
+
+    Attributes:
+        archived: Ids of checkpoints whose copy this run completed.
+        skipped: Id -> why the checkpoint was left alone (or is not complete yet).
+        parts: Id -> the host parts this run uploaded.
+    """
+
+    archived: list[str]
+    skipped: dict[str, str]
+    parts: dict[str, list[str]]
+
+
+def by_parts(store: StoreCore, ck: Checkpoint, src: str) -> bool:
+    """Whether ``ck`` is archived from ``src`` part by part (saved across node-local disks)."""
+    return ck.parted and src == "hot" and store.settings.hot_remote is None
+
+
+def _part_purpose(tier: str, part: str) -> str:
+    """Lease purpose for uploading one host's part (leases hold at most 64 characters)."""
+    purpose = f"archive:{tier}:{part}"
+    if len(purpose) <= 64:
+        return purpose
+    return f"archive:{tier}:#" + blake3.blake3(part.encode()).hexdigest()[:32]
+
+
+def _dcp_checker(manifest: Manifest, key_of: dict[str, str]) -> Any:
+    """Checks source files of a DCP-layout part against the manifest (size, crc32c)."""
+    assert manifest.dcp is not None
+    expect: dict[str, tuple[int, int | None]] = {
+        key_of[f.path]: (f.nbytes, None) for f in manifest.files if f.path in key_of
+    }
+    for rel, size, crc in manifest.dcp.files():
+        if rel in key_of:
+            expect[key_of[rel]] = (size, crc)
+
+    def check(key: str, data: bytes) -> str | None:
+        if key not in expect:
+            return None
+        size, crc = expect[key]
+        if len(data) != size:
+            return f"{len(data)} bytes, the manifest records {size}"
+        if crc is not None:
+            got = int(_crc32c.crc32c(data[: -TRAILER.size]))
+            trailer = TRAILER.unpack(data[-TRAILER.size:])[0] if len(data) >= TRAILER.size else -1
+            if got != crc or trailer != crc:
+                return f"crc32c {got:#010x} differs from the manifest's {crc:#010x}"
+        return None
+
+    return check
+
+
+def archive_parts(
+    store: StoreCore,
+    ck: Checkpoint,
+    src: Tier,
+    dst: Tier,
+    *,
+    lease_for: Callable[[str], RenewingLease],
+    owner: str,
+    threads: int,
+    progress: Progress | None,
+    deep: bool,
+    report: PartsReport,
+) -> int:
+    """Upload the parts of ``ck`` this host holds to ``dst``; complete the copy when the last
+    part is in (whichever host uploads it).
+
+    Args:
+        store: The open store.
+        ck: A checkpoint saved across hosts, with parts on ``src`` (the hot tier).
+        src: The source tier.
+        dst: The shared destination tier.
+        lease_for: Makes the lease of ``ck`` for a purpose (one per part, and
+            ``archive:<tier>`` for completing the copy).
+        owner: Lease owner, recorded as the events' actor.
+        threads: Parallel transfers.
+        progress: Called with the bytes of each file uploaded.
+        deep: Compare blake3 instead of crc32c when reading back.
+        report: Where the parts uploaded, the copy completed and what was skipped go.
+
+    Returns:
+        The bytes uploaded.
+
+    Raises:
+        CkptError: As the copy raises it; the part being uploaded is recorded DELETED and
+            the files already read back stay for a rerun.
+    """
+    me = host()
+    rows = store.catalog.parts(ck.id)
+    here = sorted({p.part for p in rows if p.tier == src.name and p.stored_on == me
+                   and p.state == ReplicaState.PRESENT})
+    done = {p.part for p in rows if p.tier == dst.name and p.stored_on is None
+            and p.state == ReplicaState.PRESENT}
+    todo = [part for part in here if part not in done]
+    total = 0
+    if todo:
+        materialize(store, ck)
+        manifest, _ = parted_manifest(store, ck)
+        ranks = store.catalog.part_ranks(ck.id)
+        uri = dst.uri_for(ck.run, ck.id)
+        existing = set(dst.list_prefix(dst.prefix_for(ck.run, ck.id)))
+        for part in todo:
+            lease = lease_for(_part_purpose(dst.name, part))
+            if not lease.acquire():
+                holder = store.catalog.lease_holder(ck.id, _part_purpose(dst.name, part))
+                report.skipped[ck.id] = f"part of {part}: lease held by {holder}"
+                continue
+            if _part_present(store, ck.id, dst.name, part):
+                # Another archiver of this host uploaded it while we were getting here
+                # (the lease was free again): marking it COPYING now would make a complete
+                # copy look incomplete to the host that completes it.
+                lease.release()
+                continue
+            try:
+                files = part_files(manifest, ranks.get(part, []))
+                pairs = [(src.key_for(ck.run, ck.id, rel), dst.key_for(ck.run, ck.id, rel))
+                         for rel, _ in files]
+                store.catalog.set_part(ck.id, dst.name, part, stored_on=None,
+                                       state=ReplicaState.COPYING, uri=uri)
+
+                def tick(nbytes: int, lease: RenewingLease = lease) -> None:
+                    lease.touch()
+                    if progress is not None:
+                        progress(nbytes)
+
+                try:
+                    nbytes = copy_keys(
+                        src, dst, pairs, threads=threads, progress=tick, deep=deep,
+                        existing=existing,
+                        check_source=_dcp_checker(manifest, {rel: k for (rel, _), (k, _) in
+                                                             zip(files, pairs, strict=True)}),
+                    )
+                except BaseException:
+                    # Files already uploaded and read back stay: a rerun keeps those.
+                    store.catalog.set_part(ck.id, dst.name, part, stored_on=None,
+                                           state=ReplicaState.DELETED, bytes=0, files=0)
+                    raise
+                store.catalog.set_part(ck.id, dst.name, part, stored_on=None,
+                                       state=ReplicaState.PRESENT, bytes=nbytes,
+                                       files=len(files), verified=True)
+                store.catalog.record_event(
+                    "part_archived", checkpoint_id=ck.id, actor=owner,
+                    detail={"part": part, "host": me, "tier": dst.name, "bytes": nbytes,
+                            "files": len(files)},
+                )
+                report.parts.setdefault(ck.id, []).append(part)
+                total += nbytes
+                logger.info("uploaded the part of %s of %s (%s) to %s: %d files, %d bytes",
+                            part, ck.ref, ck.id, dst.name, len(files), nbytes)
+            finally:
+                lease.release()
+    elif not here:
+        report.skipped.setdefault(ck.id, f"no part of it on this host ({me})")
+    total += _complete_parts(store, ck, dst, lease_for=lease_for, owner=owner, deep=deep,
+                             report=report)
+    return total
+
+
+def _part_present(store: StoreCore, ckpt_id: str, tier: str, part: str) -> bool:
+    """Whether ``part`` already has a PRESENT copy on ``tier`` (a shared tier: stored on no
+    host)."""
+    return any(p.part == part and p.stored_on is None and p.state == ReplicaState.PRESENT
+               for p in store.catalog.parts(ckpt_id, tier))
+
+
+def _complete_parts(store: StoreCore, ck: Checkpoint, dst: Tier, *,
+                    lease_for: Callable[[str], RenewingLease], owner: str, deep: bool,
+                    report: PartsReport) -> int:
+    """Write the copy's shared files, manifest and marker once every part is on ``dst``,
+    then record it PRESENT (verified). Any host may do it; the first one does."""
+    current = store.catalog.get_any(ck.id)
+    copy = current.replica(dst.name)
+    if copy is not None and copy.state == ReplicaState.PRESENT:
+        return 0
+    rows = store.catalog.parts(ck.id, dst.name)
+    have = {p.part for p in rows if p.stored_on is None and p.state == ReplicaState.PRESENT}
+    missing = [h for h in current.hosts if h not in have]
+    if missing:
+        report.skipped.setdefault(
+            ck.id, f"{dst.name} copy incomplete: waiting for the parts of {', '.join(missing)}")
+        return 0
+    lease = lease_for(f"archive:{dst.name}")
+    if not lease.acquire():
+        report.skipped.setdefault(ck.id, "another host is completing the copy")
+        return 0
+    try:
+        manifest, data = parted_manifest(store, current)
+        total = 0
+        for rel, doc in shared_docs(manifest).items():
+            total += put_verified(dst, dst.key_for(ck.run, ck.id, rel), doc, deep=deep)
+        total += put_verified(dst, dst.key_for(ck.run, ck.id, MANIFEST_NAME), data, deep=deep)
+        # Every part and the manifest are on dst and read back: only now the marker.
+        marker = (manifest.digest + "\n").encode("ascii")
+        total += put_verified(dst, dst.key_for(ck.run, ck.id, COMMIT_NAME), marker, deep=deep)
+        store.catalog.complete_parts(ck.id, dst.name, uri=dst.uri_for(ck.run, ck.id))
+        size = sum(p.bytes for p in rows if p.stored_on is None) + total
+        store.catalog.record_event(
+            "archived", checkpoint_id=ck.id, actor=owner,
+            detail={"from": "hot", "tier": dst.name, "bytes": size,
+                    "uri": dst.uri_for(ck.run, ck.id), "parts": sorted(have)},
+        )
+        report.archived.append(ck.id)
+        logger.info("archived %s (%s) to %s: all %d parts in", ck.ref, ck.id, dst.name,
+                    len(have))
+        return total
+    finally:
+        lease.release()
