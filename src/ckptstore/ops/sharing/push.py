@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +58,7 @@ from ckptstore.errors import (
 from ckptstore.faultpoints import fault_point
 from ckptstore.format import Manifest
 from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME
-from ckptstore.ops.leases import acquire_lease, lease_owner
+from ckptstore.ops.leases import RenewingLease, lease_owner
 from ckptstore.ops.sharing.remote import store_id
 from ckptstore.ops.sharing.signing import (
     SIGNATURE_NAME,
@@ -163,28 +162,6 @@ def source_tier(store: StoreCore, ck: Checkpoint) -> Tier:
         f"checkpoint {ck.ref} ({ck.id}) has no complete readable copy to push (replicas: "
         f"{where}); restore or archive it first (`ckpt restore {ck.ref}`)"
     )
-
-
-class _Lease:
-    """The destination's ``push`` lease on one checkpoint, renewed while bytes move."""
-
-    def __init__(self, store: StoreCore, ckpt_id: str, owner: str, ttl_s: float) -> None:
-        self._store, self._id, self._owner, self._ttl = store, ckpt_id, owner, ttl_s
-        self._renewed = time.monotonic()
-
-    def acquire(self) -> bool:
-        self._renewed = time.monotonic()
-        return acquire_lease(self._store, self._id, LEASE_PURPOSE, self._owner, self._ttl)
-
-    def touch(self) -> None:
-        if time.monotonic() - self._renewed > self._ttl / 3:
-            self.acquire()
-
-    def release(self) -> None:
-        try:
-            self._store.catalog.release_lease(self._id, LEASE_PURPOSE, self._owner)
-        except CkptError:  # expiry frees it anyway
-            logger.warning("could not release the push lease on %s", self._id, exc_info=True)
 
 
 @dataclass
@@ -325,7 +302,7 @@ def _discard(ctx: _Push, ck: Checkpoint) -> None:
 
 
 def _copy(ctx: _Push, ck: Checkpoint, src_tier: Tier, manifest: Manifest,
-          lease: _Lease) -> tuple[int, str | None]:
+          lease: RenewingLease) -> tuple[int, str | None]:
     """Copy ``ck``'s files to the destination tier; returns (bytes, copy's own digest)."""
     run_of = run_resolver(ctx.src, ck)
 
@@ -451,7 +428,7 @@ def _push_one(ctx: _Push, ckpt_id: str) -> None:
     _check_signature(ctx, ck, docs, problems)  # before a single byte is written
     kind, base_id = ("full", None) if contained else (ck.kind, ck.base_id)
     row = _begin(ctx, ck, kind, base_id)
-    lease = _Lease(ctx.dst, row.id, ctx.owner, ctx.lease_ttl_s)
+    lease = RenewingLease(ctx.dst, row.id, LEASE_PURPOSE, ctx.owner, ctx.lease_ttl_s)
     if not lease.acquire():
         holder = ctx.dst.catalog.lease_holder(row.id, LEASE_PURPOSE)
         raise LeaseHeldError(

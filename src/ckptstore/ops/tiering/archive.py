@@ -28,7 +28,6 @@ rules (lease, copy, verify, record, then maybe delete); re-encoding lives apart.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -43,7 +42,7 @@ from ckptstore.format.codecs import TRAILER
 from ckptstore.format.constants import MANIFEST_NAME, chunk_rel
 from ckptstore.format.dcp.commit import shared_docs
 from ckptstore.identity import host
-from ckptstore.ops.leases import acquire_lease, lease_owner
+from ckptstore.ops.leases import RenewingLease, lease_owner
 from ckptstore.ops.tiering.parts import materialize, part_files, parted_manifest
 from ckptstore.ops.tiering.reencode import (
     ReencodeResult,
@@ -165,31 +164,6 @@ def _candidates(
     return sorted(todo, key=lambda ck: (ck.created_at, ck.version))
 
 
-class _Lease:
-    """A catalog lease that renews itself while the work it guards makes progress."""
-
-    def __init__(self, store: StoreCore, ckpt_id: str, purpose: str, owner: str,
-                 ttl_s: float) -> None:
-        self._store, self._id, self._purpose = store, ckpt_id, purpose
-        self._owner, self._ttl = owner, ttl_s
-        self._renewed = time.monotonic()
-
-    def acquire(self) -> bool:
-        self._renewed = time.monotonic()
-        return acquire_lease(self._store, self._id, self._purpose, self._owner, self._ttl)
-
-    def touch(self) -> None:
-        if time.monotonic() - self._renewed > self._ttl / 3:
-            self.acquire()
-
-    def release(self) -> None:
-        try:
-            self._store.catalog.release_lease(self._id, self._purpose, self._owner)
-        except CkptError:  # expiry frees it anyway
-            logger.warning("could not release lease %s on %s", self._purpose, self._id,
-                           exc_info=True)
-
-
 def _discard_partial(store: StoreCore, dst: Tier, ck: Checkpoint) -> None:
     """Remove what a failed copy left on ``dst`` (marker first); best effort.
 
@@ -219,7 +193,7 @@ def _copy_one(
     src: Tier,
     dst: Tier,
     *,
-    lease: _Lease,
+    lease: RenewingLease,
     threads: int,
     progress: Progress | None,
     deep: bool,
@@ -335,7 +309,7 @@ def _run(
                 report.failed.setdefault(ckpt_id, str(exc))
                 raise
             return
-        lease = _Lease(store, ckpt_id, f"archive:{dst.name}", owner, lease_ttl_s)
+        lease = RenewingLease(store, ckpt_id, f"archive:{dst.name}", owner, lease_ttl_s)
         if not lease.acquire():
             holder = store.catalog.lease_holder(ckpt_id, f"archive:{dst.name}")
             report.skipped[ckpt_id] = f"lease held by {holder}"
@@ -402,7 +376,7 @@ def _run(
         for ckpt_id in [i for i in reversed(list(report.skipped)) if i in visited]:
             if not report.skipped[ckpt_id].startswith(f"{src.name} copy kept"):
                 continue
-            lease = _Lease(store, ckpt_id, f"archive:{dst.name}", owner, lease_ttl_s)
+            lease = RenewingLease(store, ckpt_id, f"archive:{dst.name}", owner, lease_ttl_s)
             if not lease.acquire():
                 continue
             try:
@@ -485,7 +459,7 @@ def _archive_parts(
         uri = dst.uri_for(ck.run, ck.id)
         existing = set(dst.list_prefix(dst.prefix_for(ck.run, ck.id)))
         for part in todo:
-            lease = _Lease(store, ck.id, _part_purpose(dst.name, part), owner, lease_ttl_s)
+            lease = RenewingLease(store, ck.id, _part_purpose(dst.name, part), owner, lease_ttl_s)
             if not lease.acquire():
                 holder = store.catalog.lease_holder(ck.id, _part_purpose(dst.name, part))
                 report.skipped[ck.id] = f"part of {part}: lease held by {holder}"
@@ -503,7 +477,7 @@ def _archive_parts(
                 store.catalog.set_part(ck.id, dst.name, part, stored_on=None,
                                        state=ReplicaState.COPYING, uri=uri)
 
-                def tick(nbytes: int, lease: _Lease = lease) -> None:
+                def tick(nbytes: int, lease: RenewingLease = lease) -> None:
                     lease.touch()
                     if progress is not None:
                         progress(nbytes)
@@ -562,7 +536,7 @@ def _complete_parts(store: StoreCore, ck: Checkpoint, dst: Tier, *, owner: str, 
         report.skipped.setdefault(
             ck.id, f"{dst.name} copy incomplete: waiting for the parts of {', '.join(missing)}")
         return 0
-    lease = _Lease(store, ck.id, f"archive:{dst.name}", owner, lease_ttl_s)
+    lease = RenewingLease(store, ck.id, f"archive:{dst.name}", owner, lease_ttl_s)
     if not lease.acquire():
         report.skipped.setdefault(ck.id, "another host is completing the copy")
         return 0
