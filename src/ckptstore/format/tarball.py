@@ -17,6 +17,7 @@ names the archive as the caller calls it (``what``, e.g. ``"bundle"``).
 from __future__ import annotations
 
 import json
+import os
 import tarfile
 from collections.abc import Callable
 from pathlib import PurePosixPath
@@ -29,6 +30,7 @@ __all__ = [
     "MAX_JSON_ITEMS",
     "HostileTarFile",
     "bounded_json",
+    "open_hostile",
     "read_member",
     "safe_member_name",
     "scan_members",
@@ -53,8 +55,7 @@ _MAX_NAME = 1024
 class HostileTarFile(tarfile.TarFile):
     """A read-only ``TarFile`` that counts what its extended headers cost (see the module).
 
-    Open it as any ``TarFile`` (``HostileTarFile.open(path, "r:*", what="bundle")``);
-    ``what`` names the archive in messages.
+    Open it with :func:`open_hostile`; ``what`` names the archive in messages.
     """
 
     def __init__(self, *args: Any, what: str = "tar file", **kwargs: Any) -> None:
@@ -140,6 +141,17 @@ class _BoundedTarInfo(tarfile.TarInfo):
                              "only regular files are accepted, refusing it")
 
     _proc_gnusparse_00 = _proc_gnusparse_01 = _proc_gnusparse_10 = _sparse
+
+
+def open_hostile(path: str | os.PathLike[str], what: str) -> HostileTarFile:
+    """Open the tar (optionally compressed) at ``path`` for reading, as hostile input.
+
+    Raises:
+        tarfile.TarError: If it is not a tar; IntegrityError / InvalidNameError if its first
+            header breaks a bound.
+    """
+    # TarFile.open hands extra keyword arguments to the class; typeshed does not say so.
+    return HostileTarFile.open(path, "r:*", what=what)  # type: ignore[call-overload, no-any-return]
 
 
 def safe_member_name(info: tarfile.TarInfo, what: str) -> str:

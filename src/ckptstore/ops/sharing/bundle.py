@@ -60,6 +60,7 @@ from ckptstore.format.tarball import (
     MAX_JSON_ITEMS,
     HostileTarFile,
     bounded_json,
+    open_hostile,
     read_member,
     scan_members,
 )
@@ -374,7 +375,7 @@ def import_bundle(
     if not path.is_file():
         raise StorageError(2, f"bundle {path} does not exist or is not a file")
     try:
-        with HostileTarFile.open(path, "r:*", what="bundle") as tar:
+        with open_hostile(path, "bundle") as tar:
             return _import(store, tar, path, run, public_key, max_members, progress)
     except tarfile.TarError as exc:
         raise IntegrityError(f"{path} is not a valid tar bundle ({exc})") from exc
