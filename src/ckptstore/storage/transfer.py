@@ -30,18 +30,19 @@ from typing import Any, Protocol
 import blake3
 import crc32c
 
-from ckptstore.errors import ConflictError, IntegrityError, MissingBaseError
+from ckptstore.errors import ConflictError, IntegrityError, MissingBaseError, StorageError
 from ckptstore.format import Manifest, chunk_files
 from ckptstore.format.chunkbytes import chunk_problem
 from ckptstore.format.constants import ORIGINAL_MANIFEST_NAME, ZARR_JSON, chunk_rel
 from ckptstore.format.zarrmeta import ref_document
-from ckptstore.storage.base import COMMIT_NAME, MANIFEST_NAME, Tier
+from ckptstore.storage.base import COMMIT_NAME, MANIFEST_NAME, Tier, is_not_found
 
 __all__ = [
     "ORIGINAL_MANIFEST_NAME",
     "ChunkRef",
     "ManifestLike",
     "chunk_rel",
+    "content_problems",
     "copy_checkpoint",
     "copy_foreign_chunks",
     "copy_keys",
@@ -389,6 +390,45 @@ def source_checker(
                              as_base=as_base)
 
     return check
+
+
+def content_problems(
+    tier: Tier, manifest: Manifest, key_of: Callable[[str, str], str]
+) -> list[str]:
+    """Re-hash every chunk a copy on ``tier`` reads (its own and its bases'), one at a time.
+
+    Each chunk file must have its recorded size and crc32c and decode to content with the
+    manifest's blake3 (:func:`ckptstore.format.chunkbytes.chunk_problem`); works on any
+    readable tier (object storage is read chunk by chunk).
+
+    Args:
+        tier: The tier holding the copy.
+        manifest: The copy's manifest (already checked against the catalog).
+        key_of: Maps ``(owner checkpoint id, relative path)`` to the key on ``tier``.
+
+    Returns:
+        One line per problem (naming checkpoint, tensor and chunk); empty when intact.
+
+    Raises:
+        StorageError: If the tier fails (a missing chunk file is a problem, not an error).
+    """
+    check = source_checker(manifest, key_of, fetch=tier.get_bytes)
+    problems: list[str] = []
+    seen: set[str] = set()
+    for ref in iter_chunks(manifest):
+        key = key_of(ref.owner, ref.rel)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            problem = check(key, tier.get_bytes(key))
+        except StorageError as exc:
+            if not is_not_found(exc):
+                raise
+            problem = f"{key}: missing on the {tier.name} tier"
+        if problem is not None:
+            problems.append(problem)
+    return problems
 
 
 def copy_foreign_chunks(

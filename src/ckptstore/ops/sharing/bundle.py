@@ -38,6 +38,7 @@ import logging
 import os
 import shutil
 import tarfile
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
@@ -283,22 +284,21 @@ def _size_limits(manifest: Manifest) -> dict[str, int]:
 
 def _precheck_content(tar: HostileTarFile, members: dict[str, tarfile.TarInfo],
                       manifest: Manifest) -> None:
-    """Check every chunk's crc32c and the Zarr metadata straight from the tar, before the
-    catalog or the hot tier is touched (one chunk in memory at a time)."""
-    from ckptstore.format.codecs import TRAILER, crc32c_update
+    """Check every chunk (size, crc32c and its decoded content's blake3) and the Zarr
+    metadata straight from the tar, before the catalog or the hot tier is touched (one chunk
+    in memory at a time)."""
+    from ckptstore.format.chunkbytes import chunk_problem
     from ckptstore.format.zarrcheck import zarr_metadata_problems
 
     for array in manifest.arrays.values():
         for chunk in array.chunks:
             rel = array.chunk_path(chunk.i)
             data = read_member(tar, members[_PREFIX + rel], chunk.nbytes)
-            body, trailer = data[: -TRAILER.size], data[-TRAILER.size :]
-            crc = crc32c_update(memoryview(body), 0)
-            if crc != TRAILER.unpack(trailer)[0] or crc != chunk.crc32c:
+            problem = chunk_problem(manifest, array.name, chunk.i, data)
+            if problem is not None:
                 raise IntegrityError(
-                    f"bundle member {_PREFIX + rel} (checkpoint {manifest.id}, tensors "
-                    f"{', '.join(manifest.tensors_in_chunk(array.name, chunk.i)[:3]) or '-'}) "
-                    "fails its crc32c: the bundle is damaged or was tampered with"
+                    f"bundle member {_PREFIX + rel}: {problem}: the bundle is damaged or was "
+                    "tampered with; refusing it"
                 )
     docs = {rel: read_member(tar, info, _MAX_SMALL)
             for rel, info in ((n[len(_PREFIX):], i) for n, i in members.items())
@@ -441,11 +441,13 @@ def _import(store: StoreCore, tar: HostileTarFile, path: Path, run: str | None,
     if existing is not None:
         logger.info("bundle %s is already in the store as %s", path, existing.ref)
         return existing
+    directory = store.checkpoint_dir(target_run, manifest.id)
+    before = _Before(run_dir=directory.parent.exists(), ck_dir=os.path.lexists(directory),
+                     run=_has_run(store, target_run))
     ck = store.catalog.begin_checkpoint(
         target_run, manifest.step, ckpt_id=manifest.id, metrics=header["metrics"],
         tags=tuple(header["tags"]), codec=original.codec, kind="full",
     )
-    directory = store.checkpoint_dir(target_run, ck.id)
     announce_total(progress, sum(members[_PREFIX + rel].size for rel in present))
     try:
         _extract(tar, members, present, directory, store.hot, progress)
@@ -463,7 +465,7 @@ def _import(store: StoreCore, tar: HostileTarFile, path: Path, run: str | None,
             # What landed on disk, not only what the tar held, must prove the original.
             check_original(manifest, (directory / ORIGINAL_MANIFEST_NAME).read_bytes(), own)
     except BaseException as exc:
-        _abandon(store, ck.id, directory, exc)
+        _abandon(store, ck, directory, exc, before)
         if isinstance(exc, OSError) and not isinstance(exc, CkptError):
             raise StorageError(exc.errno or 5, f"importing {path} failed: {exc}") from exc
         raise
@@ -517,10 +519,39 @@ def _extract(tar: HostileTarFile, members: dict[str, tarfile.TarInfo], present: 
             progress(members[_PREFIX + rel].size)
 
 
-def _abandon(store: StoreCore, ckpt_id: str, directory: Path, exc: BaseException) -> None:
+def _has_run(store: StoreCore, run: str) -> bool:
     try:
-        store.catalog.fail_checkpoint(ckpt_id, f"bundle import failed: {type(exc).__name__}")
-    except CkptError:  # the catalog may be what failed; gc finishes the job
-        logger.warning("could not mark imported checkpoint %s FAILED", ckpt_id, exc_info=True)
-    if directory.is_dir() and not directory.is_symlink():
+        store.catalog.get_run(run)
+    except CheckpointNotFoundError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class _Before:
+    """What existed before an import began, so a failed one removes only what it made."""
+
+    run_dir: bool
+    ck_dir: bool
+    run: bool
+
+
+def _abandon(store: StoreCore, ck: Checkpoint, directory: Path, exc: BaseException,
+             before: _Before) -> None:
+    """Leave the store as it was before the import: the checkpoint directory, run directory
+    and run it created go (what was there before stays), and so does its row."""
+    if not before.ck_dir and directory.is_dir() and not directory.is_symlink():
         shutil.rmtree(directory, ignore_errors=True)
+    if not before.run_dir:
+        try:
+            directory.parent.rmdir()  # only when empty: another writer may use it now
+        except OSError:
+            pass
+    try:
+        store.catalog.fail_checkpoint(ck.id, f"bundle import failed: {type(exc).__name__}")
+        store.catalog.forget_failed_arrival(ck.id)
+        if not before.run:
+            store.catalog.forget_empty_run(ck.run)
+    except CkptError:  # the catalog may be what failed; gc finishes the job
+        logger.warning("could not remove the row of imported checkpoint %s", ck.id,
+                       exc_info=True)
