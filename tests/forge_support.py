@@ -37,16 +37,27 @@ def same_crc(body: bytes, crc: int) -> bytes:
 
 
 def forge_chunk_bytes(data: bytes, *, at: int = 0) -> bytes:
-    """A forged version of chunk file ``data`` (body + 4-byte crc trailer): 8 bytes from
-    ``at`` changed, the body's crc32c restored, the trailer and the size untouched."""
+    """A forged version of chunk file ``data`` (body + 4-byte crc trailer): up to 8 bytes
+    from ``at`` changed, the body's crc32c restored, the trailer and the size untouched.
+
+    A body of 4 bytes or less cannot be forged (its crc32c determines it): see
+    :func:`forgeable`.
+    """
     body, trailer = bytearray(data[:-4]), data[-4:]
     crc = crc32c.crc32c(bytes(body))
     assert int.from_bytes(trailer, "little") == crc, "not a chunk file with a crc trailer"
+    assert forgeable(data), "a body of 4 bytes or less is determined by its crc32c"
+    at = min(at, len(body) - 5)
     for i in range(at, min(at + 8, len(body) - 4)):
         body[i] ^= 0x5A
     forged = same_crc(bytes(body), crc) + trailer
     assert len(forged) == len(data) and forged != data
     return forged
+
+
+def forgeable(data: bytes) -> bool:
+    """Whether chunk file ``data`` has more body bytes than its crc32c determines."""
+    return len(data) - 4 > 4
 
 
 def forge_chunk_file(path: Path) -> bytes:
