@@ -1,5 +1,5 @@
 """Fixtures of the push/pull tests: two stores and a third for pull-backs, each opened from
-a config file as a remote is. Used by tests/ops/sharing/remote/ and tests/flows/test_sync_flow.py.
+a config file as a remote is. Used by tests/ops/sharing/ and tests/flows/test_sync_flow.py.
 
 ``a``: SQLite catalog, warm tier on one moto bucket. ``b``: PostgreSQL catalog (127.0.0.1,
 see tests/pg_support.py), warm tier on a second moto bucket. ``c``: SQLite catalog, hot tier
