@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 from forge_support import forge_chunk_bytes, forgeable
+from remote_support import write_config
 from sqlalchemy import update
 
 from ckptstore.catalog.models import CheckpointRow
@@ -50,15 +51,8 @@ NBYTES = 96 * 1024
 
 
 def _config(path: Path, root: Path, **tiers: str) -> Path:
-    lines = [f'root = "{root}"', f"chunk_bytes = {CHUNK}"]
     endpoint = tiers.pop("endpoint", None)
-    if tiers:
-        lines.append("[tiers]")
-        lines += [f'{name} = "{url}"' for name, url in tiers.items()]
-    if endpoint is not None:
-        lines += ["[storage_options]", f'endpoint_url = "{endpoint}"']
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_config(path, root, tiers=tiers, endpoint_url=endpoint, chunk_bytes=CHUNK)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, LeaseHeldError
@@ -65,7 +66,7 @@ class RenewingLease:
     """
 
     def __init__(self, core: StoreCore, ckpt_id: str, purpose: str, owner: str,
-                 ttl_s: float) -> None:
+                 ttl_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
         """Describe the lease; nothing is taken until :meth:`acquire`.
 
         Args:
@@ -74,17 +75,18 @@ class RenewingLease:
             purpose: What the lease is for (``push``, ``archive:warm``...).
             owner: Who takes it (see :func:`lease_owner`).
             ttl_s: Seconds until it expires unless renewed.
+            clock: Seconds, monotonic: when to renew is judged by it (tests step it).
         """
         self.ckpt_id, self.purpose, self.owner = ckpt_id, purpose, owner
-        self._core, self._ttl = core, ttl_s
-        self._renewed = time.monotonic()
+        self._core, self._ttl, self._clock = core, ttl_s, clock
+        self._renewed = clock()
         # Copies call touch() from their transfer threads: one renewal at a time.
         self._lock = threading.Lock()
 
     def acquire(self) -> bool:
         """Take (or renew) the lease; whether it is now ours."""
         with self._lock:
-            self._renewed = time.monotonic()
+            self._renewed = self._clock()
             return acquire_lease(self._core, self.ckpt_id, self.purpose, self.owner,
                                  self._ttl)
 
@@ -94,12 +96,12 @@ class RenewingLease:
         Raises:
             LeaseHeldError: If another owner holds it now.
         """
-        if time.monotonic() - self._renewed <= self._ttl / 3:
+        if self._clock() - self._renewed <= self._ttl / 3:
             return
         with self._lock:
-            if time.monotonic() - self._renewed <= self._ttl / 3:
+            if self._clock() - self._renewed <= self._ttl / 3:
                 return  # another thread renewed it meanwhile
-            self._renewed = time.monotonic()
+            self._renewed = self._clock()
             if acquire_lease(self._core, self.ckpt_id, self.purpose, self.owner, self._ttl):
                 return
         holder = self._core.catalog.lease_holder(self.ckpt_id, self.purpose)

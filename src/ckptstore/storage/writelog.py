@@ -15,7 +15,7 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ckptstore.storage.base import COMMIT_NAME, Tier
@@ -66,27 +66,23 @@ class WriteLog(Tier):
             self._keys.add(key)
             self._dirs.update(dirs)
 
-    def put_bytes(self, key: str, data: bytes) -> int:
-        """As the wrapped tier's; the key (and the directories it created) are recorded."""
+    def _recorded(self, key: str, write: Callable[[], int]) -> int:
         dirs = self._missing_dirs(key)
         try:
-            written = self.tier.put_bytes(key, data)
+            written = write()
         except BaseException:
             self._forget_dirs(dirs)
             raise
         self._record(key, dirs)
         return written
 
+    def put_bytes(self, key: str, data: bytes) -> int:
+        """As the wrapped tier's; the key (and the directories it created) are recorded."""
+        return self._recorded(key, lambda: self.tier.put_bytes(key, data))
+
     def put_file(self, local: Path, key: str) -> int:
         """As the wrapped tier's; the key (and the directories it created) are recorded."""
-        dirs = self._missing_dirs(key)
-        try:
-            written = self.tier.put_file(local, key)
-        except BaseException:
-            self._forget_dirs(dirs)
-            raise
-        self._record(key, dirs)
-        return written
+        return self._recorded(key, lambda: self.tier.put_file(local, key))
 
     def _forget_dirs(self, dirs: list[Path]) -> None:
         # A failed write may still have created its directories: remove them with the rest.

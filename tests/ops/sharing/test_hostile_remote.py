@@ -164,6 +164,9 @@ def test_a_remote_overlapping_this_store_is_refused_and_destroys_nothing(
         code, _ = _ckpt(capsys, "gc", "--config", c_cfg, "--json")
         assert code == 0
         assert sorted(p for p in (c.hot / "nested").rglob("*") if p.is_file()) == nested_files
+        code, report = _ckpt(capsys, "doctor", "--fix", "--config", c_cfg, "--json")
+        assert any("another store's marker" in f["detail"] for f in report["findings"])
+        assert sorted(p for p in (c.hot / "nested").rglob("*") if p.is_file()) == nested_files
         assert kit.same(nested.load(theirs.id), kit.state(55))
     assert kit.same(c.load(ck.id), kit.state(54))
 
