@@ -20,7 +20,7 @@ each with ``lost: 0`` or the failing tests.
 
 Usage::
 
-    python benchmarks/reliability.py [--quick] [--json OUT] [-- PYTEST ARGS...]
+    python benchmarks/reliability.py [--quick] [--only MODULE] [--json OUT] [-- PYTEST ARGS...]
 
 Exit status: pytest's (0 when every scenario held).
 """
@@ -52,6 +52,7 @@ SECTIONS = {
     "test_concurrency": "concurrency and races",
     "test_security": "bad inputs (security)",
     "test_signing_bundle": "signatures and hostile bundles",
+    "test_hostile_remote": "hostile or overlapping remotes",
     "test_doctor": "doctor (catalog vs storage)",
     "test_read_repair": "damaged copies under reads (read repair)",
     "test_cli": "CLI",
@@ -140,6 +141,14 @@ def _summary(module: str, section: dict[str, Any]) -> str:
         kinds = ", ".join(f"{k} x{v}" for k, v in sorted(damage.items())) or "-"
         return (f"{sum(damage.values())} damaged copies ({kinds}); "
                 f"{f.get('reads_served', 0)} reads served exact from the next copy")
+    if module == "test_hostile_remote":
+        return (f"{f.get('forged_chunks_refused', 0)} forged equal-crc32c chunks refused; "
+                f"{f.get('overlaps_refused_at_add', 0)} overlapping tiers refused at add, "
+                f"{f.get('overlaps_refused_at_use', 0)} at use; "
+                f"{f.get('vanished_mid_pull', 0)} pulls cut by a vanishing remote; "
+                f"{f.get('catalog_lies', 0)} catalog lies; {f.get('prunes', 0)} prunes around "
+                f"{f.get('syncs_after_prunes', 0)} syncs ({f.get('revived', 0)} revived, "
+                f"{f.get('left_pruned_there', 0)} left pruned there)")
     if module in ("test_security", "test_signing_bundle"):
         text = f"{f.get('bad_inputs', 0)} bad inputs tried"
         manifests = {k.removeprefix("manifest_"): v for k, v in section["details"].items()
@@ -185,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="the default (sampled) matrix instead of CKPT_RELIABILITY_FULL=1")
     p.add_argument("--json", type=Path, help="also write the figures as JSON here")
+    p.add_argument("--only", choices=sorted(SECTIONS), metavar="MODULE",
+                   help="run only this module of the suite (e.g. test_hostile_remote)")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = p.parse_args(argv)
     env = dict(os.environ)
@@ -193,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ckpt-reliability-") as tmp:
         report = Path(tmp) / "figures.jsonl"
         env["CKPT_RELIABILITY_REPORT"] = str(report)
+        target = SUITE / f"{args.only}.py" if args.only else SUITE
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               f"--basetemp={Path(tmp) / 'pytest'}", str(SUITE), *args.pytest_args]
+               f"--basetemp={Path(tmp) / 'pytest'}", str(target), *args.pytest_args]
         print(f"running {' '.join(cmd[1:])} (CKPT_RELIABILITY_FULL="
               f"{env.get('CKPT_RELIABILITY_FULL', '0')})", flush=True)
         started = time.perf_counter()

@@ -9,7 +9,7 @@ from prefect import flow
 
 from ckptstore.errors import StorageError
 from ckptstore.flows.common import collect, open_store
-from ckptstore.ops.sharing.push import sync_selection
+from ckptstore.ops.sharing.sync import sync_selection
 from ckptstore.tasks.remote import sync_task
 
 __all__ = ["sync_flow"]

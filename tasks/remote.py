@@ -36,7 +36,7 @@ def sync_task(
     """Push the committed checkpoints of ``run`` (or only its best) that ``remote`` lacks.
 
     What the remote already holds is skipped, so a retry or the next scheduled run only
-    sends what is missing (see :func:`ckptstore.ops.sharing.push.sync_run`).
+    sends what is missing (see :func:`ckptstore.ops.sharing.sync.sync_run`).
 
     Args:
         store: The open store.
@@ -49,8 +49,8 @@ def sync_task(
     Returns:
         The push report as a dict.
     """
-    from ckptstore.ops.sharing.push import sync_run
     from ckptstore.ops.sharing.remote import open_remote
+    from ckptstore.ops.sharing.sync import sync_run
 
     other = open_remote(store, remote)
     try:

@@ -1,5 +1,5 @@
 """Fixtures of the push/pull tests: two stores and a third for pull-backs, each opened from
-a config file as a remote is. Used by tests/ops/sharing/remote/ and tests/flows/test_sync_flow.py.
+a config file as a remote is. Used by tests/ops/sharing/ and tests/flows/test_sync_flow.py.
 
 ``a``: SQLite catalog, warm tier on one moto bucket. ``b``: PostgreSQL catalog (127.0.0.1,
 see tests/pg_support.py), warm tier on a second moto bucket. ``c``: SQLite catalog, hot tier
@@ -39,14 +39,21 @@ def s3_b(s3_a: MotoS3) -> Iterator[MotoS3]:
 
 
 def write_config(path: Path, root: Path, *, catalog_url: str | None = None,
-                 s3: MotoS3 | None = None) -> Path:
-    """A store config file: root, optional catalog URL, optional warm tier on ``s3``."""
-    lines = [f'root = "{root}"', f"chunk_bytes = {CHUNK_BYTES}"]
+                 s3: MotoS3 | None = None, tiers: dict[str, str] | None = None,
+                 endpoint_url: str | None = None, chunk_bytes: int = CHUNK_BYTES) -> Path:
+    """A store config file: root, optional catalog URL, optional warm tier on ``s3`` (or any
+    ``tiers``, with the S3 ``endpoint_url`` they need)."""
+    lines = [f'root = "{root}"', f"chunk_bytes = {chunk_bytes}"]
     if catalog_url is not None:
         lines.append(f'catalog_url = "{catalog_url}"')
+    tiers = dict(tiers or {})
     if s3 is not None:
-        lines += ["[tiers]", f'warm = "{s3.url(uuid.uuid4().hex[:12])}"',
-                  "[storage_options]", f'endpoint_url = "{s3.endpoint_url}"']
+        tiers["warm"] = s3.url(uuid.uuid4().hex[:12])
+        endpoint_url = s3.endpoint_url
+    if tiers:
+        lines += ["[tiers]", *(f'{name} = "{url}"' for name, url in tiers.items())]
+    if endpoint_url is not None:
+        lines += ["[storage_options]", f'endpoint_url = "{endpoint_url}"']
     path.write_text("\n".join(lines) + "\n")
     return path
 

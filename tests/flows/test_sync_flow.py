@@ -50,3 +50,34 @@ def test_a_scheduled_sync_pushes_what_the_config_selects(stores: Any, kit: Any) 
     # An argument given wins over the table.
     again = sync_flow(config=str(scheduled), runs=["other"])
     assert again["pushed"] == [other.id]
+
+
+def test_the_sync_flow_keeps_working_across_prunes_on_either_side(
+        stores: Any, kit: Any) -> None:  # noqa: F811
+    """A scheduled sync, a prune at the remote, and the next scheduled syncs: they send what
+    is new, leave what the remote pruned pruned, and fail nothing (a prune at the source is
+    tests/ops/sharing/test_hostile_remote.py's)."""
+    from ckptstore.flows.sync import sync_flow
+    from ckptstore.ops.tiering.retention import apply_retention
+    from ckptstore.records import CheckpointState
+    from ckptstore.retention import RetentionPolicy
+
+    a, b = stores.a, stores.b
+    s = kit.state(41)
+    one = a.save("pr", 1, s, metrics={"loss": 3.0}, delta=False)
+    two = a.save("pr", 2, kit.tweaked(s), metrics={"loss": 2.0}, delta=False)
+    first = sync_flow(config=str(stores.a_config), runs=["pr"])
+    assert first["pushed"] == [one.id, two.id] and first["failed"] == []
+    # The remote prunes the older one; this store saves more.
+    apply_retention(b, run="pr", tier="warm", policy=RetentionPolicy(keep_last=1))
+    assert b.catalog.get_any(one.id).state == CheckpointState.DELETED
+    three = a.save("pr", 3, kit.tweaked(s, 2.0), metrics={"loss": 1.0}, delta=False)
+    four = a.save("pr", 4, kit.tweaked(s, 3.0), metrics={"loss": 0.5}, delta=False)
+    second = sync_flow(config=str(stores.a_config), runs=["pr"])
+    assert second["failed"] == [] and second["pushed"] == [three.id, four.id]
+    assert second["reports"][0]["pruned_there"] == [one.id]
+    assert kit.same(b.load(four.id), kit.tweaked(s, 3.0))
+    assert b.catalog.get_any(one.id).state == CheckpointState.DELETED  # left pruned
+    third = sync_flow(config=str(stores.a_config), runs=["pr"])
+    assert third["failed"] == [] and third["pushed"] == [] and third["bytes_sent"] == 0
+

@@ -230,7 +230,7 @@ def sync_cmd(
 
     JSON: as push.
     """
-    from ckptstore.ops.sharing.push import sync_run
+    from ckptstore.ops.sharing.sync import sync_run
 
     with _stores(ctx, to) as (store, other), \
             progress_bar(f"syncing {run} to {to}", enabled=not as_json) as advance:

@@ -9,6 +9,9 @@ hot tier skips hidden entries.
 The marker is written once: to a temporary file, fsynced, then linked into place (``link``
 fails if the name exists), so a reader never sees half a marker and two processes creating a
 store at once end up with one.
+
+A marker anywhere below a hot tier's root is another store's (ours is at the root): a
+directory holding one is that store's, never this one's to remove (:func:`foreign_marker`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,13 @@ from ckptstore.durable import (
 )
 from ckptstore.errors import ConfigError, StorageError
 
-__all__ = ["MARKER_NAME", "StoreMarker", "read_store_marker", "write_store_marker"]
+__all__ = [
+    "MARKER_NAME",
+    "StoreMarker",
+    "foreign_marker",
+    "read_store_marker",
+    "write_store_marker",
+]
 
 #: File name of the marker at the hot tier's root.
 MARKER_NAME = ".ckptstore.json"
@@ -140,3 +149,23 @@ def write_store_marker(hot: Path, marker: StoreMarker) -> StoreMarker:
         return marker
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def foreign_marker(directory: Path, root: Path) -> Path | None:
+    """Another store's marker in ``directory`` (at any depth) or in a directory between
+    ``root`` (excluded: this store's own marker is there) and ``directory``, or None.
+
+    What must be true before anything under ``root`` removes ``directory``: a store rooted
+    inside this one's tier (or this tier inside it) owns the files there. Links are not
+    followed (what a link points at is not removed through it either).
+    """
+    directory, root = Path(directory), Path(root)
+    for parent in directory.parents:
+        if parent == root or root not in parent.parents:
+            break
+        if os.path.lexists(parent / MARKER_NAME):
+            return parent / MARKER_NAME
+    for dirpath, _dirs, files in os.walk(directory):
+        if MARKER_NAME in files:
+            return Path(dirpath) / MARKER_NAME
+    return None

@@ -10,6 +10,13 @@ Chunk ownership (dedup): a manifest may point at chunks physically stored in ano
 checkpoint (``src`` = that checkpoint's id). Only the chunks this checkpoint owns are copied;
 the others must already be on the destination, inside their owner's prefix — copy the owner
 first (the archive and restore operations order that).
+
+Copies between the tiers of one store check each source file's size and crc32c: they guard
+against damage. A copy from **another store** (``untrusted``: push, pull, sync) must also
+guard against forgery: crc32c is linear, so a chunk can be changed and four bytes fixed to
+keep its size and crc32c. There, every chunk file's decoded content must hash to the
+manifest's blake3 (:func:`ckptstore.format.chunkbytes.chunk_problem`) before it is written,
+and what lands is read back and compared by blake3.
 """
 
 from __future__ import annotations
@@ -23,17 +30,19 @@ from typing import Any, Protocol
 import blake3
 import crc32c
 
-from ckptstore.errors import ConflictError, IntegrityError, MissingBaseError
-from ckptstore.format import chunk_files
+from ckptstore.errors import ConflictError, IntegrityError, MissingBaseError, StorageError
+from ckptstore.format import Manifest, chunk_files
+from ckptstore.format.chunkbytes import chunk_problem
 from ckptstore.format.constants import ORIGINAL_MANIFEST_NAME, ZARR_JSON, chunk_rel
 from ckptstore.format.zarrmeta import ref_document
-from ckptstore.storage.base import COMMIT_NAME, MANIFEST_NAME, Tier
+from ckptstore.storage.base import COMMIT_NAME, MANIFEST_NAME, Tier, is_not_found
 
 __all__ = [
     "ORIGINAL_MANIFEST_NAME",
     "ChunkRef",
     "ManifestLike",
     "chunk_rel",
+    "content_problems",
     "copy_checkpoint",
     "copy_foreign_chunks",
     "copy_keys",
@@ -149,6 +158,7 @@ def copy_keys(
     existing: set[str] | None = None,
     check_source: Callable[[str, bytes], str | None] | None = None,
     rewrite: Callable[[str, bytes], bytes] | None = None,
+    untrusted: bool = False,
 ) -> int:
     """Copy files ``src_key -> dst_key`` and verify each one on the destination.
 
@@ -169,6 +179,8 @@ def copy_keys(
             when the source bytes are damaged, so damage is never propagated to a new copy.
         rewrite: Called with ``(source key, checked bytes)``; returns the bytes the
             destination file must hold (the ``zarr.json`` variant a copy needs).
+        untrusted: ``src`` is another store's tier: a file ``check_source`` refuses is
+            reported as refused (not as damage to repair here), and read-backs compare blake3.
 
     Returns:
         Total bytes of the files (written or already present).
@@ -185,6 +197,12 @@ def copy_keys(
         src_key, dst_key = pair
         data = src.get_bytes(src_key)
         problem = check_source(src_key, data) if check_source is not None else None
+        if problem is not None and untrusted:
+            raise IntegrityError(
+                f"{src.name} tier of the other store: {src_key}: {problem}; refusing it, and "
+                "nothing of the checkpoint is committed here. The other store's copy is "
+                "forged or damaged: run `ckpt verify` there"
+            )
         if problem is not None:
             raise IntegrityError(
                 f"{src.name} tier: {src_key} is damaged ({problem}); not copying it to "
@@ -193,7 +211,7 @@ def copy_keys(
         if rewrite is not None:
             data = rewrite(src_key, data)
         present = dst_key in existing if existing is not None else dst.exists(dst_key)
-        return put_verified(dst, dst_key, data, deep=deep, present=present,
+        return put_verified(dst, dst_key, data, deep=deep or untrusted, present=present,
                             progress=progress, origin=src.name)
 
     if not pairs:
@@ -284,7 +302,10 @@ def _matches(dst: Tier, key: str, data: bytes, expect: str, deep: bool) -> bool:
 
 
 def source_checker(
-    manifest: ManifestLike, key_of: Callable[[str, str], str]
+    manifest: ManifestLike,
+    key_of: Callable[[str, str], str],
+    *,
+    fetch: Callable[[str], bytes] | None = None,
 ) -> Callable[[str, bytes], str | None]:
     """A ``check_source`` for :func:`copy_keys` that checks files against the manifest.
 
@@ -296,19 +317,28 @@ def source_checker(
     Args:
         manifest: The checkpoint's manifest.
         key_of: Maps ``(owner checkpoint id, relative path)`` to the key on the source tier.
+        fetch: For a copy from another store: reads a source key (the base chunk a
+            delta-encoded chunk decodes against). Given, every chunk file's decoded content
+            must also hash to the manifest's blake3; ``manifest`` must then be a
+            :class:`~ckptstore.format.Manifest`.
     """
     expected: dict[str, tuple[int, int]] = {}
+    # For content checks: key -> (array, index, base record when the file is a base chunk).
+    roles: dict[str, tuple[str, int, Any]] = {}
     for name, array in manifest.arrays.items():
         for position, chunk in enumerate(_field(array, "chunks") or []):
             index = _field(chunk, "i")
-            rel = chunk_rel(name, int(position if index is None else index))
+            index = int(position if index is None else index)
+            rel = chunk_rel(name, index)
             owner = str(_field(chunk, "src") or manifest.id)
             expected[key_of(owner, rel)] = (int(_field(chunk, "nbytes")),
                                             int(_field(chunk, "crc32c")))
+            roles[key_of(owner, rel)] = (name, index, None)
             base = _field(chunk, "base")
             if base is not None:
                 expected[key_of(str(_field(base, "src")), rel)] = (
                     int(_field(base, "nbytes")), int(_field(base, "crc32c")))
+                roles.setdefault(key_of(str(_field(base, "src")), rel), (name, index, base))
     digest = str(getattr(manifest, "digest", "") or "")
     # Version 2: a zarr.json is one of the documents the manifest records for it.
     docs: dict[str, set[str]] = {}
@@ -330,6 +360,8 @@ def source_checker(
             trailer = int.from_bytes(data[-4:], "little") if len(data) >= 4 else -1
             if got != crc or trailer != crc:
                 return f"crc32c {got:#010x} differs from the manifest's {crc:#010x}"
+            if fetch is not None:
+                return _content_problem(key, data)
         elif key in docs:
             if blake3.blake3(data).hexdigest() not in docs[key]:
                 return "a zarr.json that is not the document the manifest records"
@@ -347,7 +379,56 @@ def source_checker(
                         f"{original} the re-encoded manifest names")
         return None
 
+    def _content_problem(key: str, data: bytes) -> str | None:
+        assert isinstance(manifest, Manifest) and fetch is not None
+        array, index, as_base = roles[key]
+        chunk = manifest.arrays[array].chunks[index]
+        base_data = None
+        if as_base is None and chunk.base is not None:
+            base_data = fetch(key_of(chunk.base.src, chunk_rel(array, index)))
+        return chunk_problem(manifest, array, index, data, base_data=base_data,
+                             as_base=as_base)
+
     return check
+
+
+def content_problems(
+    tier: Tier, manifest: Manifest, key_of: Callable[[str, str], str]
+) -> list[str]:
+    """Re-hash every chunk a copy on ``tier`` reads (its own and its bases'), one at a time.
+
+    Each chunk file must have its recorded size and crc32c and decode to content with the
+    manifest's blake3 (:func:`ckptstore.format.chunkbytes.chunk_problem`); works on any
+    readable tier (object storage is read chunk by chunk).
+
+    Args:
+        tier: The tier holding the copy.
+        manifest: The copy's manifest (already checked against the catalog).
+        key_of: Maps ``(owner checkpoint id, relative path)`` to the key on ``tier``.
+
+    Returns:
+        One line per problem (naming checkpoint, tensor and chunk); empty when intact.
+
+    Raises:
+        StorageError: If the tier fails (a missing chunk file is a problem, not an error).
+    """
+    check = source_checker(manifest, key_of, fetch=tier.get_bytes)
+    problems: list[str] = []
+    seen: set[str] = set()
+    for ref in iter_chunks(manifest):
+        key = key_of(ref.owner, ref.rel)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            problem = check(key, tier.get_bytes(key))
+        except StorageError as exc:
+            if not is_not_found(exc):
+                raise
+            problem = f"{key}: missing on the {tier.name} tier"
+        if problem is not None:
+            problems.append(problem)
+    return problems
 
 
 def copy_foreign_chunks(
@@ -359,12 +440,14 @@ def copy_foreign_chunks(
     threads: int = 4,
     progress: Progress | None = None,
     deep: bool = False,
+    untrusted: bool = False,
 ) -> int:
     """Copy the chunk files a checkpoint reads from other checkpoints, where ``dst`` lacks them.
 
     Each file goes to its owner's prefix on ``dst`` (the owner gets no marker from this: it is
     not a copy of the owner, only of chunks the owner holds). Source files are checked
-    against the manifest's sizes and crc32c first.
+    against the manifest's sizes and crc32c first, and with ``untrusted`` (``src`` is
+    another store's tier) their decoded content against its blake3.
 
     Returns:
         Bytes of the chunk files now on ``dst`` for this checkpoint's foreign chunks.
@@ -381,8 +464,9 @@ def copy_foreign_chunks(
     for owner, refs in foreign_chunks(manifest).items():
         existing.update(dst.list_prefix(dst.prefix_for(run_of(owner), owner)))
         pairs.extend((key_of(src)(owner, r.rel), key_of(dst)(owner, r.rel)) for r in refs)
+    check = source_checker(manifest, key_of(src), fetch=src.get_bytes if untrusted else None)
     return copy_keys(src, dst, pairs, threads=threads, progress=progress, deep=deep,
-                     existing=existing, check_source=source_checker(manifest, key_of(src)))
+                     existing=existing, check_source=check, untrusted=untrusted)
 
 
 def require_foreign_chunks(
@@ -442,6 +526,7 @@ def copy_checkpoint(
     progress: Progress | None = None,
     deep: bool = False,
     run_of: Callable[[str], str] | None = None,
+    untrusted: bool = False,
 ) -> int:
     """Copy one checkpoint's own files from ``src`` to ``dst``, verified, marker last.
 
@@ -456,16 +541,27 @@ def copy_checkpoint(
         deep: Verify with blake3 instead of crc32c.
         run_of: Maps the id of a checkpoint owning deduplicated chunks to its run name
             (default: the same run).
+        untrusted: ``src`` is another store's tier: every chunk's decoded content must hash
+            to the manifest's blake3 before it is written, and read-backs compare blake3.
 
     Returns:
         Bytes of the checkpoint's files on ``dst`` (what its replica occupies).
 
     Raises:
         MissingBaseError: If chunks owned by another checkpoint are not on ``dst``.
-        IntegrityError: If a copied file does not read back identical.
+        IntegrityError: If a source file does not match the manifest (with ``untrusted``:
+            a chunk whose content is not what the manifest records, naming checkpoint,
+            tensor and chunk), or a copied file does not read back identical.
         StorageError: If either tier fails. The destination then holds no marker.
     """
     resolve = run_of or (lambda _owner: run)
+    if untrusted and getattr(manifest, "files", None):
+        raise IntegrityError(
+            f"checkpoint {ckpt_id} holds files of another layout (DCP) that its manifest pins "
+            "by size and crc32c only, which cannot prove them against forgery; refusing to "
+            "take it from another store. Share a copy in the regular layout instead (`ckpt "
+            "convert REF --codec zstd-1` makes one)"
+        )
     require_foreign_chunks(dst, manifest, resolve)
     files = owned_files(manifest)
     marker = dst.key_for(run, ckpt_id, COMMIT_NAME)
@@ -478,16 +574,18 @@ def copy_checkpoint(
     def pairs(rels: Sequence[str]) -> list[tuple[str, str]]:
         return [(src.key_for(run, ckpt_id, r), dst.key_for(run, ckpt_id, r)) for r in rels]
 
-    check = source_checker(manifest, lambda owner, rel: src.key_for(resolve(owner), owner, rel))
+    check = source_checker(manifest, lambda owner, rel: src.key_for(resolve(owner), owner, rel),
+                           fetch=src.get_bytes if untrusted else None)
     data_files = files[:-2]
     total = copy_keys(src, dst, pairs(data_files), threads=threads, progress=progress,
                       deep=deep, existing=existing, check_source=check,
-                      rewrite=_reference_documents(manifest, src, run, ckpt_id))
+                      rewrite=_reference_documents(manifest, src, run, ckpt_id),
+                      untrusted=untrusted)
     total += copy_keys(src, dst, pairs([MANIFEST_NAME]), progress=progress, deep=deep,
-                       existing=existing, check_source=check)
+                       existing=existing, check_source=check, untrusted=untrusted)
     # Everything above is on dst and read back intact: only now may the copy become visible.
     total += copy_keys(src, dst, pairs([COMMIT_NAME]), progress=progress, deep=deep,
-                       existing=set(), check_source=check)
+                       existing=set(), check_source=check, untrusted=untrusted)
     logger.info("copied %s/%s from %s to %s: %s files, %s bytes",
                 run, ckpt_id, src.name, dst.name, len(files), total)
     return total

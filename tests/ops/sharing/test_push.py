@@ -19,7 +19,7 @@ from ckptstore.errors import (
     RemoteError,
     StorageError,
 )
-from ckptstore.ops.sharing.push import push_checkpoints, sync_run
+from ckptstore.ops.sharing.push import push_checkpoints
 from ckptstore.ops.sharing.remote import (
     add_remote,
     list_remotes,
@@ -28,6 +28,7 @@ from ckptstore.ops.sharing.remote import (
     store_id,
 )
 from ckptstore.ops.sharing.signing import generate_keypair, sign_checkpoint, verify_signature
+from ckptstore.ops.sharing.sync import sync_run
 from ckptstore.ops.upkeep.doctor import doctor
 from ckptstore.records import ReplicaState
 

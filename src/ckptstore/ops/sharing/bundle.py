@@ -13,19 +13,18 @@ bytes against ``manifest_digest`` (and the signature over it), and that both des
 chunks (:func:`ckptstore.ops.tiering.reencode.check_same_content`); the imported checkpoint
 keeps the original digest and its hot replica records the re-encoded one.
 
-Importing treats the tar as hostile. Reading the tar itself is bounded first: Python's
-``tarfile`` reads a PAX extended header or a GNU long name whole, at whatever size its header
-declares, and follows sparse maps of any length, so :class:`_BundleTarInfo` refuses extended
-headers over a few KiB, chains of them, global headers beyond a small total and every sparse
-format *before* ``tarfile`` allocates anything for them (a 2 MB ``.tar.gz`` can otherwise
-inflate a 512 MiB header). Before anything is written it then refuses members with
-absolute paths, ``..``, backslashes or odd names, anything but regular files (links, devices,
-FIFOs), members larger than their kind allows (each chunk exactly the size its manifest
-records), duplicates and unexpected files; it bounds the member count and checks the manifest
-(size, JSON nesting/item counts, digest against ``COMMITTED`` and the header) and, when asked,
-the Ed25519 signature. Files are then written one by one with exclusive, no-follow creates
-(never ``tarfile.extract``), every chunk is re-hashed, the Zarr metadata must be what the
+Importing treats the tar as hostile. The tar itself is read through
+:mod:`ckptstore.format.tarball` (extended headers bounded before ``tarfile`` allocates them,
+safe member names, regular files only, bounded member count). Before anything is written the
+importer then refuses members that are not a bundle's, members larger than their kind allows
+(each chunk exactly the size its manifest records) and unexpected files; it checks the
+manifest (size, JSON nesting/item counts, digest against ``COMMITTED`` and the header), when
+asked the Ed25519 signature, and every chunk's decoded content against the manifest's blake3
+(a chunk forged to keep its size and crc32c is refused here, naming checkpoint, tensor and
+chunk). Files are then written one by one with exclusive, no-follow creates (never
+``tarfile.extract``), every chunk is re-hashed on disk, the Zarr metadata must be what the
 manifest implies, and only then is the commit marker written and the catalog row committed.
+A failed import leaves nothing: no row, no file, no directory it created.
 
 Export and import stay in one module, long as it is: they are the two sides of one file
 format, and every rule the importer checks is a property the exporter writes.
@@ -39,8 +38,9 @@ import logging
 import os
 import shutil
 import tarfile
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import IO, Any
 
 from ckptstore.catalog.checks import check_metrics, check_step, check_tags
@@ -57,8 +57,15 @@ from ckptstore.errors import (
 from ckptstore.format import Manifest, read_manifest, verify_checkpoint
 from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, ZARR_JSON
 from ckptstore.format.manifest import manifest_digest
+from ckptstore.format.tarball import (
+    MAX_JSON_ITEMS,
+    HostileTarFile,
+    bounded_json,
+    open_hostile,
+    read_member,
+    scan_members,
+)
 from ckptstore.names import validate_name
-from ckptstore.numeric import float_or_none, is_decimal
 from ckptstore.ops.sharing.signing import (
     SIGNATURE_NAME,
     SignatureDoc,
@@ -87,20 +94,7 @@ _VERSION = 1
 _MAX_SMALL = 64 * 1024  # zarr.json, COMMITTED, SIGNATURE
 _MAX_HEADER = 16 * 1024 * 1024
 _DEFAULT_MAX_MEMBERS = 200_000
-# A JSON document costs ~100 bytes of Python objects per value: bound the values before
-# json.loads builds them, so a small hostile manifest cannot take gigabytes.
-_MAX_JSON_ITEMS = 4_000_000
 _COPY_BLOCK = 4 * 1024 * 1024
-# Extended tar headers, bounded before tarfile reads them (it reads each one whole). Our
-# exporter writes at most one small PAX header per member (a name over 100 characters); GNU
-# tar writes a long-name header, and git-style tools a small global one.
-_MAX_PAX_HEADER = 64 * 1024  # one PAX extended header
-_MAX_LONG_NAME = 4096  # one GNU long name or long link (member names are at most 1024)
-_MAX_HEADER_CHAIN = 8  # extended headers in front of one member
-_MAX_GLOBAL_HEADERS = 64 * 1024  # all PAX global headers together (they accumulate)
-# All extended headers of the archive together: what they carry (long names) stays in memory
-# with every member until the import ends. 8 MiB is ~30,000 names of 250 characters.
-_MAX_EXTENDED_TOTAL = 8 * 1024 * 1024
 
 
 # ---------------------------------------------------------------------- export
@@ -203,165 +197,18 @@ def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *
     return out
 
 
-# ---------------------------------------------------------------------- import: reading the tar
-class _BundleTarFile(tarfile.TarFile):
-    """A read-only ``TarFile`` that counts what its extended headers cost (see below)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # Set before TarFile.__init__, which already reads the first member.
-        self.header_chain = 0
-        self.global_header_bytes = 0
-        self.extended_bytes = 0
-        kwargs["tarinfo"] = _BundleTarInfo
-        super().__init__(*args, **kwargs)
-
-
-class _BundleTarInfo(tarfile.TarInfo):
-    """``TarInfo`` that checks an extended header's declared size before it is read.
-
-    ``TarInfo._proc_member`` is tarfile's documented extension point ("can be overridden in a
-    subclass"); it runs once per header block, before ``_proc_pax``/``_proc_gnulong`` read the
-    header's payload with a single ``read(size)``.
-    """
-
-    def _proc_member(self, tar: _BundleTarFile) -> tarfile.TarInfo:  # type: ignore[override]
-        size = self.size
-        if self.type == tarfile.GNUTYPE_SPARSE:
-            raise IntegrityError(f"bundle member {self.name!r} is a sparse file; refusing it")
-        if self.type in (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK):
-            if size > _MAX_LONG_NAME:
-                raise InvalidNameError(
-                    f"the bundle declares a {size}-byte GNU long name; member names are at "
-                    f"most {_MAX_LONG_NAME} bytes, refusing the bundle"
-                )
-        elif self.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE):
-            if size > _MAX_PAX_HEADER:
-                raise IntegrityError(
-                    f"the bundle declares a {size}-byte PAX extended header (at most "
-                    f"{_MAX_PAX_HEADER} are allowed); refusing the bundle"
-                )
-            if self.type == tarfile.XGLTYPE:
-                # Global headers stay in memory for the rest of the archive.
-                tar.global_header_bytes += size
-                if tar.global_header_bytes > _MAX_GLOBAL_HEADERS:
-                    raise IntegrityError(
-                        f"the bundle's PAX global headers exceed {_MAX_GLOBAL_HEADERS} bytes; "
-                        "refusing the bundle"
-                    )
-        else:
-            return super()._proc_member(tar)  # type: ignore[misc, no-any-return]
-        tar.extended_bytes += size
-        if tar.extended_bytes > _MAX_EXTENDED_TOTAL:
-            raise IntegrityError(
-                f"the bundle's extended tar headers exceed {_MAX_EXTENDED_TOTAL} bytes in "
-                "total; refusing the bundle"
-            )
-        # An extended header applies to the next header, which tarfile reads recursively:
-        # bound the chain (memory held per member, and the recursion depth).
-        tar.header_chain += 1
-        try:
-            if tar.header_chain > _MAX_HEADER_CHAIN:
-                raise IntegrityError(
-                    f"the bundle has more than {_MAX_HEADER_CHAIN} extended headers in front "
-                    "of one member; refusing the bundle"
-                )
-            return super()._proc_member(tar)  # type: ignore[misc, no-any-return]
-        finally:
-            tar.header_chain -= 1
-
-    def _apply_pax_info(self, pax_headers: dict[str, str], encoding: str,
-                        errors: str) -> None:
-        # tarfile converts these with int()/float(), which read non-ASCII digits, and turns
-        # a value it cannot read into 0: a member's size must be plain ASCII digits.
-        for key, value in pax_headers.items():
-            if key in ("size", "uid", "gid") and not is_decimal(value):
-                raise IntegrityError(f"the bundle's PAX header sets {key} to {value[:40]!r}, "
-                                     "not a decimal number; refusing the bundle")
-            if key in ("mtime", "atime", "ctime") and float_or_none(value) is None:
-                raise IntegrityError(f"the bundle's PAX header sets {key} to {value[:40]!r}, "
-                                     "not a number; refusing the bundle")
-        super()._apply_pax_info(pax_headers, encoding, errors)  # type: ignore[misc]
-
-    # PAX-encoded GNU sparse maps: version 1.0 is read from the member's data, number by
-    # number, without bound. Bundles never hold sparse files, so none is even parsed.
-    def _sparse(self, *_args: Any) -> None:
-        raise IntegrityError("the bundle holds a sparse file (GNU sparse PAX headers); "
-                             "bundles hold regular files only, refusing it")
-
-    _proc_gnusparse_00 = _proc_gnusparse_01 = _proc_gnusparse_10 = _sparse
-
-
 # ---------------------------------------------------------------------- import: checks
-def _member_name(info: tarfile.TarInfo) -> str:
-    """The member's path, or InvalidNameError if it could escape or is not one of ours."""
-    name = info.name
-    bad = (
-        not name
-        or name.startswith("/")
-        or "\\" in name
-        or "\x00" in name
-        or any(ord(ch) < 32 for ch in name)
-        or len(name) > 1024
-    )
-    parts = PurePosixPath(name).parts
-    if bad or any(p in ("..", ".", "") for p in name.split("/")) or not parts:
-        raise InvalidNameError(
-            f"bundle member {name!r} has an unsafe path (absolute, '..', backslash or control "
-            "characters); refusing the bundle"
-        )
+def _check_member_name(name: str) -> None:
+    """Refuse a (safe) member name that is not one of a bundle's."""
     if name != BUNDLE_HEADER and not name.startswith(_PREFIX):
         raise InvalidNameError(f"bundle member {name!r} is not part of a ckptstore bundle")
-    return name
-
-
-def _check_type(info: tarfile.TarInfo) -> None:
-    if info.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
-        kind = ("link" if info.issym() or info.islnk() else
-                "device" if info.isdev() else "directory" if info.isdir() else
-                "FIFO" if info.isfifo() else f"type {info.type!r}")
-        raise IntegrityError(
-            f"bundle member {info.name!r} is a {kind}; bundles hold regular files only, "
-            "refusing the bundle"
-        )
-    if info.sparse is not None:  # type: ignore[attr-defined]
-        raise IntegrityError(f"bundle member {info.name!r} is a sparse file; refusing it")
-
-
-def _read_member(tar: tarfile.TarFile, info: tarfile.TarInfo, limit: int) -> bytes:
-    if info.size > limit:
-        raise IntegrityError(
-            f"bundle member {info.name!r} is {info.size} bytes, over the {limit} bytes such a "
-            "file may have; refusing the bundle"
-        )
-    handle = tar.extractfile(info)
-    if handle is None:
-        raise IntegrityError(f"bundle member {info.name!r} cannot be read")
-    with handle:
-        data = handle.read(limit + 1)
-    if len(data) != info.size:
-        raise IntegrityError(f"bundle member {info.name!r} is truncated")
-    return data
-
-
-def _bounded_json(data: bytes, what: str, max_items: int = _MAX_JSON_ITEMS) -> Any:
-    items = data.count(b",") + data.count(b"{") + data.count(b"[")
-    if items > max_items:
-        raise IntegrityError(
-            f"{what} holds over {max_items} JSON values ({items}); refusing to parse it"
-        )
-    try:
-        return json.loads(data)
-    except RecursionError:
-        raise IntegrityError(f"{what} is nested too deeply") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise IntegrityError(f"{what} is not valid JSON: {exc}") from None
 
 
 def _parse_header(data: bytes, members: int) -> dict[str, Any]:
     # The header lists every member (three JSON values each) plus metrics and tags: bound
     # its values by the member count, so a small bundle cannot carry a huge header.
-    header = _bounded_json(data, f"the bundle header {BUNDLE_HEADER}",
-                           min(_MAX_JSON_ITEMS, 4 * members + 4096))
+    header = bounded_json(data, f"the bundle header {BUNDLE_HEADER}",
+                           min(MAX_JSON_ITEMS, 4 * members + 4096))
     if not isinstance(header, dict) or (header.get("format"), header.get("version")) != (
         _FORMAT, _VERSION
     ):
@@ -403,7 +250,7 @@ def _parse_manifest(data: bytes, marker: bytes, header: dict[str, Any]) -> Manif
             f"the bundle header names manifest {named}, but the manifest "
             f"has digest {digest}: the bundle was tampered with"
         )
-    _bounded_json(data, "the bundle's manifest")  # bounds the parse Manifest.from_json does
+    bounded_json(data, "the bundle's manifest")  # bounds the parse Manifest.from_json does
     manifest = Manifest.from_json(data)
     if is_reencoded(manifest) != ("copy_digest" in header) or (
             is_reencoded(manifest)
@@ -435,43 +282,25 @@ def _size_limits(manifest: Manifest) -> dict[str, int]:
     return limits
 
 
-def _scan(tar: tarfile.TarFile, max_members: int) -> dict[str, tarfile.TarInfo]:
-    members: dict[str, tarfile.TarInfo] = {}
-    count = 0
-    while True:
-        info = tar.next()
-        if info is None:
-            return members
-        count += 1
-        if count > max_members:
-            raise IntegrityError(f"the bundle has more than {max_members} members; refusing it")
-        name = _member_name(info)
-        _check_type(info)
-        if name in members:
-            raise IntegrityError(f"bundle member {name!r} appears twice; refusing the bundle")
-        members[name] = info
-
-
-def _precheck_content(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo],
+def _precheck_content(tar: HostileTarFile, members: dict[str, tarfile.TarInfo],
                       manifest: Manifest) -> None:
-    """Check every chunk's crc32c and the Zarr metadata straight from the tar, before the
-    catalog or the hot tier is touched (one chunk in memory at a time)."""
-    from ckptstore.format.codecs import TRAILER, crc32c_update
+    """Check every chunk (size, crc32c and its decoded content's blake3) and the Zarr
+    metadata straight from the tar, before the catalog or the hot tier is touched (one chunk
+    in memory at a time)."""
+    from ckptstore.format.chunkbytes import chunk_problem
     from ckptstore.format.zarrcheck import zarr_metadata_problems
 
     for array in manifest.arrays.values():
         for chunk in array.chunks:
             rel = array.chunk_path(chunk.i)
-            data = _read_member(tar, members[_PREFIX + rel], chunk.nbytes)
-            body, trailer = data[: -TRAILER.size], data[-TRAILER.size :]
-            crc = crc32c_update(memoryview(body), 0)
-            if crc != TRAILER.unpack(trailer)[0] or crc != chunk.crc32c:
+            data = read_member(tar, members[_PREFIX + rel], chunk.nbytes)
+            problem = chunk_problem(manifest, array.name, chunk.i, data)
+            if problem is not None:
                 raise IntegrityError(
-                    f"bundle member {_PREFIX + rel} (checkpoint {manifest.id}, tensors "
-                    f"{', '.join(manifest.tensors_in_chunk(array.name, chunk.i)[:3]) or '-'}) "
-                    "fails its crc32c: the bundle is damaged or was tampered with"
+                    f"bundle member {_PREFIX + rel}: {problem}: the bundle is damaged or was "
+                    "tampered with; refusing it"
                 )
-    docs = {rel: _read_member(tar, info, _MAX_SMALL)
+    docs = {rel: read_member(tar, info, _MAX_SMALL)
             for rel, info in ((n[len(_PREFIX):], i) for n, i in members.items())
             if rel.endswith(ZARR_JSON)}
     problems = zarr_metadata_problems(docs, manifest)
@@ -481,7 +310,7 @@ def _precheck_content(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo],
 
 
 # ---------------------------------------------------------------------- import: writing
-def _write_member(tar: tarfile.TarFile, info: tarfile.TarInfo, target: Path) -> None:
+def _write_member(tar: HostileTarFile, info: tarfile.TarInfo, target: Path) -> None:
     """Copy one member to ``target`` with an exclusive, no-follow create, fsynced."""
     target.parent.mkdir(parents=True, exist_ok=True)
     handle = tar.extractfile(info)
@@ -546,7 +375,7 @@ def import_bundle(
     if not path.is_file():
         raise StorageError(2, f"bundle {path} does not exist or is not a file")
     try:
-        with _BundleTarFile.open(path, "r:*") as tar:
+        with open_hostile(path, "bundle") as tar:
             return _import(store, tar, path, run, public_key, max_members, progress)
     except tarfile.TarError as exc:
         raise IntegrityError(f"{path} is not a valid tar bundle ({exc})") from exc
@@ -554,17 +383,17 @@ def import_bundle(
         raise IntegrityError(f"{path} is truncated ({exc})") from exc
 
 
-def _import(store: StoreCore, tar: tarfile.TarFile, path: Path, run: str | None,
+def _import(store: StoreCore, tar: HostileTarFile, path: Path, run: str | None,
             public_key: Any, max_members: int, progress: Progress | None) -> Checkpoint:
-    members = _scan(tar, max_members)
+    members = scan_members(tar, max_members, _check_member_name)
     if BUNDLE_HEADER not in members:
         raise IntegrityError(f"{path} has no {BUNDLE_HEADER}: it is not a ckptstore bundle")
-    header = _parse_header(_read_member(tar, members[BUNDLE_HEADER], _MAX_HEADER), len(members))
+    header = _parse_header(read_member(tar, members[BUNDLE_HEADER], _MAX_HEADER), len(members))
     for rel in (MANIFEST_NAME, COMMIT_NAME):
         if _PREFIX + rel not in members:
             raise IntegrityError(f"the bundle has no {rel}; refusing it")
-    manifest_bytes = _read_member(tar, members[_PREFIX + MANIFEST_NAME], MAX_MANIFEST_BYTES)
-    marker = _read_member(tar, members[_PREFIX + COMMIT_NAME], _MAX_SMALL)
+    manifest_bytes = read_member(tar, members[_PREFIX + MANIFEST_NAME], MAX_MANIFEST_BYTES)
+    marker = read_member(tar, members[_PREFIX + COMMIT_NAME], _MAX_SMALL)
     manifest = _parse_manifest(manifest_bytes, marker, header)
     limits = _size_limits(manifest)
     expected = set(owned_files(manifest))
@@ -588,7 +417,7 @@ def _import(store: StoreCore, tar: tarfile.TarFile, path: Path, run: str | None,
                                  "allowed; refusing the bundle")
     signature: SignatureDoc | None = None
     if SIGNATURE_NAME in present:
-        signature = SignatureDoc.parse(_read_member(tar, members[_PREFIX + SIGNATURE_NAME],
+        signature = SignatureDoc.parse(read_member(tar, members[_PREFIX + SIGNATURE_NAME],
                                                     _MAX_SMALL))
     digest = manifest.digest
     # The checkpoint's identity: its original manifest (the copy's own when not re-encoded).
@@ -596,7 +425,7 @@ def _import(store: StoreCore, tar: tarfile.TarFile, path: Path, run: str | None,
     if is_reencoded(manifest):
         original = check_original(
             manifest,
-            _read_member(tar, members[_PREFIX + ORIGINAL_MANIFEST_NAME], MAX_MANIFEST_BYTES),
+            read_member(tar, members[_PREFIX + ORIGINAL_MANIFEST_NAME], MAX_MANIFEST_BYTES),
             header["manifest_digest"],
         )
     own = original.digest
@@ -612,11 +441,13 @@ def _import(store: StoreCore, tar: tarfile.TarFile, path: Path, run: str | None,
     if existing is not None:
         logger.info("bundle %s is already in the store as %s", path, existing.ref)
         return existing
+    directory = store.checkpoint_dir(target_run, manifest.id)
+    before = _Before(run_dir=directory.parent.exists(), ck_dir=os.path.lexists(directory),
+                     run=_has_run(store, target_run))
     ck = store.catalog.begin_checkpoint(
         target_run, manifest.step, ckpt_id=manifest.id, metrics=header["metrics"],
         tags=tuple(header["tags"]), codec=original.codec, kind="full",
     )
-    directory = store.checkpoint_dir(target_run, ck.id)
     announce_total(progress, sum(members[_PREFIX + rel].size for rel in present))
     try:
         _extract(tar, members, present, directory, store.hot, progress)
@@ -634,7 +465,7 @@ def _import(store: StoreCore, tar: tarfile.TarFile, path: Path, run: str | None,
             # What landed on disk, not only what the tar held, must prove the original.
             check_original(manifest, (directory / ORIGINAL_MANIFEST_NAME).read_bytes(), own)
     except BaseException as exc:
-        _abandon(store, ck.id, directory, exc)
+        _abandon(store, ck, directory, exc, before)
         if isinstance(exc, OSError) and not isinstance(exc, CkptError):
             raise StorageError(exc.errno or 5, f"importing {path} failed: {exc}") from exc
         raise
@@ -673,7 +504,7 @@ def _existing(store: StoreCore, ckpt_id: str, digest: str) -> Checkpoint | None:
     )
 
 
-def _extract(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], present: set[str],
+def _extract(tar: HostileTarFile, members: dict[str, tarfile.TarInfo], present: set[str],
              directory: Path, root: Path, progress: Progress | None) -> None:
     directory.mkdir(parents=True, exist_ok=False)
     resolved_root = root.resolve()
@@ -688,10 +519,39 @@ def _extract(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], present:
             progress(members[_PREFIX + rel].size)
 
 
-def _abandon(store: StoreCore, ckpt_id: str, directory: Path, exc: BaseException) -> None:
+def _has_run(store: StoreCore, run: str) -> bool:
     try:
-        store.catalog.fail_checkpoint(ckpt_id, f"bundle import failed: {type(exc).__name__}")
-    except CkptError:  # the catalog may be what failed; gc finishes the job
-        logger.warning("could not mark imported checkpoint %s FAILED", ckpt_id, exc_info=True)
-    if directory.is_dir() and not directory.is_symlink():
+        store.catalog.get_run(run)
+    except CheckpointNotFoundError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class _Before:
+    """What existed before an import began, so a failed one removes only what it made."""
+
+    run_dir: bool
+    ck_dir: bool
+    run: bool
+
+
+def _abandon(store: StoreCore, ck: Checkpoint, directory: Path, exc: BaseException,
+             before: _Before) -> None:
+    """Leave the store as it was before the import: the checkpoint directory, run directory
+    and run it created go (what was there before stays), and so does its row."""
+    if not before.ck_dir and directory.is_dir() and not directory.is_symlink():
         shutil.rmtree(directory, ignore_errors=True)
+    if not before.run_dir:
+        try:
+            directory.parent.rmdir()  # only when empty: another writer may use it now
+        except OSError:
+            pass
+    try:
+        store.catalog.fail_checkpoint(ck.id, f"bundle import failed: {type(exc).__name__}")
+        store.catalog.forget_failed_arrival(ck.id)
+        if not before.run:
+            store.catalog.forget_empty_run(ck.run)
+    except CkptError:  # the catalog may be what failed; gc finishes the job
+        logger.warning("could not remove the row of imported checkpoint %s", ck.id,
+                       exc_info=True)

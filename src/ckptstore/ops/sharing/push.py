@@ -1,36 +1,54 @@
 """Push and pull: copy checkpoints, with their metadata, from one store into another.
 
 Both directions are one operation, :func:`push_checkpoints` (a pull is a push from the
-remote into this store). Per checkpoint, as :mod:`ckptstore.ops.tiering.archive` does between tiers:
+remote into this store). The other store is untrusted: its catalog and its files are
+checked, never believed. Per checkpoint, as :mod:`ckptstore.ops.tiering.archive` does
+between tiers, and more:
 
+0. **Stores apart.** No tier of one store may be the same as, inside or above a tier of the
+   other (:mod:`ckptstore.ops.sharing.overlap`), checked on every push, pull and sync: a
+   remote's config can change after it was added.
 1. **Nothing twice.** A checkpoint keeps its id in the other store (signatures sign ids and
    lineage names them). One COMMITTED there with the same manifest digest is skipped; one
-   with another digest is a :class:`~ckptstore.errors.ConflictError`.
+   with another digest is a :class:`~ckptstore.errors.ConflictError`. One the destination
+   pruned (DELETED) is history, not a conflict: sending it again makes it present again
+   under the same id, if its content is the same (``revived`` event). A sync
+   (:mod:`ckptstore.ops.sharing.sync`) leaves what the destination pruned pruned.
 2. **Bases first.** A delta (xor, lossy) or dedup'd checkpoint reads chunks that its bases
    own; those bases are pushed first, whole, so each arrives as a checkpoint the destination
    can load. With ``self_contained`` the checkpoint is instead re-encoded into a copy holding
-   every chunk it reads (:func:`ckptstore.ops.tiering.reencode.reencode_copy`).
-3. **Signatures before bytes.** With ``require_signature`` (a trusted public key of the
-   destination) the checkpoint's signature (its ``SIGNATURE`` file or ``signed`` event) must
-   verify against its id and manifest digest before anything is written; the manifest read
-   from the source is checked against that digest, and every chunk against the manifest.
+   every chunk it reads (:func:`ckptstore.ops.tiering.reencode.reencode_copy`); so is one
+   whose base the source pruned and the destination lacks (its chunks are still readable
+   at the source, but no base checkpoint can arrive first).
+3. **Identity before bytes.** The source copy's manifest must hash to the digest the source
+   catalog records, name the checkpoint's id and, for a re-encoded copy, carry the original
+   manifest with that digest describing the same chunks. With ``require_signature`` (a
+   trusted public key of the destination) the checkpoint's signature (its ``SIGNATURE``
+   file or ``signed`` event) must verify against its id and that digest before anything is
+   written.
 4. **A PENDING row, under a lease.** The destination gets a PENDING row with the same id (not
    listed, loaded or used as a base) and a ``push`` lease on it: a second push of the same
    checkpoint finds the row and the lease and is refused (:class:`LeaseHeldError`) instead of
    copying alongside. A lease whose holder died is taken over (:mod:`ckptstore.ops.leases`).
 5. **Copy, verify, commit.** Only files the destination lacks are written
    (:func:`ckptstore.storage.transfer.copy_keys` keeps every file already there that matches,
-   so the chunks a fine-tune shares with its pushed base never travel again); each is read
-   back and compared; the copy's manifest and marker are checked on the destination; then
-   the row is committed with the source's metadata (step, metrics, tags, lossy bounds), the
-   run gets its code/data versions, signatures arrive as ``signed`` events and lineage edges
-   whose other end the destination holds are added. A parent or edge to a checkpoint the
-   destination lacks is kept as a reference to the source store in the ``received`` event.
+   so the chunks a fine-tune shares with its pushed base never travel again). Every chunk
+   read from the source must decode to content whose blake3 is the manifest's (size and
+   crc32c only guard transport: they can be forged), and what lands is read back and
+   compared by blake3; the copy's manifest and marker are checked on the destination; then
+   the row is committed. What it records comes from the verified manifest (step, sizes,
+   codec, kind, lossy bounds), never from the other catalog, except what only a catalog
+   knows (metrics, tags, run versions: checked like any catalog input). Signatures arrive
+   as ``signed`` events and lineage edges whose other end the destination holds are added.
+   A parent or edge to a checkpoint the destination lacks is kept as a reference to the
+   source store in the ``received`` event.
 
-A failure removes what this run wrote for the checkpoint and deletes its row: nothing becomes
-visible. A crash (kill point ``push.*`` in :mod:`ckptstore.faultpoints`) leaves a PENDING
-row and some files; rerunning the push takes the dead pusher's lease over, keeps the files
-that match, and completes.
+A failure removes exactly what this run wrote for the checkpoint (files and the directories
+they needed, :class:`~ckptstore.storage.writelog.WriteLog`: never a file it did not create)
+and its row (a revived row returns to DELETED; a run the arrival created goes too): the
+destination is as before. A crash (kill point ``push.*`` in :mod:`ckptstore.faultpoints`)
+leaves a PENDING row and some files; rerunning the push takes the dead pusher's lease over,
+keeps the files that match, and completes.
 """
 
 from __future__ import annotations
@@ -39,7 +57,6 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +76,8 @@ from ckptstore.errors import (
 from ckptstore.faultpoints import fault_point
 from ckptstore.format import Manifest
 from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME
-from ckptstore.ops.leases import acquire_lease, lease_owner
+from ckptstore.ops.leases import RenewingLease, lease_owner
+from ckptstore.ops.sharing.overlap import check_no_overlap
 from ckptstore.ops.sharing.remote import store_id
 from ckptstore.ops.sharing.signing import (
     SIGNATURE_NAME,
@@ -67,21 +85,26 @@ from ckptstore.ops.sharing.signing import (
     check_signature,
     load_public_key,
 )
-from ckptstore.ops.tiering.reencode import check_codec, reencode_copy
+from ckptstore.ops.tiering.reencode import (
+    check_codec,
+    check_original,
+    is_reencoded,
+    original_manifest_bytes,
+    reencode_copy,
+)
 from ckptstore.ops.tiering.replicas import manifest_on, run_resolver
+from ckptstore.ops.writing.delta import lossy_record
 from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
 from ckptstore.storage import Tier, copy_checkpoint
 from ckptstore.storage.transfer import copy_foreign_chunks, require_foreign_chunks
+from ckptstore.storage.writelog import WriteLog
 
 __all__ = [
     "LEASE_PURPOSE",
     "PushReport",
-    "SyncSelection",
     "push_checkpoints",
     "source_tier",
-    "sync_run",
-    "sync_selection",
 ]
 
 logger = logging.getLogger(__name__)
@@ -110,6 +133,8 @@ class PushReport:
             intact are not counted: a fine-tune after its base sends only its new chunks).
         files_sent: Files actually written.
         lineage_elsewhere: Id -> parents and edges kept as references to the source store.
+        revived: Ids the destination had pruned and holds again (among ``pushed``).
+        pruned_there: Ids a sync left alone because the destination pruned them.
     """
 
     remote: str
@@ -121,13 +146,20 @@ class PushReport:
     bytes_sent: int = 0
     files_sent: int = 0
     lineage_elsewhere: dict[str, list[dict[str, str]]] = field(default_factory=dict)
+    revived: list[str] = field(default_factory=list)
+    pruned_there: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         """One line for logs and the CLI."""
         arrow = "->" if self.direction == "push" else "<-"
-        return (f"{self.direction} {arrow} {self.remote} ({self.tier}): {len(self.pushed)} "
+        text = (f"{self.direction} {arrow} {self.remote} ({self.tier}): {len(self.pushed)} "
                 f"copied, {len(self.present)} already there, {self.bytes_sent} bytes in "
                 f"{self.files_sent} files sent")
+        if self.revived:
+            text += f"; {len(self.revived)} pruned there before, present again"
+        if self.pruned_there:
+            text += f"; {len(self.pruned_there)} pruned there, left so"
+        return text
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready form (``--json``)."""
@@ -135,7 +167,8 @@ class PushReport:
                 "pushed": list(self.pushed), "present": list(self.present),
                 "self_contained": list(self.self_contained), "bytes_sent": self.bytes_sent,
                 "files_sent": self.files_sent,
-                "lineage_elsewhere": {k: list(v) for k, v in self.lineage_elsewhere.items()}}
+                "lineage_elsewhere": {k: list(v) for k, v in self.lineage_elsewhere.items()},
+                "revived": list(self.revived), "pruned_there": list(self.pruned_there)}
 
 
 def source_tier(store: StoreCore, ck: Checkpoint) -> Tier:
@@ -165,28 +198,6 @@ def source_tier(store: StoreCore, ck: Checkpoint) -> Tier:
     )
 
 
-class _Lease:
-    """The destination's ``push`` lease on one checkpoint, renewed while bytes move."""
-
-    def __init__(self, store: StoreCore, ckpt_id: str, owner: str, ttl_s: float) -> None:
-        self._store, self._id, self._owner, self._ttl = store, ckpt_id, owner, ttl_s
-        self._renewed = time.monotonic()
-
-    def acquire(self) -> bool:
-        self._renewed = time.monotonic()
-        return acquire_lease(self._store, self._id, LEASE_PURPOSE, self._owner, self._ttl)
-
-    def touch(self) -> None:
-        if time.monotonic() - self._renewed > self._ttl / 3:
-            self.acquire()
-
-    def release(self) -> None:
-        try:
-            self._store.catalog.release_lease(self._id, LEASE_PURPOSE, self._owner)
-        except CkptError:  # expiry frees it anyway
-            logger.warning("could not release the push lease on %s", self._id, exc_info=True)
-
-
 @dataclass
 class _Push:
     """One push run: both stores, its options and its report."""
@@ -203,6 +214,7 @@ class _Push:
     deep: bool
     threads: int
     lease_ttl_s: float
+    keep_pruned: bool = False
     visited: set[str] = field(default_factory=set)
     # Files are written from the transfer threads of storage/transfer.py.
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -277,74 +289,137 @@ def _check_signature(ctx: _Push, ck: Checkpoint, docs: list[SignatureDoc],
         check_signature(doc, ck.id, ck.manifest_digest, ctx.public_key)
 
 
-def _begin(ctx: _Push, ck: Checkpoint, kind: str, base_id: str | None) -> Checkpoint:
-    """The PENDING destination row for ``ck``, new or left by a dead push, leased by us."""
-    dst = ctx.dst
+def _identity(ck: Checkpoint, src_tier: Tier, manifest: Manifest) -> Manifest:
+    """The checkpoint's own manifest, proven from the source copy's one.
+
+    ``manifest`` hashes to what the source catalog records for the copy
+    (:func:`~ckptstore.ops.tiering.replicas.manifest_on`). Here the checkpoint's own
+    manifest bytes (the copy's, or the original a re-encoded copy carries) must hash to the
+    checkpoint's digest, which a signature signs, and name the checkpoint; a re-encoded
+    copy must describe the same chunks (:func:`~ckptstore.ops.tiering.reencode.check_original`).
+
+    Raises:
+        IntegrityError: If any of that does not hold.
+    """
+    assert ck.manifest_digest is not None
+    data = original_manifest_bytes(src_tier, ck.run, manifest, ck.manifest_digest)
+    original = (check_original(manifest, data, ck.manifest_digest) if is_reencoded(manifest)
+                else manifest)
+    if original.id != ck.id or manifest.id != ck.id:
+        raise IntegrityError(
+            f"the source's manifest for checkpoint {ck.id} describes checkpoint "
+            f"{original.id}: the other store's catalog and files disagree; not copying it")
+    if original.files:
+        raise IntegrityError(
+            f"checkpoint {ck.ref} ({ck.id}) holds files of another layout (DCP) that its "
+            "manifest pins by size and crc32c only, which cannot prove them against forgery; "
+            "it cannot be verified on arrival. Share a copy in the regular layout instead "
+            f"(`ckpt convert {ck.ref} --codec zstd-1` makes one)")
+    return original
+
+
+def _begin(ctx: _Push, ck: Checkpoint, identity: Manifest, kind: str,
+           base_id: str | None) -> tuple[Checkpoint, bool, bool]:
+    """The PENDING destination row for ``ck``: new, left by a dead push, or a pruned one
+    revived. Returns it, whether it was revived and whether its run was created for it."""
+    dst, tier = ctx.dst, ctx.dst_tier
     found = _at_destination(dst, ck.id)
     if found is not None and found.state == CheckpointState.FAILED:
         dst.catalog.forget_failed_arrival(ck.id)
         found = None
+    if found is not None and found.state == CheckpointState.DELETED:
+        assert ck.manifest_digest is not None
+        revived = dst.catalog.revive_arrival(
+            ck.id, ck.manifest_digest, kind=kind, base_id=base_id, tier=tier.name,
+            uri=tier.uri_for(ck.run, ck.id),
+            detail={"from_store": store_id(ctx.src), "tier": tier.name,
+                    "direction": ctx.report.direction})
+        if revived is not None:
+            logger.info("%s: %s (%s) was pruned at the destination; it arrives again",
+                        ctx.report.remote, found.ref, ck.id)
+            return revived, True, False
+        found = _at_destination(dst, ck.id)
+    run_created = False
     if found is None:
+        run_created = not _run_exists(dst, ck.run)
         parent = ck.parent_id
         if parent is not None and _at_destination(dst, parent) is None:
             parent = None  # kept as a reference to the source store (see _lineage)
+        lossy = lossy_record(identity)
         try:
             found = dst.catalog.begin_checkpoint(
-                ck.run, ck.step, ckpt_id=ck.id, metrics=ck.metrics, tags=ck.tags,
-                parent_id=parent, kind=kind, base_id=base_id, codec=ck.codec,
-                lossy=ck.lossy, error_bound=ck.error_bound, tier=ctx.dst_tier.name,
-                uri=ctx.dst_tier.uri_for(ck.run, ck.id),
+                ck.run, identity.step, ckpt_id=ck.id, metrics=ck.metrics, tags=ck.tags,
+                parent_id=parent, kind=kind, base_id=base_id, codec=identity.codec,
+                lossy=lossy["lossy"], error_bound=lossy.get("error_bound"), tier=tier.name,
+                uri=tier.uri_for(ck.run, ck.id),
             )
         except ConflictError:
             # Another push began the same checkpoint a moment ago: its lease decides.
             found = dst.catalog.get_any(ck.id)
+            run_created = False
     if found.state != CheckpointState.PENDING:
-        raise ConflictError(f"checkpoint {ck.id} became {found.state} at the destination "
-                            "while this push started; rerun the push")
-    return found
+        raise ConflictError(f"checkpoint {ck.id} is {found.state} at the destination (a "
+                            "prune or another push is at work there); rerun the push once "
+                            "it is done")
+    return found, False, run_created
 
 
-def _discard(ctx: _Push, ck: Checkpoint) -> None:
-    """Remove this checkpoint's files and row from the destination; best effort."""
-    tier = ctx.dst_tier
+def _run_exists(store: StoreCore, run: str) -> bool:
     try:
-        tier.delete(tier.key_for(ck.run, ck.id, COMMIT_NAME))
-        tier.delete_keys(tier.list_prefix(tier.prefix_for(ck.run, ck.id)))
-        tier.abort_multipart_uploads(tier.prefix_for(ck.run, ck.id))
+        store.catalog.get_run(run)
+    except CheckpointNotFoundError:
+        return False
+    return True
+
+
+def _discard(ctx: _Push, ck: Checkpoint, log: WriteLog, *, revived: bool,
+             run_created: bool) -> None:
+    """Undo this arrival at the destination: the files it wrote (and only those), then its
+    row (a revived one returns to DELETED) and the run it created; best effort."""
+    try:
+        log.undo()
+        ctx.dst_tier.abort_multipart_uploads(ctx.dst_tier.prefix_for(ck.run, ck.id))
     except MissingExtraError:
         pass
     except CkptError as exc:
         logger.warning("could not remove the partial copy of %s at the destination (%s); a "
                        "rerun reuses or replaces it", ck.ref, exc)
     try:
-        ctx.dst.catalog.fail_checkpoint(ck.id, "push failed")
-        ctx.dst.catalog.forget_failed_arrival(ck.id)
+        if revived:
+            ctx.dst.catalog.bury_arrival(ck.id, "push failed")
+        else:
+            ctx.dst.catalog.fail_checkpoint(ck.id, "push failed")
+            ctx.dst.catalog.forget_failed_arrival(ck.id)
+            if run_created:
+                ctx.dst.catalog.forget_empty_run(ck.run)
     except CkptError as exc:
         logger.warning("could not remove the destination row of %s (%s); the next push "
                        "takes it over", ck.ref, exc)
 
 
-def _copy(ctx: _Push, ck: Checkpoint, src_tier: Tier, manifest: Manifest,
-          lease: _Lease) -> tuple[int, str | None]:
-    """Copy ``ck``'s files to the destination tier; returns (bytes, copy's own digest)."""
+def _copy(ctx: _Push, ck: Checkpoint, src_tier: Tier, manifest: Manifest, dst: WriteLog,
+          lease: RenewingLease, contained: bool) -> tuple[int, str | None]:
+    """Copy ``ck``'s files to the destination tier (through ``dst``, which records what is
+    written); returns (bytes, copy's own digest)."""
     run_of = run_resolver(ctx.src, ck)
 
     def tick(nbytes: int) -> None:
         lease.touch()
         ctx.sent(nbytes)
 
-    if ctx.self_contained and manifest.referenced_checkpoints():
-        result = reencode_copy(src_tier, ctx.dst_tier, ck.run, manifest, ctx.codec,
+    if contained:
+        # The re-encoder decodes every chunk and checks its content's blake3 on the way.
+        result = reencode_copy(src_tier, dst, ck.run, manifest, ctx.codec,
                                run_of=run_of, own_digest=ck.manifest_digest,
-                               threads=ctx.threads, progress=tick, deep=ctx.deep)
+                               threads=ctx.threads, progress=tick, deep=True)
         ctx.report.self_contained.append(ck.id)
         return result.bytes, result.manifest.digest
     # Chunks of the bases: already there when the bases were pushed (then only read back).
-    copy_foreign_chunks(src_tier, ctx.dst_tier, manifest, run_of, threads=ctx.threads,
-                        progress=tick, deep=ctx.deep)
+    copy_foreign_chunks(src_tier, dst, manifest, run_of, threads=ctx.threads,
+                        progress=tick, deep=ctx.deep, untrusted=True)
     fault_point("push.foreign_copied")
-    nbytes = copy_checkpoint(src_tier, ctx.dst_tier, ck.run, ck.id, manifest,
-                             threads=ctx.threads, progress=tick, deep=ctx.deep, run_of=run_of)
+    nbytes = copy_checkpoint(src_tier, dst, ck.run, ck.id, manifest, threads=ctx.threads,
+                             progress=tick, deep=ctx.deep, run_of=run_of, untrusted=True)
     return nbytes, manifest.digest
 
 
@@ -418,7 +493,26 @@ def _record(ctx: _Push, ck: Checkpoint, docs: list[SignatureDoc], nbytes: int,
     )
 
 
-def _push_one(ctx: _Push, ckpt_id: str) -> None:
+def _bases_there(ctx: _Push, bases: set[str]) -> bool:
+    """Push ``bases`` first (oldest first); False when one can arrive neither way: the
+    source pruned it (its chunks stay readable there) and the destination lacks it."""
+    rows = {b: ctx.src.catalog.get_any(b) for b in bases}
+    for base in sorted(bases, key=lambda i: rows[i].created_at):
+        if rows[base].state == CheckpointState.COMMITTED:
+            continue
+        there = _at_destination(ctx.dst, base)
+        if there is None or there.state != CheckpointState.COMMITTED:
+            logger.info("%s: base %s was pruned at the source and is not at the "
+                        "destination; sending a self-contained copy instead",
+                        ctx.report.remote, base)
+            return False
+    for base in sorted(bases, key=lambda i: rows[i].created_at):
+        if rows[base].state == CheckpointState.COMMITTED:
+            _push_one(ctx, base, selected=False)
+    return True
+
+
+def _push_one(ctx: _Push, ckpt_id: str, *, selected: bool = True) -> None:
     if ckpt_id in ctx.visited:
         return
     ctx.visited.add(ckpt_id)
@@ -437,21 +531,25 @@ def _push_one(ctx: _Push, ckpt_id: str) -> None:
         replica = there.replica(ctx.dst_tier.name)
         _record(ctx, ck, _signatures(ctx.src, ck)[0], replica.bytes if replica else 0, 0)
         return
+    if (there is not None and there.state == CheckpointState.DELETED and selected
+            and ctx.keep_pruned):
+        ctx.report.pruned_there.append(ck.id)
+        return
     src_tier = source_tier(ctx.src, ck)
     manifest = manifest_on(src_tier, ck)
+    identity = _identity(ck, src_tier, manifest)
     contained = ctx.self_contained and bool(manifest.referenced_checkpoints())
     if not contained:
         # Bases first: the copy's chunk references must land on committed checkpoints.
         bases = set(manifest.referenced_checkpoints())
-        if ck.base_id is not None:
-            bases.add(ck.base_id)
-        for base in sorted(bases, key=lambda i: ctx.src.catalog.get_any(i).created_at):
-            _push_one(ctx, base)
+        if identity.base_id is not None:
+            bases.add(identity.base_id)
+        contained = not _bases_there(ctx, bases)
     docs, problems = _signatures(ctx.src, ck)
     _check_signature(ctx, ck, docs, problems)  # before a single byte is written
-    kind, base_id = ("full", None) if contained else (ck.kind, ck.base_id)
-    row = _begin(ctx, ck, kind, base_id)
-    lease = _Lease(ctx.dst, row.id, ctx.owner, ctx.lease_ttl_s)
+    kind, base_id = ("full", None) if contained else (identity.kind, identity.base_id)
+    row, revived, run_created = _begin(ctx, ck, identity, kind, base_id)
+    lease = RenewingLease(ctx.dst, row.id, LEASE_PURPOSE, ctx.owner, ctx.lease_ttl_s)
     if not lease.acquire():
         holder = ctx.dst.catalog.lease_holder(row.id, LEASE_PURPOSE)
         raise LeaseHeldError(
@@ -459,22 +557,23 @@ def _push_one(ctx: _Push, ckpt_id: str) -> None:
             f"{holder}; wait for that push (or for its lease to expire) and rerun")
     fault_point("push.begun")
     sent_before = ctx.report.bytes_sent
+    log = WriteLog(ctx.dst_tier)
     try:
-        nbytes, digest = _copy(ctx, ck, src_tier, manifest, lease)
+        nbytes, digest = _copy(ctx, ck, src_tier, manifest, log, lease, contained)
         fault_point("push.copied")
         assert digest is not None
         _verify_destination(ctx, ck, manifest, digest)
         fault_point("push.verified")
     except BaseException:
-        _discard(ctx, ck)
+        _discard(ctx, ck, log, revived=revived, run_created=run_created)
         lease.release()
         raise
     try:
+        # Everything recorded comes from the verified manifest, not the other catalog.
         ctx.dst.catalog.commit_checkpoint(
-            ck.id, manifest_digest=ck.manifest_digest, logical_bytes=ck.logical_bytes,
-            stored_bytes=ck.stored_bytes, tier=ctx.dst_tier.name, replica_bytes=nbytes,
-            uri=ctx.dst_tier.uri_for(ck.run, ck.id), lossy=ck.lossy,
-            error_bound=ck.error_bound, lossy_scope=ck.lossy_scope,
+            ck.id, manifest_digest=ck.manifest_digest, logical_bytes=identity.logical_bytes,
+            stored_bytes=identity.stored_bytes, tier=ctx.dst_tier.name, replica_bytes=nbytes,
+            uri=ctx.dst_tier.uri_for(ck.run, ck.id), **lossy_record(identity),
         )
         if digest != ck.manifest_digest:
             # A self-contained copy holds a re-encoded manifest; until this update a reader
@@ -486,6 +585,8 @@ def _push_one(ctx: _Push, ckpt_id: str) -> None:
     finally:
         lease.release()
     ctx.report.pushed.append(ck.id)
+    if revived:
+        ctx.report.revived.append(ck.id)
     logger.info("%s: %s (%s) copied to the %s tier, %d bytes sent", ctx.report.remote,
                 ck.ref, ck.id, ctx.dst_tier.name, ctx.report.bytes_sent - sent_before)
 
@@ -513,6 +614,7 @@ def push_checkpoints(
     threads: int = 4,
     owner: str | None = None,
     lease_ttl_s: float = LEASE_TTL_S,
+    keep_pruned: bool = False,
 ) -> PushReport:
     """Copy checkpoints of ``src`` (with their bases) into ``dst``: copy → verify → commit.
 
@@ -534,6 +636,8 @@ def push_checkpoints(
         threads: Parallel transfers per checkpoint.
         owner: Lease owner (default: unique per call).
         lease_ttl_s: Lease length; renewed while copying.
+        keep_pruned: Leave a checkpoint of ``refs`` that the destination pruned as it is
+            (reported in ``pruned_there``) instead of sending it again (what a sync does).
 
     Returns:
         The :class:`PushReport`.
@@ -542,8 +646,12 @@ def push_checkpoints(
         CheckpointNotFoundError: If a reference does not resolve or a checkpoint has no
             readable copy.
         ConfigError: If the destination tier is not configured or ``codec`` is unknown.
-        IntegrityError: If a signature is required and missing or invalid, or a copy does
-            not verify (nothing of that checkpoint is then visible at the destination).
+        IntegrityError: If a signature is required and missing or invalid, the source's
+            manifest is not the checkpoint's, a source chunk's content does not hash to the
+            manifest's blake3 (naming checkpoint, tensor and chunk), or a copy does not
+            verify (nothing of that checkpoint is then visible at the destination).
+        RemoteError: If the two are one store, or a tier of one overlaps a tier of the
+            other.
         LeaseHeldError: If another push of the same checkpoint is in progress.
         ConflictError: If the destination holds a different checkpoint under the same id.
         StorageError: If a tier or catalog fails (rerun to resume).
@@ -554,6 +662,8 @@ def push_checkpoints(
         from ckptstore.errors import RemoteError
 
         raise RemoteError(f"remote {remote!r} is this very store; nothing to copy")
+    mine, theirs = (dst, src) if direction == "pull" else (src, dst)
+    check_no_overlap(mine.settings, theirs.settings, remote)
     public_key = load_public_key(require_signature) if require_signature is not None else None
     checkpoints = [src.catalog.get(ref) for ref in refs]
     dst_tier = _destination_tier(dst, tier)
@@ -561,7 +671,7 @@ def push_checkpoints(
     ctx = _Push(src=src, dst=dst, dst_tier=dst_tier, report=report,
                 owner=lease_owner(owner), self_contained=self_contained, codec=codec,
                 public_key=public_key, progress=progress, deep=deep, threads=threads,
-                lease_ttl_s=lease_ttl_s)
+                lease_ttl_s=lease_ttl_s, keep_pruned=keep_pruned)
     announce_total(progress, sum(ck.stored_bytes for ck in checkpoints))
     for ck in sorted(checkpoints, key=lambda c: (c.created_at, c.version)):
         try:
@@ -571,99 +681,3 @@ def push_checkpoints(
             raise
     logger.info("%s", report.summary())
     return report
-
-
-@dataclass(frozen=True)
-class SyncSelection:
-    """What one sync pushes: to which remotes, which runs, and of each run which checkpoints.
-
-    Attributes:
-        remotes: Remote names.
-        runs: Run names.
-        best: Only each run's best checkpoint by this metric (None: every committed one).
-        mode: ``min`` or ``max`` for ``best``.
-        tag: Only checkpoints with this tag.
-    """
-
-    remotes: list[str]
-    runs: list[str]
-    best: str | None
-    mode: str
-    tag: str | None
-
-
-def sync_selection(
-    store: StoreCore,
-    *,
-    remote: str | None = None,
-    runs: list[str] | None = None,
-    best: str | None = None,
-    mode: str | None = None,
-    tag: str | None = None,
-) -> SyncSelection:
-    """What a sync pushes: each argument given, else the store's ``sync`` setting, else all.
-
-    A scheduled sync is started without arguments, so the config's ``[sync]`` table is how
-    an operator selects runs and bests for it.
-
-    Raises:
-        RemoteError: If the remote (given or configured) is not a remote of the store.
-    """
-    config = store.settings.sync
-    remote = remote if remote is not None else config.get("remote")
-    if remote is not None:
-        store.catalog.remote(remote)  # unknown: fails before anything is pushed
-        remotes = [remote]
-    else:
-        remotes = [r.name for r in store.catalog.remotes()]
-    chosen = runs if runs is not None else config.get("runs")
-    names = list(chosen) if chosen is not None else [r.name for r in store.catalog.runs()]
-    return SyncSelection(
-        remotes=remotes,
-        runs=names,
-        best=best if best is not None else config.get("best"),
-        mode=mode if mode is not None else config.get("mode", "min"),
-        tag=tag if tag is not None else config.get("tag"),
-    )
-
-
-def sync_run(
-    src: StoreCore,
-    dst: StoreCore,
-    run: str,
-    *,
-    remote: str,
-    tag: str | None = None,
-    best: str | None = None,
-    mode: str = "min",
-    **options: Any,
-) -> PushReport:
-    """Push the committed checkpoints of ``run`` the destination lacks.
-
-    Args:
-        src: The store the checkpoints come from.
-        dst: The store they go to.
-        run: The run.
-        remote: The remote's name.
-        tag: Only checkpoints with this tag.
-        best: Only the run's best checkpoint by this metric (``mode`` ``min`` or ``max``).
-        mode: ``min`` or ``max`` for ``best``.
-        **options: Passed on to :func:`push_checkpoints`.
-
-    Returns:
-        The :class:`PushReport`.
-
-    Raises:
-        CheckpointNotFoundError: If the run does not exist (or has no ``best`` metric).
-        As :func:`push_checkpoints`.
-    """
-    src.catalog.get_run(run)
-    if best is not None:
-        todo = [src.catalog.best(run, best, mode)]
-    else:
-        todo = src.catalog.list(run=run, state=CheckpointState.COMMITTED,
-                                order_by="created_at")
-    if tag is not None:
-        todo = [ck for ck in todo if tag in ck.tags]
-    # What the destination has is reported as present, not sent again.
-    return push_checkpoints(src, dst, [ck.id for ck in todo], remote=remote, **options)

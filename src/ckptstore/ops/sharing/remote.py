@@ -4,6 +4,11 @@ A remote is a name for another store's config file; opening it opens that store 
 catalog and tiers) exactly as any command given that config file would. The list lives in
 the catalog (:mod:`ckptstore.catalog.remotes`), so every host sharing a catalog sees the same
 remotes.
+
+A remote must be another store that shares no directory or object prefix with this one: its
+config is read and its tiers are compared with ours (:mod:`ckptstore.ops.sharing.overlap`)
+*before* its store is opened (opening creates its hot tier), when it is added and again
+every time it is opened, since its config file can change after it was added.
 Moving checkpoints between the two is :mod:`ckptstore.ops.sharing.push`.
 """
 
@@ -17,6 +22,7 @@ from ckptstore.config import load_settings
 from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, ConfigError, RemoteError
 from ckptstore.names import validate_name
+from ckptstore.ops.sharing.overlap import check_no_overlap
 
 __all__ = ["RemoteInfo", "add_remote", "list_remotes", "open_remote", "remove_remote",
            "store_id"]
@@ -36,9 +42,19 @@ def _config_path(config: str | os.PathLike[str]) -> Path:
     return path
 
 
-def _open(path: Path, name: str) -> StoreCore:
+def _open(core: StoreCore, path: Path, name: str) -> StoreCore:
+    """Open the store ``path`` configures, once its settings show it is another store whose
+    tiers overlap none of ``core``'s."""
     try:
-        load_settings(path)
+        settings = load_settings(path)
+    except ConfigError as exc:
+        raise RemoteError(f"remote {name!r}: config {path} is not a valid store config: "
+                          f"{exc}") from exc
+    if settings.resolved_catalog_url == core.settings.resolved_catalog_url:
+        raise RemoteError(f"config {path} opens this very store (the same catalog); a remote "
+                          "must be another store")
+    check_no_overlap(core.settings, settings, name)
+    try:
         return StoreCore.open(config=path)
     except RemoteError:
         raise
@@ -57,11 +73,13 @@ def add_remote(core: StoreCore, name: str, config: str | os.PathLike[str]) -> Re
     """Record remote ``name``: the store that ``config`` opens.
 
     The remote store is opened once to prove the config works (its catalog is reachable and
-    at the current schema, its tiers are valid) and that it is not this store.
+    at the current schema, its tiers are valid) and that it is not this store; before that,
+    its tiers must overlap none of this store's.
 
     Raises:
-        RemoteError: If ``config`` cannot be read or opened, names this very store, or a
-            remote called ``name`` exists already.
+        RemoteError: If ``config`` cannot be read or opened, names this very store, a tier
+            of it is the same as, inside or above a tier of this store, or a remote called
+            ``name`` exists already.
         InvalidNameError: If ``name`` is not a valid name.
     """
     validate_name(name, "remote name")
@@ -70,7 +88,7 @@ def add_remote(core: StoreCore, name: str, config: str | os.PathLike[str]) -> Re
         raise RemoteError(f"remote {name!r} already exists; remove it first with "
                           f"`ckpt remote rm {name}` or choose another name")
     path = _config_path(config)
-    other = _open(path, name)
+    other = _open(core, path, name)
     try:
         if store_id(other) == store_id(core):
             raise RemoteError(f"config {path} opens this very store; a remote must be another "
@@ -98,7 +116,8 @@ def open_remote(core: StoreCore, name: str) -> StoreCore:
     """Open the store remote ``name`` names; the caller closes it.
 
     Raises:
-        RemoteError: If the remote is unknown, or its config can no longer be read or opened.
+        RemoteError: If the remote is unknown, its config can no longer be read or opened,
+            or a tier of it now overlaps a tier of this store.
         StorageError: If its catalog or hot tier cannot be reached.
     """
     info = core.catalog.remote(name)
@@ -107,7 +126,7 @@ def open_remote(core: StoreCore, name: str) -> StoreCore:
     except RemoteError as exc:
         raise RemoteError(f"remote {name!r}: {exc}") from exc
     try:
-        return _open(path, name)
+        return _open(core, path, name)
     except CkptError as exc:
         exc.add_note(f"while opening remote {name!r} ({path})")
         raise

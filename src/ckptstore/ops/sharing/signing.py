@@ -412,6 +412,52 @@ def check_signature(doc: SignatureDoc, ckpt_id: str, manifest_digest: str,
         ) from None
 
 
+def _rehash_a_copy(store: StoreCore, ck: Checkpoint) -> None:
+    """Re-hash every chunk of the fastest PRESENT, readable copy of ``ck`` (hot first).
+
+    Raises:
+        IntegrityError: If the copy is damaged, or there is no such copy to re-hash.
+    """
+    from ckptstore.format import verify_checkpoint
+    from ckptstore.ops.tiering.reencode import check_original, original_manifest_bytes
+    from ckptstore.ops.tiering.replicas import manifest_on, run_resolver
+    from ckptstore.storage.transfer import content_problems, is_reencoded
+
+    assert ck.manifest_digest is not None
+    directory = _hot_dir(store, ck)
+    if directory is not None:
+        problems = verify_checkpoint(directory, _hot_manifest(directory, ck),
+                                     locate=store.locate, deep=True)
+        where = "hot"
+    else:
+        tiers = store.settings.tier_urls()
+        present = [r.tier for r in ck.replicas if r.state == ReplicaState.PRESENT
+                   and r.tier in ("warm", "cold") and r.tier in tiers]
+        readable = [store.tier(name) for name in sorted(present, key=("warm", "cold").index)]
+        readable = [t for t in readable if t.readable]
+        if not readable:
+            states = ", ".join(f"{r.tier}:{r.state}" for r in ck.replicas) or "none"
+            raise IntegrityError(
+                f"checkpoint {ck.ref} ({ck.id}) carries a valid signature, but no copy of it "
+                f"can be re-hashed (replicas: {states}): --deep vouches for nothing without "
+                "one. Run `ckpt verify` to repair a damaged copy, or `ckpt restore` it")
+        tier = readable[0]
+        manifest = manifest_on(tier, ck, use_cache=False)
+        if is_reencoded(manifest):
+            check_original(manifest, original_manifest_bytes(tier, ck.run, manifest,
+                                                             ck.manifest_digest),
+                           ck.manifest_digest)
+        run_of = run_resolver(store, ck)
+        problems = content_problems(
+            tier, manifest, lambda owner, rel: tier.key_for(run_of(owner), owner, rel))
+        where = tier.name
+    if problems:
+        raise IntegrityError(
+            f"checkpoint {ck.ref} is signed, but its {where} copy is damaged: "
+            + "; ".join(problems[:3]) + "; run `ckpt verify` to repair it"
+        )
+
+
 def verify_signature(
     store: StoreCore,
     ref: str,
@@ -424,14 +470,18 @@ def verify_signature(
     Checks, in order: the signature document (file beside the manifest, else the ``signed``
     event) names this checkpoint and the catalog's manifest digest; the Ed25519 signature
     verifies; the manifest on the hot tier has that digest (for a re-encoded hot copy: its
-    original manifest has it and describes the same chunks); with ``deep``, every chunk
-    matches the manifest's hashes.
+    original manifest has it and describes the same chunks); with ``deep``, every chunk of
+    a readable copy (the hot one, else the fastest other PRESENT one) decodes to the content
+    the manifest's blake3 records. A signature proves the manifest, the manifest's digests
+    prove the bytes: ``deep`` vouches for both, or fails (a checkpoint whose only copy is
+    DAMAGED fails).
 
     Args:
         store: The open store.
         ref: Checkpoint reference.
         public_key_path: PEM public key of the trusted signer.
-        deep: Also re-hash every chunk of the hot copy.
+        deep: Also re-hash every chunk of a readable copy (IntegrityError when there is no
+            PRESENT copy to read).
 
     Raises:
         IntegrityError: If the checkpoint is unsigned, signed by another key, or anything
@@ -439,8 +489,6 @@ def verify_signature(
         CheckpointNotFoundError: If the reference does not resolve.
         ConfigError: If the key cannot be loaded.
     """
-    from ckptstore.format import verify_checkpoint
-
     public_key = load_public_key(public_key_path)
     ck = store.catalog.get(ref)
     if ck.manifest_digest is None:
@@ -460,16 +508,11 @@ def verify_signature(
                 + "; ".join(problems[:3])
             )
         directory = None
+    elif deep:
+        _rehash_a_copy(store, ck)
     else:
         directory = _hot_dir(store, ck)
-    if directory is not None:
-        manifest = _hot_manifest(directory, ck)
-        if deep:
-            problems = verify_checkpoint(directory, manifest, locate=store.locate, deep=True)
-            if problems:
-                raise IntegrityError(
-                    f"checkpoint {ck.ref} is signed, but its hot copy is damaged: "
-                    + "; ".join(problems[:3])
-                )
+        if directory is not None:
+            _hot_manifest(directory, ck)
     logger.info("signature of %s (%s) verified with key %s", ck.ref, ck.id,
                 doc.key_fingerprint[:16])

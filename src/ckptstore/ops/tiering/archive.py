@@ -25,14 +25,13 @@ hosts and re-encoding live apart.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, ConfigError, MissingExtraError
 from ckptstore.format.constants import chunk_rel
-from ckptstore.ops.leases import acquire_lease, lease_owner
+from ckptstore.ops.leases import RenewingLease, lease_owner
 from ckptstore.ops.tiering.parts_archive import archive_parts, by_parts
 from ckptstore.ops.tiering.reencode import (
     ReencodeResult,
@@ -149,31 +148,6 @@ def _candidates(
     return sorted(todo, key=lambda ck: (ck.created_at, ck.version))
 
 
-class _Lease:
-    """A catalog lease that renews itself while the work it guards makes progress."""
-
-    def __init__(self, store: StoreCore, ckpt_id: str, purpose: str, owner: str,
-                 ttl_s: float) -> None:
-        self._store, self._id, self._purpose = store, ckpt_id, purpose
-        self._owner, self._ttl = owner, ttl_s
-        self._renewed = time.monotonic()
-
-    def acquire(self) -> bool:
-        self._renewed = time.monotonic()
-        return acquire_lease(self._store, self._id, self._purpose, self._owner, self._ttl)
-
-    def touch(self) -> None:
-        if time.monotonic() - self._renewed > self._ttl / 3:
-            self.acquire()
-
-    def release(self) -> None:
-        try:
-            self._store.catalog.release_lease(self._id, self._purpose, self._owner)
-        except CkptError:  # expiry frees it anyway
-            logger.warning("could not release lease %s on %s", self._purpose, self._id,
-                           exc_info=True)
-
-
 def _discard_partial(store: StoreCore, dst: Tier, ck: Checkpoint) -> None:
     """Remove what a failed copy left on ``dst`` (marker first); best effort.
 
@@ -203,7 +177,7 @@ def _copy_one(
     src: Tier,
     dst: Tier,
     *,
-    lease: _Lease,
+    lease: RenewingLease,
     threads: int,
     progress: Progress | None,
     deep: bool,
@@ -314,14 +288,13 @@ def _run(
             try:
                 report.bytes += archive_parts(
                     store, listed, src, dst, owner=owner, threads=threads, progress=counted,
-                    deep=deep, report=report,
-                    lease_for=lambda purpose: _Lease(store, ckpt_id, purpose, owner, lease_ttl_s),
+                    deep=deep, report=report, lease_ttl_s=lease_ttl_s,
                 )
             except CkptError as exc:
                 report.failed.setdefault(ckpt_id, str(exc))
                 raise
             return
-        lease = _Lease(store, ckpt_id, f"archive:{dst.name}", owner, lease_ttl_s)
+        lease = RenewingLease(store, ckpt_id, f"archive:{dst.name}", owner, lease_ttl_s)
         if not lease.acquire():
             holder = store.catalog.lease_holder(ckpt_id, f"archive:{dst.name}")
             report.skipped[ckpt_id] = f"lease held by {holder}"
@@ -388,7 +361,7 @@ def _run(
         for ckpt_id in [i for i in reversed(list(report.skipped)) if i in visited]:
             if not report.skipped[ckpt_id].startswith(f"{src.name} copy kept"):
                 continue
-            lease = _Lease(store, ckpt_id, f"archive:{dst.name}", owner, lease_ttl_s)
+            lease = RenewingLease(store, ckpt_id, f"archive:{dst.name}", owner, lease_ttl_s)
             if not lease.acquire():
                 continue
             try:

@@ -4,7 +4,9 @@ What a hot directory is, and whether its writer is dead, is decided in one place
 doctor (:func:`classify_hot_dir`, :func:`writer_is_dead`): a PENDING row is dead when its
 writer process on this host is gone, when this process abandoned it, or when it is older than
 a grace period (writers on other hosts). gc removes the unfinished kinds; doctor reports every
-kind and repairs what is safe (:mod:`ckptstore.ops.upkeep.doctor`). Committed data is never touched.
+kind and repairs what is safe (:mod:`ckptstore.ops.upkeep.doctor`). Committed data is never touched,
+and neither is a directory that holds another store's marker (a store rooted inside this hot
+tier, or one whose tier this run directory is): it is :attr:`HotDir.FOREIGN_STORE`.
 
 A checkpoint saved across hosts has a part on each host's disk, and only that host can remove
 it: :func:`prune_parts` (part of every gc run, so of every host's agent) removes this host's
@@ -28,6 +30,7 @@ from ckptstore.numeric import is_decimal
 from ckptstore.ops.leases import acquire_lease
 from ckptstore.ops.tiering.parts import remove_local_parts
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.storage.marker import foreign_marker
 
 __all__ = [
     "DEFAULT_PENDING_GRACE_S",
@@ -95,15 +98,27 @@ class HotDir(enum.Enum):
     #: COMMITTED without a recorded hot copy but with a marker: a restore killed after its
     #: last file (doctor adopts it if it verifies).
     UNRECORDED = "unrecorded"
+    #: It (or its run directory) holds another store's marker: that store's files, which
+    #: nothing of this store removes, whatever its catalog says about the name.
+    FOREIGN_STORE = "foreign-store"
 
 
 def classify_hot_dir(ck_dir: Path, ck: Checkpoint | None) -> HotDir:
-    """Classify one hot checkpoint directory (pure: one ``stat`` of the commit marker).
+    """Classify one hot checkpoint directory (a ``stat`` of the commit marker; a directory
+    about to be judged removable is also searched for another store's marker).
 
     Args:
         ck_dir: ``<hot>/<run>/<checkpoint id>``.
         ck: The catalog row with that id in any state, or None.
     """
+    kind = _classify(ck_dir, ck)
+    if kind not in (HotDir.SAVING, HotDir.RECORDED) and foreign_marker(
+            ck_dir, ck_dir.parent.parent) is not None:
+        return HotDir.FOREIGN_STORE
+    return kind
+
+
+def _classify(ck_dir: Path, ck: Checkpoint | None) -> HotDir:
     marked = (ck_dir / COMMIT_NAME).is_file()
     if ck is None:
         return HotDir.ORPHAN_COMMITTED if marked else HotDir.ORPHAN_UNFINISHED
@@ -160,11 +175,13 @@ def gc_hot(
         ):
             report.failed_rows.append(ck.id)
             directory = core.checkpoint_dir(ck.run, ck.id)
-            if directory.exists():
+            foreign = directory.exists() and foreign_marker(directory, core.hot) is not None
+            if directory.exists() and not foreign:
                 report.removed_dirs.append(str(directory))
             if not dry_run:
                 core.catalog.fail_checkpoint(ck.id, "abandoned save removed by gc")
-                shutil.rmtree(directory, ignore_errors=True)
+                if not foreign:
+                    shutil.rmtree(directory, ignore_errors=True)
     for ck_dir in hot_checkpoint_dirs(core):
         if str(ck_dir) in report.removed_dirs:
             continue

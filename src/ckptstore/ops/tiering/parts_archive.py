@@ -11,14 +11,14 @@ whichever host comes last: until then it is never used as a complete copy, and r
 keeps the hot parts.
 
 The rules around it (which checkpoints, the order, the report, leases renewed while copying)
-are archive's (:mod:`ckptstore.ops.tiering.archive`), which calls in here with the lease it
-holds work under (:class:`RenewingLease`) and the report it fills (:class:`PartsReport`).
+are archive's (:mod:`ckptstore.ops.tiering.archive`), which calls in here with its lease
+owner and length and the report it fills (:class:`PartsReport`); each lease is a
+:class:`~ckptstore.ops.leases.RenewingLease`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import blake3
@@ -30,36 +30,16 @@ from ckptstore.format.codecs import TRAILER
 from ckptstore.format.constants import MANIFEST_NAME
 from ckptstore.format.dcp.commit import shared_docs
 from ckptstore.identity import host
+from ckptstore.ops.leases import RenewingLease
 from ckptstore.ops.tiering.parts import materialize, part_files, parted_manifest
 from ckptstore.progress import Progress
 from ckptstore.records import Checkpoint, ReplicaState
 from ckptstore.storage import COMMIT_NAME, Tier
 from ckptstore.storage.transfer import copy_keys, put_verified
 
-__all__ = ["PartsReport", "RenewingLease", "archive_parts", "by_parts"]
+__all__ = ["PartsReport", "archive_parts", "by_parts"]
 
 logger = logging.getLogger(__name__)
-
-
-class RenewingLease(Protocol):
-    """A catalog lease on one checkpoint for one purpose that renews itself while the work
-    it guards makes progress.
-
-    Call order: :meth:`acquire` (False: someone else holds it; do not work) → :meth:`touch`
-    after each piece of work (renews when due) → :meth:`release` (always, in a ``finally``).
-    """
-
-    def acquire(self) -> bool:
-        """Take (or renew) the lease; False when another owner holds it."""
-        ...
-
-    def touch(self) -> None:
-        """Renew the lease if it is due."""
-        ...
-
-    def release(self) -> None:
-        """Give the lease up (best effort: expiry frees it anyway)."""
-        ...
 
 
 class PartsReport(Protocol):
@@ -121,8 +101,8 @@ def archive_parts(
     src: Tier,
     dst: Tier,
     *,
-    lease_for: Callable[[str], RenewingLease],
     owner: str,
+    lease_ttl_s: float,
     threads: int,
     progress: Progress | None,
     deep: bool,
@@ -136,9 +116,9 @@ def archive_parts(
         ck: A checkpoint saved across hosts, with parts on ``src`` (the hot tier).
         src: The source tier.
         dst: The shared destination tier.
-        lease_for: Makes the lease of ``ck`` for a purpose (one per part, and
-            ``archive:<tier>`` for completing the copy).
         owner: Lease owner, recorded as the events' actor.
+        lease_ttl_s: Length of the leases (one per part, and ``archive:<tier>`` for
+            completing the copy), renewed while the copy makes progress.
         threads: Parallel transfers.
         progress: Called with the bytes of each file uploaded.
         deep: Compare blake3 instead of crc32c when reading back.
@@ -166,7 +146,7 @@ def archive_parts(
         uri = dst.uri_for(ck.run, ck.id)
         existing = set(dst.list_prefix(dst.prefix_for(ck.run, ck.id)))
         for part in todo:
-            lease = lease_for(_part_purpose(dst.name, part))
+            lease = RenewingLease(store, ck.id, _part_purpose(dst.name, part), owner, lease_ttl_s)
             if not lease.acquire():
                 holder = store.catalog.lease_holder(ck.id, _part_purpose(dst.name, part))
                 report.skipped[ck.id] = f"part of {part}: lease held by {holder}"
@@ -217,7 +197,7 @@ def archive_parts(
                 lease.release()
     elif not here:
         report.skipped.setdefault(ck.id, f"no part of it on this host ({me})")
-    total += _complete_parts(store, ck, dst, lease_for=lease_for, owner=owner, deep=deep,
+    total += _complete_parts(store, ck, dst, owner=owner, lease_ttl_s=lease_ttl_s, deep=deep,
                              report=report)
     return total
 
@@ -230,7 +210,7 @@ def _part_present(store: StoreCore, ckpt_id: str, tier: str, part: str) -> bool:
 
 
 def _complete_parts(store: StoreCore, ck: Checkpoint, dst: Tier, *,
-                    lease_for: Callable[[str], RenewingLease], owner: str, deep: bool,
+                    owner: str, lease_ttl_s: float, deep: bool,
                     report: PartsReport) -> int:
     """Write the copy's shared files, manifest and marker once every part is on ``dst``,
     then record it PRESENT (verified). Any host may do it; the first one does."""
@@ -245,7 +225,7 @@ def _complete_parts(store: StoreCore, ck: Checkpoint, dst: Tier, *,
         report.skipped.setdefault(
             ck.id, f"{dst.name} copy incomplete: waiting for the parts of {', '.join(missing)}")
         return 0
-    lease = lease_for(f"archive:{dst.name}")
+    lease = RenewingLease(store, ck.id, f"archive:{dst.name}", owner, lease_ttl_s)
     if not lease.acquire():
         report.skipped.setdefault(ck.id, "another host is completing the copy")
         return 0

@@ -57,7 +57,11 @@ def check_hot_dirs(job: DoctorRun, by_id: dict[str, Checkpoint]) -> None:
 def _hot_dir(job: DoctorRun, ck_dir: Path, ck: Checkpoint | None) -> None:
     kind = classify_hot_dir(ck_dir, ck)
     remove = job.remover(ck_dir)
-    if kind is HotDir.ORPHAN_COMMITTED:
+    if kind is HotDir.FOREIGN_STORE:
+        job.find("orphan-data", str(ck_dir),
+                 "holds another store's marker: that store lives inside this hot tier; "
+                 "never removed here: move that store elsewhere", tier="hot")
+    elif kind is HotDir.ORPHAN_COMMITTED:
         job.find("orphan-data", str(ck_dir),
                  "a committed checkpoint directory with no catalog row (from another "
                  "catalog?): import it (`ckpt import-bundle`) or delete it by hand",
