@@ -64,12 +64,34 @@ def tmp_store(store_root: Path) -> Iterator[object]:
         store.close()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the modules that hold a test marked ``slow`` first (order otherwise unchanged).
+#: Fixtures that start a Prefect server: every module using one runs in the same test process
+#: (see :func:`pytest_collection_modifyitems`), so the session starts it once.
+PREFECT_SERVER_FIXTURES = frozenset({"real_prefect_server", "prefect_harness"})
+#: The xdist group of those modules.
+PREFECT_GROUP = "prefect-server"
 
-    ``make test`` spreads whole modules over two processes (pytest-xdist, ``--dist
-    loadfile``) in collection order: a minute-long module collected last would run alone at
-    the end while the other process idles.
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep each module in one test process, the Prefect modules in one, the longest first.
+
+    ``make test`` runs pytest-xdist with ``--dist loadgroup --no-loadscope-reorder``: each
+    group goes whole to one process, groups in collection order. Every module is its own group
+    (its module-scoped fixtures start once), except the modules that need a Prefect server:
+    they share the group :data:`PREFECT_GROUP`, so the one server of
+    ``real_prefect_server`` (which tests/flows' harness also uses) starts once per run, not in
+    both processes. Sorted first: that group (several minutes of work), then the modules that
+    hold a test marked ``slow``, then the rest in collection order, so no minute-long module
+    is left to run alone at the end while the other process idles.
+
+    Runs before xdist's own hook (``tryfirst``), which reads the group marks.
     """
+    prefect = {item.path for item in items
+               if PREFECT_SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))}
     slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow)
+    if config.getoption("dist", default="no") == "loadgroup":
+        root = config.rootpath
+        for item in items:
+            group = PREFECT_GROUP if item.path in prefect else str(item.path.relative_to(root))
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: (item.path not in prefect, item.path not in slow))
