@@ -6,9 +6,9 @@ STAMP  := $(VENV)/.installed-stamp
 # make test runs whole test modules in this many processes (pytest-xdist): most of the suite
 # waits on subprocesses and servers, so two processes fit a 2-core machine. Each module goes
 # whole to one process, the modules that need a Prefect server together, the longest first
-# (xdist groups set by tests/conftest.py; xdist must not re-sort them by test count).
+# (tests/conftest.py's scheduler).
 TEST_WORKERS ?= 2
-TEST_DIST := --dist loadgroup --no-loadscope-reorder
+TEST_DIST := --dist loadfile
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_LOGGING_LEVEL ?= WARNING
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180

@@ -11,6 +11,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,34 +65,44 @@ def tmp_store(store_root: Path) -> Iterator[object]:
         store.close()
 
 
-#: Fixtures that start a Prefect server: every module using one runs in the same test process
-#: (see :func:`pytest_collection_modifyitems`), so the session starts it once.
-PREFECT_SERVER_FIXTURES = frozenset({"real_prefect_server", "prefect_harness"})
-#: The xdist group of those modules.
+#: The modules under these directories need a Prefect server (tests/flows' autouse harness,
+#: ``real_prefect_server``): under ``make test`` they all run in one test process, so the
+#: session's one server starts once per run, not in both processes.
+PREFECT_DIRS = ("tests/flows/", "tests/deploy/")
+#: The xdist work unit of those modules.
 PREFECT_GROUP = "prefect-server"
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep each module in one test process, the Prefect modules in one, the longest first.
+def _needs_prefect(item: pytest.Item) -> bool:
+    return item.nodeid.startswith(PREFECT_DIRS)
 
-    ``make test`` runs pytest-xdist with ``--dist loadgroup --no-loadscope-reorder``: each
-    group goes whole to one process, groups in collection order. Every module is its own group
-    (its module-scoped fixtures start once), except the modules that need a Prefect server:
-    they share the group :data:`PREFECT_GROUP`, so the one server of
-    ``real_prefect_server`` (which tests/flows' harness also uses) starts once per run, not in
-    both processes. Sorted first: that group (several minutes of work), then the modules that
-    hold a test marked ``slow``, then the rest in collection order, so no minute-long module
-    is left to run alone at the end while the other process idles.
 
-    Runs before xdist's own hook (``tryfirst``), which reads the group marks.
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the modules that need a Prefect server first, then the modules that hold a test
+    marked ``slow``, then the rest (order otherwise unchanged).
+
+    ``make test`` spreads whole modules over two processes (pytest-xdist, ``--dist
+    loadfile``, scheduled by :func:`pytest_xdist_make_scheduler`) in collection order: a
+    minute-long module collected last would run alone at the end while the other process
+    idles.
     """
-    prefect = {item.path for item in items
-               if PREFECT_SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))}
     slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    if config.getoption("dist", default="no") == "loadgroup":
-        root = config.rootpath
-        for item in items:
-            group = PREFECT_GROUP if item.path in prefect else str(item.path.relative_to(root))
-            item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: (item.path not in prefect, item.path not in slow))
+    items.sort(key=lambda item: (not _needs_prefect(item), item.path not in slow))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` with two changes: the modules under :data:`PREFECT_DIRS` form one
+    work unit (one process, one Prefect server), and units go out in collection order
+    (:func:`pytest_collection_modifyitems`), not re-sorted by their number of tests, which
+    sent the one-test, minute-long modules last."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class PrefectTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return PREFECT_GROUP if module.startswith(PREFECT_DIRS) else module
+
+    config.option.loadscopereorder = False
+    return PrefectTogether(config, log)
