@@ -4,8 +4,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 # make test runs whole test modules in this many processes (pytest-xdist): most of the suite
-# waits on subprocesses and servers, so two processes fit a 2-core machine.
+# waits on subprocesses and servers, so two processes fit a 2-core machine. Each module goes
+# whole to one process, the modules that need a Prefect server together, the longest first
+# (tests/conftest.py's scheduler).
 TEST_WORKERS ?= 2
+TEST_DIST := --dist loadfile
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_LOGGING_LEVEL ?= WARNING
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
@@ -50,8 +53,8 @@ test: $(STAMP) services browser
 	@if docker compose version >/dev/null 2>&1; then docker compose config -q && echo "docker-compose.yml: valid"; else echo "docker compose not installed: docker-compose.yml checked by tests/test_compose.py and run as processes by tests/deploy/test_stack.py"; fi
 	@echo "bash scripts/typecheck.sh (beside the tests; its report follows them)"
 	@nice -n 10 bash scripts/typecheck.sh > $(VENV)/typecheck.log 2>&1 & typecheck=$$!; \
-	echo "$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)"; \
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); tests=$$?; \
+	echo "$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(TEST_DIST) $(PYTEST_ARGS)"; \
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(TEST_DIST) $(PYTEST_ARGS); tests=$$?; \
 	wait $$typecheck; types=$$?; \
 	echo "--- bash scripts/typecheck.sh:"; cat $(VENV)/typecheck.log; \
 	test $$types -eq 0 || echo "the type check failed (above)"; \

@@ -4,6 +4,13 @@ The schema is created only by the Alembic revisions in ``ckptstore.migrations``;
 ``alembic.ini``. :func:`alembic_config` builds the configuration in code and points
 ``script_location`` at the package resource ``ckptstore.migrations:``, which resolves both in
 a source checkout and in an installed wheel.
+
+An empty SQLite catalog brought to ``head`` gets the schema that ``alembic upgrade head``
+built once in this process, in memory: its ``CREATE`` statements and rows (the
+``alembic_version`` row) are replayed in the same write transaction the revisions would have
+run in (:func:`_replay_head`). A process that creates many catalogs (a test suite, a
+benchmark) pays for the revision chain once, not per catalog (tens of milliseconds each);
+the schema is still only ever made by the revisions.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, OperationalError
 
@@ -183,6 +190,9 @@ def _run_command(url: str | URL | Engine, action: str, revision: str) -> None:
             # A write transaction: BEGIN IMMEDIATE on SQLite serialises concurrent upgrades.
             conn.execution_options(**{WRITE_OPTION: True})
             with conn.begin():
+                if action == "upgrade" and revision == "head" and _empty_sqlite(conn):
+                    _replay_head(conn)
+                    return
                 cfg.attributes["connection"] = conn
                 if action == "upgrade":
                     command.upgrade(cfg, revision)
@@ -196,6 +206,75 @@ def _run_command(url: str | URL | Engine, action: str, revision: str) -> None:
     finally:
         if own:
             engine.dispose()
+
+
+@dataclass(frozen=True)
+class _Schema:
+    """What ``alembic upgrade head`` leaves in an empty SQLite database."""
+
+    statements: tuple[str, ...]  # CREATE TABLE first, then indexes, views, triggers
+    rows: tuple[tuple[str, tuple[tuple[object, ...], ...]], ...]  # (table, its rows)
+
+
+#: The head schema per head revision, built once per process (under ``_COMMAND_LOCK``).
+_HEAD_SCHEMAS: dict[str, _Schema] = {}
+
+
+def _empty_sqlite(conn: Connection) -> bool:
+    """A SQLite database without a single table, index or view (read inside the write
+    transaction, so no other process can be creating the schema meanwhile)."""
+    if conn.dialect.name != "sqlite":
+        return False
+    return conn.exec_driver_sql("SELECT count(*) FROM sqlite_master").scalar() == 0
+
+
+def _head_schema() -> _Schema:
+    """Run ``alembic upgrade head`` on an in-memory SQLite database (once per head revision
+    and process) and read back its schema and rows."""
+    rev = head()
+    schema = _HEAD_SCHEMAS.get(rev)
+    if schema is not None:
+        return schema
+    engine = create_catalog_engine("sqlite://")
+    try:
+        with engine.connect() as conn:
+            conn.execution_options(**{WRITE_OPTION: True})
+            with conn.begin():
+                cfg = alembic_config()
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, rev)
+            entries = conn.exec_driver_sql(
+                "SELECT type, name, sql FROM sqlite_master "
+                "WHERE sql IS NOT NULL AND name NOT LIKE 'sqlite^_%' ESCAPE '^' ORDER BY rowid"
+            ).all()
+            order = {"table": 0, "index": 1, "view": 2, "trigger": 3}
+            statements = tuple(
+                sql for _kind, _name, sql in sorted(entries, key=lambda e: order[e[0]]))
+            tables = [name for kind, name, _sql in entries if kind == "table"]
+            if conn.exec_driver_sql(
+                    "SELECT 1 FROM sqlite_master WHERE name = 'sqlite_sequence'").first():
+                tables.append("sqlite_sequence")  # AUTOINCREMENT counters, created with them
+            rows = tuple(
+                (table, tuple(tuple(r) for r in conn.exec_driver_sql(
+                    f'SELECT * FROM "{table}"').all()))
+                for table in tables
+            )
+    finally:
+        engine.dispose()
+    schema = _HEAD_SCHEMAS[rev] = _Schema(statements, tuple(r for r in rows if r[1]))
+    return schema
+
+
+def _replay_head(conn: Connection) -> None:
+    """Create the head schema in the empty SQLite database of ``conn`` (inside its open
+    write transaction) from what ``alembic upgrade head`` built in memory."""
+    schema = _head_schema()
+    for statement in schema.statements:
+        conn.exec_driver_sql(statement)
+    for table, rows in schema.rows:
+        marks = ", ".join("?" * len(rows[0]))
+        conn.exec_driver_sql(f'INSERT INTO "{table}" VALUES ({marks})', list(rows))
+    logger.debug("catalog schema %s created from this process's head schema", head())
 
 
 def upgrade(url: str | URL | Engine, revision: str = "head") -> None:

@@ -11,6 +11,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,12 +65,44 @@ def tmp_store(store_root: Path) -> Iterator[object]:
         store.close()
 
 
+#: The modules under these directories need a Prefect server (tests/flows' autouse harness,
+#: ``real_prefect_server``): under ``make test`` they all run in one test process, so the
+#: session's one server starts once per run, not in both processes.
+PREFECT_DIRS = ("tests/flows/", "tests/deploy/")
+#: The xdist work unit of those modules.
+PREFECT_GROUP = "prefect-server"
+
+
+def _needs_prefect(item: pytest.Item) -> bool:
+    return item.nodeid.startswith(PREFECT_DIRS)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the modules that hold a test marked ``slow`` first (order otherwise unchanged).
+    """Run the modules that need a Prefect server first, then the modules that hold a test
+    marked ``slow``, then the rest (order otherwise unchanged).
 
     ``make test`` spreads whole modules over two processes (pytest-xdist, ``--dist
-    loadfile``) in collection order: a minute-long module collected last would run alone at
-    the end while the other process idles.
+    loadfile``, scheduled by :func:`pytest_xdist_make_scheduler`) in collection order: a
+    minute-long module collected last would run alone at the end while the other process
+    idles.
     """
     slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow)
+    items.sort(key=lambda item: (not _needs_prefect(item), item.path not in slow))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` with two changes: the modules under :data:`PREFECT_DIRS` form one
+    work unit (one process, one Prefect server), and units go out in collection order
+    (:func:`pytest_collection_modifyitems`), not re-sorted by their number of tests, which
+    sent the one-test, minute-long modules last."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class PrefectTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return PREFECT_GROUP if module.startswith(PREFECT_DIRS) else module
+
+    config.option.loadscopereorder = False
+    return PrefectTogether(config, log)

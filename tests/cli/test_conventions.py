@@ -272,15 +272,16 @@ def test_verbose_after_the_command_logs(filled: FilledStore) -> None:
     assert "INFO ckptstore" in loud.stderr  # archived ... lines, on stderr
 
 
-def test_version() -> None:
+def test_version(ckpt: Ckpt) -> None:
     from importlib.metadata import version
 
-    result = _run_cli("--version")
-    assert result.returncode == 0
-    assert result.stdout.strip() == f"ckpt {version('ckptstore')}"
+    # In this process: `python -m ckptstore` itself is run by the tests around this one.
+    result = ckpt("--version")
+    assert result.code == 0
+    assert result.out.strip() == f"ckpt {version('ckptstore')}"
 
 
-def test_shell_completion() -> None:
+def test_shell_completion(ckpt: Ckpt, monkeypatch: pytest.MonkeyPatch) -> None:
     # As a bash user runs it. `--show-completion` takes no value: Typer names the shell of
     # the parent process, so the command runs under bash, not under whatever shell started
     # the test run (`sh`, under make, is one Typer refuses).
@@ -288,13 +289,17 @@ def test_shell_completion() -> None:
     result = subprocess.run(["bash", "-c", script, sys.executable], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0 and "_CKPT_COMPLETE" in result.stdout, result.stderr
-    # What the installed completion script asks for when the user types `ckpt l<TAB>`.
-    result = _run_cli(env={"_CKPT_COMPLETE": "complete_bash", "COMP_WORDS": "ckpt l",
-                           "COMP_CWORD": "1"})
-    assert result.returncode == 0 and {"ls", "lineage"} <= set(result.stdout.split())
-    result = _run_cli(env={"_CKPT_COMPLETE": "complete_bash", "COMP_WORDS": "ckpt ls --st",
-                           "COMP_CWORD": "2"})
-    assert "--store" in result.stdout.split()
+    # What the installed completion script asks for when the user types `ckpt l<TAB>`: the
+    # same entry point, answering from its environment (in this process; the interpreter's
+    # start is what the run above already paid for).
+    monkeypatch.setenv("_CKPT_COMPLETE", "complete_bash")
+    monkeypatch.setenv("COMP_WORDS", "ckpt l")
+    monkeypatch.setenv("COMP_CWORD", "1")
+    answer = ckpt()
+    assert answer.code == 0 and {"ls", "lineage"} <= set(answer.out.split())
+    monkeypatch.setenv("COMP_WORDS", "ckpt ls --st")
+    monkeypatch.setenv("COMP_CWORD", "2")
+    assert "--store" in ckpt().out.split()
 
 
 def test_help_uses_words_users_know(ckpt: Ckpt) -> None:

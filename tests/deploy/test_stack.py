@@ -45,7 +45,7 @@ if str(Path(__file__).parents[1] / "flows") not in sys.path:
     # --import-mode=importlib does not put test directories on sys.path.
     sys.path.insert(0, str(Path(__file__).parents[1] / "flows"))
 from pg_support import create_pg_database, drop_pg_database, require_pg
-from server_support import free_port, script_env, stop, wait_http
+from server_support import forget_pool, free_port, script_env, stop, wait_http
 
 ROOT = Path(__file__).resolve().parents[2]
 STACK = ROOT / "scripts" / "stack"
@@ -143,21 +143,6 @@ def _online_workers(api: str) -> set[str]:
     return {w.name for w in workers if str(w.status).endswith("ONLINE")}
 
 
-def _forget_pool(api: str) -> None:
-    """Leave the shared server as this test found it: deployment names are global
-    (``ckpt-<flow>/ckptstore``), and a later test that waits for its own registration of
-    one must not find ours, on a pool nobody polls any more."""
-    from prefect.client.schemas.filters import WorkPoolFilter, WorkPoolFilterName
-    from prefect.exceptions import ObjectNotFound
-
-    with _prefect(api) as client:
-        ours = WorkPoolFilter(name=WorkPoolFilterName(any_=[POOL]))
-        for deployment in client.read_deployments(work_pool_filter=ours):
-            client.delete_deployment(deployment.id)
-        with contextlib.suppress(ObjectNotFound):
-            client.delete_work_pool(POOL)
-
-
 def test_compose_topology_as_processes(
     tmp_path: Path, real_prefect_server: tuple[str, dict[str, str]]
 ) -> None:
@@ -232,7 +217,7 @@ def test_compose_topology_as_processes(
             client.head_bucket(Bucket=url.split("/")[2])  # raises unless it was created
         lap("db-upgrade.sh + make-bucket.py")
 
-        stack.callback(_forget_pool, api)  # runs after the agents below are stopped
+        stack.callback(forget_pool, api, POOL)  # runs after the agents below are stopped
         agents: dict[str, subprocess.Popen[bytes]] = {}
         for service, host in NODES.items():
             assert _compose_env(service)["CKPT_HOST"] == host

@@ -1,8 +1,10 @@
-"""The one Prefect test harness of the session, plus store fixtures for the flow tests.
+"""The one Prefect server of the session for every flow test, plus store fixtures.
 
-The harness (a throwaway Prefect database and server, ~10 s) starts once, when the first flow
-test runs, and every flow test shares it. Heartbeats are off: they add ~1 s per flow run and
-only matter for detecting crashed runs in production.
+Flow tests run their flows in this process against the session's real ``prefect server
+start`` (``real_prefect_server`` in tests/conftest.py, ~10 s to start), the same server the
+serve/worker/agent tests and tests/deploy use: one server per test process, not a second
+(a test harness) beside it. Heartbeats are off: they add ~1 s per flow run and only matter
+for detecting crashed runs in production.
 """
 
 from __future__ import annotations
@@ -23,24 +25,56 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 
 @pytest.fixture(scope="session", autouse=True)
-def prefect_harness() -> Iterator[None]:
-    """Run every flow test against one temporary Prefect server, heartbeats off."""
+def prefect_harness(real_prefect_server: tuple[str, dict[str, str]]) -> Iterator[None]:
+    """Point this process's Prefect client at the session's server, heartbeats off.
+
+    Only Prefect's settings name the server, never ``os.environ``: the embedded runner takes
+    ``PREFECT_API_URL`` in the environment to mean server mode (flows/embedded.py), and these
+    tests run flows embedded.
+    """
     import contextlib
 
     import prefect.context
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-    from prefect.testing.utilities import prefect_test_harness
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        temporary_settings,
+    )
 
+    api, _env = real_prefect_server
     with contextlib.ExitStack() as stack:
-        stack.enter_context(prefect_test_harness(server_startup_timeout=60))
-        stack.enter_context(temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}))
+        stack.enter_context(temporary_settings(
+            {PREFECT_API_URL: api, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}))
         # Settings contexts are context variables, which new threads do not inherit; the
-        # embedded runner's worker thread must see them too, so publish them process-wide the
-        # way the harness does for its API URL.
+        # embedded runner's worker thread must see them too, so publish them process-wide.
         publish = getattr(prefect.context, "_temporary_global_settings_context", None)
         if publish is not None:
             stack.enter_context(publish(prefect.context.get_settings_context()))
         yield
+        _drain_logs_and_events()
+
+
+def _drain_logs_and_events() -> None:
+    """Send what Prefect's background log and event workers still hold before the server
+    stops (the harness Prefect ships does the same), so nothing is sent to a closed port."""
+    import inspect
+
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def drain() -> None:
+        try:
+            result = APILogWorker.instance().drain()
+            if inspect.isawaitable(result):
+                await result
+        except RuntimeError:  # never started
+            pass
+        result = EventsWorker.drain_all()
+        if inspect.isawaitable(result):
+            await result
+
+    run_coro_as_sync(drain())
 
 
 @pytest.fixture

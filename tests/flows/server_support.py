@@ -22,6 +22,7 @@ from ckptstore.testing.ports import free_port
 
 __all__ = [
     "SERVER_SCRIPT",
+    "forget_pool",
     "free_port",
     "prefect_server",
     "script_env",
@@ -64,6 +65,27 @@ def stop_all(procs: list[subprocess.Popen[bytes]], timeout: float = 5.0) -> None
             proc.wait(max(0.0, deadline - time.monotonic()))
     for proc in procs:
         stop(proc, timeout=0.0)
+
+
+def forget_pool(api: str, pool: str) -> None:
+    """Delete work pool ``pool`` and every deployment on it from the server at ``api``.
+
+    Leaves the session's shared server as the test found it: deployment names are global
+    (``ckpt-<flow>/ckptstore``), and a later test that waits for its own registration of one
+    must not find ours, on a pool nobody polls any more (nor its cron still creating runs).
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import WorkPoolFilter, WorkPoolFilterName
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+        ours = WorkPoolFilter(name=WorkPoolFilterName(any_=[pool]))
+        for deployment in client.read_deployments(work_pool_filter=ours):
+            with contextlib.suppress(ObjectNotFound):
+                client.delete_deployment(deployment.id)
+        with contextlib.suppress(ObjectNotFound):
+            client.delete_work_pool(pool)
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes],

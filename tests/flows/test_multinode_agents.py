@@ -32,7 +32,7 @@ from ckptstore.records import ReplicaState
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 from pg_support import create_pg_database, drop_pg_database, require_pg
-from server_support import free_port, stop_all
+from server_support import forget_pool, free_port, stop_all
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.postgres, pytest.mark.s3]
 
@@ -126,6 +126,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory,
             encoding="utf-8",
         )
         api, server_env = real_prefect_server
+        stack.callback(forget_pool, api, POOL)  # runs after the agents are stopped
         hot = {n: tmp / f"hot-{n}" for n in NODES}
         env: dict[str, dict[str, str]] = {}
         for node in NODES:

@@ -40,7 +40,7 @@ if str(Path(__file__).parent) not in sys.path:
     # --import-mode=importlib does not put test directories on sys.path.
     sys.path.insert(0, str(Path(__file__).parent))
 from pg_support import create_pg_database, drop_pg_database, require_pg
-from server_support import stop_all
+from server_support import forget_pool, stop_all
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.postgres, pytest.mark.s3]
 
@@ -119,6 +119,7 @@ def cluster(
                 ]
 
         api, server_env = real_prefect_server
+        stack.callback(forget_pool, api, POOL)  # runs after the workers are stopped
         # Built now, not when the (session) server started: MotoS3 just put its credentials
         # in os.environ, and the workers' flow runs need them.
         env = {**os.environ, "PREFECT_HOME": server_env["PREFECT_HOME"],

@@ -385,15 +385,26 @@ def prune_paused(root: str, open_kwargs: dict[str, Any], tier: str, keep_last: i
 
 
 def restore_paused(root: str, open_kwargs: dict[str, Any], ref: str, mid: Any, resume: Any,
-                   queue: Any) -> None:
+                   queue: Any, blocked: Any = None) -> None:
     """Restore ``ref`` to hot, pausing after its second file (``mid`` set, waits for
-    ``resume``); report "ok" (and check the tensors) or the error type."""
+    ``resume``); report "ok" (and check the tensors) or the error type. ``blocked``, when
+    given, is set the first time the restore finds a lease it must wait for."""
     from ckptstore.errors import CkptError
     from ckptstore.ops.tiering.replicas import tier_of
     from ckptstore.ops.tiering.restore import restore_checkpoint
 
     try:
         store = _open(root, open_kwargs)
+        if blocked is not None:
+            holder_of = store.catalog.lease_holder
+
+            def watched(*args: Any, **kwargs: Any) -> Any:
+                holder = holder_of(*args, **kwargs)
+                if holder is not None:
+                    blocked.set()
+                return holder
+
+            store.catalog.lease_holder = watched  # type: ignore[method-assign]
         hot = tier_of(store, "hot")
         original = hot.put_bytes
         calls = [0]

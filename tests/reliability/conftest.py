@@ -35,6 +35,7 @@ if str(HERE) not in sys.path:
 
 import ckpt_reliability_workers as workers  # noqa: E402
 from pg_support import create_pg_database, drop_pg_database, require_pg  # noqa: E402
+from process_support import end_children, stop_forkserver  # noqa: E402
 
 _PRELOAD = [
     "torch",
@@ -51,17 +52,35 @@ _PRELOAD = [
 
 
 @pytest.fixture(scope="session")
-def procs() -> multiprocessing.context.BaseContext:
-    """A multiprocessing context for the suite's child processes (forkserver, preloaded)."""
+def procs() -> Iterator[multiprocessing.context.BaseContext]:
+    """A multiprocessing context for the suite's child processes (forkserver, preloaded).
+
+    The forkserver this starts is stopped when the session ends. It would otherwise live as
+    long as any process holding its "alive" pipe: every child it forks gets one, so a single
+    child left behind kept it running after the suite had ended.
+    """
     from multiprocessing import forkserver
 
     ctx = multiprocessing.get_context("forkserver")
     server = forkserver._forkserver  # type: ignore[attr-defined]
-    if getattr(server, "_forkserver_pid", None) is None:
-        ctx.set_forkserver_preload(_PRELOAD)
-        return ctx
-    # Someone started a forkserver without our path: spawn is slower but always works.
-    return multiprocessing.get_context("spawn")
+    if getattr(server, "_forkserver_pid", None) is not None:
+        # Someone started a forkserver without our path: spawn is slower but always works.
+        yield multiprocessing.get_context("spawn")
+        return
+    ctx.set_forkserver_preload(_PRELOAD)
+    try:
+        yield ctx
+    finally:
+        end_children()
+        stop_forkserver()
+
+
+@pytest.fixture(autouse=True)
+def _children_end_with_their_test() -> Iterator[None]:
+    """Nothing a test starts outlives it: children still running when a test ends (a test
+    that failed before joining them, or one that forgot to) are killed then."""
+    yield
+    end_children()
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ committed and not pruned loads bit-exactly, and the store-wide invariants hold.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -215,14 +216,17 @@ def test_restore_inside_prune_window(tmp_path: Path, procs: Any, backend: Any, w
         apply_retention(store, tier="hot", policy=RetentionPolicy(keep_last=1))
         oldest = store.list(run=run, order_by="step")[0]
     queue = procs.Queue()
-    checked, go, mid, resume = (procs.Event() for _ in range(4))
+    checked, go, mid, resume, blocked = (procs.Event() for _ in range(5))
     pruner = start_child(procs, w.prune_paused, str(root), opts, "warm", 1, checked, go, queue)
     assert checked.wait(60), "retention never reached the deletion"
     restorer = start_child(procs, w.restore_paused, str(root), opts, oldest.id, mid, resume,
-                           queue)
-    # The restore is copying, refused up front, or waiting for the lease retention holds
-    # (then it never gets to ``mid`` before ``go``): a few seconds tell them apart.
-    mid.wait(6)
+                           queue, blocked)
+    # The restore is copying (``mid``), waiting for the lease retention holds (``blocked``:
+    # then it never gets to ``mid`` before ``go``), or refused up front (it ends): whichever
+    # comes first.
+    deadline = time.monotonic() + 60
+    while not (mid.wait(0.02) or blocked.is_set()) and restorer.is_alive():
+        assert time.monotonic() < deadline, "the restore neither copied, waited nor ended"
     go.set()
     results = {}
     results.update({r[0]: r[1:] for r in [queue.get(timeout=120)]})

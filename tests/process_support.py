@@ -1,0 +1,69 @@
+"""Ending the child processes a test started through :mod:`multiprocessing`, and the
+forkserver they came from.
+
+A forkserver lives as long as any process holds its "alive" pipe, and every child it forks
+gets a copy: one child left running keeps the server, and so a process of the suite, alive
+after the suite has ended. Importable from any test directory (pytest puts ``tests/`` on
+``sys.path``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import time
+from multiprocessing import forkserver, util
+
+__all__ = ["end_children", "stop_forkserver"]
+
+
+def end_children(timeout: float = 10.0) -> list[int]:
+    """SIGKILL every child process this process started through :mod:`multiprocessing` that
+    is still running, and reap it.
+
+    Args:
+        timeout: Longest wait for each child to be reaped.
+
+    Returns:
+        The process ids of the children that were still running.
+    """
+    left = multiprocessing.active_children()
+    for child in left:
+        child.kill()
+    for child in left:
+        child.join(timeout)
+    return [child.pid for child in left if child.pid is not None]
+
+
+def stop_forkserver(timeout: float = 10.0) -> int | None:
+    """Stop this process's forkserver, if it started one: close its alive pipe (the server
+    exits at end of file) and reap it, or SIGKILL it when a stray process still holds the
+    pipe after ``timeout`` seconds. A later forkserver child starts a new server.
+
+    Returns:
+        The forkserver's process id, or None when none was running.
+    """
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    with server._lock:
+        pid = server._forkserver_pid
+        if pid is None:
+            return None
+        os.close(server._forkserver_alive_fd)
+        address = server._forkserver_address
+        server._forkserver_alive_fd = None
+        server._forkserver_pid = None
+        server._forkserver_address = None
+    deadline = time.monotonic() + timeout
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.05)
+    if address and not util.is_abstract_socket_namespace(address):
+        with contextlib.suppress(OSError):
+            os.unlink(address)
+    return int(pid)
