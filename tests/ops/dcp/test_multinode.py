@@ -252,20 +252,20 @@ def archived_a(cluster: Cluster, saved: dict[int, Any]) -> RacedArchive:
     """Node A archives mn1 twice at once (its agent's flow and an operator's ``ckpt
     archive``): both see the part missing, and the first uploads it while the second is
     about to take the part's lease."""
-    from ckptstore.ops.tiering import archive as archive_mod
+    from ckptstore.ops.leases import RenewingLease
 
-    real_acquire = archive_mod._Lease.acquire
+    real_acquire = RenewingLease.acquire
     first: list[Any] = []
 
     def acquire_after_the_other_archiver(lease: Any) -> bool:
-        if not first:
+        if not first and lease.purpose.count(":") == 2:  # the part's lease, not the whole copy's
             first.append(None)  # the other archiver's own acquire below is the real one
             with cluster.node("node-a") as other:
                 first[0] = archive_checkpoints(other, ref=saved[0]["mn1"])
         return bool(real_acquire(lease))
 
     with cluster.node("node-a") as store, pytest.MonkeyPatch.context() as patch:
-        patch.setattr(archive_mod._Lease, "acquire", acquire_after_the_other_archiver)
+        patch.setattr(RenewingLease, "acquire", acquire_after_the_other_archiver)
         late = archive_checkpoints(store, ref=saved[0]["mn1"])
     return RacedArchive(first[0], late)
 
