@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -36,6 +38,11 @@ from ckptstore.errors import ConfigError
 from ckptstore.flows.registry import FLOWS, get_flow
 from ckptstore.flows.schedules import CronSchedule, IntervalSchedule, parse_schedule
 from ckptstore.identity import host
+from ckptstore.observability.prefect_env import (
+    flow_log_path,
+    root_logging_kept,
+    route_prefect_logs,
+)
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
@@ -311,6 +318,7 @@ class EmbeddedRunner:
             raise
 
     def _loop(self) -> None:
+        self._import_prefect()
         if self._warm:
             self._warm_up()
         self.ready.set()
@@ -346,6 +354,23 @@ class EmbeddedRunner:
                     logger.info("schedule %s fired for flow %s", self.schedules[name].text, name)
                     self.results.append(self._run(_Job(name, {}, None, scheduled=True)))
                     due[name] = self.schedules[name].next_after(datetime.now(UTC))
+
+    def _import_prefect(self) -> None:
+        """Import Prefect on this thread, its lines to the store's log file, not the console.
+
+        Done once, before anything else here touches Prefect: its import would otherwise put
+        its console handler on the root logger of the training process.
+        """
+        # prefect.main configures Prefect's logging (``import prefect`` alone defers it). If
+        # it is loaded already, the user imported Prefect: their logging stays theirs.
+        ours = "prefect.main" not in sys.modules
+        try:
+            with root_logging_kept() if ours else contextlib.nullcontext():
+                import prefect.main  # noqa: F401
+        except ImportError:
+            return  # the first flow says which extra is missing
+        if self.store_root is not None:
+            route_prefect_logs(flow_log_path(self.store_root), quiet=ours)
 
     def _warm_up(self) -> None:
         started = time.perf_counter()
