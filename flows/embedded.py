@@ -319,6 +319,33 @@ class EmbeddedRunner:
 
     def _loop(self) -> None:
         self._import_prefect()
+        with self._flow_settings():
+            self._serve()
+
+    def _flow_settings(self) -> contextlib.AbstractContextManager[Any]:
+        """Prefect settings for the flows run on this thread: no heartbeats against the
+        temporary server.
+
+        A heartbeat tells a server that a flow run's process is alive. The temporary server
+        lives and dies with this process, so nobody reads them; and each run would wait up
+        to a second at its end for the heartbeat thread (prefect/flow_engine.py) while the
+        training loop goes on. With a server configured (a Prefect profile) they stay.
+        """
+        if self.mode != "embedded":
+            return contextlib.nullcontext()
+        try:
+            from prefect.settings import (
+                PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+                get_current_settings,
+                temporary_settings,
+            )
+        except ImportError:
+            return contextlib.nullcontext()
+        if get_current_settings().api.url:
+            return contextlib.nullcontext()
+        return temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+
+    def _serve(self) -> None:
         if self._warm:
             self._warm_up()
         self.ready.set()
