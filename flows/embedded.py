@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from ckptstore.errors import ConfigError
 from ckptstore.flows.registry import FLOWS, get_flow
 from ckptstore.flows.schedules import CronSchedule, IntervalSchedule, parse_schedule
+from ckptstore.flows.sidecar import FlowProcessError, Sidecar, flow_settings, warm_up_prefect
 from ckptstore.identity import host
 from ckptstore.observability.prefect_env import (
     flow_log_path,
@@ -138,6 +139,11 @@ class EmbeddedRunner:
         exit_timeout_s: How long :func:`wait_for_flows` (``CheckpointStore.close()``) waits
             for the queued and running flows. At interpreter exit nothing is waited for:
             flows cannot run once it shuts down, so what is left is reported, one line each.
+        isolate: Embedded mode: run the flows in one sidecar process
+            (:mod:`ckptstore.flows.sidecar`), so that neither Prefect's import nor its flow
+            runs take the interpreter lock from the training thread. Default: yes, unless
+            this process had imported Prefect when the runner started (it then runs them on
+            its thread, with this process's Prefect settings).
 
     Raises:
         ConfigError: For an unknown flow name or an invalid schedule.
@@ -154,6 +160,7 @@ class EmbeddedRunner:
         history: int = 100,
         deployment: str = DEPLOYMENT_NAME,
         exit_timeout_s: float = 600.0,
+        isolate: bool | None = None,
     ) -> None:
         """Validate the schedules; nothing starts until :meth:`start` or :meth:`submit`."""
         self.store_root = None if store_root is None else str(store_root)
@@ -188,6 +195,9 @@ class EmbeddedRunner:
         self._closed = False
         self._abort = threading.Event()
         self._running: _Job | None = None  # the job on the worker thread, for _at_exit
+        self._isolate: bool | None = isolate
+        self._sidecar: Sidecar | None = None
+        self._exiting = False
         self.ready = threading.Event()
         """Set once the worker has warmed Prefect (or failed to and moved on)."""
 
@@ -318,32 +328,21 @@ class EmbeddedRunner:
             raise
 
     def _loop(self) -> None:
+        if self._isolate is None:
+            # A process that uses Prefect itself (its settings, its server, its logging) runs
+            # our flows beside its own; any other keeps Prefect out (flows/sidecar.py).
+            self._isolate = self.mode == "embedded" and "prefect" not in sys.modules
+        if self._isolate:
+            try:
+                self._serve()
+            finally:
+                if self._sidecar is not None:
+                    self._sidecar.close()
+                    self._sidecar = None
+            return
         self._import_prefect()
-        with self._flow_settings():
+        with flow_settings() if self.mode == "embedded" else contextlib.nullcontext():
             self._serve()
-
-    def _flow_settings(self) -> contextlib.AbstractContextManager[Any]:
-        """Prefect settings for the flows run on this thread: no heartbeats against the
-        temporary server.
-
-        A heartbeat tells a server that a flow run's process is alive. The temporary server
-        lives and dies with this process, so nobody reads them; and each run would wait up
-        to a second at its end for the heartbeat thread (prefect/flow_engine.py) while the
-        training loop goes on. With a server configured (a Prefect profile) they stay.
-        """
-        if self.mode != "embedded":
-            return contextlib.nullcontext()
-        try:
-            from prefect.settings import (
-                PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
-                get_current_settings,
-                temporary_settings,
-            )
-        except ImportError:
-            return contextlib.nullcontext()
-        if get_current_settings().api.url:
-            return contextlib.nullcontext()
-        return temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
     def _serve(self) -> None:
         if self._warm:
@@ -402,10 +401,10 @@ class EmbeddedRunner:
     def _warm_up(self) -> None:
         started = time.perf_counter()
         try:
-            from prefect.client.orchestration import get_client
-
-            with get_client(sync_client=True) as client:
-                client.hello()
+            if self._isolate:
+                self._sidecar_ready().wait_ready()
+            else:
+                warm_up_prefect()
         except Exception as exc:  # a cold Prefect is slower, not broken: the first flow retries
             if not self._abort.is_set():  # at exit, _at_exit says what is left undone
                 logger.warning(
@@ -413,6 +412,12 @@ class EmbeddedRunner:
                 )
             return
         logger.info("prefect client warmed in %.1fs", time.perf_counter() - started)
+
+    def _sidecar_ready(self) -> Sidecar:
+        """The sidecar, started now if it is not running (first use, or it died)."""
+        if self._sidecar is None or not self._sidecar.alive:
+            self._sidecar = Sidecar(self.store_root)
+        return self._sidecar
 
     def _params(self, job: _Job) -> dict[str, Any]:
         params = dict(job.params)
@@ -429,13 +434,18 @@ class EmbeddedRunner:
         try:
             if self.mode == "server":
                 result: Any = self._run_deployment(job, params)
+            elif self._isolate:
+                result = self._sidecar_ready().run(job.flow, params)
             else:
                 result = get_flow(job.flow)(**params)
         except Exception as exc:  # a failed flow must not kill the worker; keep the error
             # One line: Prefect's own run log already holds the traceback.
-            logger.warning("flow %s failed: %s: %s", job.flow, type(exc).__name__, exc)
+            error = str(exc) if isinstance(exc, FlowProcessError) else (
+                f"{type(exc).__name__}: {exc}")
+            if not self._exiting:  # else _at_exit says, once, that it did not finish
+                logger.warning("flow %s failed: %s", job.flow, error)
             return JobResult(
-                job.flow, params, False, None, f"{type(exc).__name__}: {exc}", started_at,
+                job.flow, params, False, None, error, started_at,
                 time.perf_counter() - started, job.scheduled,
             )
         return JobResult(
@@ -499,6 +509,15 @@ class EmbeddedRunner:
         self._abort.set()
         self._drain_dropped()
         running = self._running
+        sidecar = self._sidecar
+        if sidecar is not None:
+            # Nothing a process starts outlives it: an idle sidecar stops (and stops its
+            # server) as on close; one still warming up, or running a flow, is stopped now.
+            self._exiting = True
+            if running is None and sidecar.ready:
+                sidecar.close(timeout=10)
+            else:
+                sidecar.kill()
         if running is not None:
             about = f" for {running.params['ref']}" if "ref" in running.params else ""
             logger.warning(

@@ -37,6 +37,7 @@ __all__ = [
     "FLOW_LOG_NAME",
     "PREFECT_DEFAULTS",
     "apply_prefect_defaults",
+    "console_verbose",
     "flow_log_path",
     "prefect_env",
     "root_logging_kept",
@@ -154,6 +155,13 @@ def root_logging_kept() -> Iterator[None]:
         root.setLevel(level)
 
 
+def console_verbose() -> bool:
+    """Whether this process shows INFO lines on its console (``--verbose``): its root logger
+    has a handler and is enabled for INFO."""
+    root = logging.getLogger()
+    return bool(root.handlers) and root.isEnabledFor(logging.INFO)
+
+
 def route_prefect_logs(log_file: Path, *, quiet: bool = True) -> None:
     """Send the ``prefect`` logger's records to ``log_file`` (idempotent per file).
 
@@ -183,5 +191,4 @@ def route_prefect_logs(log_file: Path, *, quiet: bool = True) -> None:
             setattr(handler, _HANDLER_MARK, resolved)
             target.addHandler(handler)
     if quiet:
-        root = logging.getLogger()
-        target.propagate = bool(root.handlers) and root.isEnabledFor(logging.INFO)
+        target.propagate = console_verbose()
