@@ -1,11 +1,14 @@
 """Run flows off the training thread: one background worker, warmed once, fed by a queue.
 
 Embedded mode (the default, no Prefect server): :class:`EmbeddedRunner` owns one daemon thread.
-The thread imports Prefect and warms its client once (``get_client(sync_client=True).hello()``,
-which starts Prefect's ephemeral server; doing it once, on one thread, avoids the race two
-threads hit when both make their first flow call), then runs queued flows one at a time, and
-fires the configured schedules with a timer of its own (Prefect's cron schedules need a
-server). ``submit`` only enqueues: it costs microseconds and never imports Prefect.
+The flows run one at a time in one sidecar process (:mod:`ckptstore.flows.sidecar`), which
+imports Prefect and warms its client once (starting Prefect's ephemeral server), so that
+neither takes the interpreter lock from the training thread; in a process that had imported
+Prefect already, the thread itself imports and warms it (doing that once, on one thread,
+avoids the race two threads hit when both make their first flow call) and runs the flows. The
+thread fires the configured schedules with a timer of its own (Prefect's cron schedules need
+a server). ``submit`` only enqueues: it costs microseconds and never imports Prefect.
+Prefect's lines go to the store's ``logs/flows.log`` (:mod:`ckptstore.observability.prefect_env`).
 
 Server mode (``PREFECT_API_URL`` set): the same thread calls
 ``run_deployment(name, parameters, timeout=0, idempotency_key=...)`` for deployments that
