@@ -8,7 +8,8 @@ queue per host (named after the host, ``CKPT_HOST``); triggers for a host's part
 agent of a host:
 
 1. registers every flow's deployment on the pool (idempotent, as ``ckpt serve --pool``);
-2. makes sure the pool has this host's queue;
+2. makes sure the pool has this host's queue, and that the program the pool starts flow runs
+   with (see :mod:`ckptstore.flows.deployments`) exists on this host;
 3. runs ``prefect worker start --pool P --work-queue <host>`` as a child process, so this
    host runs exactly the flow runs queued for it, in subprocesses that know their host;
    with ``shared_hot`` (nodes that mount one hot tier: a volume, NFS) the worker also pulls
@@ -36,9 +37,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ckptstore.errors import CkptError, ConfigError
-from ckptstore.flows.deployments import deploy_all, require_api_url
+from ckptstore.flows.deployments import check_flow_run_command, deploy_all, require_api_url
 from ckptstore.flows.registry import need_prefect
 from ckptstore.identity import HOST_ENV, host
+from ckptstore.observability.prefect_env import prefect_env
 from ckptstore.ops.tiering.gc import gc_hot
 from ckptstore.store import CheckpointStore
 
@@ -90,7 +92,7 @@ def worker_command(pool: str, queue: str, *, shared_hot: bool = False) -> list[s
 
 @contextlib.contextmanager
 def _worker(pool: str, queue: str, shared_hot: bool) -> Iterator[subprocess.Popen[bytes]]:
-    env = dict(os.environ)
+    env = prefect_env()  # telemetry off for the worker and its flow runs, unless set
     # The flow runs this worker starts must know they run on this host, whatever its
     # hostname says (one simulated node per value on a single machine, stable names).
     env[HOST_ENV] = queue
@@ -164,6 +166,7 @@ def run_agent(
     if deploy:
         deploy_all(settings, pool)
     ensure_work_queue(pool, name)
+    check_flow_run_command(pool)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -12,11 +12,23 @@ Two ways to run them, both against a Prefect server (``PREFECT_API_URL``; cron s
   uploaded or pulled: a worker imports the installed package. Workers share the catalog
   (PostgreSQL) and the tiers; catalog leases keep two runs from copying or deleting the same
   checkpoint.
+
+The pool ckptstore creates starts each flow run with :func:`flow_run_command` (this Python's
+``-m prefect.engine``) set in its base job template. Without a command, a Prefect 3.9 process
+worker first starts a workspace supervisor process (prefect/workers/process.py), which
+prepares a project workspace (a ``uv`` project, pull steps) and only then starts the engine:
+a second interpreter importing Prefect per flow run (about 2 CPU-seconds). Our entry points
+are module paths of the installed package, so there is nothing to prepare. The command names
+an absolute interpreter: every worker host must have ckptstore installed at the same path (one
+image, or one environment at one path); ``ckpt agent`` checks that before serving.
 """
 
 from __future__ import annotations
 
 import logging
+import shlex
+import shutil
+import sys
 from typing import TYPE_CHECKING, Any
 
 from ckptstore.errors import ConfigError
@@ -27,7 +39,16 @@ from ckptstore.flows.schedules import IntervalSchedule, parse_schedule
 if TYPE_CHECKING:
     from ckptstore.config import Settings
 
-__all__ = ["WORK_POOL_TYPE", "build_deployments", "deploy_all", "require_api_url", "serve_all"]
+__all__ = [
+    "WORK_POOL_TYPE",
+    "base_job_template",
+    "build_deployments",
+    "check_flow_run_command",
+    "deploy_all",
+    "flow_run_command",
+    "require_api_url",
+    "serve_all",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -135,22 +156,70 @@ def require_api_url() -> str:
     return str(url)
 
 
+def flow_run_command() -> str:
+    """The command a worker starts each flow run with: this interpreter's Prefect engine."""
+    return shlex.join([sys.executable, "-m", "prefect.engine"])
+
+
+def base_job_template() -> dict[str, Any]:
+    """Prefect's process work pool template, with :func:`flow_run_command` as the command.
+
+    The command is the default of the template's ``command`` variable, so a deployment's
+    or a flow run's job variables may still replace it.
+    """
+    from prefect.workers.process import ProcessWorker
+
+    template: dict[str, Any] = ProcessWorker.get_default_base_job_template()
+    template["variables"]["properties"]["command"]["default"] = flow_run_command()
+    return template
+
+
+def check_flow_run_command(pool: str) -> None:
+    """Refuse to serve a pool whose flow runs would start a program this host lacks.
+
+    Raises:
+        ConfigError: If the pool's command names a program that is not here (another
+            install path on this host), or the server cannot be reached.
+    """
+    need_prefect("ckpt agent")
+    import httpx
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            template = client.read_work_pool(pool).base_job_template
+    except httpx.TransportError as exc:
+        raise ConfigError(
+            f"cannot reach the Prefect API to read work pool {pool!r}: {exc}"
+        ) from exc
+    command = template.get("variables", {}).get("properties", {}).get("command", {}).get("default")
+    if not command:
+        return  # Prefect's own default: the worker's interpreter
+    program = shlex.split(str(command))[0]
+    if shutil.which(program) is None:
+        raise ConfigError(
+            f"work pool {pool!r} starts flow runs with {command!r}, but {program} does not "
+            "exist on this host: install ckptstore at that path (every worker host the same), "
+            "or give the pool another command (`prefect work-pool update --base-job-template`)"
+        )
+
+
 def _ensure_pool(client: Any, pool: str) -> None:
     """Create the process work pool ``pool`` if missing; refuse a pool of another type."""
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-    from prefect.workers.process import ProcessWorker
 
     try:
         work_pool = client.read_work_pool(pool)
     except ObjectNotFound:
         try:
-            # The default template is what `prefect work-pool create --type process` stores.
+            # What `prefect work-pool create --type process` stores, plus the command. A pool
+            # that exists keeps its template: its owner may have set it on purpose.
             work_pool = client.create_work_pool(
                 WorkPoolCreate(
                     name=pool,
                     type=WORK_POOL_TYPE,
-                    base_job_template=ProcessWorker.get_default_base_job_template(),
+                    base_job_template=base_job_template(),
                     description="ckptstore flows (created by `ckpt serve --pool`)",
                 )
             )

@@ -1,11 +1,14 @@
 """Run flows off the training thread: one background worker, warmed once, fed by a queue.
 
 Embedded mode (the default, no Prefect server): :class:`EmbeddedRunner` owns one daemon thread.
-The thread imports Prefect and warms its client once (``get_client(sync_client=True).hello()``,
-which starts Prefect's ephemeral server; doing it once, on one thread, avoids the race two
-threads hit when both make their first flow call), then runs queued flows one at a time, and
-fires the configured schedules with a timer of its own (Prefect's cron schedules need a
-server). ``submit`` only enqueues: it costs microseconds and never imports Prefect.
+The flows run one at a time in one sidecar process (:mod:`ckptstore.flows.sidecar`), which
+imports Prefect and warms its client once (starting Prefect's ephemeral server), so that
+neither takes the interpreter lock from the training thread; in a process that had imported
+Prefect already, the thread itself imports and warms it (doing that once, on one thread,
+avoids the race two threads hit when both make their first flow call) and runs the flows. The
+thread fires the configured schedules with a timer of its own (Prefect's cron schedules need
+a server). ``submit`` only enqueues: it costs microseconds and never imports Prefect.
+Prefect's lines go to the store's ``logs/flows.log`` (:mod:`ckptstore.observability.prefect_env`).
 
 Server mode (``PREFECT_API_URL`` set): the same thread calls
 ``run_deployment(name, parameters, timeout=0, idempotency_key=...)`` for deployments that
@@ -22,9 +25,11 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -35,7 +40,13 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from ckptstore.errors import ConfigError
 from ckptstore.flows.registry import FLOWS, get_flow
 from ckptstore.flows.schedules import CronSchedule, IntervalSchedule, parse_schedule
+from ckptstore.flows.sidecar import FlowProcessError, Sidecar, flow_settings, warm_up_prefect
 from ckptstore.identity import host
+from ckptstore.observability.prefect_env import (
+    flow_log_path,
+    root_logging_kept,
+    route_prefect_logs,
+)
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
@@ -131,6 +142,11 @@ class EmbeddedRunner:
         exit_timeout_s: How long :func:`wait_for_flows` (``CheckpointStore.close()``) waits
             for the queued and running flows. At interpreter exit nothing is waited for:
             flows cannot run once it shuts down, so what is left is reported, one line each.
+        isolate: Embedded mode: run the flows in one sidecar process
+            (:mod:`ckptstore.flows.sidecar`), so that neither Prefect's import nor its flow
+            runs take the interpreter lock from the training thread. Default: yes, unless
+            this process had imported Prefect when the runner started (it then runs them on
+            its thread, with this process's Prefect settings).
 
     Raises:
         ConfigError: For an unknown flow name or an invalid schedule.
@@ -147,6 +163,7 @@ class EmbeddedRunner:
         history: int = 100,
         deployment: str = DEPLOYMENT_NAME,
         exit_timeout_s: float = 600.0,
+        isolate: bool | None = None,
     ) -> None:
         """Validate the schedules; nothing starts until :meth:`start` or :meth:`submit`."""
         self.store_root = None if store_root is None else str(store_root)
@@ -181,6 +198,9 @@ class EmbeddedRunner:
         self._closed = False
         self._abort = threading.Event()
         self._running: _Job | None = None  # the job on the worker thread, for _at_exit
+        self._isolate: bool | None = isolate
+        self._sidecar: Sidecar | None = None
+        self._exiting = False
         self.ready = threading.Event()
         """Set once the worker has warmed Prefect (or failed to and moved on)."""
 
@@ -311,6 +331,23 @@ class EmbeddedRunner:
             raise
 
     def _loop(self) -> None:
+        if self._isolate is None:
+            # A process that uses Prefect itself (its settings, its server, its logging) runs
+            # our flows beside its own; any other keeps Prefect out (flows/sidecar.py).
+            self._isolate = self.mode == "embedded" and "prefect" not in sys.modules
+        if self._isolate:
+            try:
+                self._serve()
+            finally:
+                if self._sidecar is not None:
+                    self._sidecar.close()
+                    self._sidecar = None
+            return
+        self._import_prefect()
+        with flow_settings() if self.mode == "embedded" else contextlib.nullcontext():
+            self._serve()
+
+    def _serve(self) -> None:
         if self._warm:
             self._warm_up()
         self.ready.set()
@@ -347,13 +384,30 @@ class EmbeddedRunner:
                     self.results.append(self._run(_Job(name, {}, None, scheduled=True)))
                     due[name] = self.schedules[name].next_after(datetime.now(UTC))
 
+    def _import_prefect(self) -> None:
+        """Import Prefect on this thread, its lines to the store's log file, not the console.
+
+        Done once, before anything else here touches Prefect: its import would otherwise put
+        its console handler on the root logger of the training process.
+        """
+        # prefect.main configures Prefect's logging (``import prefect`` alone defers it). If
+        # it is loaded already, the user imported Prefect: their logging stays theirs.
+        ours = "prefect.main" not in sys.modules
+        try:
+            with root_logging_kept() if ours else contextlib.nullcontext():
+                import prefect.main  # noqa: F401
+        except ImportError:
+            return  # the first flow says which extra is missing
+        if self.store_root is not None:
+            route_prefect_logs(flow_log_path(self.store_root), quiet=ours)
+
     def _warm_up(self) -> None:
         started = time.perf_counter()
         try:
-            from prefect.client.orchestration import get_client
-
-            with get_client(sync_client=True) as client:
-                client.hello()
+            if self._isolate:
+                self._sidecar_ready().wait_ready()
+            else:
+                warm_up_prefect()
         except Exception as exc:  # a cold Prefect is slower, not broken: the first flow retries
             if not self._abort.is_set():  # at exit, _at_exit says what is left undone
                 logger.warning(
@@ -361,6 +415,12 @@ class EmbeddedRunner:
                 )
             return
         logger.info("prefect client warmed in %.1fs", time.perf_counter() - started)
+
+    def _sidecar_ready(self) -> Sidecar:
+        """The sidecar, started now if it is not running (first use, or it died)."""
+        if self._sidecar is None or not self._sidecar.alive:
+            self._sidecar = Sidecar(self.store_root)
+        return self._sidecar
 
     def _params(self, job: _Job) -> dict[str, Any]:
         params = dict(job.params)
@@ -377,13 +437,18 @@ class EmbeddedRunner:
         try:
             if self.mode == "server":
                 result: Any = self._run_deployment(job, params)
+            elif self._isolate:
+                result = self._sidecar_ready().run(job.flow, params)
             else:
                 result = get_flow(job.flow)(**params)
         except Exception as exc:  # a failed flow must not kill the worker; keep the error
             # One line: Prefect's own run log already holds the traceback.
-            logger.warning("flow %s failed: %s: %s", job.flow, type(exc).__name__, exc)
+            error = str(exc) if isinstance(exc, FlowProcessError) else (
+                f"{type(exc).__name__}: {exc}")
+            if not self._exiting:  # else _at_exit says, once, that it did not finish
+                logger.warning("flow %s failed: %s", job.flow, error)
             return JobResult(
-                job.flow, params, False, None, f"{type(exc).__name__}: {exc}", started_at,
+                job.flow, params, False, None, error, started_at,
                 time.perf_counter() - started, job.scheduled,
             )
         return JobResult(
@@ -447,6 +512,15 @@ class EmbeddedRunner:
         self._abort.set()
         self._drain_dropped()
         running = self._running
+        sidecar = self._sidecar
+        if sidecar is not None:
+            # Nothing a process starts outlives it: an idle sidecar stops (and stops its
+            # server) as on close; one still warming up, or running a flow, is stopped now.
+            self._exiting = True
+            if running is None and sidecar.ready:
+                sidecar.close(timeout=10)
+            else:
+                sidecar.kill()
         if running is not None:
             about = f" for {running.params['ref']}" if "ref" in running.params else ""
             logger.warning(

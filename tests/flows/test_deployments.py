@@ -111,3 +111,42 @@ def test_serve_and_trigger_against_a_real_server(
             assert states == [CheckpointState.DELETED] * 2 + [CheckpointState.COMMITTED]
     finally:
         _stop(serve)
+
+
+def test_pools_we_create_start_flow_runs_with_this_python(
+    prefect_server: tuple[str, dict[str, str]],
+) -> None:
+    """The pool's command skips Prefect's workspace supervisor (a second interpreter per flow
+    run); an agent refuses a pool whose command names a program its host lacks."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from server_support import forget_pool
+
+    from ckptstore.flows.deployments import (
+        _ensure_pool,
+        base_job_template,
+        check_flow_run_command,
+        flow_run_command,
+    )
+
+    api, _env = prefect_server
+    assert flow_run_command() == f"{sys.executable} -m prefect.engine"
+    elsewhere = base_job_template()
+    elsewhere["variables"]["properties"]["command"]["default"] = (
+        "/nowhere/bin/python -m prefect.engine"
+    )
+    try:
+        with temporary_settings({PREFECT_API_URL: api}):
+            with get_client(sync_client=True) as client:
+                _ensure_pool(client, "ckpt-command")
+                template = client.read_work_pool("ckpt-command").base_job_template
+                client.create_work_pool(WorkPoolCreate(
+                    name="ckpt-elsewhere", type="process", base_job_template=elsewhere))
+            assert template["variables"]["properties"]["command"]["default"] == flow_run_command()
+            check_flow_run_command("ckpt-command")
+            with pytest.raises(ConfigError, match="/nowhere/bin/python does not exist"):
+                check_flow_run_command("ckpt-elsewhere")
+    finally:
+        forget_pool(api, "ckpt-command")
+        forget_pool(api, "ckpt-elsewhere")

@@ -130,3 +130,29 @@ def test_schedule_parsing() -> None:
     with pytest.raises(ConfigError, match="unknown flow"):
         EmbeddedRunner(schedules={"backup": "every 1s"})
     assert deployment_name("archive") == "ckpt-archive/ckptstore"
+
+
+@pytest.mark.slow
+def test_isolated_runner_runs_flows_in_one_sidecar(flow_store: CheckpointStore) -> None:
+    """What a training process without Prefect gets: the flows run in one sidecar process
+    (its own temporary server), results and failures come back as on the thread, and the
+    sidecar stops with the runner."""
+    ids = _save_some(flow_store, 3)
+    runner = EmbeddedRunner(flow_store.settings.root, mode="embedded", isolate=True)
+    try:
+        runner.submit("retention", keep_last=1)
+        runner.submit("restore", ref="missing@latest")
+        assert runner.wait_idle(timeout=240)
+        sidecar = runner._sidecar
+        assert sidecar is not None and sidecar.alive
+        assert [(r.flow, r.ok) for r in runner.results] == [("retention", True), ("restore", False)]
+        assert len(runner.results[0].result["executed"]) == 2
+        # The flow's own error, as the thread would have reported it.
+        assert str(runner.results[1].error).startswith("CheckpointNotFoundError: ")
+    finally:
+        assert runner.close(wait=True, timeout=120)
+    assert sidecar.proc.poll() is not None  # nothing left behind
+    states = [flow_store.catalog.get_any(i).state for i in ids]
+    assert states == [CheckpointState.DELETED] * 2 + [CheckpointState.COMMITTED]
+    # Prefect's lines went to the store's log (the suite logs Prefect at WARNING).
+    assert "Failed" in (flow_store.settings.root / "logs" / "flows.log").read_text()

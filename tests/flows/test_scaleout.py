@@ -135,7 +135,11 @@ def cluster(
                 f"{flows[str(d.flow_id)]}/{d.name}": str(d.id) for d in client.read_deployments()
             }
             assert all(d.work_pool_name == POOL for d in client.read_deployments())
-            assert client.read_work_pool(POOL).type == "process"
+            work_pool = client.read_work_pool(POOL)
+            assert work_pool.type == "process"
+            # Flow runs start straight from this Python, not through a workspace supervisor.
+            command = work_pool.base_job_template["variables"]["properties"]["command"]
+            assert command["default"] == f"{sys.executable} -m prefect.engine"
 
         worker_env = {
             **env,
