@@ -18,7 +18,9 @@ import typer
 
 from ckptstore.cli.common import open_store, progress_bar, with_global_options
 from ckptstore.cli.output import console, human_bytes, print_json, print_table
+from ckptstore.cli.trust import DecryptKeyOpt, EncryptToOpt
 from ckptstore.core import StoreCore
+from ckptstore.errors import CheckpointNotFoundError, DecryptionError
 
 __all__ = ["register", "register_remote_group"]
 
@@ -144,7 +146,7 @@ def _show(report: Any, as_json: bool) -> None:
         return
     console.print(report.summary() + f" ({human_bytes(report.bytes_sent)})", markup=False,
                   highlight=False)
-    for ckpt_id, refs in report.lineage_elsewhere.items():
+    for ckpt_id, refs in getattr(report, "lineage_elsewhere", {}).items():
         kept = ", ".join(f"{r['kind']} {r['checkpoint']}" for r in refs)
         console.print(f"lineage of {ckpt_id} kept as references to the source store: {kept}",
                       markup=False, highlight=False)
@@ -158,9 +160,13 @@ def push_cmd(
     self_contained: SelfContainedOpt = False,
     codec: CodecOpt = "zstd-1",
     require_signature: SignatureOpt = None,
+    encrypt_to: EncryptToOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Copy checkpoints, with their metadata, into a remote store.
+
+    With --encrypt-to the remote gets sealed copies only those keys can read (its catalog
+    records nothing, its tier holds ciphertext; see docs/SHARING.md); pull them with --key.
 
     Run, step, metrics, tags, code/data versions, lossy bounds, signatures and lineage edges
     travel with the files. Only files the remote lacks are sent (a fine-tune pushed after
@@ -174,6 +180,19 @@ def push_cmd(
     """
     from ckptstore.ops.sharing.push import push_checkpoints
 
+    if encrypt_to:
+        from ckptstore.ops.sharing.sealed import push_sealed
+
+        if self_contained or require_signature is not None:
+            raise typer.BadParameter("--encrypt-to copies are always self-contained, and "
+                                     "signatures are checked where they are decrypted (pull "
+                                     "--require-signature)", param_hint="--encrypt-to")
+        with _stores(ctx, to) as (store, other), \
+                progress_bar(f"pushing to {to} (encrypted)", enabled=not as_json) as advance:
+            sealed = push_sealed(store, other, refs, remote=to, encrypt_to=encrypt_to,
+                                 tier=tier, progress=advance)
+        _show(sealed, as_json)
+        return
     with _stores(ctx, to) as (store, other), \
             progress_bar(f"pushing to {to}", enabled=not as_json) as advance:
         report = push_checkpoints(store, other, refs, remote=to, tier=tier,
@@ -190,16 +209,38 @@ def pull_cmd(
     self_contained: SelfContainedOpt = False,
     codec: CodecOpt = "zstd-1",
     require_signature: SignatureOpt = None,
+    key: DecryptKeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Copy checkpoints, with their metadata, from a remote store into this one.
 
     The same guarantees as push, in the other direction: references are resolved in the
-    remote, each copy is verified here before it is committed in this catalog.
+    remote, each copy is verified here before it is committed in this catalog. With --key
+    (or $CKPT_DECRYPT_KEY, or the config's decrypt_key) sealed copies on the remote that the
+    key opens are found by id, run@latest or run@<step>, decrypted and verified against
+    their manifest's blake3 (with --key, only sealed copies are looked for).
 
     JSON: as push.
     """
     from ckptstore.ops.sharing.push import push_checkpoints
+    from ckptstore.ops.sharing.sealed import decryption_key_path, pull_sealed
+
+    with _stores(ctx, source) as (store, other):
+        key_path = decryption_key_path(key, store.settings.decrypt_key)
+        if key_path is not None:
+            try:
+                with progress_bar(f"pulling from {source} (encrypted)",
+                                  enabled=not as_json) as advance:
+                    sealed = pull_sealed(store, other, refs, remote=source, key=key_path,
+                                         require_signature=require_signature,
+                                         progress=advance)
+                _show(sealed, as_json)
+                return
+            except (CheckpointNotFoundError, DecryptionError):
+                if key is not None:
+                    raise
+                # A key from the environment or config: the refs may be plain checkpoints.
+                pass
 
     with _stores(ctx, source) as (store, other), \
             progress_bar(f"pulling from {source}", enabled=not as_json) as advance:

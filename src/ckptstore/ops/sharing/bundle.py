@@ -82,7 +82,8 @@ from ckptstore.storage.transfer import (
     owned_files,
 )
 
-__all__ = ["BUNDLE_HEADER", "export_bundle", "import_bundle"]
+__all__ = ["BUNDLE_HEADER", "BundleContents", "bundle_contents", "export_bundle",
+           "import_bundle"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,28 +110,46 @@ def _tar_add(tar: tarfile.TarFile, name: str, data: IO[bytes], size: int, mtime:
     tar.addfile(info, data)
 
 
-def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *,
-                  progress: Progress | None = None) -> Path:
-    """Write one committed checkpoint as a bundle (an uncompressed tar).
+@dataclass(frozen=True)
+class BundleContents:
+    """What a bundle of one checkpoint holds, before it is written anywhere.
+
+    Attributes:
+        checkpoint: The checkpoint.
+        header: The header member's bytes (:data:`BUNDLE_HEADER`).
+        directory: Its hot copy, where the files are read from.
+        files: The checkpoint's files (paths relative to ``directory``), in bundle order.
+        sizes: Each file's size.
+    """
+
+    checkpoint: Checkpoint
+    header: bytes
+    directory: Path
+    files: list[str]
+    sizes: dict[str, int]
+
+    def members(self) -> list[tuple[str, int]]:
+        """Every member's name and size, header first."""
+        return [(BUNDLE_HEADER, len(self.header))] + [
+            (_PREFIX + rel, self.sizes[rel]) for rel in self.files]
+
+    def open_member(self, name: str) -> IO[bytes]:
+        """A binary stream of member ``name``."""
+        if name == BUNDLE_HEADER:
+            return io.BytesIO(self.header)
+        return open(self.directory / name[len(_PREFIX):], "rb")
+
+
+def bundle_contents(store: StoreCore, ref: str) -> BundleContents:
+    """What a bundle of checkpoint ``ref`` holds (its hot copy checked first).
 
     An archived checkpoint is restored to the hot tier first. Only full checkpoints can be
     bundled alone (a delta needs its base; re-save it in full first).
-
-    Args:
-        store: The open store.
-        ref: Checkpoint reference.
-        out_tar: Output path; written atomically (a temp name, then a rename).
-        progress: Called with the size of each file added; one with ``set_total``
-            (:mod:`ckptstore.progress`) is first told the bytes of all of them.
-
-    Returns:
-        The bundle's path.
 
     Raises:
         CheckpointNotFoundError: If the reference does not resolve.
         InvalidNameError: If the checkpoint is a delta.
         IntegrityError: If the hot copy is damaged.
-        StorageError: If the bundle cannot be written.
     """
     from ckptstore.ops.tiering.reencode import read_copy_manifest
     from ckptstore.ops.tiering.restore import ensure_hot, hot_digest
@@ -171,6 +190,36 @@ def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *
     }
     if is_reencoded(manifest):
         header["copy_digest"] = manifest.digest
+    data = json.dumps(header, sort_keys=True, indent=1).encode()
+    return BundleContents(ck, data, directory, files, sizes)
+
+
+def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *,
+                  progress: Progress | None = None) -> Path:
+    """Write one committed checkpoint as a bundle (an uncompressed tar).
+
+    An archived checkpoint is restored to the hot tier first. Only full checkpoints can be
+    bundled alone (a delta needs its base; re-save it in full first).
+
+    Args:
+        store: The open store.
+        ref: Checkpoint reference.
+        out_tar: Output path; written atomically (a temp name, then a rename).
+        progress: Called with the size of each file added; one with ``set_total``
+            (:mod:`ckptstore.progress`) is first told the bytes of all of them.
+
+    Returns:
+        The bundle's path.
+
+    Raises:
+        CheckpointNotFoundError: If the reference does not resolve.
+        InvalidNameError: If the checkpoint is a delta.
+        IntegrityError: If the hot copy is damaged.
+        StorageError: If the bundle cannot be written.
+    """
+    contents = bundle_contents(store, ref)
+    ck, directory, files, sizes = (contents.checkpoint, contents.directory, contents.files,
+                                   contents.sizes)
     out = Path(out_tar)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     mtime = int(ck.created_at.timestamp())
@@ -178,7 +227,7 @@ def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
-            data = json.dumps(header, sort_keys=True, indent=1).encode()
+            data = contents.header
             _tar_add(tar, BUNDLE_HEADER, io.BytesIO(data), len(data), mtime)
             for rel in files:
                 with open(directory / rel, "rb") as fh:

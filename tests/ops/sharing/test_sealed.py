@@ -1,0 +1,214 @@
+"""Encrypted (sealed) copies: keys, push/pull through a remote on S3, encrypted bundles, and
+every bad input (wrong, missing or misused keys, tampered, truncated or swapped ciphertext),
+each refused with our error and nothing written.
+
+Stores a (SQLite + S3 warm), b (PostgreSQL + S3 warm, the untrusted remote) and c (SQLite,
+hot only) come from tests/remote_support.py.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptstore.errors import CheckpointNotFoundError, ConfigError, DecryptionError
+from ckptstore.ops.sharing.crypt import (
+    generate_encryption_keypair,
+    load_decryption_key,
+    load_encryption_key,
+)
+from ckptstore.ops.sharing.remote import open_remote
+from ckptstore.ops.sharing.sealed import (
+    SEALED_DIR,
+    export_sealed,
+    import_sealed,
+    is_sealed_bundle,
+    pull_sealed,
+    push_sealed,
+)
+from ckptstore.ops.sharing.signing import generate_keypair, load_public_key, sign_checkpoint
+from ckptstore.records import CheckpointState
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> dict[str, Path]:
+    """Encryption pairs ``agg`` and ``eve``, signing pair ``sig``."""
+    out = tmp_path / "keys"
+    agg_key, agg_pub = generate_encryption_keypair(out, "agg")
+    eve_key, eve_pub = generate_encryption_keypair(out, "eve")
+    sig_key, sig_pub = generate_keypair(out, "sig")
+    return {"agg.key": agg_key, "agg.pub": agg_pub, "eve.key": eve_key, "eve.pub": eve_pub,
+            "sig.key": sig_key, "sig.pub": sig_pub}
+
+
+def _sealed_keys(store: Any) -> list[str]:
+    return list(store.tier("warm").list_prefix(f"{SEALED_DIR}/"))
+
+
+def _nothing_in(store: Any) -> None:
+    """No checkpoint row (any state) and no run directory in the hot tier."""
+    rows = [ck for ck in store.catalog.list() if ck.state != CheckpointState.DELETED]
+    assert rows == []
+    hot = store.hot
+    assert not any(p for p in hot.iterdir() if not p.name.startswith(".")), list(hot.iterdir())
+    assert not any(p.name.startswith(".unseal-") for p in hot.iterdir())
+
+
+def test_keygen_kinds_refused_where_the_other_is_expected(keys: dict[str, Path]) -> None:
+    assert stat.S_IMODE(os.stat(keys["agg.key"]).st_mode) == 0o600
+    load_encryption_key(keys["agg.pub"])
+    load_decryption_key(keys["agg.key"])
+    with pytest.raises(ConfigError, match="Ed25519 signing key"):
+        load_encryption_key(keys["sig.pub"])
+    with pytest.raises(ConfigError, match="Ed25519 signing key"):
+        load_decryption_key(keys["sig.key"])
+    with pytest.raises(ConfigError, match="is a private key"):
+        load_encryption_key(keys["agg.key"])
+    with pytest.raises(ConfigError, match="is a public key"):
+        load_decryption_key(keys["agg.pub"])
+    with pytest.raises(ConfigError, match="not an Ed25519"):
+        load_public_key(keys["agg.pub"])
+
+
+def test_push_pull_roundtrip_remote_sees_ciphertext_only(stores: Any, kit: Any,
+                                                         keys: dict[str, Path]) -> None:
+    state = kit.state(1)
+    ck = stores.a.save("secret-run", 7, state, metrics={"samples": 1234.0})
+    sign_checkpoint(stores.a, ck.id, keys["sig.key"])
+    b = open_remote(stores.a, "b")
+    try:
+        report = push_sealed(stores.a, b, [ck.id], remote="b", encrypt_to=[keys["agg.pub"]])
+        assert [c["checkpoint"] for c in report.copies] == [ck.id]
+        # The remote's catalog learned nothing; its tier holds numbered ciphertext only.
+        assert b.catalog.list() == []
+        objects = _sealed_keys(b)
+        assert any(k.endswith("/envelope.json") for k in objects)
+        blob = b"".join(b.tier("warm").get_bytes(k) for k in objects)
+        for secret in (b"secret-run", ck.id.encode(), b"samples", b"manifest", b"w/c/0"):
+            assert secret not in blob
+        # Pushed again to the same recipient: found, nothing sent.
+        again = push_sealed(stores.a, b, [ck.id], remote="b", encrypt_to=[keys["agg.pub"]])
+        assert again.present == [ck.id] and again.copies == []
+    finally:
+        b.close()
+    b = open_remote(stores.c, "b")
+    try:
+        got = pull_sealed(stores.c, b, ["secret-run@latest"], remote="b",
+                          key=keys["agg.key"], require_signature=keys["sig.pub"])
+    finally:
+        b.close()
+    assert [c["checkpoint"] for c in got.copies] == [ck.id]
+    pulled = stores.c.get(ck.id)
+    assert pulled.run == "secret-run" and pulled.step == 7
+    assert pulled.metrics["samples"] == 1234.0
+    assert kit.same(stores.c.load(ck.id), state)
+
+
+def test_pull_with_wrong_or_signing_key_writes_nothing(stores: Any, kit: Any,
+                                                       keys: dict[str, Path]) -> None:
+    ck = stores.a.save("r", 1, kit.state(2))
+    b = open_remote(stores.a, "b")
+    try:
+        with pytest.raises(ConfigError, match="Ed25519 signing key"):
+            push_sealed(stores.a, b, [ck.id], remote="b", encrypt_to=[keys["sig.pub"]])
+        assert _sealed_keys(b) == []
+        push_sealed(stores.a, b, [ck.id], remote="b", encrypt_to=[keys["agg.pub"]])
+    finally:
+        b.close()
+    b = open_remote(stores.c, "b")
+    try:
+        with pytest.raises(DecryptionError, match="encrypted to other keys"):
+            pull_sealed(stores.c, b, [ck.id], remote="b", key=keys["eve.key"])
+        with pytest.raises(ConfigError, match="Ed25519 signing key"):
+            pull_sealed(stores.c, b, [ck.id], remote="b", key=keys["sig.key"])
+        with pytest.raises(CheckpointNotFoundError):
+            pull_sealed(stores.c, b, ["other@latest"], remote="b", key=keys["agg.key"])
+    finally:
+        b.close()
+    _nothing_in(stores.c)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "swap", "index"])
+def test_damaged_ciphertext_is_refused(stores: Any, kit: Any, keys: dict[str, Path],
+                                       damage: str) -> None:
+    ck = stores.a.save("r", 1, kit.state(3))
+    b = open_remote(stores.a, "b")
+    try:
+        push_sealed(stores.a, b, [ck.id], remote="b", encrypt_to=[keys["agg.pub"]])
+        warm = b.tier("warm")
+
+        def put(key: str, data: bytes) -> None:  # objects are written once: replace
+            warm.delete(key)
+            warm.put_bytes(key, data)
+
+        objects = sorted(k for k in _sealed_keys(b) if "/o/" in k)
+        # The largest objects are chunk files.
+        first, second = sorted(objects, key=warm.size)[-2:]
+        if damage == "flip":
+            data = bytearray(warm.get_bytes(first))
+            data[len(data) // 2] ^= 1
+            put(first, bytes(data))
+        elif damage == "truncate":
+            put(first, warm.get_bytes(first)[:-5])
+        elif damage == "swap":
+            one, two = warm.get_bytes(first), warm.get_bytes(second)
+            assert len(one) == len(two)
+            put(first, two)
+            put(second, one)
+        else:
+            index = next(k for k in _sealed_keys(b) if k.endswith("/index"))
+            data = bytearray(warm.get_bytes(index))
+            data[3] ^= 0x40
+            put(index, bytes(data))
+    finally:
+        b.close()
+    b = open_remote(stores.c, "b")
+    try:
+        with pytest.raises(DecryptionError) as info:
+            pull_sealed(stores.c, b, [ck.id], remote="b", key=keys["agg.key"])
+    finally:
+        b.close()
+    if damage != "index":
+        assert "object o/" in str(info.value)
+    _nothing_in(stores.c)
+
+
+def test_encrypted_bundle(stores: Any, kit: Any, keys: dict[str, Path],
+                          tmp_path: Path) -> None:
+    state = kit.state(4)
+    ck = stores.a.save("r", 3, state, metrics={"samples": 10.0})
+    sign_checkpoint(stores.a, ck.id, keys["sig.key"])
+    out = export_sealed(stores.a, ck.id, tmp_path / "x.tar",
+                        [keys["agg.pub"], keys["eve.pub"]])
+    assert is_sealed_bundle(out)
+    with tarfile.open(out) as tar:
+        names = tar.getnames()
+        blob = b"".join(tar.extractfile(m).read() for m in tar.getmembers())  # type: ignore[union-attr]
+    assert "ckptstore-sealed.json" in names and not any("manifest" in n for n in names)
+    assert b"samples" not in blob and ck.id.encode() not in blob
+    with pytest.raises(DecryptionError, match="give the private key"):
+        import_sealed(stores.c, out, None)
+    with pytest.raises(ConfigError, match="signing key"):
+        import_sealed(stores.c, out, keys["sig.key"])
+    truncated = tmp_path / "t.tar"
+    truncated.write_bytes(out.read_bytes()[: out.stat().st_size // 2])
+    with pytest.raises(DecryptionError):
+        import_sealed(stores.c, truncated, keys["agg.key"])
+    _nothing_in(stores.c)
+    # Either recipient opens it; the signature is checked on the plaintext.
+    got = import_sealed(stores.c, out, keys["eve.key"], require_signature=keys["sig.pub"])
+    assert got.id == ck.id and kit.same(stores.c.load(ck.id), state)
+
+
+def test_bundle_for_someone_else(stores: Any, kit: Any, keys: dict[str, Path],
+                                 tmp_path: Path) -> None:
+    ck = stores.a.save("r", 1, kit.state(5))
+    out = export_sealed(stores.a, ck.id, tmp_path / "x.tar", [keys["eve.pub"]])
+    with pytest.raises(DecryptionError, match="was not encrypted to the key"):
+        import_sealed(stores.c, out, keys["agg.key"])
+    _nothing_in(stores.c)
