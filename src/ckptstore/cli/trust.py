@@ -103,7 +103,7 @@ def verify_signature_cmd(
 EncryptToOpt = Annotated[
     list[Path] | None,
     typer.Option("--encrypt-to", metavar="PUBKEY",
-                 help="Encrypt for this X25519 public key (`ckpt keygen --encryption`; "
+                 help="Encrypt for this X25519 public key (`ckpt keygen --encryption --out DIR`; "
                       "repeatable): only its private key can read the copy."),
 ]
 DecryptKeyOpt = Annotated[

@@ -8,6 +8,7 @@ hot only) come from tests/remote_support.py.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import tarfile
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from ckptstore.cli.app import main
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, DecryptionError
 from ckptstore.ops.sharing.crypt import (
     generate_encryption_keypair,
@@ -33,6 +35,8 @@ from ckptstore.ops.sharing.sealed import (
 )
 from ckptstore.ops.sharing.signing import generate_keypair, load_public_key, sign_checkpoint
 from ckptstore.records import CheckpointState
+
+pytestmark = [pytest.mark.postgres, pytest.mark.s3]
 
 
 @pytest.fixture
@@ -56,7 +60,7 @@ def _nothing_in(store: Any) -> None:
     assert rows == []
     hot = store.hot
     assert not any(p for p in hot.iterdir() if not p.name.startswith(".")), list(hot.iterdir())
-    assert not any(p.name.startswith(".unseal-") for p in hot.iterdir())
+    assert not any(p.name.startswith(".sealed-work-") for p in hot.iterdir())
 
 
 def test_keygen_kinds_refused_where_the_other_is_expected(keys: dict[str, Path]) -> None:
@@ -212,3 +216,60 @@ def test_bundle_for_someone_else(stores: Any, kit: Any, keys: dict[str, Path],
     with pytest.raises(DecryptionError, match="was not encrypted to the key"):
         import_sealed(stores.c, out, keys["agg.key"])
     _nothing_in(stores.c)
+
+
+def _ckpt(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, Any]:
+    code = main(list(args))
+    out = capsys.readouterr().out
+    return code, json.loads(out) if "--json" in args and out.strip() else out
+
+
+def test_cli_keygen_push_pull_export_import(stores: Any, kit: Any, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    a_cfg, c_cfg = str(stores.a_config), str(stores.c_config)
+    out = str(tmp_path / "k")
+    code, made = _ckpt(capsys, "keygen", "--encryption", "--out", out, "--name", "site",
+                       "--json")
+    assert code == 0 and made["kind"] == "x25519"
+    assert stat.S_IMODE(os.stat(made["private_key"]).st_mode) == 0o600
+    code, signing = _ckpt(capsys, "keygen", "--out", out, "--name", "sig", "--json")
+    assert code == 0 and signing["kind"] == "ed25519"
+    code, err = _ckpt(capsys, "keygen", "--encryption", "--out", out, "--name", "site",
+                      "--json")
+    assert code == 1 and "never overwritten" in err["error"]["message"]
+
+    state = kit.state(6)
+    ck = stores.a.save("cli", 4, state)
+    # A signing key as recipient: our error, exit 1, nothing on the remote.
+    code, err = _ckpt(capsys, "push", ck.id, "--to", "b", "--config", a_cfg,
+                      "--encrypt-to", signing["public_key"], "--json")
+    assert code == 1 and err["error"]["type"] == "ConfigError"
+    # Options that cannot go together: bad usage, exit 2.
+    code, _ = _ckpt(capsys, "push", ck.id, "--to", "b", "--config", a_cfg,
+                    "--encrypt-to", made["public_key"], "--self-contained")
+    assert code == 2
+    code, pushed = _ckpt(capsys, "push", ck.id, "--to", "b", "--config", a_cfg,
+                         "--encrypt-to", made["public_key"], "--json")
+    assert code == 0 and pushed["encrypted"] and pushed["copies"][0]["checkpoint"] == ck.id
+    # The key from the environment.
+    monkeypatch.setenv("CKPT_DECRYPT_KEY", signing["private_key"])
+    code, err = _ckpt(capsys, "pull", "cli@latest", "--from", "b", "--config", c_cfg, "--json")
+    assert code == 1 and err["error"]["type"] == "ConfigError"
+    monkeypatch.setenv("CKPT_DECRYPT_KEY", made["private_key"])
+    code, pulled = _ckpt(capsys, "pull", "cli@latest", "--from", "b", "--config", c_cfg,
+                         "--json")
+    assert code == 0 and pulled["copies"][0]["checkpoint"] == ck.id
+    assert kit.same(stores.c.load(ck.id), state)
+    monkeypatch.delenv("CKPT_DECRYPT_KEY")
+
+    bundle = str(tmp_path / "b.tar")
+    code, exported = _ckpt(capsys, "export", ck.id, "--out", bundle, "--config", a_cfg,
+                           "--encrypt-to", made["public_key"], "--json")
+    assert code == 0 and exported["encrypted"]
+    d_cfg = kit.write_config(tmp_path / "d.toml", tmp_path / "d")
+    code, err = _ckpt(capsys, "import-bundle", bundle, "--config", str(d_cfg), "--json")
+    assert code == 1 and err["error"]["type"] == "DecryptionError"
+    code, imported = _ckpt(capsys, "import-bundle", bundle, "--config", str(d_cfg),
+                           "--key", made["private_key"], "--json")
+    assert code == 0 and imported["id"] == ck.id

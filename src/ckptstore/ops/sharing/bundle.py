@@ -96,6 +96,8 @@ _MAX_SMALL = 64 * 1024  # zarr.json, COMMITTED, SIGNATURE
 _MAX_HEADER = 16 * 1024 * 1024
 _DEFAULT_MAX_MEMBERS = 200_000
 _COPY_BLOCK = 4 * 1024 * 1024
+#: Codec of the self-contained copy a delta is bundled as (``bundle_contents(workdir=)``).
+_SELF_CONTAINED_CODEC = "zstd-1"
 
 
 # ---------------------------------------------------------------------- export
@@ -140,11 +142,16 @@ class BundleContents:
         return open(self.directory / name[len(_PREFIX):], "rb")
 
 
-def bundle_contents(store: StoreCore, ref: str) -> BundleContents:
+def bundle_contents(store: StoreCore, ref: str, *,
+                    workdir: Path | None = None) -> BundleContents:
     """What a bundle of checkpoint ``ref`` holds (its hot copy checked first).
 
-    An archived checkpoint is restored to the hot tier first. Only full checkpoints can be
-    bundled alone (a delta needs its base; re-save it in full first).
+    An archived checkpoint is restored to the hot tier first. A checkpoint that reads chunks
+    of others (a delta or dedup'd save) cannot be bundled alone, unless ``workdir`` is given:
+    a self-contained copy of it is then re-encoded there
+    (:func:`~ckptstore.ops.tiering.reencode.reencode_copy`, every chunk read, decoded and
+    checked against its blake3) and bundled as any re-encoded copy is, with its original
+    manifest. The caller removes ``workdir``.
 
     Raises:
         CheckpointNotFoundError: If the reference does not resolve.
@@ -160,7 +167,9 @@ def bundle_contents(store: StoreCore, ref: str) -> BundleContents:
         raise IntegrityError(f"checkpoint {ck.ref} has no manifest digest in the catalog")
     # The hot copy may be a re-encoded one: its original manifest must check out too.
     manifest = read_copy_manifest(directory, ck.manifest_digest, hot_digest(store, ck))
-    if manifest.referenced_checkpoints():
+    if manifest.referenced_checkpoints() and workdir is not None:
+        directory, manifest = _self_contained(store, ck, manifest, workdir, directory)
+    elif manifest.referenced_checkpoints():
         raise InvalidNameError(
             f"checkpoint {ck.ref} is a delta (it reads chunks of "
             f"{', '.join(sorted(manifest.referenced_checkpoints()))}); a bundle holds one full "
@@ -192,6 +201,26 @@ def bundle_contents(store: StoreCore, ref: str) -> BundleContents:
         header["copy_digest"] = manifest.digest
     data = json.dumps(header, sort_keys=True, indent=1).encode()
     return BundleContents(ck, data, directory, files, sizes)
+
+
+def _self_contained(store: StoreCore, ck: Checkpoint, manifest: Manifest, workdir: Path,
+                    hot_dir: Path) -> tuple[Path, Manifest]:
+    """A self-contained re-encoded copy of ``ck`` under ``workdir``: its directory and
+    manifest (its signature copied along)."""
+    from ckptstore.ops.tiering.reencode import reencode_copy
+    from ckptstore.ops.tiering.replicas import run_resolver
+    from ckptstore.storage.local import LocalTier
+
+    tier = LocalTier(workdir, name="hot")
+    result = reencode_copy(store.tier("hot"), tier, ck.run, manifest, _SELF_CONTAINED_CODEC,
+                           run_of=run_resolver(store, ck), own_digest=ck.manifest_digest,
+                           threads=store.settings.threads, deep=True)
+    directory = tier.local_dir(ck.run, ck.id)
+    assert directory is not None
+    signature = hot_dir / SIGNATURE_NAME
+    if signature.is_file():
+        shutil.copyfile(signature, directory / SIGNATURE_NAME)
+    return directory, result.manifest
 
 
 def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *,

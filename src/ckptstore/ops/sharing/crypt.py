@@ -12,7 +12,7 @@ and associated data (AAD) that binds each ciphertext to its place (:func:`object
 object cannot be swapped for another one of the same copy, or of another copy.
 
 Keys are PEM files like the Ed25519 signing keys of :mod:`ckptstore.ops.sharing.signing`
-(``ckpt keygen --encryption`` writes an X25519 pair; PKCS#8 private key with mode 0600,
+(``keygen --encryption`` writes an X25519 pair; PKCS#8 private key with mode 0600,
 SubjectPublicKeyInfo public key). A signing key given where an encryption key is expected,
 or the reverse, is refused with the command that makes the right kind. No key material
 reaches the catalog, logs or errors; a public key's sha256 fingerprint names it.
@@ -141,7 +141,7 @@ def load_decryption_key(path: str | os.PathLike[str]) -> X25519PrivateKey:
     data = _read_key_file(key_path, "decryption (private)")
     if b"PUBLIC KEY" in data:
         raise ConfigError(f"{key_path} is a public key; decrypting needs the matching "
-                          "private key (the .key file of `ckpt keygen --encryption`)")
+                          "private key (the .key file of `ckpt keygen --encryption --out DIR`)")
     if key_path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         logger.warning("private key %s is readable by other users; chmod 600 it", key_path)
     try:

@@ -17,14 +17,15 @@ the copy id, so objects cannot be swapped, moved between copies or renamed. Whoe
 the copy without a recipient's private key learns the number of objects, their sizes (the
 plaintext's plus 16 bytes) and the number of recipients; nothing else (docs/SHARING.md).
 
-A sealed copy lives in two places: a remote's tier under ``.sealed/<copy id>/`` (``ckpt push
---encrypt-to``, pulled back with ``ckpt pull --key``: the remote's catalog records nothing
-of it) and a tar file with the envelope as ``ckptstore-sealed.json`` (``ckpt export
---encrypt-to``, ``ckpt import-bundle --key``). Reading one decrypts it, object by object, into
-a plaintext bundle in a private temporary directory of this store's hot tier and imports that
-with :func:`~ckptstore.ops.sharing.bundle.import_bundle`: every check an import makes (each
-chunk's decoded content against the manifest's blake3, the manifest against ``COMMITTED``,
-the signature with ``require_signature``) holds for sealed copies too, on the plaintext.
+A sealed copy lives in two places: a remote's tier under ``.sealed/<copy id>/``, written
+by ``push --encrypt-to`` and read by ``pull --key`` (the remote's catalog records nothing of
+it), and a tar file with the envelope as ``ckptstore-sealed.json``, written by ``export
+--encrypt-to`` and read by ``import-bundle --key``. Reading one decrypts it, object by
+object, into a plaintext bundle in a private temporary directory of this store's hot tier
+and imports that with :func:`~ckptstore.ops.sharing.bundle.import_bundle`: every check an
+import makes (each chunk's decoded content against the manifest's blake3, the manifest
+against ``COMMITTED``, the signature with ``require_signature``) holds for sealed copies
+too, on the plaintext.
 A failure removes the temporary bundle and leaves the store as it was.
 """
 
@@ -39,8 +40,9 @@ import tarfile
 import tempfile
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -75,6 +77,13 @@ from ckptstore.ops.sharing.crypt import (
     unb64,
     unwrap_data_key,
     wrap_data_key,
+)
+from ckptstore.ops.sharing.signing import (
+    SIGNATURE_NAME,
+    SignatureDoc,
+    check_signature,
+    key_fingerprint,
+    load_public_key,
 )
 from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint
@@ -244,7 +253,7 @@ def _seal(contents: BundleContents, recipients: Sequence[Any], put: _Put, copy_i
 def _recipients(paths: Sequence[str | os.PathLike[str]]) -> list[Any]:
     if not paths:
         raise InvalidNameError("no recipient: give at least one --encrypt-to PUBKEY (an "
-                               "X25519 public key of `ckpt keygen --encryption`)")
+                               "X25519 public key of `ckpt keygen --encryption --out DIR`)")
     keys = [load_encryption_key(p) for p in paths]
     unique = {encryption_fingerprint(k): k for k in keys}
     return list(unique.values())
@@ -281,7 +290,14 @@ def export_sealed(store: StoreCore, ref: str, out_tar: str | os.PathLike[str],
         As :func:`~ckptstore.ops.sharing.bundle.export_bundle`.
     """
     recipients = _recipients(encrypt_to)
-    contents = bundle_contents(store, ref)
+    with _workdir(store) as workdir:
+        return _export_sealed(store, ref, out_tar, recipients, workdir, threads, progress)
+
+
+def _export_sealed(store: StoreCore, ref: str, out_tar: str | os.PathLike[str],
+                   recipients: list[Any], workdir: Path, threads: int,
+                   progress: Progress | None) -> Path:
+    contents = bundle_contents(store, ref, workdir=workdir)
     ck = contents.checkpoint
     announce_total(progress, sum(size for _, size in contents.members()))
     out = Path(out_tar)
@@ -359,17 +375,28 @@ def _open(get: _Get, key: Any, what: str) -> _Opened:
     return opened
 
 
+@contextmanager
+def _workdir(store: StoreCore) -> Iterator[Path]:
+    """A private (0700) temporary directory in the store's hot tier, removed afterwards.
+
+    In the hot tier because what goes there is a checkpoint's worth of data that belongs
+    to the store anyway; a dot name, so doctor and gc never take it for a run.
+    """
+    store.hot.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=".sealed-work-", dir=store.hot))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _unseal_import(store: StoreCore, opened: _Opened, *, run: str | None,
                    require_signature: str | os.PathLike[str] | None,
                    progress: Progress | None) -> Checkpoint:
     """Decrypt every object into a private plaintext bundle and import it."""
     from ckptstore.ops.sharing.bundle import import_bundle
 
-    store.hot.mkdir(parents=True, exist_ok=True)
-    # In the hot tier (the plaintext lands there anyway), in a dot directory of mode 0700
-    # that doctor and gc never take for a run.
-    workdir = Path(tempfile.mkdtemp(prefix=".unseal-", dir=store.hot))
-    try:
+    with _workdir(store) as workdir:
         plain = workdir / "bundle.tar"
         with tarfile.open(plain, "w", format=tarfile.PAX_FORMAT) as tar:
             for i, member in enumerate(opened.members):
@@ -379,8 +406,6 @@ def _unseal_import(store: StoreCore, opened: _Opened, *, run: str | None,
                 tar.addfile(info, io.BytesIO(data))
         return import_bundle(store, plain, run=run, require_signature=require_signature,
                              progress=progress)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _tar_getter(tar: Any, members: dict[str, tarfile.TarInfo]) -> _Get:
@@ -458,6 +483,8 @@ class SealedReport:
         copies: Per checkpoint: ``checkpoint`` id, ``copy`` id, ``bytes`` (ciphertext).
         present: Ids a sealed copy to the same recipients already held (push), or this
             store already had (pull): nothing sent.
+        refused: Copies a pull passed over because they matched a reference but carried
+            no valid signature by the required key (unsigned or forged).
     """
 
     remote: str
@@ -465,6 +492,7 @@ class SealedReport:
     tier: str
     copies: list[dict[str, Any]] = field(default_factory=list)
     present: list[str] = field(default_factory=list)
+    refused: int = 0
 
     @property
     def bytes_sent(self) -> int:
@@ -474,15 +502,19 @@ class SealedReport:
     def summary(self) -> str:
         """One line for logs and the CLI."""
         arrow = "->" if self.direction == "push" else "<-"
-        return (f"{self.direction} {arrow} {self.remote} ({self.tier}, encrypted): "
+        text = (f"{self.direction} {arrow} {self.remote} ({self.tier}, encrypted): "
                 f"{len(self.copies)} sealed cop{'y' if len(self.copies) == 1 else 'ies'} "
                 f"moved, {len(self.present)} already there, {self.bytes_sent} bytes")
+        if self.refused:
+            text += f"; {self.refused} unsigned or forged refused"
+        return text
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready form (``--json``)."""
         return {"remote": self.remote, "direction": self.direction, "tier": self.tier,
                 "encrypted": True, "copies": [dict(c) for c in self.copies],
-                "present": list(self.present), "bytes_sent": self.bytes_sent}
+                "present": list(self.present), "bytes_sent": self.bytes_sent,
+                "refused": self.refused}
 
 
 def _check_apart(mine: StoreCore, theirs: StoreCore, remote: str) -> None:
@@ -556,35 +588,43 @@ def push_sealed(src: StoreCore, dst: StoreCore, refs: Sequence[str], *, remote: 
         if _already_sealed(src, ck, remote, dst_tier, fingerprints) is not None:
             report.present.append(ck.id)
             continue
-        contents = bundle_contents(src, ck.id)
-        announce_total(progress, sum(size for _, size in contents.members()))
-        copy_id = uuid.uuid4().hex
-        prefix = f"{SEALED_DIR}/{copy_id}/"
-        written: list[int] = []
-
-        def put(name: str, data: bytes, prefix: str = prefix,
-                written: list[int] = written) -> None:
-            dst_tier.put_bytes(prefix + name, data)
-            written.append(len(data))
-
-        try:
-            envelope = _seal(contents, recipients, put, copy_id, threads=threads,
-                             progress=progress, put_in_workers=True)
-        except BaseException:
-            try:
-                dst_tier.delete_prefix(prefix)  # a fresh prefix: everything under it is ours
-            except CkptError:
-                logger.warning("could not remove the unfinished sealed copy %s on %s",
-                               prefix, remote, exc_info=True)
-            raise
+        with _workdir(src) as workdir:
+            envelope, sent = _push_one(src, ck, dst_tier, recipients, workdir, remote,
+                                       threads, progress)
         src.catalog.record_event(_EVENT, checkpoint_id=ck.id, detail={
             "remote": remote, "tier": dst_tier.name, "copy": envelope.copy_id,
             "recipients": fingerprints})
-        report.copies.append({"checkpoint": ck.id, "copy": envelope.copy_id,
-                              "bytes": sum(written)})
+        report.copies.append({"checkpoint": ck.id, "copy": envelope.copy_id, "bytes": sent})
         logger.info("%s: sealed %s (%s) as copy %s, %d bytes", remote, ck.ref, ck.id,
-                    envelope.copy_id, sum(written))
+                    envelope.copy_id, sent)
     return report
+
+
+def _push_one(src: StoreCore, ck: Checkpoint, dst_tier: Tier, recipients: list[Any],
+              workdir: Path, remote: str, threads: int,
+              progress: Progress | None) -> tuple[_Envelope, int]:
+    """Seal ``ck`` onto ``dst_tier``: the envelope and the bytes written."""
+    contents = bundle_contents(src, ck.id, workdir=workdir)
+    announce_total(progress, sum(size for _, size in contents.members()))
+    copy_id = uuid.uuid4().hex
+    prefix = f"{SEALED_DIR}/{copy_id}/"
+    written: list[int] = []
+
+    def put(name: str, data: bytes) -> None:
+        dst_tier.put_bytes(prefix + name, data)
+        written.append(len(data))
+
+    try:
+        envelope = _seal(contents, recipients, put, copy_id, threads=threads,
+                         progress=progress, put_in_workers=True)
+    except BaseException:
+        try:
+            dst_tier.delete_prefix(prefix)  # a fresh prefix: everything under it is ours
+        except CkptError:
+            logger.warning("could not remove the unfinished sealed copy %s on %s",
+                           prefix, remote, exc_info=True)
+        raise
+    return envelope, sum(written)
 
 
 def _tier_getter(tier: Tier, prefix: str) -> _Get:
@@ -613,6 +653,23 @@ def _sealed_copies(store: StoreCore) -> Iterable[tuple[Tier, str]]:
             parts = key.split("/")
             if len(parts) == 3 and parts[2] == _ENVELOPE:
                 yield tier, f"{parts[0]}/{parts[1]}/"
+
+
+def _signed_by(opened: _Opened, public: Any) -> bool:
+    """Whether the copy's ``SIGNATURE`` verifies, by ``public``, for the checkpoint id and
+    manifest digest its header names."""
+    name = "checkpoint/" + SIGNATURE_NAME
+    where = [i for i, m in enumerate(opened.members) if m.path == name]
+    if not where or opened.members[where[0]].size > 64 * 1024:
+        return False
+    try:
+        doc = SignatureDoc.parse(opened.member(where[0]))
+        check_signature(doc, str(opened.header["checkpoint_id"]),
+                        str(opened.header.get("manifest_digest")), public)
+    except CkptError as exc:
+        logger.info("%s: signature refused: %s", opened.what, exc)
+        return False
+    return True
 
 
 def _matches(ref: str, header: dict[str, Any]) -> bool:
@@ -667,12 +724,26 @@ def pull_sealed(dst: StoreCore, src: StoreCore, refs: Sequence[str], *, remote: 
             f"none of the {others} sealed copies on remote {remote!r} opens with the key "
             f"{encryption_fingerprint(private.public_key())[:16]}...: they were encrypted to "
             "other keys (or are damaged); use the private key they were encrypted to")
+    public = load_public_key(require_signature) if require_signature is not None else None
     for ref in refs:
         found = [o for o in opened if _matches(ref, o.header)]
         if not found:
             raise CheckpointNotFoundError(
                 f"no sealed copy on remote {remote!r} that opens with this key is {ref!r} "
                 f"({len(opened)} open with it, {others} do not)")
+        if public is not None:
+            # Anyone who can write to the remote can leave a copy for this key: only those
+            # signed by the trusted key count (import_bundle checks the signature again,
+            # against the decrypted manifest, and every chunk against it).
+            signed = [o for o in found if _signed_by(o, public)]
+            report.refused += len(found) - len(signed)
+            if not signed:
+                raise IntegrityError(
+                    f"{len(found)} sealed cop{'y' if len(found) == 1 else 'ies'} on remote "
+                    f"{remote!r} match {ref!r}, but none carries a valid signature by the "
+                    f"trusted key {key_fingerprint(public)[:16]}...: refused as unsigned or "
+                    "forged; nothing was written")
+            found = signed
         best = max(found, key=lambda o: (int(o.header.get("step") or 0),
                                          str(o.header.get("created_at", ""))))
         ckpt_id = str(best.header["checkpoint_id"])
