@@ -273,3 +273,8 @@ def test_cli_keygen_push_pull_export_import(stores: Any, kit: Any, tmp_path: Pat
     code, imported = _ckpt(capsys, "import-bundle", bundle, "--config", str(d_cfg),
                            "--key", made["private_key"], "--json")
     assert code == 0 and imported["id"] == ck.id
+    # The key from the config file (relative to it).
+    e_cfg = kit.write_config(tmp_path / "e.toml", tmp_path / "e")
+    e_cfg.write_text(f'decrypt_key = "k/site.key"\n{e_cfg.read_text()}')
+    code, imported = _ckpt(capsys, "import-bundle", bundle, "--config", str(e_cfg), "--json")
+    assert code == 0 and imported["id"] == ck.id
