@@ -223,7 +223,7 @@ def pull_cmd(
     JSON: as push.
     """
     from ckptstore.ops.sharing.push import push_checkpoints
-    from ckptstore.ops.sharing.sealed import decryption_key_path, pull_sealed
+    from ckptstore.ops.sharing.sealed import decryption_key_path, pull_sealed, sealed_copies
 
     with _stores(ctx, source) as (store, other):
         key_path = decryption_key_path(key, store.settings.decrypt_key)
@@ -244,9 +244,17 @@ def pull_cmd(
 
     with _stores(ctx, source) as (store, other), \
             progress_bar(f"pulling from {source}", enabled=not as_json) as advance:
-        report = push_checkpoints(other, store, refs, remote=source, direction="pull",
-                                  tier=tier, self_contained=self_contained, codec=codec,
-                                  require_signature=require_signature, progress=advance)
+        try:
+            report = push_checkpoints(other, store, refs, remote=source, direction="pull",
+                                      tier=tier, self_contained=self_contained, codec=codec,
+                                      require_signature=require_signature, progress=advance)
+        except CheckpointNotFoundError as exc:
+            if key_path is None and sealed_copies(other):
+                raise CheckpointNotFoundError(
+                    f"{exc}; remote {source!r} holds encrypted copies, which its catalog "
+                    "does not list: pull them with --key KEY (or $CKPT_DECRYPT_KEY)"
+                ) from exc
+            raise
     _show(report, as_json)
 
 

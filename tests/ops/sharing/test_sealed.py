@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -95,6 +98,12 @@ def test_push_pull_roundtrip_remote_sees_ciphertext_only(stores: Any, kit: Any,
         blob = b"".join(b.tier("warm").get_bytes(k) for k in objects)
         for secret in (b"secret-run", ck.id.encode(), b"samples", b"manifest", b"w/c/0"):
             assert secret not in blob
+        # The remote's doctor takes them for no orphan of its own: --fix leaves them.
+        from ckptstore.ops.upkeep.doctor import doctor
+
+        findings = doctor(b, fix=True).findings
+        assert not [f for f in findings if SEALED_DIR in str(f.subject)]
+        assert _sealed_keys(b) == objects
         # Pushed again to the same recipient: found, nothing sent.
         again = push_sealed(stores.a, b, [ck.id], remote="b", encrypt_to=[keys["agg.pub"]])
         assert again.present == [ck.id] and again.copies == []
@@ -252,6 +261,13 @@ def test_cli_keygen_push_pull_export_import(stores: Any, kit: Any, tmp_path: Pat
     code, pushed = _ckpt(capsys, "push", ck.id, "--to", "b", "--config", a_cfg,
                          "--encrypt-to", made["public_key"], "--json")
     assert code == 0 and pushed["encrypted"] and pushed["copies"][0]["checkpoint"] == ck.id
+    # No key: the remote's catalog does not know it, and the error says why.
+    code, err = _ckpt(capsys, "pull", "cli@latest", "--from", "b", "--config", c_cfg, "--json")
+    assert code == 1 and "holds encrypted copies" in err["error"]["message"]
+    # A signing key given to sign with is fine; an encryption key is refused.
+    code, err = _ckpt(capsys, "sign", ck.id, "--key", made["private_key"], "--config", a_cfg,
+                      "--json")
+    assert code == 1 and "X25519 encryption key" in err["error"]["message"]
     # The key from the environment.
     monkeypatch.setenv("CKPT_DECRYPT_KEY", signing["private_key"])
     code, err = _ckpt(capsys, "pull", "cli@latest", "--from", "b", "--config", c_cfg, "--json")
@@ -278,3 +294,29 @@ def test_cli_keygen_push_pull_export_import(stores: Any, kit: Any, tmp_path: Pat
     e_cfg.write_text(f'decrypt_key = "k/site.key"\n{e_cfg.read_text()}')
     code, imported = _ckpt(capsys, "import-bundle", bundle, "--config", str(e_cfg), "--json")
     assert code == 0 and imported["id"] == ck.id
+
+
+def test_push_killed_midway_leaves_no_readable_copy_and_the_rerun_cleans_up(
+        stores: Any, kit: Any, keys: dict[str, Path]) -> None:
+    ck = stores.a.save("crash", 1, kit.state(7))
+    env = dict(os.environ, CKPT_FAULT_POINT="sealed.object:3")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptstore", "push", ck.id, "--to", "b", "--config",
+         str(stores.a_config), "--encrypt-to", str(keys["agg.pub"])],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
+    b = open_remote(stores.a, "b")
+    try:
+        left = _sealed_keys(b)
+        assert left and not any(k.endswith("/envelope.json") for k in left)
+        # Readers see no copy at all.
+        with pytest.raises(CheckpointNotFoundError, match="no finished sealed copies"):
+            pull_sealed(stores.c, b, [ck.id], remote="b", key=keys["agg.key"])
+        # The next push removes what the killed one wrote and makes one whole copy.
+        report = push_sealed(stores.a, b, [ck.id], remote="b", encrypt_to=[keys["agg.pub"]])
+        copy_id = report.copies[0]["copy"]
+        assert {k.split("/")[1] for k in _sealed_keys(b)} == {copy_id}
+        pull_sealed(stores.c, b, [ck.id], remote="b", key=keys["agg.key"])
+    finally:
+        b.close()
+    assert kit.same(stores.c.load(ck.id), kit.state(7))

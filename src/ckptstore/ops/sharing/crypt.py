@@ -43,6 +43,7 @@ __all__ = [
     "NONCE_BYTES",
     "TAG_BYTES",
     "WrappedKey",
+    "b64",
     "decrypt",
     "encrypt",
     "encryption_fingerprint",
@@ -52,6 +53,7 @@ __all__ = [
     "new_data_key",
     "new_nonce",
     "object_aad",
+    "unb64",
     "unwrap_data_key",
     "wrap_data_key",
 ]

@@ -58,6 +58,7 @@ from ckptstore.errors import (
     RemoteError,
     StorageError,
 )
+from ckptstore.faultpoints import fault_point
 from ckptstore.format.tarball import bounded_json, open_hostile, read_member, scan_members
 from ckptstore.ops.sharing.bundle import BUNDLE_HEADER, BundleContents, bundle_contents
 from ckptstore.ops.sharing.crypt import (
@@ -95,11 +96,13 @@ __all__ = [
     "SEALED_DIR",
     "SEALED_HEADER",
     "SealedReport",
+    "decryption_key_path",
     "export_sealed",
     "import_sealed",
     "is_sealed_bundle",
     "pull_sealed",
     "push_sealed",
+    "sealed_copies",
 ]
 
 logger = logging.getLogger(__name__)
@@ -119,6 +122,7 @@ _MAX_OBJECTS = 200_000
 _MAX_ENVELOPE = 256 * 1024
 _MAX_MEMBER = 1 << 40
 _EVENT = "pushed_sealed"
+_BEGUN_EVENT = "sealing"
 
 
 # ---------------------------------------------------------------------- format
@@ -230,6 +234,7 @@ def _seal(contents: BundleContents, recipients: Sequence[Any], put: _Put, copy_i
                          object_aad(copy_id, "object", member.path))
         if put_in_workers:
             put(f"o/{i}", sealed)
+            fault_point("sealed.object")
             return i, None, member.size
         return i, sealed, member.size
 
@@ -241,6 +246,7 @@ def _seal(contents: BundleContents, recipients: Sequence[Any], put: _Put, copy_i
                 index, sealed, size = pending.popleft().result()
                 if sealed is not None:
                     put(f"o/{index}", sealed)
+                    fault_point("sealed.object")
                 if progress is not None:
                     progress(size)
     put(_INDEX, encrypt(data_key, envelope.index_nonce, _index_bytes(copy_id, members),
@@ -585,6 +591,7 @@ def push_sealed(src: StoreCore, dst: StoreCore, refs: Sequence[str], *, remote: 
     report = SealedReport(remote=remote, direction="push", tier=dst_tier.name)
     for ref in refs:
         ck = src.catalog.get(ref)
+        _remove_abandoned(src, ck, remote, dst_tier)
         if _already_sealed(src, ck, remote, dst_tier, fingerprints) is not None:
             report.present.append(ck.id)
             continue
@@ -600,6 +607,25 @@ def push_sealed(src: StoreCore, dst: StoreCore, refs: Sequence[str], *, remote: 
     return report
 
 
+def _remove_abandoned(src: StoreCore, ck: Checkpoint, remote: str, tier: Tier) -> None:
+    """Remove the objects of copies of ``ck`` this store began on ``tier`` and never
+    finished (a killed push: a ``sealing`` event, no ``pushed_sealed`` one, no envelope)."""
+    events = src.catalog.events(ck.id, limit=1000)
+    done = {str(dict(e.detail).get("copy")) for e in events if e.kind == _EVENT}
+    for event in events:
+        detail = dict(event.detail)
+        copy_id = str(detail.get("copy", ""))
+        if event.kind != _BEGUN_EVENT or copy_id in done or not copy_id.isalnum() or \
+                detail.get("remote") != remote or detail.get("tier") != tier.name:
+            continue
+        prefix = f"{SEALED_DIR}/{copy_id}/"
+        if tier.exists(prefix + _ENVELOPE) or not tier.list_prefix(prefix):
+            continue
+        removed = tier.delete_prefix(prefix)
+        logger.info("%s: removed %d objects of unfinished sealed copy %s of %s", remote,
+                    removed, copy_id, ck.id)
+
+
 def _push_one(src: StoreCore, ck: Checkpoint, dst_tier: Tier, recipients: list[Any],
               workdir: Path, remote: str, threads: int,
               progress: Progress | None) -> tuple[_Envelope, int]:
@@ -608,6 +634,10 @@ def _push_one(src: StoreCore, ck: Checkpoint, dst_tier: Tier, recipients: list[A
     announce_total(progress, sum(size for _, size in contents.members()))
     copy_id = uuid.uuid4().hex
     prefix = f"{SEALED_DIR}/{copy_id}/"
+    # Recorded before the first object: a killed push's objects are found and removed by
+    # the next push of the same checkpoint (_remove_abandoned).
+    src.catalog.record_event(_BEGUN_EVENT, checkpoint_id=ck.id, detail={
+        "remote": remote, "tier": dst_tier.name, "copy": copy_id})
     written: list[int] = []
 
     def put(name: str, data: bytes) -> None:
@@ -640,6 +670,11 @@ def _tier_getter(tier: Tier, prefix: str) -> _Get:
                                   f"its index allows ({limit})")
         return tier.get_bytes(key)
     return get
+
+
+def sealed_copies(store: StoreCore) -> int:
+    """How many finished sealed copies the tiers of ``store`` hold (for hints)."""
+    return sum(1 for _ in _sealed_copies(store))
 
 
 def _sealed_copies(store: StoreCore) -> Iterable[tuple[Tier, str]]:
@@ -719,6 +754,8 @@ def pull_sealed(dst: StoreCore, src: StoreCore, refs: Sequence[str], *, remote: 
             logger.debug("%s: %s", what, exc)
     report = SealedReport(remote=remote, direction="pull",
                           tier=",".join(sorted(set(tiers.values()))) or "-")
+    if not opened and not others:
+        raise CheckpointNotFoundError(f"remote {remote!r} holds no finished sealed copies")
     if not opened:
         raise DecryptionError(
             f"none of the {others} sealed copies on remote {remote!r} opens with the key "
