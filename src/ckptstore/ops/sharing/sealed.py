@@ -59,6 +59,7 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.faultpoints import fault_point
+from ckptstore.format.constants import MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES
 from ckptstore.format.tarball import bounded_json, open_hostile, read_member, scan_members
 from ckptstore.ops.sharing.bundle import BUNDLE_HEADER, BundleContents, bundle_contents
 from ckptstore.ops.sharing.crypt import (
@@ -120,7 +121,9 @@ _VERSION = 1
 _MAX_RECIPIENTS = 256
 _MAX_OBJECTS = 200_000
 _MAX_ENVELOPE = 256 * 1024
-_MAX_MEMBER = 1 << 40
+# Every object is decrypted in memory, and anyone with a recipient's public key can make a
+# copy it opens: bound each by the largest file a checkpoint can hold (a chunk).
+_MAX_MEMBER = max(MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES) + 4096
 _EVENT = "pushed_sealed"
 _BEGUN_EVENT = "sealing"
 
@@ -707,6 +710,13 @@ def _signed_by(opened: _Opened, public: Any) -> bool:
     return True
 
 
+def _recency(opened: _Opened) -> tuple[int, str]:
+    """Order for ``run@latest``: step, then creation time (header values of any type)."""
+    step = opened.header.get("step")
+    return (step if isinstance(step, int) and not isinstance(step, bool) else -1,
+            str(opened.header.get("created_at", "")))
+
+
 def _matches(ref: str, header: dict[str, Any]) -> bool:
     parsed = parse_ref(ref)
     if parsed.kind == "id":
@@ -781,8 +791,7 @@ def pull_sealed(dst: StoreCore, src: StoreCore, refs: Sequence[str], *, remote: 
                     f"trusted key {key_fingerprint(public)[:16]}...: refused as unsigned or "
                     "forged; nothing was written")
             found = signed
-        best = max(found, key=lambda o: (int(o.header.get("step") or 0),
-                                         str(o.header.get("created_at", ""))))
+        best = max(found, key=_recency)
         ckpt_id = str(best.header["checkpoint_id"])
         try:
             there: Checkpoint | None = dst.catalog.get(ckpt_id)
