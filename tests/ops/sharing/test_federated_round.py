@@ -21,7 +21,7 @@ from ckptstore.ops.sharing.sealed import SEALED_DIR
 from ckptstore.store import CheckpointStore
 from ckptstore.testing.s3 import MotoS3
 
-pytestmark = [pytest.mark.s3]
+pytestmark = [pytest.mark.s3, pytest.mark.slow]  # ~30 s: five stores, 25 commands
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "federated_round.py"
 

@@ -21,7 +21,12 @@ from typing import Any
 import pytest
 
 from ckptstore.cli.app import main
-from ckptstore.errors import CheckpointNotFoundError, ConfigError, DecryptionError
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    DecryptionError,
+    IntegrityError,
+)
 from ckptstore.ops.sharing.crypt import (
     generate_encryption_keypair,
     load_decryption_key,
@@ -320,3 +325,17 @@ def test_push_killed_midway_leaves_no_readable_copy_and_the_rerun_cleans_up(
     finally:
         b.close()
     assert kit.same(stores.c.load(ck.id), kit.state(7))
+
+
+def test_forged_content_properly_encrypted_is_refused_after_decryption(
+        stores: Any, kit: Any, keys: dict[str, Path], tmp_path: Path) -> None:
+    # Anyone with the recipient's public key can encrypt for it: the ciphertext is genuine,
+    # the content is forged (same size and crc32c). The plaintext blake3 catches it.
+    from forge_support import first_chunk_file, forge_chunk_file
+
+    ck = stores.a.save("r", 1, kit.state(8))
+    forge_chunk_file(first_chunk_file(stores.a.checkpoint_dir(ck.run, ck.id)))
+    out = export_sealed(stores.a, ck.id, tmp_path / "forged.tar", [keys["agg.pub"]])
+    with pytest.raises(IntegrityError, match="blake3"):
+        import_sealed(stores.c, out, keys["agg.key"])
+    _nothing_in(stores.c)
