@@ -124,6 +124,8 @@ _MAX_ENVELOPE = 256 * 1024
 # Every object is decrypted in memory, and anyone with a recipient's public key can make a
 # copy it opens: bound each by the largest file a checkpoint can hold (a chunk).
 _MAX_MEMBER = max(MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES) + 4096
+# Objects are in memory whole: copy them into a tar in large writes, not tarfile's 16 KiB.
+_TAR_BUFFER = 4 * 1024 * 1024
 _EVENT = "pushed_sealed"
 _BEGUN_EVENT = "sealing"
 
@@ -314,7 +316,8 @@ def _export_sealed(store: StoreCore, ref: str, out_tar: str | os.PathLike[str],
     mtime = int(ck.created_at.timestamp())
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT,
+                          copybufsize=_TAR_BUFFER) as tar:
             def put(name: str, data: bytes) -> None:
                 _tar_add(tar, SEALED_HEADER if name == _ENVELOPE else name, data, mtime)
 
@@ -407,7 +410,8 @@ def _unseal_import(store: StoreCore, opened: _Opened, *, run: str | None,
 
     with _workdir(store) as workdir:
         plain = workdir / "bundle.tar"
-        with tarfile.open(plain, "w", format=tarfile.PAX_FORMAT) as tar:
+        with tarfile.open(plain, "w", format=tarfile.PAX_FORMAT,
+                          copybufsize=_TAR_BUFFER) as tar:
             for i, member in enumerate(opened.members):
                 data = opened.member(i)
                 info = tarfile.TarInfo(member.path)
