@@ -51,7 +51,8 @@ from ckptstore import CheckpointStore
 from ckptstore.ops.sharing.bundle import export_bundle
 from ckptstore.ops.sharing.crypt import generate_encryption_keypair
 from ckptstore.ops.sharing.push import push_checkpoints
-from ckptstore.ops.sharing.sealed import SEALED_DIR, export_sealed, push_sealed
+from ckptstore.ops.sharing.sealed import SEALED_DIR, export_sealed
+from ckptstore.ops.sharing.sealed_remote import push_sealed
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET = 0.8

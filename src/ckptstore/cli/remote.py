@@ -181,7 +181,7 @@ def push_cmd(
     from ckptstore.ops.sharing.push import push_checkpoints
 
     if encrypt_to:
-        from ckptstore.ops.sharing.sealed import push_sealed
+        from ckptstore.ops.sharing.sealed_remote import push_sealed
 
         if self_contained or require_signature is not None:
             raise typer.BadParameter("--encrypt-to copies are always self-contained, and "
@@ -223,7 +223,8 @@ def pull_cmd(
     JSON: as push.
     """
     from ckptstore.ops.sharing.push import push_checkpoints
-    from ckptstore.ops.sharing.sealed import decryption_key_path, pull_sealed, sealed_copies
+    from ckptstore.ops.sharing.sealed import decryption_key_path
+    from ckptstore.ops.sharing.sealed_remote import pull_sealed, sealed_copies
 
     with _stores(ctx, source) as (store, other):
         key_path = decryption_key_path(key, store.settings.decrypt_key)

@@ -38,9 +38,8 @@ from ckptstore.ops.sharing.sealed import (
     export_sealed,
     import_sealed,
     is_sealed_bundle,
-    pull_sealed,
-    push_sealed,
 )
+from ckptstore.ops.sharing.sealed_remote import pull_sealed, push_sealed
 from ckptstore.ops.sharing.signing import generate_keypair, load_public_key, sign_checkpoint
 from ckptstore.records import CheckpointState
 

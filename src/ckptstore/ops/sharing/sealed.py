@@ -7,8 +7,8 @@ AES-256-GCM under a fresh data key (:mod:`ckptstore.ops.sharing.crypt`), stored 
 objects whose names say nothing::
 
     envelope.json   cleartext: format, copy id, the data key wrapped per recipient, the
-                    index's nonce and the number of objects (written last: the copy's
-                    commit point)
+                    index's nonce and the number of objects (on a tier written last: the
+                    copy's commit point; in a tar first: what the file is)
     index           encrypted: each object's member path, plaintext size and nonce
     o/<n>           encrypted: member n of the bundle (n = 0 is the bundle header)
 
@@ -18,15 +18,16 @@ the copy without a recipient's private key learns the number of objects, their s
 plaintext's plus 16 bytes) and the number of recipients; nothing else (docs/SHARING.md).
 
 A sealed copy lives in two places: a remote's tier under ``.sealed/<copy id>/``, written
-by ``push --encrypt-to`` and read by ``pull --key`` (the remote's catalog records nothing of
-it), and a tar file with the envelope as ``ckptstore-sealed.json``, written by ``export
+by ``push --encrypt-to`` and read by ``pull --key``
+(:mod:`ckptstore.ops.sharing.sealed_remote`; the remote's catalog records nothing of it),
+and a tar file with the envelope as ``ckptstore-sealed.json``, written by ``export
 --encrypt-to`` and read by ``import-bundle --key``. Reading one decrypts it, object by
 object, into a plaintext bundle in a private temporary directory of this store's hot tier
 and imports that with :func:`~ckptstore.ops.sharing.bundle.import_bundle`: every check an
 import makes (each chunk's decoded content against the manifest's blake3, the manifest
 against ``COMMITTED``, the signature with ``require_signature``) holds for sealed copies
-too, on the plaintext.
-A failure removes the temporary bundle and leaves the store as it was.
+too, on the plaintext. A failure removes the temporary bundle and leaves the store as it was.
+This module is the format (:func:`seal_objects`, :func:`open_copy`) and the encrypted tar.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import tarfile
 import tempfile
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -50,12 +51,10 @@ from typing import IO, Any
 from ckptstore.core import StoreCore
 from ckptstore.durable import rename_into_place
 from ckptstore.errors import (
-    CheckpointNotFoundError,
     CkptError,
     DecryptionError,
     IntegrityError,
     InvalidNameError,
-    RemoteError,
     StorageError,
 )
 from ckptstore.faultpoints import fault_point
@@ -80,30 +79,27 @@ from ckptstore.ops.sharing.crypt import (
     unwrap_data_key,
     wrap_data_key,
 )
-from ckptstore.ops.sharing.signing import (
-    SIGNATURE_NAME,
-    SignatureDoc,
-    check_signature,
-    key_fingerprint,
-    load_public_key,
-)
 from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint
-from ckptstore.refs import parse_ref
-from ckptstore.storage import Tier
 
 __all__ = [
     "DECRYPT_KEY_ENV",
+    "ENVELOPE_NAME",
     "SEALED_DIR",
     "SEALED_HEADER",
-    "SealedReport",
+    "Envelope",
+    "Getter",
+    "OpenedCopy",
+    "Putter",
     "decryption_key_path",
     "export_sealed",
     "import_sealed",
     "is_sealed_bundle",
-    "pull_sealed",
-    "push_sealed",
-    "sealed_copies",
+    "open_copy",
+    "private_workdir",
+    "recipient_keys",
+    "seal_objects",
+    "unseal_import",
 ]
 
 logger = logging.getLogger(__name__)
@@ -114,7 +110,7 @@ DECRYPT_KEY_ENV = "CKPT_DECRYPT_KEY"
 SEALED_DIR = ".sealed"
 #: First member of an encrypted bundle: the envelope.
 SEALED_HEADER = "ckptstore-sealed.json"
-_ENVELOPE = "envelope.json"
+ENVELOPE_NAME = "envelope.json"
 _INDEX = "index"
 _FORMAT = "ckptstore-sealed"
 _VERSION = 1
@@ -126,13 +122,11 @@ _MAX_ENVELOPE = 256 * 1024
 _MAX_MEMBER = max(MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES) + 4096
 # Objects are in memory whole: copy them into a tar in large writes, not tarfile's 16 KiB.
 _TAR_BUFFER = 4 * 1024 * 1024
-_EVENT = "pushed_sealed"
-_BEGUN_EVENT = "sealing"
 
 
 # ---------------------------------------------------------------------- format
 @dataclass(frozen=True)
-class _Envelope:
+class Envelope:
     copy_id: str
     recipients: list[WrappedKey]
     index_nonce: bytes
@@ -147,7 +141,7 @@ class _Envelope:
         }, sort_keys=True, indent=1).encode("ascii")
 
     @classmethod
-    def parse(cls, data: bytes, what: str) -> _Envelope:
+    def parse(cls, data: bytes, what: str) -> Envelope:
         doc = bounded_json(data, what, 16 * _MAX_RECIPIENTS + 64)
         if not isinstance(doc, dict) or (doc.get("format"), doc.get("version")) != (
                 _FORMAT, _VERSION):
@@ -179,7 +173,7 @@ def _index_bytes(copy_id: str, members: list[_Member]) -> bytes:
         separators=(",", ":")).encode("utf-8")
 
 
-def _parse_index(data: bytes, envelope: _Envelope, what: str) -> list[_Member]:
+def _parse_index(data: bytes, envelope: Envelope, what: str) -> list[_Member]:
     doc = bounded_json(data, f"{what}: its index", 8 * envelope.objects + 16)
     entries = doc.get("members") if isinstance(doc, dict) else None
     if not isinstance(entries, list) or doc.get("copy_id") != envelope.copy_id or \
@@ -202,7 +196,7 @@ def _parse_index(data: bytes, envelope: _Envelope, what: str) -> list[_Member]:
 
 # ---------------------------------------------------------------------- writing
 #: ``put(name, data)`` stores one object of the copy.
-_Put = Callable[[str, bytes], None]
+Putter = Callable[[str, bytes], None]
 
 
 def _read_all(stream: IO[bytes], size: int, name: str) -> bytes:
@@ -213,9 +207,9 @@ def _read_all(stream: IO[bytes], size: int, name: str) -> bytes:
     return data
 
 
-def _seal(contents: BundleContents, recipients: Sequence[Any], put: _Put, copy_id: str, *,
-          threads: int, progress: Progress | None, put_in_workers: bool,
-          envelope_first: bool = False) -> _Envelope:
+def seal_objects(contents: BundleContents, recipients: Sequence[Any], put: Putter,
+                 copy_id: str, *, threads: int, progress: Progress | None,
+                 put_in_workers: bool, envelope_first: bool = False) -> Envelope:
     """Encrypt every member of ``contents`` to ``put``; the envelope goes last (on a tier,
     where it marks the copy complete) or first (in a tar, where it says what the file is).
 
@@ -226,10 +220,10 @@ def _seal(contents: BundleContents, recipients: Sequence[Any], put: _Put, copy_i
     data_key = new_data_key()
     listed = contents.members()
     members = [_Member(name, size, new_nonce()) for name, size in listed]
-    envelope = _Envelope(copy_id, [wrap_data_key(data_key, r, copy_id) for r in recipients],
+    envelope = Envelope(copy_id, [wrap_data_key(data_key, r, copy_id) for r in recipients],
                          new_nonce(), len(members))
     if envelope_first:
-        put(_ENVELOPE, envelope.to_json())
+        put(ENVELOPE_NAME, envelope.to_json())
 
     def work(i: int) -> tuple[int, bytes | None, int]:
         member = members[i]
@@ -257,11 +251,11 @@ def _seal(contents: BundleContents, recipients: Sequence[Any], put: _Put, copy_i
     put(_INDEX, encrypt(data_key, envelope.index_nonce, _index_bytes(copy_id, members),
                         object_aad(copy_id, "index")))
     if not envelope_first:
-        put(_ENVELOPE, envelope.to_json())
+        put(ENVELOPE_NAME, envelope.to_json())
     return envelope
 
 
-def _recipients(paths: Sequence[str | os.PathLike[str]]) -> list[Any]:
+def recipient_keys(paths: Sequence[str | os.PathLike[str]]) -> list[Any]:
     if not paths:
         raise InvalidNameError("no recipient: give at least one --encrypt-to PUBKEY (an "
                                "X25519 public key of `ckpt keygen --encryption --out DIR`)")
@@ -300,8 +294,8 @@ def export_sealed(store: StoreCore, ref: str, out_tar: str | os.PathLike[str],
         ConfigError: If a recipient key is not an X25519 public key (a signing key, say).
         As :func:`~ckptstore.ops.sharing.bundle.export_bundle`.
     """
-    recipients = _recipients(encrypt_to)
-    with _workdir(store) as workdir:
+    recipients = recipient_keys(encrypt_to)
+    with private_workdir(store) as workdir:
         return _export_sealed(store, ref, out_tar, recipients, workdir, threads, progress)
 
 
@@ -319,9 +313,9 @@ def _export_sealed(store: StoreCore, ref: str, out_tar: str | os.PathLike[str],
         with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT,
                           copybufsize=_TAR_BUFFER) as tar:
             def put(name: str, data: bytes) -> None:
-                _tar_add(tar, SEALED_HEADER if name == _ENVELOPE else name, data, mtime)
+                _tar_add(tar, SEALED_HEADER if name == ENVELOPE_NAME else name, data, mtime)
 
-            _seal(contents, recipients, put, uuid.uuid4().hex, threads=threads,
+            seal_objects(contents, recipients, put, uuid.uuid4().hex, threads=threads,
                   progress=progress, put_in_workers=False, envelope_first=True)
         rename_into_place(tmp, out)
     except OSError as exc:
@@ -341,16 +335,16 @@ def _export_sealed(store: StoreCore, ref: str, out_tar: str | os.PathLike[str],
 
 # ---------------------------------------------------------------------- reading
 #: ``get(name, limit)`` returns one object of the copy, refusing one over ``limit`` bytes.
-_Get = Callable[[str, int], bytes]
+Getter = Callable[[str, int], bytes]
 
 
 @dataclass
-class _Opened:
+class OpenedCopy:
     """A sealed copy whose data key this reader holds."""
 
     what: str
-    get: _Get
-    envelope: _Envelope
+    get: Getter
+    envelope: Envelope
     data_key: bytes
     members: list[_Member]
     header: dict[str, Any] = field(default_factory=dict)
@@ -366,19 +360,19 @@ class _Opened:
                        f"{self.what}: object o/{i}")
 
 
-def _open(get: _Get, key: Any, what: str) -> _Opened:
+def open_copy(get: Getter, key: Any, what: str) -> OpenedCopy:
     """Unwrap the data key, decrypt the index and the bundle header.
 
     Raises:
         DecryptionError: If the copy was not encrypted to ``key`` or is damaged.
     """
-    envelope = _Envelope.parse(get(_ENVELOPE, _MAX_ENVELOPE), what)
+    envelope = Envelope.parse(get(ENVELOPE_NAME, _MAX_ENVELOPE), what)
     data_key = unwrap_data_key(envelope.recipients, key, envelope.copy_id, what)
     assert len(data_key) == DATA_KEY_BYTES
     index = decrypt(data_key, envelope.index_nonce,
                     get(_INDEX, 1024 * envelope.objects + 4096),
                     object_aad(envelope.copy_id, "index"), f"{what}: its index")
-    opened = _Opened(what, get, envelope, data_key, _parse_index(index, envelope, what))
+    opened = OpenedCopy(what, get, envelope, data_key, _parse_index(index, envelope, what))
     header = bounded_json(opened.member(0), f"{what}: its bundle header", 1 << 20)
     if not isinstance(header, dict) or not isinstance(header.get("checkpoint_id"), str) \
             or not isinstance(header.get("run"), str):
@@ -388,7 +382,7 @@ def _open(get: _Get, key: Any, what: str) -> _Opened:
 
 
 @contextmanager
-def _workdir(store: StoreCore) -> Iterator[Path]:
+def private_workdir(store: StoreCore) -> Iterator[Path]:
     """A private (0700) temporary directory in the store's hot tier, removed afterwards.
 
     In the hot tier because what goes there is a checkpoint's worth of data that belongs
@@ -402,13 +396,13 @@ def _workdir(store: StoreCore) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _unseal_import(store: StoreCore, opened: _Opened, *, run: str | None,
+def unseal_import(store: StoreCore, opened: OpenedCopy, *, run: str | None,
                    require_signature: str | os.PathLike[str] | None,
                    progress: Progress | None) -> Checkpoint:
     """Decrypt every object into a private plaintext bundle and import it."""
     from ckptstore.ops.sharing.bundle import import_bundle
 
-    with _workdir(store) as workdir:
+    with private_workdir(store) as workdir:
         plain = workdir / "bundle.tar"
         with tarfile.open(plain, "w", format=tarfile.PAX_FORMAT,
                           copybufsize=_TAR_BUFFER) as tar:
@@ -421,9 +415,9 @@ def _unseal_import(store: StoreCore, opened: _Opened, *, run: str | None,
                              progress=progress)
 
 
-def _tar_getter(tar: Any, members: dict[str, tarfile.TarInfo]) -> _Get:
+def _tar_getter(tar: Any, members: dict[str, tarfile.TarInfo]) -> Getter:
     def get(name: str, limit: int) -> bytes:
-        info = members.get(SEALED_HEADER if name == _ENVELOPE else name)
+        info = members.get(SEALED_HEADER if name == ENVELOPE_NAME else name)
         if info is None:
             raise DecryptionError(f"the encrypted bundle has no {name} (truncated?)")
         if info.size > limit:
@@ -475,344 +469,10 @@ def import_sealed(store: StoreCore, tar_path: str | os.PathLike[str],
     try:
         with open_hostile(path, "encrypted bundle") as tar:
             members = scan_members(tar, _MAX_OBJECTS + 2, lambda name: None)
-            opened = _open(_tar_getter(tar, members), private, f"encrypted bundle {path}")
-            return _unseal_import(store, opened, run=run, require_signature=require_signature,
+            opened = open_copy(_tar_getter(tar, members), private, f"encrypted bundle {path}")
+            return unseal_import(store, opened, run=run, require_signature=require_signature,
                                   progress=progress)
     except tarfile.TarError as exc:
         raise DecryptionError(f"{path} is not a valid tar bundle ({exc})") from exc
     except EOFError as exc:
         raise DecryptionError(f"{path} is truncated ({exc})") from exc
-
-
-# ---------------------------------------------------------------------- push / pull
-@dataclass
-class SealedReport:
-    """What an encrypted push or pull did.
-
-    Attributes:
-        remote: The remote's name.
-        direction: ``push`` or ``pull``.
-        tier: The tier the sealed copies are on, at the remote.
-        copies: Per checkpoint: ``checkpoint`` id, ``copy`` id, ``bytes`` (ciphertext).
-        present: Ids a sealed copy to the same recipients already held (push), or this
-            store already had (pull): nothing sent.
-        refused: Copies a pull passed over because they matched a reference but carried
-            no valid signature by the required key (unsigned or forged).
-    """
-
-    remote: str
-    direction: str
-    tier: str
-    copies: list[dict[str, Any]] = field(default_factory=list)
-    present: list[str] = field(default_factory=list)
-    refused: int = 0
-
-    @property
-    def bytes_sent(self) -> int:
-        """Ciphertext bytes moved."""
-        return sum(int(c["bytes"]) for c in self.copies)
-
-    def summary(self) -> str:
-        """One line for logs and the CLI."""
-        arrow = "->" if self.direction == "push" else "<-"
-        text = (f"{self.direction} {arrow} {self.remote} ({self.tier}, encrypted): "
-                f"{len(self.copies)} sealed cop{'y' if len(self.copies) == 1 else 'ies'} "
-                f"moved, {len(self.present)} already there, {self.bytes_sent} bytes")
-        if self.refused:
-            text += f"; {self.refused} unsigned or forged refused"
-        return text
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-ready form (``--json``)."""
-        return {"remote": self.remote, "direction": self.direction, "tier": self.tier,
-                "encrypted": True, "copies": [dict(c) for c in self.copies],
-                "present": list(self.present), "bytes_sent": self.bytes_sent,
-                "refused": self.refused}
-
-
-def _check_apart(mine: StoreCore, theirs: StoreCore, remote: str) -> None:
-    from ckptstore.ops.sharing.overlap import check_no_overlap
-    from ckptstore.ops.sharing.remote import store_id
-
-    if store_id(mine) == store_id(theirs):
-        raise RemoteError(f"remote {remote!r} is this very store; nothing to copy")
-    check_no_overlap(mine.settings, theirs.settings, remote)
-
-
-def _tier_of(store: StoreCore, tier: str | None) -> Tier:
-    if tier is None:
-        tier = "warm" if "warm" in store.settings.tier_urls() else "hot"
-    return store.tier(tier)
-
-
-def _already_sealed(src: StoreCore, ck: Checkpoint, remote: str, tier: Tier,
-                    fingerprints: list[str]) -> str | None:
-    """A copy id this store sealed for ``ck`` to the same recipients, still on ``tier``."""
-    for event in src.catalog.events(ck.id, limit=1000):
-        detail = dict(event.detail)
-        if event.kind != _EVENT or detail.get("remote") != remote or \
-                detail.get("tier") != tier.name or \
-                sorted(detail.get("recipients") or []) != sorted(fingerprints):
-            continue
-        copy_id = str(detail.get("copy", ""))
-        if copy_id.isalnum() and tier.exists(f"{SEALED_DIR}/{copy_id}/{_ENVELOPE}"):
-            return copy_id
-    return None
-
-
-def push_sealed(src: StoreCore, dst: StoreCore, refs: Sequence[str], *, remote: str,
-                encrypt_to: Sequence[str | os.PathLike[str]], tier: str | None = None,
-                threads: int = 4, progress: Progress | None = None) -> SealedReport:
-    """Push checkpoints to a remote as sealed copies only ``encrypt_to`` can read.
-
-    Each checkpoint is sealed (:func:`_seal`) into ``.sealed/<copy id>/`` on the remote's
-    tier; the remote's catalog records nothing. The envelope is written last, so a copy
-    without one is unfinished (a failed push deletes what it wrote). This store records a
-    ``pushed_sealed`` event (remote, tier, copy id, recipients' fingerprints): pushing the
-    same checkpoint to the same recipients again finds the copy and sends nothing.
-
-    Args:
-        src: This store.
-        dst: The remote store.
-        refs: Checkpoint references in ``src``; each must be a full checkpoint (as a
-            bundle: a delta is re-saved in full first).
-        remote: The remote's name.
-        encrypt_to: Recipients' X25519 public keys (PEM files).
-        tier: The remote's tier (default: its warm tier if it has one, else hot).
-        threads: Members encrypted and uploaded in parallel.
-        progress: Called with each member's plaintext size.
-
-    Returns:
-        The :class:`SealedReport`.
-
-    Raises:
-        ConfigError: If a recipient key is not an X25519 public key (a signing key, say).
-        RemoteError: If the remote is this store or a tier of one overlaps the other's.
-        InvalidNameError: If a checkpoint is a delta.
-        StorageError: If the remote's tier cannot be written (nothing of that copy stays).
-    """
-    recipients = _recipients(encrypt_to)
-    fingerprints = [encryption_fingerprint(k) for k in recipients]
-    _check_apart(src, dst, remote)
-    dst_tier = _tier_of(dst, tier)
-    report = SealedReport(remote=remote, direction="push", tier=dst_tier.name)
-    for ref in refs:
-        ck = src.catalog.get(ref)
-        _remove_abandoned(src, ck, remote, dst_tier)
-        if _already_sealed(src, ck, remote, dst_tier, fingerprints) is not None:
-            report.present.append(ck.id)
-            continue
-        with _workdir(src) as workdir:
-            envelope, sent = _push_one(src, ck, dst_tier, recipients, workdir, remote,
-                                       threads, progress)
-        src.catalog.record_event(_EVENT, checkpoint_id=ck.id, detail={
-            "remote": remote, "tier": dst_tier.name, "copy": envelope.copy_id,
-            "recipients": fingerprints})
-        report.copies.append({"checkpoint": ck.id, "copy": envelope.copy_id, "bytes": sent})
-        logger.info("%s: sealed %s (%s) as copy %s, %d bytes", remote, ck.ref, ck.id,
-                    envelope.copy_id, sent)
-    return report
-
-
-def _remove_abandoned(src: StoreCore, ck: Checkpoint, remote: str, tier: Tier) -> None:
-    """Remove the objects of copies of ``ck`` this store began on ``tier`` and never
-    finished (a killed push: a ``sealing`` event, no ``pushed_sealed`` one, no envelope)."""
-    events = src.catalog.events(ck.id, limit=1000)
-    done = {str(dict(e.detail).get("copy")) for e in events if e.kind == _EVENT}
-    for event in events:
-        detail = dict(event.detail)
-        copy_id = str(detail.get("copy", ""))
-        if event.kind != _BEGUN_EVENT or copy_id in done or not copy_id.isalnum() or \
-                detail.get("remote") != remote or detail.get("tier") != tier.name:
-            continue
-        prefix = f"{SEALED_DIR}/{copy_id}/"
-        if tier.exists(prefix + _ENVELOPE) or not tier.list_prefix(prefix):
-            continue
-        removed = tier.delete_prefix(prefix)
-        logger.info("%s: removed %d objects of unfinished sealed copy %s of %s", remote,
-                    removed, copy_id, ck.id)
-
-
-def _push_one(src: StoreCore, ck: Checkpoint, dst_tier: Tier, recipients: list[Any],
-              workdir: Path, remote: str, threads: int,
-              progress: Progress | None) -> tuple[_Envelope, int]:
-    """Seal ``ck`` onto ``dst_tier``: the envelope and the bytes written."""
-    contents = bundle_contents(src, ck.id, workdir=workdir)
-    announce_total(progress, sum(size for _, size in contents.members()))
-    copy_id = uuid.uuid4().hex
-    prefix = f"{SEALED_DIR}/{copy_id}/"
-    # Recorded before the first object: a killed push's objects are found and removed by
-    # the next push of the same checkpoint (_remove_abandoned).
-    src.catalog.record_event(_BEGUN_EVENT, checkpoint_id=ck.id, detail={
-        "remote": remote, "tier": dst_tier.name, "copy": copy_id})
-    written: list[int] = []
-
-    def put(name: str, data: bytes) -> None:
-        dst_tier.put_bytes(prefix + name, data)
-        written.append(len(data))
-
-    try:
-        envelope = _seal(contents, recipients, put, copy_id, threads=threads,
-                         progress=progress, put_in_workers=True)
-    except BaseException:
-        try:
-            dst_tier.delete_prefix(prefix)  # a fresh prefix: everything under it is ours
-        except CkptError:
-            logger.warning("could not remove the unfinished sealed copy %s on %s",
-                           prefix, remote, exc_info=True)
-        raise
-    return envelope, sum(written)
-
-
-def _tier_getter(tier: Tier, prefix: str) -> _Get:
-    def get(name: str, limit: int) -> bytes:
-        key = prefix + name
-        try:
-            size = tier.size(key)
-        except CkptError as exc:
-            raise DecryptionError(f"sealed copy {prefix} lacks {name} ({exc}); the copy is "
-                                  "damaged or unfinished") from exc
-        if size > limit:
-            raise DecryptionError(f"sealed copy {prefix}: {name} is {size} bytes, more than "
-                                  f"its index allows ({limit})")
-        return tier.get_bytes(key)
-    return get
-
-
-def sealed_copies(store: StoreCore) -> int:
-    """How many finished sealed copies the tiers of ``store`` hold (for hints)."""
-    return sum(1 for _ in _sealed_copies(store))
-
-
-def _sealed_copies(store: StoreCore) -> Iterable[tuple[Tier, str]]:
-    """Every finished sealed copy on every tier of ``store``: (tier, prefix)."""
-    for name in store.settings.tier_urls():
-        tier = store.tier(name)
-        if not tier.readable:
-            continue
-        keys = tier.list_prefix(f"{SEALED_DIR}/")
-        for key in sorted(keys):
-            parts = key.split("/")
-            if len(parts) == 3 and parts[2] == _ENVELOPE:
-                yield tier, f"{parts[0]}/{parts[1]}/"
-
-
-def _signed_by(opened: _Opened, public: Any) -> bool:
-    """Whether the copy's ``SIGNATURE`` verifies, by ``public``, for the checkpoint id and
-    manifest digest its header names."""
-    name = "checkpoint/" + SIGNATURE_NAME
-    where = [i for i, m in enumerate(opened.members) if m.path == name]
-    if not where or opened.members[where[0]].size > 64 * 1024:
-        return False
-    try:
-        doc = SignatureDoc.parse(opened.member(where[0]))
-        check_signature(doc, str(opened.header["checkpoint_id"]),
-                        str(opened.header.get("manifest_digest")), public)
-    except CkptError as exc:
-        logger.info("%s: signature refused: %s", opened.what, exc)
-        return False
-    return True
-
-
-def _recency(opened: _Opened) -> tuple[int, str]:
-    """Order for ``run@latest``: step, then creation time (header values of any type)."""
-    step = opened.header.get("step")
-    return (step if isinstance(step, int) and not isinstance(step, bool) else -1,
-            str(opened.header.get("created_at", "")))
-
-
-def _matches(ref: str, header: dict[str, Any]) -> bool:
-    parsed = parse_ref(ref)
-    if parsed.kind == "id":
-        return header.get("checkpoint_id") == parsed.id
-    if parsed.kind in ("latest", "step"):
-        return header.get("run") == parsed.run and (
-            parsed.kind == "latest" or header.get("step") == parsed.step)
-    raise InvalidNameError(
-        f"reference {ref!r}: sealed copies are found by id, run@latest or run@<step> only "
-        "(the remote's catalog knows nothing of them)")
-
-
-def pull_sealed(dst: StoreCore, src: StoreCore, refs: Sequence[str], *, remote: str,
-                key: str | os.PathLike[str],
-                require_signature: str | os.PathLike[str] | None = None,
-                progress: Progress | None = None) -> SealedReport:
-    """Pull sealed copies from remote ``src`` that ``key`` opens, and import them here.
-
-    The remote's sealed copies are opened with ``key`` (those encrypted to other keys are
-    passed over); each reference (id, ``run@latest``, ``run@<step>``) picks among the
-    opened copies by their encrypted headers (the newest step for ``run@latest``). The copy
-    is decrypted into a private plaintext bundle and imported
-    (:func:`~ckptstore.ops.sharing.bundle.import_bundle`: every chunk checked against the
-    manifest's blake3, the signature with ``require_signature``).
-
-    Raises:
-        DecryptionError: If no sealed copy on the remote opens with ``key``, or the chosen
-            one does not decrypt (nothing is written).
-        CheckpointNotFoundError: If copies open but none matches a reference.
-        ConfigError: If ``key`` is not an X25519 private key.
-        As :func:`~ckptstore.ops.sharing.bundle.import_bundle`.
-    """
-    private = load_decryption_key(key)
-    _check_apart(dst, src, remote)
-    opened: list[_Opened] = []
-    others = 0
-    tiers: dict[str, str] = {}
-    for tier, prefix in _sealed_copies(src):
-        what = f"sealed copy {prefix} on {remote}'s {tier.name} tier"
-        try:
-            opened.append(_open(_tier_getter(tier, prefix), private, what))
-            tiers[prefix] = tier.name
-        except DecryptionError as exc:
-            others += 1
-            logger.debug("%s: %s", what, exc)
-    report = SealedReport(remote=remote, direction="pull",
-                          tier=",".join(sorted(set(tiers.values()))) or "-")
-    if not opened and not others:
-        raise CheckpointNotFoundError(f"remote {remote!r} holds no finished sealed copies")
-    if not opened:
-        raise DecryptionError(
-            f"none of the {others} sealed copies on remote {remote!r} opens with the key "
-            f"{encryption_fingerprint(private.public_key())[:16]}...: they were encrypted to "
-            "other keys (or are damaged); use the private key they were encrypted to")
-    public = load_public_key(require_signature) if require_signature is not None else None
-    for ref in refs:
-        found = [o for o in opened if _matches(ref, o.header)]
-        if not found:
-            raise CheckpointNotFoundError(
-                f"no sealed copy on remote {remote!r} that opens with this key is {ref!r} "
-                f"({len(opened)} open with it, {others} do not)")
-        if public is not None:
-            # Anyone who can write to the remote can leave a copy for this key: only those
-            # signed by the trusted key count (import_bundle checks the signature again,
-            # against the decrypted manifest, and every chunk against it).
-            signed = [o for o in found if _signed_by(o, public)]
-            report.refused += len(found) - len(signed)
-            if not signed:
-                raise IntegrityError(
-                    f"{len(found)} sealed cop{'y' if len(found) == 1 else 'ies'} on remote "
-                    f"{remote!r} match {ref!r}, but none carries a valid signature by the "
-                    f"trusted key {key_fingerprint(public)[:16]}...: refused as unsigned or "
-                    "forged; nothing was written")
-            found = signed
-        best = max(found, key=_recency)
-        ckpt_id = str(best.header["checkpoint_id"])
-        try:
-            there: Checkpoint | None = dst.catalog.get(ckpt_id)
-        except CheckpointNotFoundError:
-            there = None
-        if there is not None and there.manifest_digest == best.header.get("manifest_digest") \
-                and require_signature is None:
-            report.present.append(ckpt_id)
-            continue
-        # Imported (or, when present, checked again: a signature is required) in full.
-        ck = _unseal_import(dst, best, run=None, require_signature=require_signature,
-                            progress=progress)
-        if there is not None:
-            report.present.append(ck.id)
-            continue
-        report.copies.append({"checkpoint": ck.id, "copy": best.envelope.copy_id,
-                              "bytes": sum(m.size + TAG_BYTES for m in best.members)})
-        dst.catalog.record_event("received", checkpoint_id=ck.id, detail={
-            "remote": remote, "encrypted": True, "copy": best.envelope.copy_id})
-    return report
