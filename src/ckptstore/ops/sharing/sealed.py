@@ -310,8 +310,8 @@ def _export_sealed(store: StoreCore, ref: str, out_tar: str | os.PathLike[str],
     mtime = int(ck.created_at.timestamp())
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT,
-                          copybufsize=_TAR_BUFFER) as tar:
+        with tarfile.TarFile(tmp, "w", format=tarfile.PAX_FORMAT,
+                             copybufsize=_TAR_BUFFER) as tar:
             def put(name: str, data: bytes) -> None:
                 _tar_add(tar, SEALED_HEADER if name == ENVELOPE_NAME else name, data, mtime)
 
@@ -404,8 +404,8 @@ def unseal_import(store: StoreCore, opened: OpenedCopy, *, run: str | None,
 
     with private_workdir(store) as workdir:
         plain = workdir / "bundle.tar"
-        with tarfile.open(plain, "w", format=tarfile.PAX_FORMAT,
-                          copybufsize=_TAR_BUFFER) as tar:
+        with tarfile.TarFile(plain, "w", format=tarfile.PAX_FORMAT,
+                             copybufsize=_TAR_BUFFER) as tar:
             for i, member in enumerate(opened.members):
                 data = opened.member(i)
                 info = tarfile.TarInfo(member.path)

@@ -147,17 +147,18 @@ def push_sealed(src: StoreCore, dst: StoreCore, refs: Sequence[str], *, remote: 
                 threads: int = 4, progress: Progress | None = None) -> SealedReport:
     """Push checkpoints to a remote as sealed copies only ``encrypt_to`` can read.
 
-    Each checkpoint is sealed (:func:`seal_objects`) into ``.sealed/<copy id>/`` on the remote's
-    tier; the remote's catalog records nothing. The envelope is written last, so a copy
-    without one is unfinished (a failed push deletes what it wrote). This store records a
+    Each checkpoint is sealed (:func:`~ckptstore.ops.sharing.sealed.seal_objects`) into
+    ``.sealed/<copy id>/`` on the remote's tier; the remote's catalog records nothing. The
+    envelope is written last, so a copy without one is unfinished (a failed push deletes
+    what it wrote). This store records a
     ``pushed_sealed`` event (remote, tier, copy id, recipients' fingerprints): pushing the
     same checkpoint to the same recipients again finds the copy and sends nothing.
 
     Args:
         src: This store.
         dst: The remote store.
-        refs: Checkpoint references in ``src``; each must be a full checkpoint (as a
-            bundle: a delta is re-saved in full first).
+        refs: Checkpoint references in ``src``; one that reads chunks of others (delta,
+            dedup'd) is sealed as a self-contained re-encoded copy.
         remote: The remote's name.
         encrypt_to: Recipients' X25519 public keys (PEM files).
         tier: The remote's tier (default: its warm tier if it has one, else hot).
@@ -170,7 +171,7 @@ def push_sealed(src: StoreCore, dst: StoreCore, refs: Sequence[str], *, remote: 
     Raises:
         ConfigError: If a recipient key is not an X25519 public key (a signing key, say).
         RemoteError: If the remote is this store or a tier of one overlaps the other's.
-        InvalidNameError: If a checkpoint is a delta.
+        CheckpointNotFoundError: If a reference does not resolve.
         StorageError: If the remote's tier cannot be written (nothing of that copy stays).
     """
     recipients = recipient_keys(encrypt_to)
@@ -328,10 +329,26 @@ def pull_sealed(dst: StoreCore, src: StoreCore, refs: Sequence[str], *, remote: 
     (:func:`~ckptstore.ops.sharing.bundle.import_bundle`: every chunk checked against the
     manifest's blake3, the signature with ``require_signature``).
 
+    Args:
+        dst: This store.
+        src: The remote store.
+        refs: References to what the copies hold: id, ``run@latest`` or ``run@<step>``.
+        remote: The remote's name.
+        key: This recipient's X25519 private key (PEM file).
+        require_signature: A trusted Ed25519 public key: only copies carrying a valid
+            signature by it are considered (the others are counted as ``refused``).
+        progress: Called with the size of each file written to the hot tier.
+
+    Returns:
+        The :class:`SealedReport`.
+
     Raises:
         DecryptionError: If no sealed copy on the remote opens with ``key``, or the chosen
             one does not decrypt (nothing is written).
-        CheckpointNotFoundError: If copies open but none matches a reference.
+        CheckpointNotFoundError: If the remote holds no finished sealed copy, or copies
+            open but none matches a reference.
+        IntegrityError: If copies match a reference but none is validly signed by
+            ``require_signature``.
         ConfigError: If ``key`` is not an X25519 private key.
         As :func:`~ckptstore.ops.sharing.bundle.import_bundle`.
     """
