@@ -57,6 +57,12 @@ def keys(tmp_path: Path) -> dict[str, Path]:
             "sig.key": sig_key, "sig.pub": sig_pub}
 
 
+def _garbage(directory: Path) -> Path:
+    path = directory / "garbage.pub"
+    path.write_text("-----BEGIN NOT A KEY-----\n")
+    return path
+
+
 def _sealed_keys(store: Any) -> list[str]:
     return list(store.tier("warm").list_prefix(f"{SEALED_DIR}/"))
 
@@ -84,6 +90,10 @@ def test_keygen_kinds_refused_where_the_other_is_expected(keys: dict[str, Path])
         load_decryption_key(keys["agg.pub"])
     with pytest.raises(ConfigError, match="not an Ed25519"):
         load_public_key(keys["agg.pub"])
+    with pytest.raises(ConfigError, match="cannot read the decryption"):
+        load_decryption_key(keys["agg.key"].with_name("missing.key"))
+    with pytest.raises(ConfigError, match="not a PEM public key"):
+        load_encryption_key(_garbage(keys["agg.key"].parent))
 
 
 def test_push_pull_roundtrip_remote_sees_ciphertext_only(stores: Any, kit: Any,
