@@ -20,7 +20,7 @@ from ckptstore.cli.common import open_store, progress_bar, with_global_options
 from ckptstore.cli.output import console, human_bytes, print_json, print_table
 from ckptstore.cli.trust import DecryptKeyOpt, EncryptToOpt
 from ckptstore.core import StoreCore
-from ckptstore.errors import CheckpointNotFoundError, DecryptionError
+from ckptstore.errors import CheckpointNotFoundError
 
 __all__ = ["register", "register_remote_group"]
 
@@ -224,24 +224,21 @@ def pull_cmd(
     """
     from ckptstore.ops.sharing.push import push_checkpoints
     from ckptstore.ops.sharing.sealed import decryption_key_path
-    from ckptstore.ops.sharing.sealed_remote import pull_sealed, sealed_copies
+    from ckptstore.ops.sharing.sealed_remote import pull_sealed, sealed_copies, sealed_for
 
     with _stores(ctx, source) as (store, other):
         key_path = decryption_key_path(key, store.settings.decrypt_key)
-        if key_path is not None:
-            try:
-                with progress_bar(f"pulling from {source} (encrypted)",
-                                  enabled=not as_json) as advance:
-                    sealed = pull_sealed(store, other, refs, remote=source, key=key_path,
-                                         require_signature=require_signature,
-                                         progress=advance)
-                _show(sealed, as_json)
-                return
-            except (CheckpointNotFoundError, DecryptionError):
-                if key is not None:
-                    raise
-                # A key from the environment or config: the refs may be plain checkpoints.
-                pass
+        # A key from the environment or the config serves only references that name
+        # encrypted copies; with --key, only encrypted copies are looked for.
+        if key is not None or (key_path is not None and
+                               sealed_for(other, refs, remote=source, key=key_path)):
+            assert key_path is not None
+            with progress_bar(f"pulling from {source} (encrypted)",
+                              enabled=not as_json) as advance:
+                sealed = pull_sealed(store, other, refs, remote=source, key=key_path,
+                                     require_signature=require_signature, progress=advance)
+            _show(sealed, as_json)
+            return
 
     with _stores(ctx, source) as (store, other), \
             progress_bar(f"pulling from {source}", enabled=not as_json) as advance:
@@ -250,10 +247,16 @@ def pull_cmd(
                                       tier=tier, self_contained=self_contained, codec=codec,
                                       require_signature=require_signature, progress=advance)
         except CheckpointNotFoundError as exc:
-            if key_path is None and sealed_copies(other):
+            count = sealed_copies(other)
+            if count and key_path is None:
                 raise CheckpointNotFoundError(
                     f"{exc}; remote {source!r} holds encrypted copies, which its catalog "
                     "does not list: pull them with --key KEY (or $CKPT_DECRYPT_KEY)"
+                ) from exc
+            if count:
+                raise CheckpointNotFoundError(
+                    f"{exc}; remote {source!r} holds {count} encrypted copies, but those the "
+                    f"key {key_path} opens do not match {', '.join(refs)}"
                 ) from exc
             raise
     _show(report, as_json)

@@ -291,6 +291,13 @@ def test_cli_keygen_push_pull_export_import(stores: Any, kit: Any, tmp_path: Pat
                          "--json")
     assert code == 0 and pulled["copies"][0]["checkpoint"] == ck.id
     assert kit.same(stores.c.load(ck.id), state)
+    # With a key in the environment, a plain checkpoint is still pulled the plain way.
+    plain = stores.a.save("plain", 1, kit.state(9))
+    code, _ = _ckpt(capsys, "push", plain.id, "--to", "b", "--config", a_cfg, "--json")
+    assert code == 0
+    code, pulled = _ckpt(capsys, "pull", "plain@latest", "--from", "b", "--config", c_cfg,
+                         "--json")
+    assert code == 0 and pulled["pushed"] == [plain.id] and "encrypted" not in pulled
     monkeypatch.delenv("CKPT_DECRYPT_KEY")
 
     bundle = str(tmp_path / "b.tar")

@@ -59,7 +59,7 @@ from ckptstore.records import Checkpoint
 from ckptstore.refs import parse_ref
 from ckptstore.storage import Tier
 
-__all__ = ["SealedReport", "pull_sealed", "push_sealed", "sealed_copies"]
+__all__ = ["SealedReport", "pull_sealed", "push_sealed", "sealed_copies", "sealed_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -316,6 +316,39 @@ def _matches(ref: str, header: dict[str, Any]) -> bool:
         "(the remote's catalog knows nothing of them)")
 
 
+def _open_all(src: StoreCore, private: Any, remote: str) -> tuple[list[OpenedCopy], int,
+                                                                  list[str]]:
+    """The remote's sealed copies ``private`` opens, how many it does not, and the tiers
+    the opened ones are on."""
+    opened: list[OpenedCopy] = []
+    others = 0
+    tiers: set[str] = set()
+    for tier, prefix in _sealed_copies(src):
+        what = f"sealed copy {prefix} on {remote}'s {tier.name} tier"
+        try:
+            opened.append(open_copy(_tier_getter(tier, prefix), private, what))
+            tiers.add(tier.name)
+        except DecryptionError as exc:
+            others += 1
+            logger.debug("%s: %s", what, exc)
+    return opened, others, sorted(tiers)
+
+
+def sealed_for(src: StoreCore, refs: Sequence[str], *, remote: str,
+               key: str | os.PathLike[str]) -> bool:
+    """Whether every reference names a sealed copy on remote ``src`` that ``key`` opens.
+
+    For a key that comes from the environment or the config rather than ``--key``: a pull
+    decrypts when this holds, and otherwise looks for plain checkpoints.
+
+    Raises:
+        ConfigError: If ``key`` is not an X25519 private key.
+        InvalidNameError: If a reference is malformed.
+    """
+    opened, _, _ = _open_all(src, load_decryption_key(key), remote)
+    return bool(opened) and all(any(_matches(ref, o.header) for o in opened) for ref in refs)
+
+
 def pull_sealed(dst: StoreCore, src: StoreCore, refs: Sequence[str], *, remote: str,
                 key: str | os.PathLike[str],
                 require_signature: str | os.PathLike[str] | None = None,
@@ -354,19 +387,8 @@ def pull_sealed(dst: StoreCore, src: StoreCore, refs: Sequence[str], *, remote: 
     """
     private = load_decryption_key(key)
     _check_apart(dst, src, remote)
-    opened: list[OpenedCopy] = []
-    others = 0
-    tiers: dict[str, str] = {}
-    for tier, prefix in _sealed_copies(src):
-        what = f"sealed copy {prefix} on {remote}'s {tier.name} tier"
-        try:
-            opened.append(open_copy(_tier_getter(tier, prefix), private, what))
-            tiers[prefix] = tier.name
-        except DecryptionError as exc:
-            others += 1
-            logger.debug("%s: %s", what, exc)
-    report = SealedReport(remote=remote, direction="pull",
-                          tier=",".join(sorted(set(tiers.values()))) or "-")
+    opened, others, tiers = _open_all(src, private, remote)
+    report = SealedReport(remote=remote, direction="pull", tier=",".join(tiers) or "-")
     if not opened and not others:
         raise CheckpointNotFoundError(f"remote {remote!r} holds no finished sealed copies")
     if not opened:
