@@ -112,6 +112,7 @@ ENV_SAMPLES: dict[str, tuple[str, object]] = {
     "replicas": ("2", 2),
     "host_timeout_s": ("45", 45.0),
     "sync": ('{"runs": ["a"], "best": "loss"}', {"runs": ["a"], "best": "loss"}),
+    "decrypt_key": ("/tmp/x/me.key", "/tmp/x/me.key"),
 }
 
 

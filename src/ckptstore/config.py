@@ -97,7 +97,7 @@ _ARCHIVE_CODECS = _CODECS[1:]
 #: Name of the store root inside the hot tier when no ``root`` is configured.
 STORE_DIR_NAME = ".ckptstore"
 # Settings that hold local paths (or URLs that may be local paths).
-_PATH_FIELDS = ("hot", "warm", "cold", "memory_tier_dir")
+_PATH_FIELDS = ("hot", "warm", "cold", "memory_tier_dir", "decrypt_key")
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,8 @@ class Settings:
             ``[schedules]`` entry, ``ckpt serve``): a table of ``remote`` (one remote; default
             every remote), ``runs`` (default every run), ``best`` (only each run's best by
             this metric), ``mode`` (``min``/``max``) and ``tag`` (docs/REMOTES.md).
+        decrypt_key: X25519 private key file that opens encrypted copies (``ckpt pull``,
+            ``import-bundle``) when no ``--key`` is given (docs/SHARING.md).
         source: The config file this came from, if any.
     """
 
@@ -183,6 +185,7 @@ class Settings:
     replicas: int = 1
     host_timeout_s: float = 600.0
     sync: dict[str, Any] = field(default_factory=dict)
+    decrypt_key: str | None = None
     source: Path | None = None
 
     @property
@@ -262,6 +265,7 @@ ENV_VARS: dict[str, str] = {
     "replicas": "CKPT_REPLICAS",
     "host_timeout_s": "CKPT_HOST_TIMEOUT_S",
     "sync": "CKPT_SYNC",
+    "decrypt_key": "CKPT_DECRYPT_KEY",
 }
 #: Variables that set one entry of a table setting (applied after the table's own variable).
 ENV_ENTRY_VARS: dict[str, tuple[str, str]] = {

@@ -12,6 +12,7 @@ __all__ = [
     "CkptError",
     "ConfigError",
     "ConflictError",
+    "DecryptionError",
     "IncompleteCheckpointError",
     "IntegrityError",
     "InvalidNameError",
@@ -39,6 +40,11 @@ class IncompleteCheckpointError(CkptError):
 
 class IntegrityError(CkptError):
     """Stored bytes do not match their recorded hashes, or a chunk or manifest is missing."""
+
+
+class DecryptionError(IntegrityError):
+    """An encrypted copy cannot be opened: no key, a key it was not encrypted to, or an
+    altered or truncated ciphertext (nothing of it is used)."""
 
 
 class MissingBaseError(IntegrityError):

@@ -18,7 +18,9 @@ import typer
 
 from ckptstore.cli.common import open_store, progress_bar, with_global_options
 from ckptstore.cli.output import console, human_bytes, print_json, print_table
+from ckptstore.cli.trust import DecryptKeyOpt, EncryptToOpt
 from ckptstore.core import StoreCore
+from ckptstore.errors import CheckpointNotFoundError
 
 __all__ = ["register", "register_remote_group"]
 
@@ -144,7 +146,7 @@ def _show(report: Any, as_json: bool) -> None:
         return
     console.print(report.summary() + f" ({human_bytes(report.bytes_sent)})", markup=False,
                   highlight=False)
-    for ckpt_id, refs in report.lineage_elsewhere.items():
+    for ckpt_id, refs in getattr(report, "lineage_elsewhere", {}).items():
         kept = ", ".join(f"{r['kind']} {r['checkpoint']}" for r in refs)
         console.print(f"lineage of {ckpt_id} kept as references to the source store: {kept}",
                       markup=False, highlight=False)
@@ -158,9 +160,13 @@ def push_cmd(
     self_contained: SelfContainedOpt = False,
     codec: CodecOpt = "zstd-1",
     require_signature: SignatureOpt = None,
+    encrypt_to: EncryptToOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Copy checkpoints, with their metadata, into a remote store.
+
+    With --encrypt-to the remote gets sealed copies only those keys can read (its catalog
+    records nothing, its tier holds ciphertext; see docs/SHARING.md); pull them with --key.
 
     Run, step, metrics, tags, code/data versions, lossy bounds, signatures and lineage edges
     travel with the files. Only files the remote lacks are sent (a fine-tune pushed after
@@ -174,6 +180,19 @@ def push_cmd(
     """
     from ckptstore.ops.sharing.push import push_checkpoints
 
+    if encrypt_to:
+        from ckptstore.ops.sharing.sealed_remote import push_sealed
+
+        if self_contained or require_signature is not None:
+            raise typer.BadParameter("--encrypt-to copies are always self-contained, and "
+                                     "signatures are checked where they are decrypted (pull "
+                                     "--require-signature)", param_hint="--encrypt-to")
+        with _stores(ctx, to) as (store, other), \
+                progress_bar(f"pushing to {to} (encrypted)", enabled=not as_json) as advance:
+            sealed = push_sealed(store, other, refs, remote=to, encrypt_to=encrypt_to,
+                                 tier=tier, progress=advance)
+        _show(sealed, as_json)
+        return
     with _stores(ctx, to) as (store, other), \
             progress_bar(f"pushing to {to}", enabled=not as_json) as advance:
         report = push_checkpoints(store, other, refs, remote=to, tier=tier,
@@ -190,22 +209,56 @@ def pull_cmd(
     self_contained: SelfContainedOpt = False,
     codec: CodecOpt = "zstd-1",
     require_signature: SignatureOpt = None,
+    key: DecryptKeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Copy checkpoints, with their metadata, from a remote store into this one.
 
     The same guarantees as push, in the other direction: references are resolved in the
-    remote, each copy is verified here before it is committed in this catalog.
+    remote, each copy is verified here before it is committed in this catalog. With --key
+    (or $CKPT_DECRYPT_KEY, or the config's decrypt_key) sealed copies on the remote that the
+    key opens are found by id, run@latest or run@<step>, decrypted and verified against
+    their manifest's blake3 (with --key, only sealed copies are looked for).
 
     JSON: as push.
     """
     from ckptstore.ops.sharing.push import push_checkpoints
+    from ckptstore.ops.sharing.sealed import decryption_key_path
+    from ckptstore.ops.sharing.sealed_remote import pull_sealed, sealed_copies, sealed_for
+
+    with _stores(ctx, source) as (store, other):
+        key_path = decryption_key_path(key, store.settings.decrypt_key)
+        # A key from the environment or the config serves only references that name
+        # encrypted copies; with --key, only encrypted copies are looked for.
+        if key is not None or (key_path is not None and
+                               sealed_for(other, refs, remote=source, key=key_path)):
+            assert key_path is not None
+            with progress_bar(f"pulling from {source} (encrypted)",
+                              enabled=not as_json) as advance:
+                sealed = pull_sealed(store, other, refs, remote=source, key=key_path,
+                                     require_signature=require_signature, progress=advance)
+            _show(sealed, as_json)
+            return
 
     with _stores(ctx, source) as (store, other), \
             progress_bar(f"pulling from {source}", enabled=not as_json) as advance:
-        report = push_checkpoints(other, store, refs, remote=source, direction="pull",
-                                  tier=tier, self_contained=self_contained, codec=codec,
-                                  require_signature=require_signature, progress=advance)
+        try:
+            report = push_checkpoints(other, store, refs, remote=source, direction="pull",
+                                      tier=tier, self_contained=self_contained, codec=codec,
+                                      require_signature=require_signature, progress=advance)
+        except CheckpointNotFoundError as exc:
+            count = sealed_copies(other)
+            if count and key_path is None:
+                raise CheckpointNotFoundError(
+                    f"{exc}; remote {source!r} holds encrypted copies, which its catalog "
+                    "does not list: pull them with --key KEY (or $CKPT_DECRYPT_KEY)"
+                ) from exc
+            if count:
+                raise CheckpointNotFoundError(
+                    f"{exc}; remote {source!r} holds {count} encrypted copies, but those the "
+                    f"key {key_path} opens do not match {', '.join(refs)}"
+                ) from exc
+            raise
     _show(report, as_json)
 
 

@@ -100,25 +100,45 @@ def verify_signature_cmd(
     console.print(f"{ref}: signature OK", markup=False, highlight=False)
 
 
+EncryptToOpt = Annotated[
+    list[Path] | None,
+    typer.Option("--encrypt-to", metavar="PUBKEY",
+                 help="Encrypt for this X25519 public key (`ckpt keygen --encryption --out DIR`; "
+                      "repeatable): only its private key can read the copy."),
+]
+DecryptKeyOpt = Annotated[
+    Path | None,
+    typer.Option("--key", metavar="KEY",
+                 help="X25519 private key that opens encrypted copies (default: "
+                      "$CKPT_DECRYPT_KEY, else the config's decrypt_key)."),
+]
+
+
 def export_cmd(
     ctx: typer.Context,
     ref: Annotated[str, typer.Argument(help="Checkpoint reference.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Bundle file to write (.tar).")],
+    encrypt_to: EncryptToOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Write a checkpoint (and its signature, if any) as one bundle file.
+    """Write a checkpoint (and its signature, if any) as one bundle file; with
+    --encrypt-to, as an encrypted bundle only those keys' holders can import.
 
-    JSON: {"ref", "id", "path": the bundle, "bytes": its size}.
+    JSON: {"ref", "id", "path": the bundle, "bytes": its size, "encrypted"}.
     """
     from ckptstore.ops.sharing.bundle import export_bundle
+    from ckptstore.ops.sharing.sealed import export_sealed
 
     with open_store(ctx) as store:
         ck = store.get(ref)
         with progress_bar(f"exporting {ck.ref}", enabled=not as_json) as advance:
-            path = export_bundle(store, ref, out, progress=advance)
+            if encrypt_to:
+                path = export_sealed(store, ref, out, encrypt_to, progress=advance)
+            else:
+                path = export_bundle(store, ref, out, progress=advance)
     if as_json:
         print_json({"ref": ck.ref, "id": ck.id, "path": str(path),
-                    "bytes": path.stat().st_size})
+                    "bytes": path.stat().st_size, "encrypted": bool(encrypt_to)})
         return
     console.print(f"wrote {path} ({human_bytes(path.stat().st_size)})", markup=False,
                   highlight=False)
@@ -134,19 +154,28 @@ def import_bundle_cmd(
         Path | None,
         typer.Option("--require-signature", help="Refuse unless signed by this public key."),
     ] = None,
+    key: DecryptKeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Import a bundle after checking every file in it (hostile bundles are refused).
+    """Import a bundle after checking every file in it (hostile bundles are refused). An
+    encrypted bundle needs the private key it was encrypted to (--key).
 
     JSON: the imported checkpoint's record (keys as in `ckpt ls --json`).
     """
     from ckptstore.ops.reading.show import checkpoint_dict
     from ckptstore.ops.sharing.bundle import import_bundle
+    from ckptstore.ops.sharing.sealed import decryption_key_path, import_sealed, is_sealed_bundle
 
     with open_store(ctx) as store, progress_bar(f"importing {path.name}",
                                                 enabled=not as_json) as advance:
-        ck = import_bundle(store, path, run=run, require_signature=require_signature,
-                           progress=advance)
+        if is_sealed_bundle(path):
+            ck = import_sealed(store, path,
+                               decryption_key_path(key, store.settings.decrypt_key),
+                               run=run, require_signature=require_signature,
+                               progress=advance)
+        else:
+            ck = import_bundle(store, path, run=run, require_signature=require_signature,
+                               progress=advance)
     if as_json:
         print_json(checkpoint_dict(ck))
         return
@@ -155,21 +184,46 @@ def import_bundle_cmd(
 
 def keygen_cmd(
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the key files.")],
-    name: Annotated[str, typer.Option(help="File name stem.")] = "ckpt-signing",
+    name: Annotated[
+        str | None,
+        typer.Option(help="File name stem (default: ckpt-signing, or ckpt-encryption with "
+                          "--encryption)."),
+    ] = None,
+    encryption: Annotated[
+        bool,
+        typer.Option("--encryption",
+                     help="An X25519 pair for encrypted copies (--encrypt-to NAME.pub, "
+                          "--key NAME.key) instead of an Ed25519 signing pair."),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Create an Ed25519 key pair for `ckpt sign` (NAME.key, mode 0600) and checking
-    (NAME.pub).
+    (NAME.pub); with --encryption, an X25519 pair for encrypted copies.
 
-    JSON: {"private_key": path, "public_key": path, "fingerprint": sha256 hex}.
+    JSON: {"private_key": path, "public_key": path, "fingerprint": sha256 hex, "kind"}.
     """
-    from ckptstore.ops.sharing.signing import generate_keypair, key_fingerprint, load_public_key
+    if encryption:
+        from ckptstore.ops.sharing.crypt import (
+            encryption_fingerprint,
+            generate_encryption_keypair,
+            load_encryption_key,
+        )
 
-    private, public = generate_keypair(out, name)
-    fingerprint = key_fingerprint(load_public_key(public))
+        private, public = generate_encryption_keypair(out, name or "ckpt-encryption")
+        fingerprint = encryption_fingerprint(load_encryption_key(public))
+    else:
+        from ckptstore.ops.sharing.signing import (
+            generate_keypair,
+            key_fingerprint,
+            load_public_key,
+        )
+
+        private, public = generate_keypair(out, name or "ckpt-signing")
+        fingerprint = key_fingerprint(load_public_key(public))
     if as_json:
         print_json({"private_key": str(private), "public_key": str(public),
-                    "fingerprint": fingerprint})
+                    "fingerprint": fingerprint,
+                    "kind": "x25519" if encryption else "ed25519"})
         return
     console.print(f"private key: {private}\npublic key:  {public}\nfingerprint: {fingerprint}",
                   markup=False, highlight=False)

@@ -82,7 +82,8 @@ from ckptstore.storage.transfer import (
     owned_files,
 )
 
-__all__ = ["BUNDLE_HEADER", "export_bundle", "import_bundle"]
+__all__ = ["BUNDLE_HEADER", "BundleContents", "bundle_contents", "export_bundle",
+           "import_bundle"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ _MAX_SMALL = 64 * 1024  # zarr.json, COMMITTED, SIGNATURE
 _MAX_HEADER = 16 * 1024 * 1024
 _DEFAULT_MAX_MEMBERS = 200_000
 _COPY_BLOCK = 4 * 1024 * 1024
+#: Codec of the self-contained copy a delta is bundled as (``bundle_contents(workdir=)``).
+_SELF_CONTAINED_CODEC = "zstd-1"
 
 
 # ---------------------------------------------------------------------- export
@@ -109,28 +112,51 @@ def _tar_add(tar: tarfile.TarFile, name: str, data: IO[bytes], size: int, mtime:
     tar.addfile(info, data)
 
 
-def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *,
-                  progress: Progress | None = None) -> Path:
-    """Write one committed checkpoint as a bundle (an uncompressed tar).
+@dataclass(frozen=True)
+class BundleContents:
+    """What a bundle of one checkpoint holds, before it is written anywhere.
 
-    An archived checkpoint is restored to the hot tier first. Only full checkpoints can be
-    bundled alone (a delta needs its base; re-save it in full first).
+    Attributes:
+        checkpoint: The checkpoint.
+        header: The header member's bytes (:data:`BUNDLE_HEADER`).
+        directory: Its hot copy, where the files are read from.
+        files: The checkpoint's files (paths relative to ``directory``), in bundle order.
+        sizes: Each file's size.
+    """
 
-    Args:
-        store: The open store.
-        ref: Checkpoint reference.
-        out_tar: Output path; written atomically (a temp name, then a rename).
-        progress: Called with the size of each file added; one with ``set_total``
-            (:mod:`ckptstore.progress`) is first told the bytes of all of them.
+    checkpoint: Checkpoint
+    header: bytes
+    directory: Path
+    files: list[str]
+    sizes: dict[str, int]
 
-    Returns:
-        The bundle's path.
+    def members(self) -> list[tuple[str, int]]:
+        """Every member's name and size, header first."""
+        return [(BUNDLE_HEADER, len(self.header))] + [
+            (_PREFIX + rel, self.sizes[rel]) for rel in self.files]
+
+    def open_member(self, name: str) -> IO[bytes]:
+        """A binary stream of member ``name``."""
+        if name == BUNDLE_HEADER:
+            return io.BytesIO(self.header)
+        return open(self.directory / name[len(_PREFIX):], "rb")
+
+
+def bundle_contents(store: StoreCore, ref: str, *,
+                    workdir: Path | None = None) -> BundleContents:
+    """What a bundle of checkpoint ``ref`` holds (its hot copy checked first).
+
+    An archived checkpoint is restored to the hot tier first. A checkpoint that reads chunks
+    of others (a delta or dedup'd save) cannot be bundled alone, unless ``workdir`` is given:
+    a self-contained copy of it is then re-encoded there
+    (:func:`~ckptstore.ops.tiering.reencode.reencode_copy`, every chunk read, decoded and
+    checked against its blake3) and bundled as any re-encoded copy is, with its original
+    manifest. The caller removes ``workdir``.
 
     Raises:
         CheckpointNotFoundError: If the reference does not resolve.
         InvalidNameError: If the checkpoint is a delta.
         IntegrityError: If the hot copy is damaged.
-        StorageError: If the bundle cannot be written.
     """
     from ckptstore.ops.tiering.reencode import read_copy_manifest
     from ckptstore.ops.tiering.restore import ensure_hot, hot_digest
@@ -141,7 +167,9 @@ def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *
         raise IntegrityError(f"checkpoint {ck.ref} has no manifest digest in the catalog")
     # The hot copy may be a re-encoded one: its original manifest must check out too.
     manifest = read_copy_manifest(directory, ck.manifest_digest, hot_digest(store, ck))
-    if manifest.referenced_checkpoints():
+    if manifest.referenced_checkpoints() and workdir is not None:
+        directory, manifest = _self_contained(store, ck, manifest, workdir, directory)
+    elif manifest.referenced_checkpoints():
         raise InvalidNameError(
             f"checkpoint {ck.ref} is a delta (it reads chunks of "
             f"{', '.join(sorted(manifest.referenced_checkpoints()))}); a bundle holds one full "
@@ -171,6 +199,56 @@ def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *
     }
     if is_reencoded(manifest):
         header["copy_digest"] = manifest.digest
+    data = json.dumps(header, sort_keys=True, indent=1).encode()
+    return BundleContents(ck, data, directory, files, sizes)
+
+
+def _self_contained(store: StoreCore, ck: Checkpoint, manifest: Manifest, workdir: Path,
+                    hot_dir: Path) -> tuple[Path, Manifest]:
+    """A self-contained re-encoded copy of ``ck`` under ``workdir``: its directory and
+    manifest (its signature copied along)."""
+    from ckptstore.ops.tiering.reencode import reencode_copy
+    from ckptstore.ops.tiering.replicas import run_resolver
+    from ckptstore.storage.local import LocalTier
+
+    tier = LocalTier(workdir, name="hot")
+    result = reencode_copy(store.tier("hot"), tier, ck.run, manifest, _SELF_CONTAINED_CODEC,
+                           run_of=run_resolver(store, ck), own_digest=ck.manifest_digest,
+                           threads=store.settings.threads, deep=True)
+    directory = tier.local_dir(ck.run, ck.id)
+    assert directory is not None
+    signature = hot_dir / SIGNATURE_NAME
+    if signature.is_file():
+        shutil.copyfile(signature, directory / SIGNATURE_NAME)
+    return directory, result.manifest
+
+
+def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *,
+                  progress: Progress | None = None) -> Path:
+    """Write one committed checkpoint as a bundle (an uncompressed tar).
+
+    An archived checkpoint is restored to the hot tier first. Only full checkpoints can be
+    bundled alone (a delta needs its base; re-save it in full first).
+
+    Args:
+        store: The open store.
+        ref: Checkpoint reference.
+        out_tar: Output path; written atomically (a temp name, then a rename).
+        progress: Called with the size of each file added; one with ``set_total``
+            (:mod:`ckptstore.progress`) is first told the bytes of all of them.
+
+    Returns:
+        The bundle's path.
+
+    Raises:
+        CheckpointNotFoundError: If the reference does not resolve.
+        InvalidNameError: If the checkpoint is a delta.
+        IntegrityError: If the hot copy is damaged.
+        StorageError: If the bundle cannot be written.
+    """
+    contents = bundle_contents(store, ref)
+    ck, directory, files, sizes = (contents.checkpoint, contents.directory, contents.files,
+                                   contents.sizes)
     out = Path(out_tar)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     mtime = int(ck.created_at.timestamp())
@@ -178,7 +256,7 @@ def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
-            data = json.dumps(header, sort_keys=True, indent=1).encode()
+            data = contents.header
             _tar_add(tar, BUNDLE_HEADER, io.BytesIO(data), len(data), mtime)
             for rel in files:
                 with open(directory / rel, "rb") as fh:

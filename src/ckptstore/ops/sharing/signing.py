@@ -165,6 +165,19 @@ def _need_cryptography() -> None:
             "signing (ckpt sign, verify-signature, keygen)")
 
 
+def _x25519_hint(key: object) -> str:
+    """What to say when an encryption key is given where a signing key is expected."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import (
+        X25519PrivateKey,
+        X25519PublicKey,
+    )
+
+    if isinstance(key, X25519PrivateKey | X25519PublicKey):
+        return (" (it is an X25519 encryption key of `ckpt keygen --encryption --out DIR`: "
+                "encryption keys encrypt, they cannot sign)")
+    return ""
+
+
 def load_private_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
     """Load an unencrypted PEM (PKCS#8) Ed25519 private key.
 
@@ -190,8 +203,9 @@ def load_private_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
             "generate one with `ckpt keygen --out DIR`"
         ) from None
     if not isinstance(key, Ed25519PrivateKey):
-        raise ConfigError(f"{key_path} holds a {type(key).__name__}; ckptstore signs with "
-                          "Ed25519 keys (`ckpt keygen`)")
+        raise ConfigError(f"{key_path} holds a {type(key).__name__}, not an Ed25519 signing "
+                          f"key{_x25519_hint(key)}; ckptstore signs with Ed25519 keys "
+                          "(`ckpt keygen --out DIR`)")
     return key
 
 
@@ -216,7 +230,9 @@ def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
             "written by `ckpt keygen`"
         ) from None
     if not isinstance(key, Ed25519PublicKey):
-        raise ConfigError(f"{key_path} holds a {type(key).__name__}, not an Ed25519 key")
+        raise ConfigError(f"{key_path} holds a {type(key).__name__}, not an Ed25519 key"
+                          f"{_x25519_hint(key)}; signatures are checked with the .pub file of "
+                          "`ckpt keygen --out DIR`")
     return key
 
 

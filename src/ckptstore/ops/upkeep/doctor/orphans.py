@@ -147,7 +147,9 @@ def check_tier_keys(job: DoctorRun, by_id: dict[str, Checkpoint]) -> None:
         groups: dict[tuple[str, str], list[str]] = {}
         for key in keys:
             parts = key.split("/", 2)
-            if len(parts) == 3:
+            # A dot prefix is never a run: sealed copies pushed here by other stores
+            # (``.sealed/``, ops/sharing/sealed.py) belong to no catalog row.
+            if len(parts) == 3 and not parts[0].startswith("."):
                 groups.setdefault((parts[0], parts[1]), []).append(key)
         try:
             needed = {
