@@ -58,7 +58,9 @@ __all__ = [
     "LineageEdgeRow",
     "MetricHistoryRow",
     "ReplicaPartRow",
+    "ContextBlobRow",
     "ReplicaRow",
+    "RunContextRow",
     "RunRow",
     "StoreMetaRow",
     "ThawRow",
@@ -477,3 +479,39 @@ class ThawRow(Base):
     requested_at: Mapped[datetime] = mapped_column()
     expected_ready_at: Mapped[datetime] = mapped_column()
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
+
+
+class RunContextRow(Base):
+    """What made a run's checkpoints from ``from_version`` on: code, command, environment.
+
+    One row per distinct context (``digest``) a run was saved under: the first save of the
+    run records one, and a save whose context differs from the run's newest (a new process
+    resuming it with another commit, config or environment) records the next. The context
+    of a checkpoint is the run's row with the highest ``from_version`` not above its version
+    (:mod:`ckptstore.catalog.contexts`).
+    """
+
+    __tablename__ = "run_contexts"
+    __table_args__ = (Index("ix_run_contexts_run_id_from_version", "run_id", "from_version"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    from_version: Mapped[int] = mapped_column(Integer)
+    digest: Mapped[str] = mapped_column(String(128))
+    document: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
+
+
+class ContextBlobRow(Base):
+    """A content-addressed blob a context names: the uncommitted change, a package lock.
+
+    Stored once per distinct content (``digest`` = ``b3:<blake3 hex>`` of ``data``) and
+    checked against the digest on every read, like a chunk.
+    """
+
+    __tablename__ = "context_blobs"
+
+    digest: Mapped[str] = mapped_column(String(128), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())

@@ -112,6 +112,8 @@ ENV_SAMPLES: dict[str, tuple[str, object]] = {
     "replicas": ("2", 2),
     "host_timeout_s": ("45", 45.0),
     "sync": ('{"runs": ["a"], "best": "loss"}', {"runs": ["a"], "best": "loss"}),
+    "capture": ("0", False),
+    "capture_env": ("SLURM_JOB_ID, RUN_TAG", ("SLURM_JOB_ID", "RUN_TAG")),
 }
 
 
