@@ -23,6 +23,7 @@ from ckptstore.catalog.checks import (
     check_tags,
     check_tier,
 )
+from ckptstore.catalog.config_filter import config_clauses
 from ckptstore.catalog.core import CatalogCore
 from ckptstore.catalog.loading import checkpoint_query, load_checkpoints
 from ckptstore.catalog.models import (
@@ -205,6 +206,7 @@ class QueriesMixin(CatalogCore):
         tier: str | None = None,
         order_by: str = "step",
         limit: int | None = None,
+        where: str | Sequence[str] | Mapping[str, tuple[str, Any]] | None = None,
     ) -> builtins.list[Checkpoint]:
         """List checkpoints matching every given filter.
 
@@ -221,6 +223,10 @@ class QueriesMixin(CatalogCore):
                 ``stored_bytes``, ``run`` or ``metric:<name>``; prefix ``-`` to descend.
                 Ties are broken by run (in creation order), then version.
             limit: At most this many.
+            where: Filters on the run's config (:mod:`ckptstore.catalog.config_filter`):
+                ``"config.lr<1e-3"``, a list of such texts, or ``{"config.lr": ("<",
+                1e-3)}``; numbers compare as numbers, strings and booleans with ``==``
+                and ``!=``. Runs without the key never match.
 
         Returns:
             The checkpoints, ordered.
@@ -251,6 +257,9 @@ class QueriesMixin(CatalogCore):
             stmt = stmt.where(*self._step_clauses(step_range))
         if metrics:
             stmt = stmt.where(*_metric_filters(metrics))
+        if where:
+            stmt = stmt.where(C.run_id.in_(
+                select(RunRow.id).where(*config_clauses(where, self.dialect))))
         if state is not None:
             stmt = stmt.where(C.state == check_checkpoint_state(state))
         if tier is not None:

@@ -293,7 +293,8 @@ def _read_lock() -> bytes:
 
     seen: dict[str, str] = {}
     for dist in metadata.distributions():
-        name = dist.metadata.get("Name") if dist.metadata is not None else None
+        # A distribution with a damaged METADATA file has no name; it is left out.
+        name = dist.metadata["Name"] if dist.metadata is not None else None
         if name and dist.version:
             seen.setdefault(re.sub(r"[-_.]+", "-", name).lower(), dist.version)
     return "".join(f"{n}=={v}\n" for n, v in sorted(seen.items())).encode()
