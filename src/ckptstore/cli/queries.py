@@ -23,6 +23,7 @@ from ckptstore.cli.output import (
     print_json,
     print_table,
 )
+from ckptstore.cli.reproduce import context_rows, runs_diff_cmd
 
 __all__ = [
     "du_cmd",
@@ -49,7 +50,9 @@ def ls_cmd(
     ] = None,
     where: Annotated[
         list[str] | None,
-        typer.Option(help="Metric filter such as 'loss<2.0' (repeatable; < <= > >= == !=)."),
+        typer.Option(help="Metric filter such as 'loss<2.0', or config filter such as "
+                          "'config.lr<1e-3' or 'config.optim==adam' (repeatable; "
+                          "< <= > >= == !=)."),
     ] = None,
     tier: Annotated[str | None, typer.Option(help="Only checkpoints present on this tier.")] = None,
     order_by: Annotated[
@@ -69,7 +72,9 @@ def ls_cmd(
     manifest_digest, lossy, error_bound, lossy_scope, pinned, aliases and replicas (tier,
     state, bytes, verified_at, manifest_digest). Other commands print records of this shape.
     """
-    metrics = dict(parse_where(w) for w in (where or []))
+    # config.<key> filters go to the run's recorded config; the rest are metric filters.
+    configs = [w for w in (where or []) if w.lstrip().startswith("config.")]
+    metrics = dict(parse_where(w) for w in (where or []) if w not in configs)
     step_range = (min_step, max_step) if min_step is not None or max_step is not None else None
     with open_store(ctx) as store:
         items = store.list(
@@ -81,6 +86,7 @@ def ls_cmd(
             tier=tier,
             order_by=order_by,
             limit=limit,
+            where=configs or None,
         )
     if as_json:
         print_json([checkpoint_json(c) for c in items])
@@ -105,6 +111,9 @@ def show_cmd(
 
     JSON: {"checkpoint": the record (keys as in `ckpt ls --json`), "reproduction": the run's
     experiment, config, code_version, data_version, host, parents, metrics_at_save, edges,
+    context (how to reproduce: commit, branch, remote, dirty, change, command, cwd, config,
+    data_version, python, torch, cuda, cudnn, platform, packages, lock, env, seeds,
+    world_size, notes; null when none was recorded),
     "manifest": format_version, codec, kind, tensors, dtypes, arrays, chunks, logical_bytes,
     stored_bytes, delta (or {"error": ...}), "tensors" with --tensors: [key, dtype, shape],
     "parts" for a checkpoint saved across hosts: every copy of every host's part (tier, part,
@@ -157,6 +166,8 @@ def show_cmd(
         rows.append(("parent chain", " ← ".join(str(p) for p in repro["parents"])))
     if info.get("merge"):
         rows += merge_rows(info["merge"])
+    rows += context_rows(repro.get("context"))
+    rows.append(("reproduce with", f"ckpt reproduce {ck['ref']} --dir DIR"))
     rows.append(("restore with", f"ckpt restore {ck['ref']}  |  store.load({ck['ref']!r})"))
     print_table(["field", "value"], rows)
     if tensors:
@@ -270,6 +281,15 @@ def register(app: typer.Typer) -> None:
     """Add ``ls``, ``show``, ``runs``, ``du`` and ``events`` to the ``ckpt`` command."""
     app.command("ls")(ls_cmd)
     app.command("show")(show_cmd)
-    app.command("runs")(runs_cmd)
+    runs = typer.Typer(help="List runs (ckpt runs), compare two (ckpt runs diff A B).")
+
+    @runs.callback(invoke_without_command=True)
+    def _runs(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+        """List runs with their checkpoint counts; `runs diff A B` compares two."""
+        if ctx.invoked_subcommand is None:
+            runs_cmd(ctx, as_json=as_json)
+
+    runs.command("diff")(runs_diff_cmd)
+    app.add_typer(runs, name="runs")
     app.command("du")(du_cmd)
     app.command("events")(events_cmd)
