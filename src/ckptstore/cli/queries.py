@@ -112,7 +112,7 @@ def show_cmd(
     JSON: {"checkpoint": the record (keys as in `ckpt ls --json`), "reproduction": the run's
     experiment, config, code_version, data_version, host, parents, metrics_at_save, edges,
     context (how to reproduce: commit, branch, remote, dirty, change, command, cwd, config,
-    data_version, python, torch, cuda, cudnn, platform, packages, lock, env, seeds,
+    data_version, python, torch, cuda, cudnn, platform, packages, lock, env, rng_seeds,
     world_size, notes; null when none was recorded),
     "manifest": format_version, codec, kind, tensors, dtypes, arrays, chunks, logical_bytes,
     stored_bytes, delta (or {"error": ...}), "tensors" with --tensors: [key, dtype, shape],
@@ -202,12 +202,29 @@ def _tensor_entry(entry: Any) -> dict[str, Any]:
     return {"dtype": get("torch_dtype"), "shape": list(get("shape") or [])}
 
 
-def runs_cmd(ctx: typer.Context, as_json: JsonOpt = False) -> None:
-    """List runs with their checkpoint counts.
+def runs_cmd(
+    ctx: typer.Context,
+    action: Annotated[
+        str | None, typer.Argument(help="diff: compare runs A and B (config, code, "
+                                        "environment).", show_default=False)
+    ] = None,
+    a: Annotated[str | None, typer.Argument(help="With diff: a run or checkpoint.",
+                                            show_default=False)] = None,
+    b: Annotated[str | None, typer.Argument(help="With diff: another one.",
+                                            show_default=False)] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List runs with their checkpoint counts; `ckpt runs diff A B` compares two.
 
     JSON: a list of runs with name, created_at, experiment, config, code_version,
-    data_version, host, status, checkpoints.
+    data_version, host, status, checkpoints; with diff: {"a", "b", "differences":
+    [{"field", "a", "b"}]}.
     """
+    if action is not None:
+        if action != "diff" or a is None or b is None:
+            raise typer.BadParameter("write `ckpt runs` or `ckpt runs diff A B`")
+        runs_diff_cmd(ctx, a, b, as_json=as_json)
+        return
     with open_store(ctx) as store:
         runs = store.runs()
     if as_json:
@@ -281,15 +298,6 @@ def register(app: typer.Typer) -> None:
     """Add ``ls``, ``show``, ``runs``, ``du`` and ``events`` to the ``ckpt`` command."""
     app.command("ls")(ls_cmd)
     app.command("show")(show_cmd)
-    runs = typer.Typer(help="List runs (ckpt runs), compare two (ckpt runs diff A B).")
-
-    @runs.callback(invoke_without_command=True)
-    def _runs(ctx: typer.Context, as_json: JsonOpt = False) -> None:
-        """List runs with their checkpoint counts; `runs diff A B` compares two."""
-        if ctx.invoked_subcommand is None:
-            runs_cmd(ctx, as_json=as_json)
-
-    runs.command("diff")(runs_diff_cmd)
-    app.add_typer(runs, name="runs")
+    app.command("runs")(runs_cmd)
     app.command("du")(du_cmd)
     app.command("events")(events_cmd)

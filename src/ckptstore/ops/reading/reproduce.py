@@ -121,7 +121,7 @@ def how_to_reproduce(ctx: RunContext) -> dict[str, Any]:
         "packages": env.get("packages"),
         "lock": env.get("lock"),
         "env": env.get("env", {}),
-        "seeds": doc.get("seeds", {}),
+        "rng_seeds": doc.get("seeds", {}),
         "world_size": doc.get("world_size"),
         "notes": doc.get("notes", []),
     }
