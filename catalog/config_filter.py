@@ -18,7 +18,7 @@ import json
 import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import ColumnElement, case, func
 
@@ -94,6 +94,10 @@ def config_clauses(where: object, dialect: str) -> list[ColumnElement[bool]]:
 
 
 def _clause(path: tuple[str, ...], op: str, value: Any, dialect: str) -> ColumnElement[bool]:
+    return cast("ColumnElement[bool]", _condition(path, op, value, dialect))
+
+
+def _condition(path: tuple[str, ...], op: str, value: Any, dialect: str) -> Any:
     compare = CONFIG_OPS[op]
     element = RunRow.config[path]
     if dialect == "sqlite":

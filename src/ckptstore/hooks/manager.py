@@ -219,6 +219,7 @@ class CheckpointManager:
             fields["data_version"] = str(data_version)
         self._config, self._data_version = config, data_version
         store.run(run, **fields)
+        store.catalog.set_run_status(run, "active")  # again, for a resumed run
         self.history = (
             MetricHistory(store, run, max_points=history_points) if history else None
         )
@@ -516,6 +517,10 @@ class CheckpointManager:
             self._stop_observability()
             if self.history is not None:
                 self.history.close()
+            try:  # the UI shows the run closed, not active
+                self.store.catalog.set_run_status(self.run, "closed")
+            except CkptError as exc:
+                logger.warning("could not mark run %s closed: %s", self.run, exc)
 
     def __enter__(self) -> CheckpointManager:
         return self

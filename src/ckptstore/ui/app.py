@@ -28,6 +28,7 @@ require("uvicorn", "the catalog browser (ckpt ui)")
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckptstore.catalog import mask_url
 from ckptstore.errors import CheckpointNotFoundError, CkptError, InvalidNameError
@@ -116,9 +117,20 @@ def create_app(store: CheckpointStore) -> FastAPI:
 
     # Plain `def` handlers: FastAPI runs them in its thread pool, so slow catalog queries
     # never block the event loop (the catalog object is thread-safe).
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> HTMLResponse:
+        # Unknown paths (and wrong methods) get a page like every other, not FastAPI's JSON.
+        heading = "Not found" if exc.status_code == 404 else "Bad request"
+        message = (f"there is no page at {request.url.path}; start from the runs list"
+                   if exc.status_code == 404 else str(exc.detail))
+        html = render("error.html", links, title=heading, heading=heading, message=message,
+                      store_label=label,
+                      generated=datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
+        return HTMLResponse(html, status_code=exc.status_code)
+
     @app.get("/", response_class=HTMLResponse)
-    def runs_page() -> HTMLResponse:
-        return page("_runs.html", "Runs", runs_view(store, links))
+    def runs_page(q: str = "", sort: str = "name", where: str = "") -> HTMLResponse:
+        return page("_runs.html", "Runs", runs_view(store, links, q=q, sort=sort, where=where))
 
     @app.get("/runs/{name}", response_class=HTMLResponse)
     def run_page(name: str) -> HTMLResponse:
@@ -128,8 +140,9 @@ def create_app(store: CheckpointStore) -> FastAPI:
     def compare_page(
         run: list[str] = Query(default=[]),
         metric: str = "loss",
+        log: bool = False,
     ) -> HTMLResponse:
-        data = compare_view(store, run, links, metric=metric)
+        data = compare_view(store, run, links, metric=metric, log=log)
         return page("_compare.html", f"Training curves: {data['metric']}", data)
 
     @app.get("/checkpoints/{ckpt_id}", response_class=HTMLResponse)
