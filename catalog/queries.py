@@ -258,8 +258,7 @@ class QueriesMixin(CatalogCore):
         if metrics:
             stmt = stmt.where(*_metric_filters(metrics))
         if where:
-            stmt = stmt.where(C.run_id.in_(
-                select(RunRow.id).where(*config_clauses(where, self.dialect))))
+            stmt = stmt.where(self._config_runs(where, limited=limit is not None))
         if state is not None:
             stmt = stmt.where(C.state == check_checkpoint_state(state))
         if tier is not None:
@@ -275,6 +274,26 @@ class QueriesMixin(CatalogCore):
             stmt = stmt.limit(check_count(limit, "limit", 1))
         with self._read() as s:
             return load_checkpoints(s, stmt)
+
+    def _config_runs(self, where: object, *, limited: bool) -> ColumnElement[bool]:
+        """``checkpoints.run_id IN (runs whose config matches)``, shaped for the planner.
+
+        When few runs match, their checkpoints are read through the ``run_id`` indexes.
+        When many do (a twentieth of the runs or more) and the listing has a limit, reading
+        checkpoints through the listing's own order index and keeping those of matching
+        runs stops after ``limit`` rows instead of gathering and sorting all of them (with
+        R runs of n checkpoints each, the break-even is about sqrt(limit * R / n) matching
+        runs: 3% of 1,000 runs of 100 for a limit of 100); ``run_id + 0`` keeps the planner
+        off the ``run_id`` index then (neither backend uses an index under an expression).
+        The runs table has one row per run, so counting the matches is cheap.
+        """
+        clauses = config_clauses(where, self.dialect)
+        matching = select(RunRow.id).where(*clauses)
+        with self._read() as s:
+            hits = s.scalar(select(func.count()).select_from(matching.subquery())) or 0
+            total = s.scalar(select(func.count()).select_from(RunRow)) or 0
+        column = (C.run_id + 0) if limited and hits * 20 >= total else C.run_id
+        return column.in_(matching)
 
     def usage(self) -> builtins.list[UsageRow]:
         """Bytes of PRESENT replicas by run and tier, ordered by run then tier."""

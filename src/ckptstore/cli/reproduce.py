@@ -97,7 +97,7 @@ def reproduce_cmd(
         write_recipe,
     )
 
-    if sum(x is not None and x is not False for x in (directory, check_lock, check or None)) != 1:
+    if (directory is not None) + (check_lock is not None) + check != 1:
         raise typer.BadParameter("give exactly one of --dir, --check, --check-lock")
     if check_lock is not None:
         from ckptstore.capture import distribution_lock

@@ -50,10 +50,11 @@ __all__ = ["CSP", "BackgroundUI", "check_loopback", "create_app", "serve", "star
 
 logger = logging.getLogger(__name__)
 
-#: No scripts, no remote anything: inline styles and inline SVG only.
+#: No scripts, no remote anything: inline styles and inline SVG only. Forms submit to this
+#: app only (the runs list's search: GET, read-only like every route).
 CSP = (
     "default-src 'none'; style-src 'unsafe-inline'; img-src data:; "
-    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    "base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
 )
 
 

@@ -173,7 +173,7 @@ def runs_view(store: CheckpointStore, links: Links, *, q: str = "", sort: str = 
     for row in usage:
         bytes_by_run[row.run] += row.bytes
         tiers_by_run[row.run].add(row.tier)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for info in store.runs():
         latest: Checkpoint | None = None
         if info.checkpoints:
