@@ -70,7 +70,11 @@ class SaveOptions:
         if isinstance(self.delta, Mapping | list):
             object.__setattr__(self, "delta", copy.deepcopy(self.delta))
         if isinstance(self.config, Mapping):
-            object.__setattr__(self, "config", copy.deepcopy(dict(self.config)))
+            try:
+                config = copy.deepcopy(dict(self.config))
+            except Exception:  # an object that cannot be copied (a module, a lock, ...):
+                config = dict(self.config)  # the capture records it as text anyway
+            object.__setattr__(self, "config", config)
 
     @property
     def default_encoding(self) -> bool:

@@ -21,7 +21,8 @@ import pytest
 import torch
 from context_support import git
 
-pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+pytestmark = [pytest.mark.skipif(shutil.which("git") is None, reason="needs git"),
+              pytest.mark.slow]
 
 STEPS, SAVE_AT = 6, 3
 

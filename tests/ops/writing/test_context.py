@@ -179,3 +179,12 @@ def test_safe_config_masks_secret_keys() -> None:
     assert masked == {"hub_token": "***", "secret": "***", "db_password": "***",
                       "key": "***", "monkey": 1, "keyframe_every": 3,
                       "nested": {"aws_secret_key": "***"}}
+
+
+def test_a_config_that_cannot_be_copied_still_saves(repo: Path, tmp_path: Path) -> None:
+    import threading
+
+    with CheckpointStore.open(tmp_path / "store") as store:
+        ck = store.save("a", 1, _state(), config={"lock": threading.Lock(), "lr": 1})
+        doc = store.catalog.context_of(ck).document
+    assert doc["config"]["lr"] == 1 and doc["config"]["lock"].startswith("<unlocked")
