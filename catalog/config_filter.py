@@ -4,8 +4,9 @@ The config is the ``runs.config`` JSON column (filled from the run's context, se
 :mod:`ckptstore.catalog.contexts`). A filter is a dotted key path, an operator and a value;
 the path and value are bound parameters, the operator comes from a fixed table, so user
 input never becomes SQL text. Each comparison is guarded by the JSON type of the value at
-the path (``json_type`` on SQLite, ``json_typeof`` on PostgreSQL): a run whose value is a
-string never fails a numeric comparison, it simply does not match.
+the path (``json_type`` on SQLite, ``jsonb_typeof`` on PostgreSQL): a run whose value is a
+string never fails a numeric comparison, it simply does not match. Equality on PostgreSQL is
+JSONB containment (``config @> '{"optim": "adam"}'``), which the column's GIN index serves.
 
 Checkpoint listings apply the filters to runs (``checkpoints.run_id IN (SELECT id FROM
 runs WHERE ...)``): there is one row per run, and the checkpoints of the matching runs are
@@ -20,7 +21,8 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, case, func
+from sqlalchemy import ColumnElement, case, func, type_coerce
+from sqlalchemy.dialects.postgresql import JSONB
 
 from ckptstore.catalog.models import RunRow
 from ckptstore.errors import InvalidNameError
@@ -105,7 +107,14 @@ def _condition(path: tuple[str, ...], op: str, value: Any, dialect: str) -> Any:
         numeric, text, boolean = kind.in_(("integer", "real")), kind == "text", \
             kind.in_(("true", "false"))
     else:
-        kind = func.json_typeof(element)
+        if op == "==" and value is not None:
+            # Containment, which the GIN index on runs.config serves (models.py); jsonb
+            # compares numbers as numbers, so 1e-3 finds 0.001.
+            nested: Any = value
+            for part in reversed(path):
+                nested = {part: nested}
+            return type_coerce(RunRow.config, JSONB).contains(nested)
+        kind = func.jsonb_typeof(element)
         numeric, text, boolean = kind == "number", kind == "string", kind == "boolean"
     if isinstance(value, bool):
         if op not in ("==", "!="):

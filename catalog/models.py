@@ -39,6 +39,7 @@ from sqlalchemy import (
     false,
     func,
 )
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from ckptstore.records import CheckpointState, ReplicaState
@@ -163,16 +164,26 @@ class ExperimentRow(Base):
 
 
 class RunRow(Base):
-    """A training run and what is needed to reproduce it."""
+    """A training run and what is needed to reproduce it.
+
+    ``config`` is JSONB on PostgreSQL with a GIN index (``jsonb_path_ops``) serving the
+    equality filters of ``list(where="config.<key>==<value>")`` as containment (``@>``);
+    on SQLite the index is a plain one (the runs table has one row per run).
+    """
 
     __tablename__ = "runs"
+    __table_args__ = (
+        Index("ix_runs_config", "config", postgresql_using="gin",
+              postgresql_ops={"config": "jsonb_path_ops"}),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(NAME_LEN), unique=True)
     experiment_id: Mapped[int | None] = mapped_column(
         ForeignKey("experiments.id", ondelete="SET NULL"), index=True
     )
-    config: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    config: Mapped[dict[str, Any] | None] = mapped_column(
+        JSON().with_variant(JSONB(), "postgresql"))
     code_version: Mapped[str | None] = mapped_column(String(200))
     data_version: Mapped[str | None] = mapped_column(String(200))
     host: Mapped[str | None] = mapped_column(String(255))

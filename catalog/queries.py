@@ -13,7 +13,7 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, exists, func, select
+from sqlalchemy import ColumnElement, Select, and_, case, exists, func, select
 from sqlalchemy.orm import aliased
 
 from ckptstore.catalog.checks import (
@@ -289,9 +289,11 @@ class QueriesMixin(CatalogCore):
         """
         clauses = config_clauses(where, self.dialect)
         matching = select(RunRow.id).where(*clauses)
+        if not limited:
+            return C.run_id.in_(matching)
+        matched = func.count(case((and_(*clauses), 1)))
         with self._read() as s:
-            hits = s.scalar(select(func.count()).select_from(matching.subquery())) or 0
-            total = s.scalar(select(func.count()).select_from(RunRow)) or 0
+            total, hits = s.execute(select(func.count(), matched).select_from(RunRow)).one()
         column = (C.run_id + 0) if limited and hits * 20 >= total else C.run_id
         return column.in_(matching)
 
