@@ -7,7 +7,7 @@
 * ``ckpt runs`` lists runs; ``ckpt runs diff A B`` compares two runs' (or checkpoints')
   config, code and environment.
 
-The operations are imported inside the commands: ``ckpt --help`` and the catalog-only
+The operations are imported inside the commands: the help texts and the catalog-only
 commands must not pay for modules they do not use.
 """
 
