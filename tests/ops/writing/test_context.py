@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from sqlalchemy import text
 
 from ckptstore import CheckpointStore
 from ckptstore.capture import capture_context, safe_config
@@ -88,8 +89,12 @@ def test_a_new_process_with_another_context_records_it(repo: Path, tmp_path: Pat
         assert one is not None and two is not None
         assert one.document["code"]["dirty"] and not two.document["code"]["dirty"]
         assert store.catalog.context_of(third).document["config"] == {"lr": 0.05}
-        # Identical blobs (the lock) are stored once.
+        # Identical blobs (the lock) are stored once: one lock row for three contexts.
         assert one.document["environment"]["lock"] == two.document["environment"]["lock"]
+        with store.catalog.engine.connect() as conn:
+            digests = [r[0] for r in conn.execute(text("SELECT digest FROM context_blobs"))]
+        patches = {c.document["code"]["patch"] for c in contexts} - {None}
+        assert sorted(digests) == sorted({one.document["environment"]["lock"], *patches})
 
 
 def test_save_async_records_context(repo: Path, tmp_path: Path) -> None:
