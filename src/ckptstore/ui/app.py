@@ -28,7 +28,6 @@ require("uvicorn", "the catalog browser (ckpt ui)")
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckptstore.catalog import mask_url
 from ckptstore.errors import CheckpointNotFoundError, CkptError, InvalidNameError
@@ -118,16 +117,14 @@ def create_app(store: CheckpointStore) -> FastAPI:
 
     # Plain `def` handlers: FastAPI runs them in its thread pool, so slow catalog queries
     # never block the event loop (the catalog object is thread-safe).
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> HTMLResponse:
-        # Unknown paths (and wrong methods) get a page like every other, not FastAPI's JSON.
-        heading = "Not found" if exc.status_code == 404 else "Bad request"
-        message = (f"there is no page at {request.url.path}; start from the runs list"
-                   if exc.status_code == 404 else str(exc.detail))
-        html = render("error.html", links, title=heading, heading=heading, message=message,
-                      store_label=label,
+    @app.exception_handler(404)
+    async def _not_found(request: Request, exc: Exception) -> HTMLResponse:
+        # Unknown paths get a page like every other, not FastAPI's JSON.
+        html = render("error.html", links, title="Not found", heading="Not found",
+                      message=f"there is no page at {request.url.path}; start from the runs "
+                              "list", store_label=label,
                       generated=datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
-        return HTMLResponse(html, status_code=exc.status_code)
+        return HTMLResponse(html, status_code=404)
 
     @app.get("/", response_class=HTMLResponse)
     def runs_page(q: str = "", sort: str = "name", where: str = "") -> HTMLResponse:
