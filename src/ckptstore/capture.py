@@ -47,6 +47,7 @@ from ckptstore.redact import MASK, mask_url
 __all__ = [
     "CONTEXT_SCHEMA",
     "MAX_PATCH_BYTES",
+    "MAX_UNTRACKED_FILES",
     "MAX_UNTRACKED_FILE_BYTES",
     "Captured",
     "blob_digest",
@@ -62,6 +63,9 @@ __all__ = [
 CONTEXT_SCHEMA = 1
 #: Untracked files larger than this are left out of the recorded change (and named in a note).
 MAX_UNTRACKED_FILE_BYTES = 1024 * 1024
+#: At most this many untracked files are recorded (one ``git diff --no-index`` each); the
+#: rest are named in a note.
+MAX_UNTRACKED_FILES = 200
 #: The recorded change as a whole is left out above this size (a note says so).
 MAX_PATCH_BYTES = 16 * 1024 * 1024
 # git answers in milliseconds; a hung one (a network filesystem, a lock) must not stall a save.
@@ -222,6 +226,11 @@ def _change(root: Path, commit: str | None, notes: list[str],
     untracked = [n for n in listed.stdout.decode(errors="replace").split("\0") if n] \
         if listed.returncode == 0 else []
     kept, skipped = [], []
+    if len(untracked) > MAX_UNTRACKED_FILES:
+        notes.append(f"code: {len(untracked)} untracked files, only the first "
+                     f"{MAX_UNTRACKED_FILES} are recorded; add the others to .gitignore "
+                     "or commit them")
+        untracked = sorted(untracked)[:MAX_UNTRACKED_FILES]
     for name in sorted(untracked):
         path = root / name
         try:

@@ -193,3 +193,12 @@ def test_a_config_that_cannot_be_copied_still_saves(repo: Path, tmp_path: Path) 
         ck = store.save("a", 1, _state(), config={"lock": threading.Lock(), "lr": 1})
         doc = store.catalog.context_of(ck).document
     assert doc["config"]["lr"] == 1 and doc["config"]["lock"].startswith("<unlocked")
+
+
+def test_many_untracked_files_are_capped(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("ckptstore.capture.MAX_UNTRACKED_FILES", 3)
+    for i in range(6):
+        (repo / f"extra{i}.txt").write_text(f"{i}\n")
+    doc = capture_context(where=repo).document
+    assert len(doc["code"]["untracked"]) == 3
+    assert any("7 untracked files" in n for n in doc["notes"])
