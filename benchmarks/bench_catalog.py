@@ -6,6 +6,8 @@ training job, the CLI and the flows issue most, through the public :class:`Catal
 
 * ``latest(run)``, ``get("run@step")``, ``best(run, "loss")``, ``get(<uuid>)``;
 * ``list(tag=..., limit=100)`` for a rare tag (1% of checkpoints) and a common one (10%);
+* ``list(where="config....", limit=100)``: checkpoints of runs whose recorded config matches
+  (half the runs, a tenth of them by a string value, and a single run);
 * ``lineage()`` of the checkpoint at the end of the 1,000-deep chain.
 
 Targets: p99 <= 5 ms for point queries and listings, <= 50 ms for the lineage walk.
@@ -89,7 +91,8 @@ def fill(cat: Catalog, n_ckpts: int, n_runs: int, chain_depth: int, seed: int = 
             "id": i + 1,
             "name": name,
             "experiment_id": (i % 10) + 1,
-            "config": {"lr": 1e-3, "seed": i},
+            "config": {"lr": (1e-4, 3e-4, 1e-3, 3e-3)[i % 4], "seed": i,
+                       "optim": "sgd" if i % 10 == 0 else "adam"},
             "code_version": "c0ffee",
             "status": "active",
             "created_at": t0,
@@ -236,6 +239,24 @@ def run_queries(
             POINT_TARGET_MS,
         ),
         (
+            'list(where="config.lr<1e-3")',
+            lambda: cat.list(where="config.lr<1e-3", limit=100),
+            samples,
+            POINT_TARGET_MS,
+        ),
+        (
+            'list(where="config.optim==sgd")',
+            lambda: cat.list(where="config.optim==sgd", order_by="-step", limit=100),
+            samples,
+            POINT_TARGET_MS,
+        ),
+        (
+            'list(where="config.seed==<one run>")',
+            lambda: cat.list(where=f"config.seed=={rng.randrange(len(data.runs))}", limit=100),
+            samples,
+            POINT_TARGET_MS,
+        ),
+        (
             f"lineage() depth {data.chain_depth}",
             lambda: cat.lineage(data.chain_leaf),
             max(20, samples // 10),
@@ -246,6 +267,8 @@ def run_queries(
     depth = len(cat.lineage(data.chain_leaf))
     assert depth == data.chain_depth, f"chain depth {depth} != {data.chain_depth}"
     assert len(cat.list(tag="milestone", limit=100)) == 100
+    assert len(cat.list(where="config.lr<1e-3", limit=100)) == 100
+    assert len(cat.list(where="config.seed==3", limit=100)) == len(data.steps_per_run)
     for name, fn, n, target in checks:
         results.append((name, _time(fn, n, warmup=max(5, n // 20)), target))
     return results

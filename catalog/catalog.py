@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ckptstore.catalog.contexts import ContextsMixin
 from ckptstore.catalog.events import EventsMixin
 from ckptstore.catalog.identity import StoreIdentityMixin
 from ckptstore.catalog.labels import LabelsMixin
@@ -31,6 +32,7 @@ class Catalog(
     HistoryMixin,
     ThawsMixin,
     RemotesMixin,
+    ContextsMixin,
 ):
     """The checkpoint catalog on SQLite (embedded) or PostgreSQL (shared).
 
@@ -65,7 +67,10 @@ class Catalog(
         * thaws of archival copies: :meth:`record_thaw`, :meth:`thaw_ready`,
           :meth:`finish_thaw`, :meth:`get_thaw`, :meth:`thaws`;
         * remotes and arrivals: :meth:`add_remote`, :meth:`remote`, :meth:`remotes`,
-          :meth:`remove_remote`, :meth:`forget_failed_arrival`.
+          :meth:`remove_remote`, :meth:`forget_failed_arrival`;
+        * run contexts (what made a run's checkpoints) and their blobs:
+          :meth:`record_context`, :meth:`run_contexts`, :meth:`context_of`,
+          :meth:`context_blob`.
 
     Args:
         url: ``sqlite:///path/catalog.db`` (the parent directory is created) or

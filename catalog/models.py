@@ -39,6 +39,7 @@ from sqlalchemy import (
     false,
     func,
 )
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from ckptstore.records import CheckpointState, ReplicaState
@@ -58,7 +59,9 @@ __all__ = [
     "LineageEdgeRow",
     "MetricHistoryRow",
     "ReplicaPartRow",
+    "ContextBlobRow",
     "ReplicaRow",
+    "RunContextRow",
     "RunRow",
     "StoreMetaRow",
     "ThawRow",
@@ -161,16 +164,26 @@ class ExperimentRow(Base):
 
 
 class RunRow(Base):
-    """A training run and what is needed to reproduce it."""
+    """A training run and what is needed to reproduce it.
+
+    ``config`` is JSONB on PostgreSQL with a GIN index (``jsonb_path_ops``) serving the
+    equality filters of ``list(where="config.<key>==<value>")`` as containment (``@>``);
+    on SQLite the index is a plain one (the runs table has one row per run).
+    """
 
     __tablename__ = "runs"
+    __table_args__ = (
+        Index("ix_runs_config", "config", postgresql_using="gin",
+              postgresql_ops={"config": "jsonb_path_ops"}),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(NAME_LEN), unique=True)
     experiment_id: Mapped[int | None] = mapped_column(
         ForeignKey("experiments.id", ondelete="SET NULL"), index=True
     )
-    config: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    config: Mapped[dict[str, Any] | None] = mapped_column(
+        JSON().with_variant(JSONB(), "postgresql"))
     code_version: Mapped[str | None] = mapped_column(String(200))
     data_version: Mapped[str | None] = mapped_column(String(200))
     host: Mapped[str | None] = mapped_column(String(255))
@@ -477,3 +490,39 @@ class ThawRow(Base):
     requested_at: Mapped[datetime] = mapped_column()
     expected_ready_at: Mapped[datetime] = mapped_column()
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
+
+
+class RunContextRow(Base):
+    """What made a run's checkpoints from ``from_version`` on: code, command, environment.
+
+    One row per distinct context (``digest``) a run was saved under: the first save of the
+    run records one, and a save whose context differs from the run's newest (a new process
+    resuming it with another commit, config or environment) records the next. The context
+    of a checkpoint is the run's row with the highest ``from_version`` not above its version
+    (:mod:`ckptstore.catalog.contexts`).
+    """
+
+    __tablename__ = "run_contexts"
+    __table_args__ = (Index("ix_run_contexts_run_id_from_version", "run_id", "from_version"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    from_version: Mapped[int] = mapped_column(Integer)
+    digest: Mapped[str] = mapped_column(String(128))
+    document: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
+
+
+class ContextBlobRow(Base):
+    """A content-addressed blob a context names: the uncommitted change, a package lock.
+
+    Stored once per distinct content (``digest`` = ``b3:<blake3 hex>`` of ``data``) and
+    checked against the digest on every read, like a chunk.
+    """
+
+    __tablename__ = "context_blobs"
+
+    digest: Mapped[str] = mapped_column(String(128), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())

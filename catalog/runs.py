@@ -12,11 +12,14 @@ from sqlalchemy.orm import Session
 from ckptstore.catalog.checks import check_json
 from ckptstore.catalog.core import CatalogCore, runs_hint
 from ckptstore.catalog.models import CheckpointRow, ExperimentRow, RunRow, utcnow
-from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.errors import CheckpointNotFoundError, InvalidNameError
 from ckptstore.names import validate_name
 from ckptstore.records import CheckpointState, RunInfo
 
-__all__ = ["RunsMixin"]
+__all__ = ["RUN_STATUSES", "RunsMixin"]
+
+#: What a run's ``status`` may be.
+RUN_STATUSES = ("active", "closed")
 
 logger = logging.getLogger("ckptstore.catalog")
 
@@ -76,6 +79,23 @@ class RunsMixin(CatalogCore):
                     setattr(row, key, value)
             s.flush()
             return self._run_infos(s, RunRow.id == run_id)[0]
+
+    def set_run_status(self, name: str, status: str) -> None:
+        """Mark a run ``active`` (training) or ``closed`` (its manager was closed).
+
+        Raises:
+            CheckpointNotFoundError: If there is no such run.
+            InvalidNameError: For another status.
+        """
+        validate_name(name)
+        if status not in RUN_STATUSES:
+            raise InvalidNameError(f"run status must be one of {', '.join(RUN_STATUSES)}, "
+                                   f"not {status!r}")
+        with self._write() as s:
+            row = s.scalar(select(RunRow).where(RunRow.name == name))
+            if row is None:
+                raise CheckpointNotFoundError(f"run {name!r} does not exist; {runs_hint(s)}")
+            row.status = status
 
     def get_run(self, name: str) -> RunInfo:
         """Look up a run by name.

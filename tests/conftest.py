@@ -25,6 +25,10 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+# Saves record their run's context (git state, package lock) unless told not to; the suite
+# runs inside this repository, whose working tree every first save would otherwise read.
+# Tests of the capture turn it on (tests/ops/writing/test_context.py: ``capture_on``).
+os.environ.setdefault("CKPT_CAPTURE", "0")
 for _var in ("CKPT_CONFIG", "CKPT_ROOT", "CKPT_CATALOG_URL", "CKPT_FAULT_POINT"):
     os.environ.pop(_var, None)
 

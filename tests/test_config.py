@@ -113,6 +113,8 @@ ENV_SAMPLES: dict[str, tuple[str, object]] = {
     "host_timeout_s": ("45", 45.0),
     "sync": ('{"runs": ["a"], "best": "loss"}', {"runs": ["a"], "best": "loss"}),
     "decrypt_key": ("/tmp/x/me.key", "/tmp/x/me.key"),
+    "capture": ("0", False),
+    "capture_env": ("SLURM_JOB_ID, RUN_TAG", ("SLURM_JOB_ID", "RUN_TAG")),
 }
 
 

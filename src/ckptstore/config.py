@@ -153,6 +153,11 @@ class Settings:
             this metric), ``mode`` (``min``/``max``) and ``tag`` (docs/REMOTES.md).
         decrypt_key: X25519 private key file that opens encrypted copies (``ckpt pull``,
             ``import-bundle``) when no ``--key`` is given (docs/SHARING.md).
+        capture: Record each run's context (git commit and uncommitted change, command,
+            environment, config) on its first save and when it changes
+            (:mod:`ckptstore.capture`); ``false`` (``CKPT_CAPTURE=0``) records none.
+        capture_env: Names of environment variables recorded with the context (none by
+            default: nothing else of the environment is stored).
         source: The config file this came from, if any.
     """
 
@@ -186,6 +191,8 @@ class Settings:
     host_timeout_s: float = 600.0
     sync: dict[str, Any] = field(default_factory=dict)
     decrypt_key: str | None = None
+    capture: bool = True
+    capture_env: tuple[str, ...] = ()
     source: Path | None = None
 
     @property
@@ -266,6 +273,8 @@ ENV_VARS: dict[str, str] = {
     "host_timeout_s": "CKPT_HOST_TIMEOUT_S",
     "sync": "CKPT_SYNC",
     "decrypt_key": "CKPT_DECRYPT_KEY",
+    "capture": "CKPT_CAPTURE",
+    "capture_env": "CKPT_CAPTURE_ENV",
 }
 #: Variables that set one entry of a table setting (applied after the table's own variable).
 ENV_ENTRY_VARS: dict[str, tuple[str, str]] = {
@@ -345,6 +354,10 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             return _delta_value(value)
         if name == "sync":
             return _sync_value(value)
+        if name == "capture":
+            return _bool_value(value)
+        if name == "capture_env":
+            return _name_list(value)
         if name == "cold_restore_tier":
             # The three retrieval tiers S3 RestoreObject accepts, in S3's own spelling.
             if value not in _RESTORE_TIERS:
@@ -379,6 +392,23 @@ def _as_float(value: Any) -> float:
     if number is None or not math.isfinite(number) or number < 0:
         raise ValueError("must be a finite number >= 0 written with the digits 0-9")
     return number
+
+
+def _bool_value(value: Any) -> bool:
+    """A bool from TOML, or ``true``/``false``/``1``/``0`` from the environment."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "0", "1"):
+        return value.strip().lower() in ("true", "1")
+    if not isinstance(value, bool):
+        raise ValueError("must be true or false")
+    return value
+
+
+def _name_list(value: Any) -> tuple[str, ...]:
+    """A list of names from TOML, or a comma-separated list from the environment."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+        raise ValueError("must be a list of names (comma-separated in the environment)")
+    return tuple(i.strip() for i in items if i.strip())
 
 
 def _delta_value(value: Any) -> bool | str | dict[str, Any]:

@@ -23,6 +23,7 @@ __all__ = [
     "Replica",
     "ReplicaPart",
     "ReplicaState",
+    "RunContext",
     "RunInfo",
     "Thaw",
     "ThawState",
@@ -325,3 +326,19 @@ class UsageRow:
     tier: str
     checkpoints: int
     bytes: int
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What made a run's checkpoints from ``from_version`` on (:mod:`ckptstore.capture`).
+
+    ``document`` holds ``code`` (commit, branch, remote, dirty, the change's digest),
+    ``command``, ``environment`` (with the lock's digest), ``config``, ``data_version``,
+    ``seeds``, ``world_size`` and ``notes`` (what could not be read, and why).
+    """
+
+    run: str
+    from_version: int
+    digest: str
+    document: dict[str, Any]
+    created_at: datetime

@@ -46,6 +46,10 @@ class SaveOptions:
             setting); see :meth:`ckptstore.store.CheckpointStore.save`.
         base: The checkpoint to encode against: :data:`LATEST` (the run's latest committed
             one), a reference, or None for a full save.
+        config: The run's training configuration, recorded with its context (a mapping or
+            an object with ``to_dict()``; made JSON-safe, secrets masked, by
+            :mod:`ckptstore.capture`).
+        data_version: The data set's version, recorded with the run's context.
     """
 
     metrics: Mapping[str, Any] | None = None
@@ -55,6 +59,8 @@ class SaveOptions:
     experiment: str | None = None
     delta: Any = None
     base: str | Latest | None = LATEST
+    config: Any = None
+    data_version: str | None = None
 
     def __post_init__(self) -> None:
         """Take the snapshot (frozen: set through ``object.__setattr__``)."""
@@ -63,6 +69,12 @@ class SaveOptions:
         object.__setattr__(self, "tags", tuple(self.tags))
         if isinstance(self.delta, Mapping | list):
             object.__setattr__(self, "delta", copy.deepcopy(self.delta))
+        if isinstance(self.config, Mapping):
+            try:
+                config = copy.deepcopy(dict(self.config))
+            except Exception:  # an object that cannot be copied (a module, a lock, ...):
+                config = dict(self.config)  # the capture records it as text anyway
+            object.__setattr__(self, "config", config)
 
     @property
     def default_encoding(self) -> bool:

@@ -73,6 +73,8 @@ class CheckpointStore(StoreCore):
         progress: Callable[[int], None] | None = None,
         delta: Any = None,
         base: str | Latest | None = LATEST,
+        config: Any = None,
+        data_version: str | None = None,
         distributed: bool = False,
         process_group: Any = None,
     ) -> Checkpoint:
@@ -97,6 +99,12 @@ class CheckpointStore(StoreCore):
                 lossy chains write a full keyframe every ``keyframe_every`` saves.
             base: The checkpoint to encode against: the run's latest committed one by
                 default, a reference, or None for a full save.
+            config: The run's training configuration (a mapping, or an object with
+                ``to_dict()``), recorded with the run's context: JSON-safe, secrets masked
+                (docs/REPRODUCE.md). The context (git commit and change, command,
+                environment) is recorded on the run's first save and when it changes,
+                unless the ``capture`` setting is off.
+            data_version: The data set's version, recorded with the context.
             distributed: Call on every rank of a process group. Sharded states (DTensor,
                 FSDP2, ShardedTensor, top-level ``Stateful`` objects) are saved by every
                 rank through DCP into one checkpoint (``delta``/``base`` do not apply);
@@ -115,7 +123,8 @@ class CheckpointStore(StoreCore):
             CkptError: With ``distributed``, on every rank when any rank failed.
         """
         options = SaveOptions(metrics=metrics, tags=tuple(tags), parent=parent, codec=codec,
-                              experiment=experiment, delta=delta, base=base)
+                              experiment=experiment, delta=delta, base=base, config=config,
+                              data_version=data_version)
         if distributed:
             from ckptstore.ops.dcp import save_distributed
 
@@ -137,6 +146,8 @@ class CheckpointStore(StoreCore):
         on_commit: Callable[[Checkpoint], None] | None = None,
         delta: Any = None,
         base: str | Latest | None = LATEST,
+        config: Any = None,
+        data_version: str | None = None,
     ) -> SaveHandle:
         """Like :meth:`save`, but return once the state is staged in host memory.
 
@@ -156,6 +167,8 @@ class CheckpointStore(StoreCore):
             on_commit: Called on the background thread with the committed checkpoint.
             delta: As for :meth:`save`.
             base: As for :meth:`save`.
+            config: As for :meth:`save`.
+            data_version: As for :meth:`save`.
 
         Returns:
             A :class:`~ckptstore.ops.writing.async_save.SaveHandle`; ``.result()`` waits for
@@ -167,7 +180,8 @@ class CheckpointStore(StoreCore):
             UnsafeObjectError: If the state holds an object that would need pickle.
         """
         options = SaveOptions(metrics=metrics, tags=tuple(tags), parent=parent, codec=codec,
-                              experiment=experiment, delta=delta, base=base)
+                              experiment=experiment, delta=delta, base=base, config=config,
+                              data_version=data_version)
         return save_async(self, run, step, state, options, on_commit=on_commit)
 
     def wait(self) -> None:

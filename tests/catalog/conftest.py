@@ -40,6 +40,8 @@ TABLES = (
     "checkpoint_metrics",
     "checkpoint_tags",
     "checkpoints",
+    "run_contexts",
+    "context_blobs",
     "runs",
     "experiments",
     # Which store the catalog belongs to: emptied too, so each test's store adopts it.

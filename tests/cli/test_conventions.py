@@ -94,6 +94,9 @@ CASES = [
     Case("ls", check=lambda d: isinstance(d, list) and all(_record(r) for r in d) and len(d) == 6),
     Case("show", ["base@latest"], lambda d: d["checkpoint"]["step"] == 100),
     Case("runs", check=lambda d: {r["name"] for r in d} >= {"base", "tuned"}),
+    # Saved with capture off (tests/conftest.py): no context, a clear error in JSON.
+    Case("reproduce", ["base@latest", "--check"], lambda d: "no context" in
+         d["error"]["message"], code=1),
     Case("lineage", ["tuned@latest"],
          lambda d: d["direction"] == "ancestors" and d["nodes"][0]["ref"] == "base@v3"
          and d["edges"] == [{"from": "base@v3", "to": "tuned@v1", "kind": "parent"}]),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -296,3 +297,22 @@ def test_run_is_recorded_with_experiment_and_config(store: CheckpointStore) -> N
     mgr.close()
     info = store.catalog.get_run("recorded")
     assert info.experiment == "exp-a" and info.config == {"lr": 0.1}
+
+
+def test_manager_records_the_run_context(tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from context_support import assert_full_context, training_repo
+
+    repo = training_repo(tmp_path / "repo", monkeypatch)
+    with CheckpointStore.open(tmp_path / "ctx-store") as store:
+        mgr = CheckpointManager(store, "ctx", save_interval=1, async_save=True,
+                                handle_sigterm=False, config={"lr": 0.2, "hf_token": "x"},
+                                data_version="v3")
+        mgr.step(1, lambda: {"w": torch.zeros(2)})
+        mgr.close()
+        ck = store.latest("ctx")
+        doc = store.catalog.context_of(ck).document
+        assert_full_context(doc, repo)
+        assert doc["config"] == {"lr": 0.2, "hf_token": "***"}
+        assert doc["data_version"] == "v3"
+        assert store.catalog.get_run("ctx").config == {"lr": 0.2, "hf_token": "***"}

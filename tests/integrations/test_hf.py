@@ -123,3 +123,21 @@ def test_metrics_take_the_newest_value_up_to_the_step() -> None:
     history = [{"loss": 2.0, "step": 1}, {"loss": 1.5, "lr": 0.1, "step": 2},
                {"eval_loss": float("nan"), "step": 2}, {"loss": 1.0, "step": 3}]
     assert metrics_from_log_history(history, 2) == {"loss": 1.5, "lr": 0.1}
+
+
+def test_the_callback_records_the_run_context(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from context_support import assert_full_context, training_repo
+
+    repo = training_repo(tmp_path / "repo", monkeypatch)
+    with CheckpointStore.open(tmp_path / "store") as store:
+        trainer = _trainer(tmp_path / "out", steps=2)
+        callback = CkptStoreCallback(store, run="bert-ctx")
+        trainer.add_callback(callback)
+        trainer.train()
+        callback.close()
+        doc = store.catalog.context_of(store.latest("bert-ctx")).document
+    assert_full_context(doc, repo)
+    # The TrainingArguments are the config; the hub token is never stored.
+    assert doc["config"]["max_steps"] == 2 and doc["config"]["learning_rate"] == 5e-05
+    assert doc["config"]["hub_token"] in (None, "***", "<HUB_TOKEN>")

@@ -212,3 +212,16 @@ def test_unknown_references_are_clear_errors(tmp_path: Path) -> None:
         with pytest.raises(CheckpointNotFoundError):
             trainer.train(resume_from_checkpoint="fresh@v7")
         assert store.list(run="fresh") == []
+
+
+def test_the_trainer_records_the_run_context(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from context_support import assert_full_context, training_repo
+
+    repo = training_repo(tmp_path / "repo", monkeypatch)
+    with CheckpointStore.open(tmp_path / "store") as store:
+        trainer = _trainer(store, "ctx", tmp_path / "out", max_steps=2)
+        trainer.train()
+        doc = store.catalog.context_of(store.latest("ctx")).document
+    assert_full_context(doc, repo)
+    assert doc["config"]["max_steps"] == 2 and doc["config"]["save_steps"] == 2

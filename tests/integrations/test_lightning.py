@@ -168,3 +168,17 @@ def test_plain_torch_checkpoint_files_load_weights_only(
     loaded = io.load_checkpoint(str(path))
     assert torch.equal(loaded["state_dict"]["w"], torch.arange(3))
     assert os.path.exists(path)
+
+
+def test_hparams_and_the_run_context_are_recorded(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from context_support import assert_full_context, training_repo
+
+    repo = training_repo(tmp_path / "repo", monkeypatch)
+    with CheckpointStore.open(tmp_path / "store") as store:
+        io = CkptStoreIO(store, run="pl-ctx")
+        ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2)
+        _trainer(io, 2, [ckpt]).fit(TinyModule(lr=0.01), _loader())
+        doc = store.catalog.context_of(store.latest("pl-ctx")).document
+    assert_full_context(doc, repo)
+    assert doc["config"]["lr"] == 0.01 and doc["config"]["hidden"] == 8

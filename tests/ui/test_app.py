@@ -81,7 +81,8 @@ def test_lineage_and_tiers_pages(ui_server: BackgroundUI, ui_store: Any) -> None
         ("runs/nope", 404, "does not exist"),
         ("runs/bad%20name", 400, "Bad request"),
         ("checkpoints/0b2c5c9e-0000-4000-8000-000000000000", 404, "Not found"),
-        ("checkpoints/not..an-id", 400, "is not a uuid"),
+        # Not an id, so read as a reference (checkpoints/run-a@latest): a bad one is a 400.
+        ("checkpoints/not..an-id", 400, "contains &#39;..&#39;"),
         ("nowhere", 404, ""),
     ],
 )

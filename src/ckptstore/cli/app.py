@@ -31,6 +31,7 @@ from ckptstore.cli import (
     prefetch,
     queries,
     remote,
+    reproduce,
     settings,
     transfer,
     trust,
@@ -113,6 +114,7 @@ overview.register(app)
 deltas.register(app)
 lineage.register(app)
 merge.register(app)
+reproduce.register(app)
 prefetch.register(app)
 remote.register(app)
 # Last, so that every command registered above gets them.

@@ -23,6 +23,7 @@ from ckptstore.cli.output import (
     print_json,
     print_table,
 )
+from ckptstore.cli.reproduce import context_rows, runs_diff_cmd
 
 __all__ = [
     "du_cmd",
@@ -49,7 +50,9 @@ def ls_cmd(
     ] = None,
     where: Annotated[
         list[str] | None,
-        typer.Option(help="Metric filter such as 'loss<2.0' (repeatable; < <= > >= == !=)."),
+        typer.Option(help="Metric filter such as 'loss<2.0', or config filter such as "
+                          "'config.lr<1e-3' or 'config.optim==adam' (repeatable; "
+                          "< <= > >= == !=)."),
     ] = None,
     tier: Annotated[str | None, typer.Option(help="Only checkpoints present on this tier.")] = None,
     order_by: Annotated[
@@ -69,7 +72,9 @@ def ls_cmd(
     manifest_digest, lossy, error_bound, lossy_scope, pinned, aliases and replicas (tier,
     state, bytes, verified_at, manifest_digest). Other commands print records of this shape.
     """
-    metrics = dict(parse_where(w) for w in (where or []))
+    # config.<key> filters go to the run's recorded config; the rest are metric filters.
+    configs = [w for w in (where or []) if w.lstrip().startswith("config.")]
+    metrics = dict(parse_where(w) for w in (where or []) if w not in configs)
     step_range = (min_step, max_step) if min_step is not None or max_step is not None else None
     with open_store(ctx) as store:
         items = store.list(
@@ -81,6 +86,7 @@ def ls_cmd(
             tier=tier,
             order_by=order_by,
             limit=limit,
+            where=configs or None,
         )
     if as_json:
         print_json([checkpoint_json(c) for c in items])
@@ -105,6 +111,9 @@ def show_cmd(
 
     JSON: {"checkpoint": the record (keys as in `ckpt ls --json`), "reproduction": the run's
     experiment, config, code_version, data_version, host, parents, metrics_at_save, edges,
+    context (how to reproduce: commit, branch, remote, dirty, change, command, cwd, config,
+    data_version, python, torch, cuda, cudnn, platform, packages, lock, env, rng_seeds,
+    world_size, notes; null when none was recorded),
     "manifest": format_version, codec, kind, tensors, dtypes, arrays, chunks, logical_bytes,
     stored_bytes, delta (or {"error": ...}), "tensors" with --tensors: [key, dtype, shape],
     "parts" for a checkpoint saved across hosts: every copy of every host's part (tier, part,
@@ -157,6 +166,8 @@ def show_cmd(
         rows.append(("parent chain", " ← ".join(str(p) for p in repro["parents"])))
     if info.get("merge"):
         rows += merge_rows(info["merge"])
+    rows += context_rows(repro.get("context"))
+    rows.append(("reproduce with", f"ckpt reproduce {ck['ref']} --dir DIR"))
     rows.append(("restore with", f"ckpt restore {ck['ref']}  |  store.load({ck['ref']!r})"))
     print_table(["field", "value"], rows)
     if tensors:
@@ -191,12 +202,29 @@ def _tensor_entry(entry: Any) -> dict[str, Any]:
     return {"dtype": get("torch_dtype"), "shape": list(get("shape") or [])}
 
 
-def runs_cmd(ctx: typer.Context, as_json: JsonOpt = False) -> None:
-    """List runs with their checkpoint counts.
+def runs_cmd(
+    ctx: typer.Context,
+    action: Annotated[
+        str | None, typer.Argument(help="diff: compare runs A and B (config, code, "
+                                        "environment).", show_default=False)
+    ] = None,
+    a: Annotated[str | None, typer.Argument(help="With diff: a run or checkpoint.",
+                                            show_default=False)] = None,
+    b: Annotated[str | None, typer.Argument(help="With diff: another one.",
+                                            show_default=False)] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List runs with their checkpoint counts; `ckpt runs diff A B` compares two.
 
     JSON: a list of runs with name, created_at, experiment, config, code_version,
-    data_version, host, status, checkpoints.
+    data_version, host, status, checkpoints; with diff: {"a", "b", "differences":
+    [{"field", "a", "b"}]}.
     """
+    if action is not None:
+        if action != "diff" or a is None or b is None:
+            raise typer.BadParameter("write `ckpt runs` or `ckpt runs diff A B`")
+        runs_diff_cmd(ctx, a, b, as_json=as_json)
+        return
     with open_store(ctx) as store:
         runs = store.runs()
     if as_json:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from ckptstore.capture import safe_config
 from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError
 from ckptstore.hooks.policies import AnyOf, EveryNSeconds, EveryNSteps, OnDemand, SavePolicy
 from ckptstore.ops.tiering.retention import apply_retention
@@ -114,7 +115,8 @@ class CheckpointManager:
         | None = None,
         handle_sigterm: bool = True,
         experiment: str | None = None,
-        config: Mapping[str, Any] | None = None,
+        config: Any = None,
+        data_version: str | None = None,
         prune_fn: PruneFn | None = None,
         policy: SavePolicy | None = None,
         metrics_port: int | None = None,
@@ -141,7 +143,9 @@ class CheckpointManager:
             handle_sigterm: On SIGTERM, save at the next :meth:`step` and exit with status
                 143 once it is committed (main thread only).
             experiment: Experiment the run is filed under.
-            config: Run configuration recorded in the catalog (for reproduction).
+            config: Run configuration recorded with the run's context (for reproduction;
+                JSON-safe, secrets masked: :func:`ckptstore.capture.safe_config`).
+            data_version: The data set's version, recorded with the context.
             prune_fn: Retention hook ``prune_fn(store, run)``; default applies
                 ``keep_last``/``keep_best`` through ``ckptstore.ops.tiering.retention``.
             policy: A custom save policy; replaces ``save_interval``/``save_every_seconds``.
@@ -210,8 +214,12 @@ class CheckpointManager:
         if experiment is not None:
             fields["experiment"] = experiment
         if config is not None:
-            fields["config"] = dict(config)
+            fields["config"] = safe_config(config)
+        if data_version is not None:
+            fields["data_version"] = str(data_version)
+        self._config, self._data_version = config, data_version
         store.run(run, **fields)
+        store.catalog.set_run_status(run, "active")  # again, for a resumed run
         self.history = (
             MetricHistory(store, run, max_points=history_points) if history else None
         )
@@ -426,7 +434,8 @@ class CheckpointManager:
         state = state_fn()
         now = time.monotonic()
         options = SaveOptions(metrics=_finite_metrics(metrics), tags=tags,
-                              parent=self._parent_pending)
+                              parent=self._parent_pending, config=self._config,
+                              data_version=self._data_version)
         after = functools.partial(self._after_commit, pin=pin)
         result: SaveHandle | Checkpoint
         if self._async:
@@ -508,6 +517,10 @@ class CheckpointManager:
             self._stop_observability()
             if self.history is not None:
                 self.history.close()
+            try:  # the UI shows the run closed, not active
+                self.store.catalog.set_run_status(self.run, "closed")
+            except CkptError as exc:
+                logger.warning("could not mark run %s closed: %s", self.run, exc)
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -362,16 +362,17 @@ class CkptStoreCallback(TrainerCallback):
             return
         content = read_trainer_folder(folder)
         metrics = metrics_from_log_history(state.log_history, step)
+        # The TrainingArguments are the run's config, recorded with its context.
+        options = replace(self._options, metrics=metrics or None, config=args)
         if self._pool is None:
-            self._save(folder, step, content, metrics)
+            self._save(folder, step, content, options)
         else:
             self._raise_failed()
-            self._futures.append(self._pool.submit(self._save, folder, step, content, metrics))
+            self._futures.append(self._pool.submit(self._save, folder, step, content, options))
 
     def _save(self, folder: Path, step: int, content: dict[str, Any],
-              metrics: dict[str, float]) -> Checkpoint:
-        ck = save_checkpoint(self.store, self.run, step, content,
-                             replace(self._options, metrics=metrics or None))
+              options: SaveOptions) -> Checkpoint:
+        ck = save_checkpoint(self.store, self.run, step, content, options)
         self.store.catalog.record_event(
             "imported", checkpoint_id=ck.id,
             detail={"fmt": "hf-trainer", "path": str(folder.absolute())},

@@ -443,7 +443,9 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
         content = self._checkpoint_content(step)
         metrics = metrics_from_log_history(self.state.log_history, step) or None
         parent, self._parent_pending = self._parent_pending, None
-        options = dataclasses.replace(self._options, metrics=metrics, parent=parent)
+        # The TrainingArguments are the run's config, recorded with its context.
+        options = dataclasses.replace(self._options, metrics=metrics, parent=parent,
+                                      config=self.args)
         best = self.state.best_model_checkpoint if best_step else None
         try:
             if self._async:

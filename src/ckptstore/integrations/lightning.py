@@ -273,7 +273,11 @@ class CkptStoreIO(CheckpointIO):
         hint = checkpoint.get(HINT_KEY)
         extra = hint.get("tags", ()) if isinstance(hint, Mapping) else ()
         tags = tuple(dict.fromkeys((*self._options.tags, *extra)))
-        options = replace(self._options, metrics=_metrics(checkpoint) or None, tags=tags)
+        # Lightning's hparams (``save_hyperparameters``) are the run's config: recorded with
+        # its context on the first save and when they change (ops/writing/context.py).
+        hparams = checkpoint.get("hyper_parameters")
+        options = replace(self._options, metrics=_metrics(checkpoint) or None, tags=tags,
+                          config=dict(hparams) if isinstance(hparams, Mapping) else None)
         if not self.async_save:
             ck = save_to_store(self.store, self.run, step, flat, options)
             self._committed(ck, key=key, pending=None)

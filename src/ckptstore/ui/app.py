@@ -49,10 +49,11 @@ __all__ = ["CSP", "BackgroundUI", "check_loopback", "create_app", "serve", "star
 
 logger = logging.getLogger(__name__)
 
-#: No scripts, no remote anything: inline styles and inline SVG only.
+#: No scripts, no remote anything: inline styles and inline SVG only. Forms submit to this
+#: app only (the runs list's search: GET, read-only like every route).
 CSP = (
     "default-src 'none'; style-src 'unsafe-inline'; img-src data:; "
-    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    "base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
 )
 
 
@@ -116,9 +117,18 @@ def create_app(store: CheckpointStore) -> FastAPI:
 
     # Plain `def` handlers: FastAPI runs them in its thread pool, so slow catalog queries
     # never block the event loop (the catalog object is thread-safe).
+    @app.exception_handler(404)
+    async def _not_found(request: Request, exc: Exception) -> HTMLResponse:
+        # Unknown paths get a page like every other, not FastAPI's JSON.
+        html = render("error.html", links, title="Not found", heading="Not found",
+                      message=f"there is no page at {request.url.path}; start from the runs "
+                              "list", store_label=label,
+                      generated=datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
+        return HTMLResponse(html, status_code=404)
+
     @app.get("/", response_class=HTMLResponse)
-    def runs_page() -> HTMLResponse:
-        return page("_runs.html", "Runs", runs_view(store, links))
+    def runs_page(q: str = "", sort: str = "name", where: str = "") -> HTMLResponse:
+        return page("_runs.html", "Runs", runs_view(store, links, q=q, sort=sort, where=where))
 
     @app.get("/runs/{name}", response_class=HTMLResponse)
     def run_page(name: str) -> HTMLResponse:
@@ -128,8 +138,9 @@ def create_app(store: CheckpointStore) -> FastAPI:
     def compare_page(
         run: list[str] = Query(default=[]),
         metric: str = "loss",
+        log: bool = False,
     ) -> HTMLResponse:
-        data = compare_view(store, run, links, metric=metric)
+        data = compare_view(store, run, links, metric=metric, log=log)
         return page("_compare.html", f"Training curves: {data['metric']}", data)
 
     @app.get("/checkpoints/{ckpt_id}", response_class=HTMLResponse)

@@ -10,18 +10,24 @@ says what the browser shows.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import logging
+import math
 import shlex
+import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote, urlencode
 
-from ckptstore.errors import CkptError
+from ckptstore.catalog.config_filter import CONFIG_OPS, parse_config_filter
+from ckptstore.errors import CkptError, InvalidNameError
 from ckptstore.names import validate_metric_name, validate_name
 from ckptstore.ops.reading.prefetch import PREFETCH_EVENTS, prefetch_by_host
+from ckptstore.ops.reading.reproduce import how_to_reproduce
 from ckptstore.ops.reading.show import hosts_overview, part_dict
 from ckptstore.ops.upkeep.history import ALERT_EVENT
 from ckptstore.records import Checkpoint, CheckpointState, Event
@@ -142,11 +148,24 @@ def _metric_text(metrics: dict[str, float], limit: int = 3) -> str:
 
 
 # --------------------------------------------------------------------------- runs
-def runs_view(store: CheckpointStore, links: Links) -> dict[str, Any]:
-    """The runs list: each run with its size, newest checkpoint and tiers.
+def runs_view(store: CheckpointStore, links: Links, *, q: str = "", sort: str = "name",
+              where: str = "") -> dict[str, Any]:
+    """The runs list: each run with its size, newest checkpoint, tiers and config.
+
+    Args:
+        store: The store.
+        links: Link builder.
+        q: Keep runs whose name, experiment or code version contains this text.
+        sort: One of :data:`RUN_SORTS`, ``-`` prefixed to descend.
+        where: Config filters (``config.lr<1e-3``; several joined by ``,``), evaluated
+            like ``store.list(where=...)``.
 
     Returns:
-        ``{"runs": [...], "total_bytes": int, "total_checkpoints": int}``.
+        ``{"runs": [...], "total_bytes", "total_checkpoints", "config_columns", "q",
+        "sort", "where", "sorts"}``.
+
+    Raises:
+        InvalidNameError: For an unknown sort key or a bad filter.
     """
     usage = store.usage()
     bytes_by_run: dict[str, int] = defaultdict(int)
@@ -154,7 +173,7 @@ def runs_view(store: CheckpointStore, links: Links) -> dict[str, Any]:
     for row in usage:
         bytes_by_run[row.run] += row.bytes
         tiers_by_run[row.run].add(row.tier)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for info in store.runs():
         latest: Checkpoint | None = None
         if info.checkpoints:
@@ -175,13 +194,81 @@ def runs_view(store: CheckpointStore, links: Links) -> dict[str, Any]:
                 "latest": latest,
                 "latest_href": links.checkpoint(latest.id) if latest else "",
                 "latest_metrics": _metric_text(latest.metrics) if latest else "",
+                "config": info.config,
+                "status": run_status(info),
             }
         )
+    rows = _filter_runs(rows, q=q, where=where)
+    rows = _sort_runs(rows, sort)
+    columns = sorted({k for r in rows for k, v in (r["config"] or {}).items()
+                      if not isinstance(v, dict | list)})[:MAX_CONFIG_COLUMNS]
+    for r in rows:
+        r["config_cells"] = [_cell((r["config"] or {}).get(k)) for k in columns]
     return {
         "runs": rows,
         "total_bytes": sum(r.bytes for r in usage),
         "total_checkpoints": sum(r["checkpoints"] for r in rows),
+        "config_columns": columns,
+        "q": q,
+        "sort": sort,
+        "where": where,
+        "sorts": [*RUN_SORTS, *(f"-{k}" for k in RUN_SORTS)],
     }
+
+
+#: Keys the runs list sorts by.
+RUN_SORTS = ("name", "created", "checkpoints", "stored", "experiment")
+#: The most config keys shown as columns of the runs list.
+MAX_CONFIG_COLUMNS = 8
+
+
+def run_status(info: Any) -> str:
+    """The status shown for a run: ``closed`` once its manager closed it (the catalog's
+    ``runs.status``), else ``active``."""
+    return str(info.status or "active")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _filter_runs(rows: list[dict[str, Any]], *, q: str, where: str) -> list[dict[str, Any]]:
+    if q:
+        needle = q.lower()
+        rows = [r for r in rows if any(needle in (r.get(k) or "").lower()
+                                       for k in ("name", "experiment", "code_version"))]
+    for text in (w.strip() for w in where.split(",") if w.strip()):
+        key, (op, value) = parse_config_filter(text)
+        rows = [r for r in rows if _config_match(r["config"], key, op, value)]
+    return rows
+
+
+def _config_match(config: dict[str, Any] | None, key: str, op: str, value: Any) -> bool:
+    """Python twin of the catalog's config filters (catalog/config_filter.py)."""
+    current: Any = config or {}
+    for part in key.split(".")[1:]:
+        if not isinstance(current, dict) or part not in current:
+            return False
+        current = current[part]
+    numeric = isinstance(value, int | float) and not isinstance(value, bool)
+    if numeric != (isinstance(current, int | float) and not isinstance(current, bool)):
+        return False
+    if not numeric and op not in ("==", "!="):
+        raise InvalidNameError(f"{key}: strings compare with == or !=, not {op}")
+    return bool(CONFIG_OPS[op](current, value))
+
+
+def _sort_runs(rows: list[dict[str, Any]], sort: str) -> list[dict[str, Any]]:
+    descending = sort.startswith("-")
+    key = sort.lstrip("-") or "name"
+    if key not in RUN_SORTS:
+        raise InvalidNameError(f"cannot sort runs by {sort!r}; use one of "
+                               f"{', '.join(RUN_SORTS)} (prefix '-' to descend)")
+    field = {"created": "created_at", "stored": "bytes"}.get(key, key)
+    return sorted(rows, key=lambda r: (r[field] is None, r[field] or ""), reverse=descending) \
+        if field == "experiment" else sorted(rows, key=lambda r: r[field], reverse=descending)
 
 
 # --------------------------------------------------------------------------- one run
@@ -247,7 +334,11 @@ def run_view(
         {"run": other, "href": links.compare([name, other])}
         for other in _runs_with_history(store) if other != name
     ]
+    contexts = store.catalog.run_contexts(name)
+    context = how_to_reproduce(contexts[-1]) if contexts else None
     return {
+        "context": context,
+        "config_rows": _config_rows(context["config"] if context else info.config),
         "curves": curves,
         "alerts": alerts[:20],
         "alert_count": len(alerts),
@@ -267,6 +358,24 @@ def run_view(
             for c in sorted(children, key=lambda c: (c.run, c.version))
         ],
     }
+
+
+def _config_rows(config: Any) -> list[tuple[str, str]]:
+    """A config as (dotted key, value) rows for a table."""
+    if not isinstance(config, dict):
+        return []
+    rows: list[tuple[str, str]] = []
+
+    def walk(value: Any, prefix: str) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        else:
+            rows.append((prefix, _cell(value) if not isinstance(value, list) else
+                         json.dumps(value)))
+
+    walk(config, "")
+    return rows
 
 
 # --------------------------------------------------------------------------- curves
@@ -332,7 +441,8 @@ def _run_curves(store: CheckpointStore, run: str, cks: Sequence[Checkpoint], lin
 
 
 def compare_view(
-    store: CheckpointStore, runs: Sequence[str], links: Links, *, metric: str = "loss"
+    store: CheckpointStore, runs: Sequence[str], links: Links, *, metric: str = "loss",
+    log: bool = False,
 ) -> dict[str, Any]:
     """Several runs' training curves overlaid on one plot, with their checkpoints and alerts.
 
@@ -341,10 +451,13 @@ def compare_view(
         runs: Run names (duplicates dropped; at most :data:`MAX_COMPARE`).
         links: Link builder.
         metric: The series to compare.
+        log: Draw the values on a log10 scale (values <= 0 are left out).
 
     Returns:
-        ``{"svg", "runs", "metric", "metrics", "toggles", "truncated"}``; ``svg`` is empty
-        when no run is chosen.
+        ``{"svg", "runs", "metric", "metrics", "toggles", "truncated", "log",
+        "log_href", "config_diff"}``; ``svg`` is empty when no run is chosen;
+        ``config_diff``: ``[{"key", "values": [per run]}]`` for every config key whose
+        value differs among the runs.
 
     Raises:
         CheckpointNotFoundError: If a run does not exist.
@@ -365,8 +478,13 @@ def compare_view(
         points = store.catalog.metric_history(run, metric, max_points=CURVE_POINTS)
         cks = store.list(run=run, order_by="step")
         alerts = _alerts(store, run)
+        run_markers = _markers(run, cks, alerts, metric, links)
+        if log:
+            points = [_log_point(p) for p in points]
+            run_markers = [dataclasses.replace(m, y=_log10(m.y) if m.y is not None else None)
+                           for m in run_markers]
         series.append(CurveSeries(run, points, colors[run]))
-        markers += _markers(run, cks, alerts, metric, links)
+        markers += run_markers
         others = [r for r in chosen if r != run]
         rows.append({
             "name": run, "href": links.run(run), "color": colors[run],
@@ -375,8 +493,14 @@ def compare_view(
             "remove_href": links.compare(others, metric),
         })
     available = _runs_with_history(store, metric)
+    href = links.compare(chosen, metric)
+    title = f"log10({metric})" if log else metric
     return {
-        "svg": curve_plot(series, title=metric, markers=markers) if series else "",
+        "svg": curve_plot(series, title=title, markers=markers) if series else "",
+        "log": log,
+        "log_href": (href + ("&" if "?" in href else "?") + "log=1") if href and not log
+        else href,
+        "config_diff": _config_diff(store, chosen),
         "runs": rows,
         "metric": metric,
         "metrics": [
@@ -389,6 +513,26 @@ def compare_view(
         ][:50],
         "truncated": truncated,
     }
+
+
+def _log10(value: float) -> float:
+    return math.log10(value) if value > 0 else math.nan
+
+
+def _log_point(p: Any) -> Any:
+    """A history point on a log10 scale (non-positive values become NaN: not drawn)."""
+    return dataclasses.replace(p, mean=_log10(p.mean), min=_log10(p.min), max=_log10(p.max),
+                               last=_log10(p.last))
+
+
+def _config_diff(store: CheckpointStore, runs: Sequence[str]) -> list[dict[str, Any]]:
+    """Config keys whose values differ among ``runs`` (each run's recorded config)."""
+    if len(runs) < 2:
+        return []
+    flat = [dict(_config_rows(store.catalog.get_run(r).config)) for r in runs]
+    keys = sorted(set().union(*flat))
+    return [{"key": k, "values": [f.get(k, "-") for f in flat]}
+            for k in keys if len({f.get(k, "-") for f in flat}) > 1]
 
 
 # --------------------------------------------------------------------------- checkpoint
@@ -416,6 +560,14 @@ def restore_snippets(store: CheckpointStore, ref: str) -> dict[str, str]:
     return {"cli": cli, "python": python}
 
 
+def _is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return len(text) == 36
+
+
 def _neighbour(ck: Checkpoint, links: Links, relation: str) -> dict[str, Any]:
     return {
         "ck": ck,
@@ -430,7 +582,8 @@ def checkpoint_view(store: CheckpointStore, ckpt_id: str, links: Links) -> dict[
 
     Args:
         store: The store.
-        ckpt_id: The checkpoint id (any state: pruned checkpoints keep their page).
+        ckpt_id: The checkpoint id (any state: pruned checkpoints keep their page), or a
+            reference such as ``run-a@latest``.
         links: Link builder.
 
     Returns:
@@ -439,7 +592,8 @@ def checkpoint_view(store: CheckpointStore, ckpt_id: str, links: Links) -> dict[
     Raises:
         CheckpointNotFoundError: If no checkpoint has this id.
     """
-    ck = store.catalog.get_any(ckpt_id)
+    # An id (any state: pruned checkpoints keep their page) or a reference (run-a@latest).
+    ck = store.catalog.get_any(ckpt_id) if _is_uuid(ckpt_id) else store.get(ckpt_id)
     manifest: dict[str, Any] | None = None
     manifest_error: str | None = None
     reproduction: dict[str, Any] = {}

@@ -441,3 +441,16 @@ def test_export_of_a_dcp_saved_checkpoint(store: CheckpointStore, tmp_path: Path
     assert _equal(loaded["model"]["big"], state["model"]["big"])
     with pytest.raises(InvalidNameError, match="pt or dcp"):
         export_checkpoint(store, ck.id, "safetensors", tmp_path / "out.safetensors")
+
+
+def test_the_dcp_writer_records_the_run_context(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from context_support import assert_full_context, training_repo
+
+    repo = training_repo(tmp_path / "repo", monkeypatch)
+    with CheckpointStore.open(tmp_path / "store") as store:
+        ck = _save(store, "dcp-ctx", 1, {"w": torch.ones(4)}, config={"lr": 3e-4},
+                   data_version="shard-9")
+        doc = store.catalog.context_of(ck).document
+    assert_full_context(doc, repo)
+    assert doc["config"] == {"lr": 3e-4} and doc["data_version"] == "shard-9"

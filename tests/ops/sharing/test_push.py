@@ -289,3 +289,22 @@ def test_lossy_delta_arrives_with_its_bounds(stores: Any, kit: Any) -> None:
     assert (there.lossy, there.error_bound, there.lossy_scope) == (
         ck.lossy, ck.error_bound, ck.lossy_scope)
     assert kit.same(b.load(ck.id), a.load(ck.id))  # the same approximation, bit for bit
+
+
+def test_the_context_travels_with_the_checkpoint(stores: Any, kit: Any) -> None:
+    from ckptstore.capture import capture_context
+
+    a, b, c = stores.a, stores.b, stores.c
+    ck = a.save("ctx", 1, kit.state(1))
+    captured = capture_context(config={"lr": 0.25})
+    a.catalog.record_context("ctx", ck.version, captured.document, captured.digest,
+                             captured.blobs)
+    push_checkpoints(a, b, [ck.id], remote="b")
+    with open_remote(c, "b") as remote_b:
+        push_checkpoints(remote_b, c, [ck.id], remote="b", direction="pull")
+    for store in (b, c):
+        there = store.catalog.context_of(store.get(ck.id))
+        assert there is not None and there.digest == captured.digest
+        assert there.document["config"] == {"lr": 0.25}
+        lock = there.document["environment"]["lock"]
+        assert store.catalog.context_blob(lock) == captured.blobs[lock]

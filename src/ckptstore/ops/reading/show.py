@@ -13,6 +13,7 @@ from ckptstore.catalog.lineage import MERGE_EVENT
 from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError
 from ckptstore.format import Manifest, read_manifest
+from ckptstore.ops.reading.reproduce import how_to_reproduce
 from ckptstore.ops.tiering.parts import parted_manifest
 from ckptstore.records import Checkpoint, ReplicaPart, expected_digest
 
@@ -193,6 +194,8 @@ def show_checkpoint(core: StoreCore, ref: str) -> dict[str, Any]:
         "metrics_at_save": record.get("metrics", {}),
         "edges": record.get("edges", []),
     }
+    ctx = core.catalog.context_of(ck)
+    info["reproduction"]["context"] = how_to_reproduce(ctx) if ctx is not None else None
     merged = merge_record(core, ck)
     if merged is not None:
         info["merge"] = merged

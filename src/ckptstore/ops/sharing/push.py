@@ -455,6 +455,20 @@ def _lineage(ctx: _Push, ck: Checkpoint) -> list[dict[str, str]]:
     return elsewhere
 
 
+def _carry_context(ctx: _Push, ck: Checkpoint) -> None:
+    """The context ``ck`` was saved under, with the blobs it names, so the destination can
+    hand back how to reproduce it too. Each blob is checked against its digest on arrival
+    (``record_context``); the destination records it from its own version of ``ck`` on."""
+    context = ctx.src.catalog.context_of(ck)
+    if context is None:
+        return
+    doc = context.document
+    names = ((doc.get("code") or {}).get("patch"), (doc.get("environment") or {}).get("lock"))
+    blobs = {d: ctx.src.catalog.context_blob(d) for d in names if isinstance(d, str)}
+    there = ctx.dst.catalog.get_any(ck.id)
+    ctx.dst.catalog.record_context(ck.run, there.version, doc, context.digest, blobs)
+
+
 def _record(ctx: _Push, ck: Checkpoint, docs: list[SignatureDoc], nbytes: int,
             sent: int) -> None:
     """After the commit: run versions, signatures, lineage, and the events on both sides.
@@ -470,6 +484,7 @@ def _record(ctx: _Push, ck: Checkpoint, docs: list[SignatureDoc], nbytes: int,
                                    data_version=info.data_version, host=info.host)
     except CheckpointNotFoundError:
         pass
+    _carry_context(ctx, ck)
     known = ctx.dst.catalog.events(ck.id, limit=1000)
     have = {json.dumps(e.detail, sort_keys=True) for e in known if e.kind == "signed"}
     for doc in docs:

@@ -27,6 +27,7 @@ from ckptstore.format.sources import StreamedState
 from ckptstore.identity import writer_id
 from ckptstore.names import validate_name, validate_tag
 from ckptstore.observability.metrics import dedup_bytes
+from ckptstore.ops.writing.context import record_run_context
 from ckptstore.ops.writing.delta import lossy_record, plan_save
 from ckptstore.ops.writing.memory import stage_after_commit
 from ckptstore.records import Checkpoint
@@ -91,7 +92,7 @@ def begin_save(
     parent_id = core.catalog.get(options.parent).id if options.parent is not None else None
     if options.experiment is not None:
         core.catalog.ensure_run(run, experiment=options.experiment)
-    return core.catalog.begin_checkpoint(
+    ck = core.catalog.begin_checkpoint(
         run,
         step,
         metrics=options.metrics,
@@ -105,6 +106,10 @@ def begin_save(
         tier="hot",
         uri="",
     )
+    # What made it (code, command, environment, config): recorded from the version on
+    # which it first applies; never fails the save (ops/writing/context.py).
+    record_run_context(core, ck, options)
+    return ck
 
 
 # The collector is paused for the whole transaction, not only while the files are written:

@@ -1,0 +1,136 @@
+"""Filters on a run's recorded config: ``config.lr<1e-3``, ``config.optim.name==adam``.
+
+The config is the ``runs.config`` JSON column (filled from the run's context, see
+:mod:`ckptstore.catalog.contexts`). A filter is a dotted key path, an operator and a value;
+the path and value are bound parameters, the operator comes from a fixed table, so user
+input never becomes SQL text. Each comparison is guarded by the JSON type of the value at
+the path (``json_type`` on SQLite, ``jsonb_typeof`` on PostgreSQL): a run whose value is a
+string never fails a numeric comparison, it simply does not match. Equality on PostgreSQL is
+JSONB containment (``config @> '{"optim": "adam"}'``), which the column's GIN index serves.
+
+Checkpoint listings apply the filters to runs (``checkpoints.run_id IN (SELECT id FROM
+runs WHERE ...)``): there is one row per run, and the checkpoints of the matching runs are
+then read through the ``(run_id, ...)`` indexes.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
+
+from sqlalchemy import ColumnElement, case, func, type_coerce
+from sqlalchemy.dialects.postgresql import JSONB
+
+from ckptstore.catalog.models import RunRow
+from ckptstore.errors import InvalidNameError
+
+__all__ = ["CONFIG_OPS", "config_clauses", "parse_config_filter"]
+
+#: Comparison operators of config filters.
+CONFIG_OPS: dict[str, Callable[[Any, Any], ColumnElement[bool]]] = {
+    "<=": operator.le, ">=": operator.ge, "==": operator.eq, "!=": operator.ne,
+    "<": operator.lt, ">": operator.gt,
+}
+_MAX_FILTERS = 16
+_KEY = r"[A-Za-z0-9_][A-Za-z0-9_\-]*"
+_FILTER = re.compile(rf"^\s*config\.({_KEY}(?:\.{_KEY})*)\s*(<=|>=|==|!=|<|>)\s*(.*?)\s*\Z",
+                     re.ASCII)
+
+
+def parse_config_filter(text: str) -> tuple[str, tuple[str, Any]]:
+    """``"config.lr<1e-3"`` → ``("config.lr", ("<", 0.001))``.
+
+    The value is read as JSON (numbers, ``true``/``false``, ``null``, ``"quoted"``),
+    anything else as a plain string.
+
+    Raises:
+        InvalidNameError: If the text is not ``config.<key>[.<key>...]<op><value>``.
+    """
+    match = _FILTER.match(text) if isinstance(text, str) else None
+    if not match or not match.group(3):
+        raise InvalidNameError(
+            f"cannot parse config filter {text!r}: write config.<key>[.<key>]<op><value> "
+            "with op one of < <= > >= == !=, e.g. 'config.lr<1e-3' or "
+            "'config.optimizer==adam'")
+    raw = match.group(3)
+    try:
+        value: Any = json.loads(raw)
+    except ValueError:
+        value = raw
+    return f"config.{match.group(1)}", (match.group(2), value)
+
+
+def _filters(where: object) -> list[tuple[str, tuple[str, Any]]]:
+    if isinstance(where, str):
+        return [parse_config_filter(where)]
+    if isinstance(where, Mapping):
+        return [(str(k), tuple(v)) for k, v in where.items()]  # type: ignore[misc]
+    if isinstance(where, Sequence):
+        return [parse_config_filter(w) for w in where]
+    raise InvalidNameError(f"where must be a text, a list of texts or a mapping, not {where!r}")
+
+
+def config_clauses(where: object, dialect: str) -> list[ColumnElement[bool]]:
+    """SQL conditions on ``runs.config`` for ``where`` (see :func:`parse_config_filter`).
+
+    Raises:
+        InvalidNameError: For a bad path, operator or value.
+    """
+    filters = _filters(where)
+    if len(filters) > _MAX_FILTERS:
+        raise InvalidNameError(f"at most {_MAX_FILTERS} config filters, got {len(filters)}")
+    clauses = []
+    for key, spec in filters:
+        if not re.fullmatch(rf"config\.{_KEY}(?:\.{_KEY})*", key, re.ASCII):
+            raise InvalidNameError(f"config filter key must be config.<key>[.<key>], "
+                                   f"not {key!r}")
+        if len(spec) != 2 or spec[0] not in CONFIG_OPS:
+            raise InvalidNameError(f"config filter for {key!r} must be (op, value) with op "
+                                   f"one of {' '.join(CONFIG_OPS)}, got {spec!r}")
+        op, value = spec
+        clauses.append(_clause(tuple(key.split(".")[1:]), op, value, dialect))
+    return clauses
+
+
+def _clause(path: tuple[str, ...], op: str, value: Any, dialect: str) -> ColumnElement[bool]:
+    return cast("ColumnElement[bool]", _condition(path, op, value, dialect))
+
+
+def _condition(path: tuple[str, ...], op: str, value: Any, dialect: str) -> Any:
+    compare = CONFIG_OPS[op]
+    element = RunRow.config[path]
+    if dialect == "sqlite":
+        kind: Any = func.json_type(RunRow.config, "$" + "".join(f'."{p}"' for p in path))
+        numeric, text, boolean = kind.in_(("integer", "real")), kind == "text", \
+            kind.in_(("true", "false"))
+    else:
+        if op == "==" and value is not None:
+            # Containment, which the GIN index on runs.config serves (models.py); jsonb
+            # compares numbers as numbers, so 1e-3 finds 0.001.
+            nested: Any = value
+            for part in reversed(path):
+                nested = {part: nested}
+            return type_coerce(RunRow.config, JSONB).contains(nested)
+        kind = func.jsonb_typeof(element)
+        numeric, text, boolean = kind == "number", kind == "string", kind == "boolean"
+    if isinstance(value, bool):
+        if op not in ("==", "!="):
+            raise InvalidNameError(f"config.{'.'.join(path)}: booleans compare with == or !=")
+        truth = element.as_boolean() if dialect != "sqlite" else \
+            func.json_extract(RunRow.config, "$" + "".join(f'."{p}"' for p in path)) == 1
+        return boolean & (truth if (op == "==") == value else ~truth)
+    if isinstance(value, int | float):
+        number = case((numeric, element.as_float()), else_=None)
+        return numeric & compare(number, float(value))
+    if isinstance(value, str):
+        if op not in ("==", "!="):
+            raise InvalidNameError(f"config.{'.'.join(path)}: strings compare with == or !=, "
+                                   f"not {op}")
+        return text & compare(case((text, element.as_string()), else_=None), value)
+    if value is None and op in ("==", "!="):
+        null = kind == "null"
+        return null if op == "==" else ~null
+    raise InvalidNameError(f"config.{'.'.join(path)}: cannot compare with {value!r}")

@@ -1,0 +1,82 @@
+"""Run contexts and their blobs, and ``list(where=config...)``, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptstore.capture import blob_digest
+from ckptstore.catalog import Catalog
+from ckptstore.errors import IntegrityError, InvalidNameError
+
+
+def _commit(catalog: Catalog, run: str, step: int) -> str:
+    ck = catalog.begin_checkpoint(run, step)
+    catalog.commit_checkpoint(ck.id, manifest_digest="b3:" + "0" * 64, logical_bytes=1,
+                              stored_bytes=1)
+    return ck.id
+
+
+@pytest.fixture
+def runs(catalog: Catalog) -> Catalog:
+    catalog.ensure_run("a", config={"lr": 1e-4, "opt": {"name": "adam"}, "amp": True})
+    catalog.ensure_run("b", config={"lr": 0.1, "opt": {"name": "sgd"}, "amp": False})
+    catalog.ensure_run("c", config={"lr": "high", "opt": "none"})
+    catalog.ensure_run("d")
+    for run in "abcd":
+        _commit(catalog, run, 1)
+        _commit(catalog, run, 2)
+    return catalog
+
+
+@pytest.mark.parametrize(("where", "expected"), [
+    ("config.lr<1e-3", {"a"}),
+    ("config.lr>=0", {"a", "b"}),
+    ("config.lr==high", {"c"}),
+    ('config.lr=="high"', {"c"}),
+    ("config.opt.name==sgd", {"b"}),
+    ("config.opt.name!=sgd", {"a"}),
+    ("config.amp==true", {"a"}),
+    ("config.amp!=true", {"b"}),
+    (["config.lr<1", "config.opt.name==adam"], {"a"}),
+    ({"config.lr": (">", 0.01)}, {"b"}),
+    ("config.missing<1", set()),
+])
+def test_config_filters(runs: Catalog, where: object, expected: set[str]) -> None:
+    found = runs.list(where=where)
+    assert {c.run for c in found} == expected
+    assert len(found) == 2 * len(expected)
+
+
+@pytest.mark.parametrize("where", [
+    "lr<1", "config.<1", "config.lr<", "config.lr~1", "config.a;drop table runs<1",
+    "config.opt.name<adam", {"config.lr": ("like", 1)}, 42,
+])
+def test_bad_config_filters_are_clear_errors(runs: Catalog, where: object) -> None:
+    with pytest.raises(InvalidNameError):
+        runs.list(where=where)
+
+
+def test_contexts_are_recorded_when_they_change(catalog: Catalog) -> None:
+    catalog.ensure_run("r")
+    lock = b"torch==2.0\n"
+    digest = blob_digest(lock)
+    doc = {"code": {"commit": "c1"}, "environment": {"lock": digest}, "config": {"lr": 1}}
+    assert catalog.record_context("r", 1, doc, "d1", {digest: lock}, config={"lr": 1},
+                                  code_version="git:c1")
+    assert not catalog.record_context("r", 2, doc, "d1", {digest: lock})
+    assert catalog.record_context("r", 3, {**doc, "config": {"lr": 2}}, "d2", {digest: lock})
+    _first, second, third = (_commit(catalog, "r", s) for s in (1, 2, 3))
+    assert [c.from_version for c in catalog.run_contexts("r")] == [1, 3]
+    assert catalog.context_of(catalog.get(second)).digest == "d1"
+    assert catalog.context_of(catalog.get(third)).digest == "d2"
+    assert catalog.context_blob(digest) == lock
+    run = catalog.get_run("r")
+    assert run.config == {"lr": 1} and run.code_version == "git:c1"
+    assert catalog.list(where="config.lr==1")[0].run == "r"
+
+
+def test_a_blob_must_match_its_digest(catalog: Catalog) -> None:
+    catalog.ensure_run("r")
+    with pytest.raises(IntegrityError):
+        catalog.record_context("r", 1, {}, "d", {blob_digest(b"x"): b"y"})
+    assert catalog.run_contexts("r") == []
