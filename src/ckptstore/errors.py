@@ -20,6 +20,7 @@ __all__ = [
     "MissingExtraError",
     "RemoteError",
     "StorageError",
+    "StoreNotFoundError",
     "ThawPendingError",
     "UnsafeObjectError",
 ]
@@ -100,6 +101,14 @@ def _rebuild_thaw_error(message: str, checkpoint_id: str, tier: str,
 
 class ConfigError(CkptError, ValueError):
     """The configuration file or environment holds an invalid value."""
+
+
+class StoreNotFoundError(ConfigError, LookupError):
+    """The path (or catalog URL) given as a store holds no store, or is not a directory.
+
+    Raised instead of creating one where a command only reads (``ckpt ls --store ./typo``);
+    ``ckpt init`` or a save through the API create a store.
+    """
 
 
 class RemoteError(ConfigError):

@@ -24,6 +24,7 @@ from ckptstore.cli import (
     cleanup,
     db,
     deltas,
+    init,
     labels,
     lineage,
     merge,
@@ -102,6 +103,7 @@ def _root(
     ctx.obj = State(store=store, config=config, verbose=verbose)
 
 
+init.register(app)
 queries.register(app)
 labels.register(app)
 cleanup.register(app)

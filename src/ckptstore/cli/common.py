@@ -149,10 +149,17 @@ def install_global_options(app: typer.Typer) -> None:
 
 
 @contextmanager
-def open_store(ctx: typer.Context) -> Iterator[CheckpointStore]:
-    """Open the store selected by the global options and close it afterwards."""
+def open_store(ctx: typer.Context, *, create: bool = False) -> Iterator[CheckpointStore]:
+    """Open the store selected by the global options and close it afterwards.
+
+    Args:
+        ctx: The command's context (its :class:`State`).
+        create: Create the store when there is none: only for the commands that bring
+            checkpoints in (``import``, ``import-bundle``) and ``init``. Every other command
+            fails with "no store at PATH" instead, so a mistyped path creates nothing.
+    """
     state: State = ctx.obj
-    store = CheckpointStore.open(state.store, config=state.config)
+    store = CheckpointStore.open(state.store, config=state.config, create=create)
     try:
         yield store
     finally:

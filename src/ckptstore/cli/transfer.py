@@ -373,7 +373,7 @@ def import_cmd(
             metrics[name] = number
         if not sep:
             raise InvalidNameError(f"--metric {item!r}: write NAME=VALUE, e.g. loss=1.25")
-    with open_store(ctx) as store, progress_bar(f"importing {path.name}",
+    with open_store(ctx, create=True) as store, progress_bar(f"importing {path.name}",
                                                 enabled=not as_json) as advance:
         ck = import_checkpoint(
             store, path, run=run, step=step, fmt=fmt, tags=tuple(tag or ()),

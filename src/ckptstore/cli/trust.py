@@ -143,7 +143,7 @@ def import_bundle_cmd(
     from ckptstore.ops.reading.show import checkpoint_dict
     from ckptstore.ops.sharing.bundle import import_bundle
 
-    with open_store(ctx) as store, progress_bar(f"importing {path.name}",
+    with open_store(ctx, create=True) as store, progress_bar(f"importing {path.name}",
                                                 enabled=not as_json) as advance:
         ck = import_bundle(store, path, run=run, require_signature=require_signature,
                            progress=advance)
