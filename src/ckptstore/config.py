@@ -77,6 +77,7 @@ from ckptstore.numeric import MAX_INT64, decimal_or_none, float_or_none
 from ckptstore.redact import redact_setting
 
 __all__ = [
+    "CODECS",
     "CONFIG_ENV",
     "DEFAULT_CONFIG_NAME",
     "ENV_ENTRY_VARS",
@@ -93,7 +94,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_CODECS = ("auto", "none", "lz4", "zstd-1", "zstd-3")
+#: The codec presets a setting or a ``--codec`` option may name.
+CODECS = ("auto", "none", "lz4", "zstd-1", "zstd-3")
+_CODECS = CODECS
 # Re-encoding an archived copy picks one codec for every array.
 _ARCHIVE_CODECS = _CODECS[1:]
 

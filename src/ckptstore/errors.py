@@ -23,6 +23,7 @@ __all__ = [
     "StoreNotFoundError",
     "ThawPendingError",
     "UnsafeObjectError",
+    "UsageError",
 ]
 
 
@@ -56,6 +57,15 @@ class LeaseHeldError(ConflictError):
 
 class InvalidNameError(CkptError, ValueError):
     """A run name, tag, alias, reference or query field is not acceptable."""
+
+
+class UsageError(InvalidNameError):
+    """The request itself is malformed: a reference, expression, option value or format that
+    cannot name anything (``run-a@v0``, ``--where 'loss<<2'``, ``--format onnx``).
+
+    Told apart from a well-formed request that fails (a missing run, a damaged copy): the
+    ``ckpt`` command exits 2 for this one, 1 for those.
+    """
 
 
 class UnsafeObjectError(CkptError, TypeError):

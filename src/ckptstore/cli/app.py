@@ -38,7 +38,7 @@ from ckptstore.cli import (
 )
 from ckptstore.cli.common import State, configure_logging, install_global_options
 from ckptstore.cli.output import console, err_console, print_error, print_error_json
-from ckptstore.errors import CkptError, ThawPendingError
+from ckptstore.errors import CkptError, ThawPendingError, UsageError
 from ckptstore.extras import extra_for, missing_extra
 
 __all__ = ["app", "main"]
@@ -144,9 +144,10 @@ def _fail(as_json: bool, kind: str, message: str, code: int) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ckpt``; returns the exit code instead of raising.
 
-    Usage errors exit 2; our own errors print one line saying what failed and what to do
-    (exit 1; exit 75 for a checkpoint still thawing from GLACIER) instead of a traceback;
-    a missing optional package names the extra to install.
+    Usage errors exit 2 (click's own, and our :class:`UsageError`: a malformed reference,
+    expression, option value or format); our own errors print one line saying what failed
+    and what to do (exit 1; exit 75 for a checkpoint still thawing from GLACIER) instead of
+    a traceback; a missing optional package names the extra to install.
     With ``--json`` both go to stdout as ``{"error": {"type": ..., "message": ...}}``.
     """
     args = list(sys.argv[1:] if argv is None else argv)
@@ -167,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except typer.Abort:
         return _fail(as_json, "Aborted", "aborted", 1)
+    except UsageError as exc:  # a malformed reference, expression or option value
+        return _fail(as_json, type(exc).__name__, str(exc), 2)
     except ThawPendingError as exc:  # a temporary state, told apart so scripts can retry
         return _fail(as_json, type(exc).__name__, str(exc), prefetch.EXIT_THAW_PENDING)
     except CkptError as exc:

@@ -25,7 +25,7 @@ from rich.progress import (
 )
 
 from ckptstore.config import Settings, load_settings
-from ckptstore.errors import InvalidNameError
+from ckptstore.errors import InvalidNameError, UsageError
 from ckptstore.numeric import MAX_INT64, decimal_or_none, float_or_none, parse_float
 from ckptstore.redact import RedactingFormatter
 from ckptstore.store import CheckpointStore
@@ -34,6 +34,7 @@ __all__ = [
     "State",
     "ascii_float",
     "ascii_int",
+    "check_usage",
     "configure_logging",
     "install_global_options",
     "open_store",
@@ -119,6 +120,7 @@ def with_global_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        check_usage(func, kwargs)
         store = kwargs.pop("global_store", None)
         config = kwargs.pop("global_config", None)
         verbose = kwargs.pop("global_verbose", False)
@@ -136,6 +138,56 @@ def with_global_options(func: Callable[..., Any]) -> Callable[..., Any]:
     params = list(signature.parameters.values())
     wrapper.__signature__ = signature.replace(parameters=params + extra)  # type: ignore[attr-defined]
     return wrapper
+
+
+#: Parameters that hold checkpoint references, by their name in every command.
+_REF_PARAMS = ("ref", "refs", "a", "b", "parent")
+#: Parameters that hold names of one kind, by their name in every command.
+_NAME_PARAMS = {"run": "run name", "tag": "tag", "best": "metric"}
+#: ``name`` parameters: what they name, by command function.
+_NAME_OF = {"alias_cmd": "alias", "keygen_cmd": "key name", "remote_add_cmd": "remote name",
+            "remote_rm_cmd": "remote name"}
+
+
+def check_usage(func: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    """Check the values a command was given that can be checked without a store.
+
+    References, run names, tags, aliases, codec names: a malformed one is bad usage
+    (:class:`UsageError`, exit 2), told apart from a well-formed request that then fails
+    (a run that does not exist, exit 1). Checked before anything is opened.
+
+    Raises:
+        UsageError: Naming the value and what is allowed.
+    """
+    from ckptstore.config import CODECS
+    from ckptstore.names import validate_metric_name, validate_name
+    from ckptstore.refs import parse_ref
+
+    def each(value: Any) -> list[Any]:
+        if value is None:
+            return []
+        return list(value) if isinstance(value, list | tuple) else [value]
+
+    try:
+        for param in _REF_PARAMS:
+            for value in each(kwargs.get(param)):
+                parse_ref(value)
+        for param, what in _NAME_PARAMS.items():
+            for value in each(kwargs.get(param)):
+                if what == "metric":
+                    validate_metric_name(value)
+                else:
+                    validate_name(value, what)
+        what = _NAME_OF.get(func.__name__)
+        if what is not None:
+            validate_name(kwargs.get("name"), what)
+    except InvalidNameError as exc:
+        raise UsageError(str(exc)) from None
+    codec = kwargs.get("codec")
+    if isinstance(codec, str) and codec not in CODECS:
+        raise UsageError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+    if kwargs.get("pool") == "":
+        raise UsageError("work pool name is empty; pass --pool NAME")
 
 
 def install_global_options(app: typer.Typer) -> None:
@@ -201,16 +253,19 @@ def parse_where(text: str) -> tuple[str, tuple[str, float]]:
     """Parse a metric filter such as ``loss<2.0`` into ``("loss", ("<", 2.0))``.
 
     Raises:
-        InvalidNameError: If the text is not ``<metric><op><number>``.
+        UsageError: If the text is not ``<metric><op><number>``.
     """
     match = _WHERE.match(text)
     if not match:
-        raise InvalidNameError(
+        raise UsageError(
             f"cannot parse --where {text!r}: write <metric><op><number> with op one of "
             "< <= > >= == !=, e.g. --where 'loss<2.0'"
         )
-    return match.group(1), (match.group(2), parse_float(match.group(3), f"--where {text!r}",
-                                                        finite=False))
+    try:
+        value = parse_float(match.group(3), f"--where {text!r}", finite=False)
+    except InvalidNameError as exc:
+        raise UsageError(str(exc)) from None
+    return match.group(1), (match.group(2), value)
 
 
 class _Bar:
