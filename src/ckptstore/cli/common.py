@@ -10,25 +10,25 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 
 from ckptstore.config import Settings, load_settings
 from ckptstore.errors import InvalidNameError, UsageError
 from ckptstore.numeric import MAX_INT64, decimal_or_none, float_or_none, parse_float
 from ckptstore.redact import RedactingFormatter
-from ckptstore.store import CheckpointStore
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
+    from ckptstore.catalog import Catalog
+    from ckptstore.records import Checkpoint, Event, RunInfo, UsageRow
+    from ckptstore.store import CheckpointStore
+
+# Imports of the store (zarr, torch) and of Prefect happen inside the commands that need
+# them: `ckpt --version`, `--help`, tab completion and the catalog queries (`ls`, `runs`,
+# `du`, `events`, `lineage`, `config`) never pay for them (tests/cli/test_startup.py).
 
 __all__ = [
     "State",
@@ -37,6 +37,7 @@ __all__ = [
     "check_usage",
     "configure_logging",
     "install_global_options",
+    "open_catalog",
     "open_store",
     "parse_where",
     "progress_bar",
@@ -210,12 +211,64 @@ def open_store(ctx: typer.Context, *, create: bool = False) -> Iterator[Checkpoi
             checkpoints in (``import``, ``import-bundle``) and ``init``. Every other command
             fails with "no store at PATH" instead, so a mistyped path creates nothing.
     """
+    from ckptstore.store import CheckpointStore
+
     state: State = ctx.obj
     store = CheckpointStore.open(state.store, config=state.config, create=create)
     try:
         yield store
     finally:
         store.close()
+
+
+class CatalogView:
+    """What the catalog queries need of a store, without the store: its settings and its
+    catalog, and the store's query methods, which only read the catalog.
+
+    Opening it imports neither the format layer (zarr, torch) nor the tiers, so ``ckpt ls``
+    answers in about the time the catalog takes.
+    """
+
+    def __init__(self, settings: Settings, catalog: Catalog) -> None:
+        self.settings = settings
+        self.catalog = catalog
+
+    def list(self, **filters: Any) -> list[Checkpoint]:
+        """As :meth:`CheckpointStore.list`."""
+        return self.catalog.list(**filters)
+
+    def get(self, ref: str) -> Checkpoint:
+        """As :meth:`CheckpointStore.get`."""
+        return self.catalog.get(ref)
+
+    def runs(self) -> list[RunInfo]:
+        """As :meth:`CheckpointStore.runs`."""
+        return self.catalog.runs()
+
+    def usage(self) -> list[UsageRow]:
+        """As :meth:`CheckpointStore.usage`."""
+        return self.catalog.usage()
+
+    def events(self, ref: str | None = None, **kw: Any) -> list[Event]:
+        """As :meth:`CheckpointStore.events`."""
+        return self.catalog.events(ref, **kw)
+
+
+@contextmanager
+def open_catalog(ctx: typer.Context) -> Iterator[CatalogView]:
+    """Open only the catalog of the store selected by the global options (an existing store:
+    "no store at PATH" otherwise), for the commands that only query it."""
+    from ckptstore.catalog import Catalog
+    from ckptstore.catalog.presence import require_store
+
+    state: State = ctx.obj
+    settings = state.settings()
+    require_store(settings)
+    catalog = Catalog(settings.resolved_catalog_url)
+    try:
+        yield CatalogView(settings, catalog)
+    finally:
+        catalog.close()
 
 
 _WHERE = re.compile(
@@ -306,6 +359,16 @@ def progress_bar(
     if not enabled or not sys.stderr.isatty():
         yield _Bar(None, None)
         return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     columns: list[Any] = ["[progress.description]{task.description}", BarColumn()]
     if unit == "bytes":
         columns += [DownloadColumn(), TransferSpeedColumn()]
@@ -326,5 +389,7 @@ def spinner(description: str, *, enabled: bool = True) -> Iterator[None]:
     if not enabled or not sys.stderr.isatty():
         yield
         return
+    from rich.console import Console
+
     with Console(stderr=True).status(description):
         yield

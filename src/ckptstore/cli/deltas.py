@@ -75,8 +75,8 @@ def compact_cmd(
 
     JSON: the compacted checkpoint's record (keys as in `ckpt ls --json`).
     """
-    from ckptstore.ops.reading.show import checkpoint_dict
     from ckptstore.ops.upkeep.compact import compact_checkpoint
+    from ckptstore.records import checkpoint_dict
 
     with open_store(ctx) as store, progress_bar(f"compacting {ref}",
                                                 enabled=not as_json) as advance:

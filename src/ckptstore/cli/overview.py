@@ -15,7 +15,6 @@ import typer
 from ckptstore.cli.common import ascii_int, open_store
 from ckptstore.cli.output import console, err_console, human_bytes, print_json, print_table
 from ckptstore.errors import UsageError
-from ckptstore.ops.reading.show import hosts_overview
 
 __all__ = ["register"]
 
@@ -72,6 +71,8 @@ def tiers_cmd(
             probe=probe,
             probe_bytes=probe_mib * 2**20 if probe_mib else None,
         )
+        from ckptstore.ops.reading.show import hosts_overview
+
         host_rows = hosts_overview(store) if hosts else []
     healthy = all(s.reachable for s in statuses)
     if as_json:

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ckptstore.cli.common import ascii_int, open_store, parse_where
+from ckptstore.cli.common import ascii_int, open_catalog, open_store, parse_where
 from ckptstore.cli.merge import merge_rows
 from ckptstore.cli.output import (
     LS_COLUMNS,
@@ -71,7 +71,7 @@ def ls_cmd(
     """
     metrics = dict(parse_where(w) for w in (where or []))
     step_range = (min_step, max_step) if min_step is not None or max_step is not None else None
-    with open_store(ctx) as store:
+    with open_catalog(ctx) as store:
         items = store.list(
             run=run,
             experiment=experiment,
@@ -197,7 +197,7 @@ def runs_cmd(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     JSON: a list of runs with name, created_at, experiment, config, code_version,
     data_version, host, status, checkpoints.
     """
-    with open_store(ctx) as store:
+    with open_catalog(ctx) as store:
         runs = store.runs()
     if as_json:
         print_json(runs)
@@ -217,7 +217,7 @@ def du_cmd(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
     JSON: a list of rows with run, tier, checkpoints, bytes.
     """
-    with open_store(ctx) as store:
+    with open_catalog(ctx) as store:
         rows = store.usage()
     if as_json:
         print_json(rows)
@@ -244,7 +244,7 @@ def events_cmd(
 
     JSON: a list of events with kind, at, checkpoint_id, actor, detail, run.
     """
-    with open_store(ctx) as store:
+    with open_catalog(ctx) as store:
         events = store.events(ref, limit=limit)
     if as_json:
         print_json(events)

@@ -13,13 +13,15 @@ import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from ckptstore.cli.common import check_usage, open_store, progress_bar, with_global_options
 from ckptstore.cli.output import console, human_bytes, print_json, print_table
-from ckptstore.core import StoreCore
+
+if TYPE_CHECKING:
+    from ckptstore.core import StoreCore
 
 __all__ = ["register", "register_remote_group"]
 

@@ -180,8 +180,8 @@ def restore_cmd(
 
     JSON: {"checkpoint": the record (keys as in `ckpt ls --json`), "path": where it is now}.
     """
-    from ckptstore.ops.reading.show import checkpoint_dict
     from ckptstore.ops.tiering.restore import restore_checkpoint
+    from ckptstore.records import checkpoint_dict
 
     with open_store(ctx) as store:
         ck = store.get(ref)
@@ -309,7 +309,7 @@ def convert_cmd(
             console.print(f"wrote {path}")
         return
     if ref is not None and codec is not None:
-        from ckptstore.ops.reading.show import checkpoint_dict
+        from ckptstore.records import checkpoint_dict
 
         with open_store(ctx) as store:
             new = convert.convert_checkpoint(store, ref, codec=codec)
@@ -360,8 +360,8 @@ def import_cmd(
 
     JSON: the new checkpoint's record (keys as in `ckpt ls --json`).
     """
-    from ckptstore.ops.reading.show import checkpoint_dict
     from ckptstore.ops.upkeep.convert import import_checkpoint
+    from ckptstore.records import checkpoint_dict
 
     metrics: dict[str, float] = {}
     for item in metric or []:

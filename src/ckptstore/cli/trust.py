@@ -140,8 +140,8 @@ def import_bundle_cmd(
 
     JSON: the imported checkpoint's record (keys as in `ckpt ls --json`).
     """
-    from ckptstore.ops.reading.show import checkpoint_dict
     from ckptstore.ops.sharing.bundle import import_bundle
+    from ckptstore.records import checkpoint_dict
 
     with open_store(ctx, create=True) as store, progress_bar(f"importing {path.name}",
                                                 enabled=not as_json) as advance:

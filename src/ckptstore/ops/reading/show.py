@@ -14,48 +14,10 @@ from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError
 from ckptstore.format import Manifest, read_manifest
 from ckptstore.ops.tiering.parts import parted_manifest
-from ckptstore.records import Checkpoint, ReplicaPart, expected_digest
+from ckptstore.records import Checkpoint, ReplicaPart, checkpoint_dict, expected_digest
 
-__all__ = ["checkpoint_dict", "hosts_overview", "manifest_summary", "merge_record",
+__all__ = ["hosts_overview", "manifest_summary", "merge_record",
            "part_dict", "show_checkpoint"]
-
-
-def checkpoint_dict(ck: Checkpoint) -> dict[str, Any]:
-    """A checkpoint's catalog record as a JSON-able dict (replicas included)."""
-    return {
-        "id": ck.id,
-        "ref": ck.ref,
-        "run": ck.run,
-        "step": ck.step,
-        "version": ck.version,
-        "state": str(ck.state),
-        "kind": ck.kind,
-        "base_id": ck.base_id,
-        "parent_id": ck.parent_id,
-        "created_at": ck.created_at.isoformat(),
-        "metrics": dict(ck.metrics),
-        "tags": list(ck.tags),
-        "logical_bytes": ck.logical_bytes,
-        "stored_bytes": ck.stored_bytes,
-        "codec": ck.codec,
-        "manifest_digest": ck.manifest_digest,
-        "lossy": ck.lossy,
-        "error_bound": ck.error_bound,
-        "lossy_scope": list(ck.lossy_scope),
-        "pinned": ck.pinned,
-        "aliases": list(ck.aliases),
-        "hosts": list(ck.hosts),
-        "replicas": [
-            {
-                "tier": r.tier,
-                "state": str(r.state),
-                "bytes": r.bytes,
-                "verified_at": r.verified_at.isoformat() if r.verified_at else None,
-                "manifest_digest": r.manifest_digest,
-            }
-            for r in ck.replicas
-        ],
-    }
 
 
 def part_dict(part: ReplicaPart) -> dict[str, Any]:
