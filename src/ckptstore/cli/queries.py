@@ -106,7 +106,9 @@ def show_cmd(
     JSON: {"checkpoint": the record (keys as in `ckpt ls --json`), "reproduction": the run's
     experiment, config, code_version, data_version, host, parents, metrics_at_save, edges,
     "manifest": format_version, codec, kind, tensors, dtypes, arrays, chunks, logical_bytes,
-    stored_bytes, delta (or {"error": ...}), "tensors" with --tensors: [key, dtype, shape],
+    stored_bytes, delta (or {"error": ...}), "copies": per copy tier, state, self_contained
+    and reads (refs of the checkpoints whose chunks it reads), "tensors" with --tensors:
+    [key, dtype, shape],
     "parts" for a checkpoint saved across hosts: every copy of every host's part (tier, part,
     stored_on (null on a shared tier), state, bytes, files, verified_at), "merge" for a
     merged checkpoint: method, accumulate, keys, weights_from_metric, inputs (id, ref,
@@ -137,6 +139,7 @@ def show_cmd(
         ("tags", ", ".join(ck["tags"]) or "-"),
         ("pinned / aliases", f"{ck['pinned']} / {', '.join(ck['aliases']) or '-'}"),
         ("replicas", ", ".join(f"{r['tier']}:{r['state']}" for r in ck["replicas"]) or "-"),
+        *_copy_rows(info.get("copies") or []),
         *_part_rows(ck, info.get("parts") or []),
         ("lossy", f"yes, max abs error {ck['error_bound']} in {', '.join(ck['lossy_scope'])}"
                   if ck["lossy"] else "no"),
@@ -164,6 +167,17 @@ def show_cmd(
             ["tensor", "dtype", "shape"],
             ((t["key"], t["dtype"], t["shape"]) for t in info["tensors"]),
         )
+
+
+def _copy_rows(copies: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """One ``ckpt show`` row: per copy, self-contained or the checkpoints it reads."""
+    if not copies:
+        return []
+    text = "; ".join(
+        f"{c['tier']}: " + ("self-contained" if c["self_contained"]
+                            else f"reads chunks of {', '.join(c['reads'])}")
+        for c in copies)
+    return [("copies", text)]
 
 
 def _part_rows(ck: dict[str, Any], parts: list[dict[str, Any]]) -> list[tuple[str, str]]:

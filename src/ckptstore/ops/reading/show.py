@@ -16,7 +16,7 @@ from ckptstore.format import Manifest, read_manifest
 from ckptstore.ops.tiering.parts import parted_manifest
 from ckptstore.records import Checkpoint, ReplicaPart, checkpoint_dict, expected_digest
 
-__all__ = ["hosts_overview", "manifest_summary", "merge_record",
+__all__ = ["copies_record", "hosts_overview", "manifest_summary", "merge_record",
            "part_dict", "show_checkpoint"]
 
 
@@ -170,4 +170,25 @@ def show_checkpoint(core: StoreCore, ref: str) -> dict[str, Any]:
         info["manifest"] = {"error": str(exc)}
         return info
     info["manifest"] = manifest_summary(manifest)
+    info["copies"] = copies_record(core, ck, manifest)
     return info
+
+
+def copies_record(core: StoreCore, ck: Checkpoint, hot: Manifest) -> list[dict[str, Any]]:
+    """Per copy of ``ck``: whether it holds every chunk it reads, and which checkpoints it
+    reads chunks of (refs). A copy with the hot copy's manifest reads what the hot copy
+    reads; a re-encoded copy (another manifest digest: archived with re-encoding, pushed or
+    imported self-contained) holds all of its chunks."""
+    reads = []
+    for owner in sorted(hot.referenced_checkpoints()):
+        try:
+            reads.append(core.catalog.get_any(owner).ref)
+        except CkptError:
+            reads.append(owner)  # a base the catalog no longer knows: its id
+    out = []
+    for replica in ck.replicas:
+        own = replica.manifest_digest in (None, ck.manifest_digest) or replica.tier == "hot"
+        copy_reads = reads if own else []
+        out.append({"tier": replica.tier, "state": str(replica.state),
+                    "self_contained": not copy_reads, "reads": copy_reads})
+    return out

@@ -38,12 +38,14 @@ import logging
 import os
 import shutil
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
 from ckptstore.catalog.checks import check_metrics, check_step, check_tags
+from ckptstore.config import CODECS
 from ckptstore.core import StoreCore
 from ckptstore.durable import fsync_fd, fsync_tree, rename_into_place
 from ckptstore.errors import (
@@ -76,6 +78,7 @@ from ckptstore.ops.tiering.reencode import check_original
 from ckptstore.ops.writing.delta import lossy_record
 from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.storage.local import LocalTier
 from ckptstore.storage.transfer import (
     ORIGINAL_MANIFEST_NAME,
     is_reencoded,
@@ -113,8 +116,12 @@ def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *
                   progress: Progress | None = None) -> Path:
     """Write one committed checkpoint as a bundle (an uncompressed tar).
 
-    An archived checkpoint is restored to the hot tier first. Only full checkpoints can be
-    bundled alone (a delta needs its base; re-save it in full first).
+    An archived checkpoint is restored to the hot tier first. A bundle is self-contained by
+    construction: a checkpoint that reads chunks of other checkpoints (deduplicated chunks,
+    xor or lossy deltas) is bundled as a re-encoded copy that holds every chunk it reads
+    (:func:`~ckptstore.ops.tiering.reencode.reencode_copy`, written to a scratch directory
+    beside the bundle and removed afterwards); every chunk's content is checked against its
+    recorded blake3 on the way, so the importing store gets the same bytes, bit for bit.
 
     Args:
         store: The open store.
@@ -128,8 +135,7 @@ def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *
 
     Raises:
         CheckpointNotFoundError: If the reference does not resolve.
-        InvalidNameError: If the checkpoint is a delta.
-        IntegrityError: If the hot copy is damaged.
+        IntegrityError: If the hot copy, or a chunk it reads, is damaged.
         StorageError: If the bundle cannot be written.
     """
     from ckptstore.ops.tiering.reencode import read_copy_manifest
@@ -141,12 +147,48 @@ def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *
         raise IntegrityError(f"checkpoint {ck.ref} has no manifest digest in the catalog")
     # The hot copy may be a re-encoded one: its original manifest must check out too.
     manifest = read_copy_manifest(directory, ck.manifest_digest, hot_digest(store, ck))
+    out = Path(out_tar)
     if manifest.referenced_checkpoints():
-        raise InvalidNameError(
-            f"checkpoint {ck.ref} is a delta (it reads chunks of "
-            f"{', '.join(sorted(manifest.referenced_checkpoints()))}); a bundle holds one full "
-            "checkpoint: re-save it in full (`ckpt convert REF --codec ...`) and export that"
-        )
+        scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.chunks-", dir=_bundle_dir(out)))
+        try:
+            directory, manifest = _self_contained_copy(store, ck, manifest, scratch)
+            return _write_bundle(store, ck, directory, manifest, out, progress)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return _write_bundle(store, ck, directory, manifest, out, progress)
+
+
+def _bundle_dir(out: Path) -> Path:
+    """The bundle's directory, created if missing (the scratch copy goes there too)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StorageError(exc.errno or 5, f"cannot write bundle {out}: "
+                                           f"{exc.strerror or exc}; check the path") from exc
+    return out.parent
+
+
+def _self_contained_copy(store: StoreCore, ck: Checkpoint, manifest: Manifest,
+                         scratch: Path) -> tuple[Path, Manifest]:
+    """A copy of ``ck`` in ``scratch`` holding every chunk it reads; its directory and its
+    (re-encoded) manifest."""
+    from ckptstore.ops.tiering.reencode import reencode_copy
+    from ckptstore.ops.tiering.replicas import run_resolver
+
+    # One preset for every array (what a re-encoded copy records); lossless either way.
+    codec = ck.codec if ck.codec in CODECS and ck.codec != "auto" else "none"
+    tier = LocalTier(scratch, name="bundle")
+    result = reencode_copy(store.tier("hot"), tier, ck.run, manifest, codec,
+                           run_of=run_resolver(store, ck), own_digest=ck.manifest_digest,
+                           threads=store.settings.threads, deep=True)
+    logger.info("bundling %s as a self-contained copy (it reads chunks of %s)", ck.ref,
+                ", ".join(sorted(manifest.referenced_checkpoints())))
+    return tier.local_dir(ck.run, ck.id), result.manifest
+
+
+def _write_bundle(store: StoreCore, ck: Checkpoint, directory: Path, manifest: Manifest,
+                  out: Path, progress: Progress | None) -> Path:
+    """Verify the copy in ``directory`` and write it, with its header, as the bundle."""
     problems = verify_checkpoint(directory, manifest, deep=False)
     if problems:
         raise IntegrityError(f"cannot export {ck.ref}: its hot copy is damaged: "
@@ -171,7 +213,6 @@ def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *
     }
     if is_reencoded(manifest):
         header["copy_digest"] = manifest.digest
-    out = Path(out_tar)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     mtime = int(ck.created_at.timestamp())
     announce_total(progress, sum(sizes.values()))
