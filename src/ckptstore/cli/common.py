@@ -41,6 +41,7 @@ __all__ = [
     "open_store",
     "parse_where",
     "progress_bar",
+    "quiet_logger",
     "spinner",
     "with_global_options",
 ]
@@ -378,6 +379,20 @@ def progress_bar(
     with Progress(*columns, transient=True, console=Console(stderr=True)) as progress:
         task = progress.add_task(description, total=total)
         yield _Bar(progress, task)
+
+
+@contextmanager
+def quiet_logger(name: str, *, unless: bool = False) -> Iterator[None]:
+    """Hold back the warnings of logger ``name`` (errors still show) while a command prints
+    the same findings in its own report; ``unless`` (``--verbose``) keeps them."""
+    logger = logging.getLogger(name)
+    before = logger.level
+    if not unless:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 @contextmanager

@@ -7,27 +7,32 @@ document for scripts; none of them changes the store.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from ckptstore.cli.common import ascii_int, open_catalog, open_store, parse_where
 from ckptstore.cli.merge import merge_rows
 from ckptstore.cli.output import (
-    LS_COLUMNS,
-    LS_WIDE_COLUMNS,
     checkpoint_json,
-    checkpoint_row,
+    console,
     err_console,
     human_bytes,
     print_json,
     print_table,
 )
+from ckptstore.errors import UsageError
+
+if TYPE_CHECKING:
+    from ckptstore.records import Checkpoint
 
 __all__ = [
     "du_cmd",
     "events_cmd",
     "ls_cmd",
+    "ls_columns",
+    "ls_row",
     "register",
     "runs_cmd",
     "show_cmd",
@@ -60,9 +65,14 @@ def ls_cmd(
         int | None, typer.Option(parser=ascii_int, help="At most this many rows.")
     ] = None,
     wide: Annotated[bool, typer.Option("--wide", "-w", help="Also show time and id.")] = False,
+    columns: Annotated[str | None, typer.Option(
+        "--columns",
+        help="Comma-separated columns to show, in order: checkpoint, step, stored, logical, "
+             "tiers, tags, kind, created, id, and metric names (default: the fixed columns "
+             "and every metric that fits the terminal).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """List committed checkpoints.
+    """List committed checkpoints, one column per metric (as many as fit; --columns picks).
 
     JSON: a list of records with id, ref, run, step, version, state, kind, base_id,
     parent_id, created_at, metrics, tags, logical_bytes, stored_bytes, codec,
@@ -88,11 +98,64 @@ def ls_cmd(
     if not items:
         err_console.print("no checkpoints match")
         return
-    print_table(
-        LS_WIDE_COLUMNS if wide else LS_COLUMNS,
-        (checkpoint_row(c, wide=wide) for c in items),
-        no_wrap=("checkpoint", "step", "stored", "id", "created"),
-    )
+    chosen, hidden = ls_columns(items, columns, wide=wide, width=console.width)
+    print_table(chosen, (ls_row(c, chosen) for c in items),
+                no_wrap=[c for c in chosen if c != "tags"])
+    if hidden:
+        err_console.print(f"not shown: {', '.join(hidden)} (choose columns with --columns)",
+                          markup=False, highlight=False, soft_wrap=True)
+
+
+#: What ``ckpt ls --columns`` accepts besides metric names, and how each cell reads.
+_LS_CELLS: dict[str, Callable[[Checkpoint], str]] = {
+    "checkpoint": lambda c: c.ref,
+    "step": lambda c: str(c.step),
+    "stored": lambda c: human_bytes(c.stored_bytes),
+    "logical": lambda c: human_bytes(c.logical_bytes),
+    "tiers": lambda c: ",".join(c.tiers) or "-",
+    "tags": lambda c: " ".join([*c.tags, *(["pinned"] if c.pinned else []),
+                                *(f"={a}" for a in c.aliases)]),
+    "kind": lambda c: c.kind,
+    "created": lambda c: c.created_at.strftime("%Y-%m-%d %H:%M"),
+    "id": lambda c: c.id,
+}
+# Room a metric column takes (header or a 4-significant-digit value, and the gap).
+_METRIC_WIDTH = 11
+
+
+def ls_columns(items: Sequence[Checkpoint], columns: str | None, *, wide: bool,
+               width: int) -> tuple[list[str], list[str]]:
+    """The columns ``ckpt ls`` shows, and the metrics left out for want of room.
+
+    Raises:
+        UsageError: For a column that is neither a fixed one nor a metric of the rows.
+    """
+    metrics = sorted({name for c in items for name in c.metrics})
+    if columns is not None:
+        chosen = [c.strip() for c in columns.split(",") if c.strip()]
+        unknown = [c for c in chosen if c not in _LS_CELLS and c not in metrics]
+        if unknown or not chosen:
+            raise UsageError(
+                f"--columns: unknown column {', '.join(unknown) or '(none given)'}; use "
+                f"{', '.join(_LS_CELLS)}" + (f" or a metric ({', '.join(metrics)})"
+                                             if metrics else ""))
+        return chosen, []
+    fixed = ["checkpoint", "step", "stored", "tiers"]
+    tail = ["tags", *(["created", "id"] if wide else [])]
+    # Widths of the fixed columns as the rows fill them, so the metrics get the rest.
+    used = sum(max(len(name), *(len(_LS_CELLS[name](c)) for c in items)) + 2
+               for name in [*fixed, *tail])
+    room = max(1, (width - used) // _METRIC_WIDTH) if not wide else len(metrics)
+    shown = metrics[:room]
+    return [*fixed, *shown, *tail], metrics[len(shown):]
+
+
+def ls_row(ck: Checkpoint, columns: Sequence[str]) -> list[str]:
+    """One row of ``ckpt ls``: the chosen columns' cells (a metric this checkpoint lacks:
+    "-"; values rounded to 4 significant digits, exact in --json)."""
+    return [_LS_CELLS[name](ck) if name in _LS_CELLS
+            else (f"{ck.metrics[name]:.4g}" if name in ck.metrics else "-")
+            for name in columns]
 
 
 def show_cmd(

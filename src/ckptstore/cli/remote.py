@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from ckptstore.cli.common import check_usage, open_store, progress_bar, with_global_options
-from ckptstore.cli.output import console, human_bytes, print_json, print_table
+from ckptstore.cli.output import console, print_json, print_table
 
 if TYPE_CHECKING:
     from ckptstore.core import StoreCore
@@ -145,7 +145,7 @@ def _show(report: Any, as_json: bool) -> None:
     if as_json:
         print_json(report.to_json())
         return
-    console.print(report.summary() + f" ({human_bytes(report.bytes_sent)})", markup=False,
+    console.print(report.summary(), markup=False,
                   highlight=False)
     for ckpt_id, refs in report.lineage_elsewhere.items():
         kept = ", ".join(f"{r['kind']} {r['checkpoint']}" for r in refs)

@@ -14,10 +14,17 @@ from typing import Annotated, Any
 
 import typer
 
-from ckptstore.cli.common import ascii_float, ascii_int, open_store, progress_bar, spinner
+from ckptstore.cli.common import (
+    ascii_float,
+    ascii_int,
+    open_store,
+    progress_bar,
+    quiet_logger,
+    spinner,
+)
 from ckptstore.cli.output import console, err_console, human_bytes, print_json
 from ckptstore.errors import UsageError
-from ckptstore.numeric import decimal_or_none, float_or_none
+from ckptstore.numeric import counted, decimal_or_none, float_or_none
 
 __all__ = ["register"]
 
@@ -239,13 +246,16 @@ def verify_cmd(
         return
     if ref is None and not all_:
         raise UsageError("give a checkpoint reference or --all")
-    with open_store(ctx) as store, spinner("verifying replicas", enabled=not as_json):
+    # The report below names every damaged copy once; the library's own warnings about the
+    # same copies (for logs of scheduled runs) would repeat it: shown only with --verbose.
+    with open_store(ctx) as store, spinner("verifying replicas", enabled=not as_json), \
+            quiet_logger("ckptstore.ops.upkeep.verify", unless=ctx.obj.verbose):
         report = verify_replicas(store, ref=ref, tier=tier, repair=repair)
     if as_json:
         print_json(_summary(report))
     else:
         console.print(
-            f"checked {len(report.checked)} replica(s): {len(report.ok)} intact, "
+            f"checked {counted(len(report.checked), 'replica')}: {len(report.ok)} intact, "
             f"{len(report.damaged)} damaged, {len(report.repaired)} repaired, "
             f"{len(report.unrepaired)} unrepaired, {len(report.skipped)} skipped"
         )

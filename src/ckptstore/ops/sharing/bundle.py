@@ -493,8 +493,7 @@ def _import(store: StoreCore, tar: HostileTarFile, path: Path, run: str | None,
     try:
         _extract(tar, members, present, directory, store.hot, progress)
         # Re-hash what landed on disk (blake3 of every decoded chunk, sizes, crc32c).
-        problems = [p for p in verify_checkpoint(directory, manifest, deep=True)
-                    if not p.startswith(f"{COMMIT_NAME}:")]
+        problems = verify_checkpoint(directory, manifest, deep=True, committed=False)
         if problems:
             raise IntegrityError(f"bundle {path.name} is damaged: " + "; ".join(problems[:3]))
         _write_member(tar, members[_PREFIX + COMMIT_NAME], directory / COMMIT_NAME)
