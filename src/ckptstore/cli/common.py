@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import functools
 import inspect
 import logging
@@ -180,9 +181,9 @@ def check_usage(func: Callable[..., Any], kwargs: dict[str, Any]) -> None:
                     validate_metric_name(value)
                 else:
                     validate_name(value, what)
-        what = _NAME_OF.get(func.__name__)
-        if what is not None:
-            validate_name(kwargs.get("name"), what)
+        named = _NAME_OF.get(func.__name__)
+        if named is not None:
+            validate_name(kwargs.get("name"), named)
     except InvalidNameError as exc:
         raise UsageError(str(exc)) from None
     codec = kwargs.get("codec")
@@ -234,7 +235,7 @@ class CatalogView:
         self.settings = settings
         self.catalog = catalog
 
-    def list(self, **filters: Any) -> list[Checkpoint]:
+    def list(self, **filters: Any) -> builtins.list[Checkpoint]:
         """As :meth:`CheckpointStore.list`."""
         return self.catalog.list(**filters)
 
@@ -242,15 +243,15 @@ class CatalogView:
         """As :meth:`CheckpointStore.get`."""
         return self.catalog.get(ref)
 
-    def runs(self) -> list[RunInfo]:
+    def runs(self) -> builtins.list[RunInfo]:
         """As :meth:`CheckpointStore.runs`."""
         return self.catalog.runs()
 
-    def usage(self) -> list[UsageRow]:
+    def usage(self) -> builtins.list[UsageRow]:
         """As :meth:`CheckpointStore.usage`."""
         return self.catalog.usage()
 
-    def events(self, ref: str | None = None, **kw: Any) -> list[Event]:
+    def events(self, ref: str | None = None, **kw: Any) -> builtins.list[Event]:
         """As :meth:`CheckpointStore.events`."""
         return self.catalog.events(ref, **kw)
 
