@@ -19,7 +19,7 @@ from ckptstore.store import CheckpointStore
 READ_ONLY = [
     ["ls"], ["show", "run-a@latest"], ["lineage", "run-a@latest"], ["du"], ["events"],
     ["runs"], ["verify", "--all"], ["doctor"], ["config"], ["tiers"],
-    ["report", "--html", "r.html"], ["diff", "run-a@1", "run-a@2"],
+    ["report", "--html", "r.html"], ["diff", "run-a@1", "run-a@2"], ["db", "current"],
 ]
 
 
@@ -27,7 +27,7 @@ def _tree(path: Path) -> list[str]:
     return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
 
 
-@pytest.mark.parametrize("args", READ_ONLY, ids=lambda a: a[0])
+@pytest.mark.parametrize("args", READ_ONLY, ids=" ".join)
 def test_read_only_commands_on_a_typo_create_nothing(
         args: list[str], ckpt: Ckpt, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
