@@ -106,7 +106,11 @@ def export_cmd(
     out: Annotated[Path, typer.Option("--out", "-o", help="Bundle file to write (.tar).")],
     as_json: JsonOpt = False,
 ) -> None:
-    """Write a checkpoint (and its signature, if any) as one bundle file.
+    """Write a checkpoint (and its signature, if any) as one self-contained bundle file.
+
+    A checkpoint that reads chunks of others (an unchanged tensor deduplicated against an
+    earlier save, a delta) is bundled with those chunks: `ckpt import-bundle` in another
+    store gets the same bytes, bit for bit.
 
     JSON: {"ref", "id", "path": the bundle, "bytes": its size}.
     """
