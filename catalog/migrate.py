@@ -17,21 +17,28 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
+from importlib import resources
+from typing import TYPE_CHECKING
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, inspect
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from ckptstore.catalog.engine import WRITE_OPTION, create_catalog_engine
 from ckptstore.errors import StorageError
 from ckptstore.redact import mask_url, scrub
+
+if TYPE_CHECKING:
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+# Alembic itself is imported only where a command runs or the revision graph is walked:
+# opening an up-to-date catalog reads the head from the revision files and the current
+# revision with one query, so `ckpt ls` never pays for importing Alembic.
 
 __all__ = [
     "SCRIPT_LOCATION",
@@ -84,6 +91,8 @@ def alembic_config(url: str | URL | None = None) -> Config:
     Returns:
         A :class:`alembic.config.Config` whose ``script_location`` is the migrations package.
     """
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", SCRIPT_LOCATION)
     # Date-prefixed revision files, e.g. versions/20260101_initial_catalog.py.
@@ -97,13 +106,44 @@ def alembic_config(url: str | URL | None = None) -> Config:
 
 @functools.cache
 def _script() -> ScriptDirectory:
-    # Loading the revision modules costs milliseconds; every Catalog() checks the head.
+    # Loading the revision modules costs milliseconds.
+    from alembic.script import ScriptDirectory
+
     return ScriptDirectory.from_config(alembic_config())
+
+
+_REVISION = re.compile(r"^revision\s*(?::[^=]*)?=\s*[\"']([0-9A-Za-z_]+)[\"']\s*$", re.M)
+_DOWN = re.compile(r"^down_revision\s*(?::[^=]*)?=\s*(.+?)\s*$", re.M)
+_QUOTED = re.compile(r"[\"']([0-9A-Za-z_]+)[\"']")
+
+
+@functools.cache
+def _head_from_files() -> str | None:
+    """The single head read from the revision files' ``revision`` and ``down_revision``
+    lines, without importing Alembic or the revisions; None when the files do not say it
+    plainly (then Alembic walks the graph)."""
+    revisions: set[str] = set()
+    downs: set[str] = set()
+    try:
+        versions = resources.files("ckptstore.migrations").joinpath("versions")
+        for entry in versions.iterdir():
+            if not entry.name.endswith(".py") or entry.name.startswith("__"):
+                continue
+            text = entry.read_text(encoding="utf-8")
+            found, down = _REVISION.findall(text), _DOWN.findall(text)
+            if len(found) != 1 or len(down) != 1:
+                return None
+            revisions.add(found[0])
+            downs.update(_QUOTED.findall(down[0]))
+    except (OSError, ModuleNotFoundError):
+        return None
+    heads = revisions - downs
+    return heads.pop() if len(heads) == 1 and downs <= revisions else None
 
 
 def head() -> str:
     """The revision id the code expects (the single head of the revision graph)."""
-    rev = _script().get_current_head()
+    rev = _head_from_files() or _script().get_current_head()
     assert rev is not None, "ckptstore.migrations has no revisions"
     return rev
 
@@ -166,7 +206,7 @@ def current(url: str | URL | Engine) -> str | None:
         for attempt in range(_LOCKED_RETRIES + 1):
             try:
                 with engine.connect() as conn:
-                    return MigrationContext.configure(conn).get_current_revision()
+                    return _current_revision(conn)
             except OperationalError as e:
                 if "locked" not in str(e.orig) or attempt == _LOCKED_RETRIES:
                     raise
@@ -182,7 +222,22 @@ def current(url: str | URL | Engine) -> str | None:
             engine.dispose()
 
 
+def _current_revision(conn: Connection) -> str | None:
+    """The ``alembic_version`` row, read with one query (Alembic's own reader for anything
+    but a single row)."""
+    if not inspect(conn).has_table("alembic_version"):
+        return None
+    rows = conn.exec_driver_sql("SELECT version_num FROM alembic_version").all()
+    if len(rows) == 1:
+        return str(rows[0][0])
+    from alembic.runtime.migration import MigrationContext
+
+    return MigrationContext.configure(conn).get_current_revision()
+
+
 def _run_command(url: str | URL | Engine, action: str, revision: str) -> None:
+    from alembic import command
+
     engine, own = _with_engine(url)
     cfg = alembic_config()
     try:
@@ -240,6 +295,8 @@ def _head_schema() -> _Schema:
         with engine.connect() as conn:
             conn.execution_options(**{WRITE_OPTION: True})
             with conn.begin():
+                from alembic import command
+
                 cfg = alembic_config()
                 cfg.attributes["connection"] = conn
                 command.upgrade(cfg, rev)

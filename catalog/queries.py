@@ -35,7 +35,7 @@ from ckptstore.catalog.models import (
     RunRow,
 )
 from ckptstore.catalog.resolve import resolve
-from ckptstore.errors import InvalidNameError
+from ckptstore.errors import InvalidNameError, UsageError
 from ckptstore.names import validate_metric_name, validate_name
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, UsageRow
 from ckptstore.refs import MAX_STEP, Ref
@@ -79,7 +79,7 @@ _ORDER_METRIC = aliased(CheckpointMetricRow, name="order_metric")
 
 def _order_clause(stmt: Select[Any], order_by: object, tagged: Any = None) -> Select[Any]:
     if not isinstance(order_by, str):
-        raise InvalidNameError(f"order_by must be a string; allowed fields: {_ALLOWED_ORDER}")
+        raise UsageError(f"order_by must be a string; allowed fields: {_ALLOWED_ORDER}")
     descending = order_by.startswith("-")
     field = order_by[1:] if descending else order_by
     if field.startswith("metric:"):
@@ -96,7 +96,7 @@ def _order_clause(stmt: Select[Any], order_by: object, tagged: Any = None) -> Se
     elif field in ORDER_FIELDS:
         prefix, main = [], ORDER_FIELDS[field]
     else:
-        raise InvalidNameError(
+        raise UsageError(
             f"cannot order by {order_by!r}; allowed fields: {_ALLOWED_ORDER} "
             "(prefix '-' for descending)"
         )
@@ -128,7 +128,7 @@ def _metric_filters(
             )
         op, value = spec
         if op not in METRIC_OPS:
-            raise InvalidNameError(
+            raise UsageError(
                 f"unknown operator {op!r} in metric filter for {name!r}; "
                 f"use one of {' '.join(METRIC_OPS)}"
             )

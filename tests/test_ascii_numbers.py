@@ -95,7 +95,7 @@ def test_cli_numbers_are_ascii_only(store_root: Path, capsys: pytest.CaptureFixt
 
     assert run("show", "ud@3")[0] == 0
     code, err = run("show", f"ud@{full_width(3)}")
-    assert code == 1 and "cannot parse" in err and "Traceback" not in err
+    assert code == 2 and "cannot parse" in err and "Traceback" not in err
     for option in ("--limit", "--min-step", "--max-step"):
         code, err = run("ls", option, full_width(1))
         assert code == 2 and "digits 0-9" in err, (option, err)
@@ -104,11 +104,11 @@ def test_cli_numbers_are_ascii_only(store_root: Path, capsys: pytest.CaptureFixt
     code, err = run("gc", "--older-than", full_width(1))
     assert code == 2
     code, err = run("prune", "--keep-best", f"loss:min:{full_width(2)}", "--dry-run")
-    assert code == 1 and "--keep-best" in err
+    assert code == 2 and "--keep-best" in err
     # A malformed number in a filter is a one-line error, not a traceback.
     for where in (f"loss<{full_width(2)}", "loss<1.2.3", "loss<1e5e5"):
         code, err = run("ls", "--where", where)
-        assert code == 1 and err.startswith("error:") and "Traceback" not in err, (where, err)
+        assert code == 2 and err.startswith("error:") and "Traceback" not in err, (where, err)
 
 
 def test_config_and_env_numbers_are_ascii_only(tmp_path: Path,

@@ -29,6 +29,7 @@ from ckptstore.errors import (
     LeaseHeldError,
     MissingBaseError,
     StorageError,
+    StoreNotFoundError,
     UnsafeObjectError,
 )
 from ckptstore.records import (
@@ -126,6 +127,7 @@ __all__ = [
     "SavePolicy",
     "Settings",
     "StorageError",
+    "StoreNotFoundError",
     "UnsafeObjectError",
     "UsageRow",
     "__version__",

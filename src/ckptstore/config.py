@@ -70,15 +70,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ckptstore.cronspec import check_schedule
 from ckptstore.deltaspec import parse_delta
 from ckptstore.errors import ConfigError, InvalidNameError
 from ckptstore.numeric import MAX_INT64, decimal_or_none, float_or_none
+from ckptstore.redact import redact_setting
 
 __all__ = [
+    "CODECS",
     "CONFIG_ENV",
     "DEFAULT_CONFIG_NAME",
     "ENV_ENTRY_VARS",
     "ENV_VARS",
+    "SCHEDULABLE_FLOWS",
     "STORE_DIR_NAME",
     "Origin",
     "ResolvedSettings",
@@ -90,7 +94,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_CODECS = ("auto", "none", "lz4", "zstd-1", "zstd-3")
+#: The codec presets a setting or a ``--codec`` option may name.
+CODECS = ("auto", "none", "lz4", "zstd-1", "zstd-3")
+_CODECS = CODECS
 # Re-encoding an archived copy picks one codec for every array.
 _ARCHIVE_CODECS = _CODECS[1:]
 
@@ -325,52 +331,142 @@ def _flatten_file(data: dict[str, Any], source: Path) -> dict[str, Any]:
     return out
 
 
+#: The flows a ``[schedules]`` entry may name (the others run on request only).
+SCHEDULABLE_FLOWS = ("archive", "demote", "gc", "retention", "sync", "verify")
+#: S3 storage classes the cold tier may write with.
+_STORAGE_CLASSES = ("STANDARD", "REDUCED_REDUNDANCY", "STANDARD_IA", "ONEZONE_IA",
+                    "INTELLIGENT_TIERING", "GLACIER", "GLACIER_IR", "DEEP_ARCHIVE")
+_TIER_KEYS = ("hot", "warm", "cold", "cold_storage_class", "cold_restore_tier",
+              "cold_restore_days")
+_RETENTION_KEYS = ("keep_last", "keep_every", "keep_best", "max_age_days")
+
+
+def _key_label(name: str, origin: str) -> str:
+    """The key as the user wrote it: ``tiers.warm`` in a file, ``warm`` elsewhere."""
+    if origin.startswith("$") or origin == "argument":
+        return name
+    if name in _TIER_KEYS:
+        return f"tiers.{name}"
+    if name in _RETENTION_KEYS:
+        return f"retention.{name}"
+    return name
+
+
 def _coerce(name: str, value: Any, origin: str) -> Any:
     try:
-        if value is None:
-            return None
-        if name == "root":
-            return Path(value).expanduser()
-        if name in _INT_FIELDS:
-            number = _as_int(value)
-            if name in ("chunk_bytes", "threads", "keyframe_every",
-                        "cold_restore_days") and number == 0:
-                raise ValueError("must be positive")
-            if name == "replicas" and number not in (1, 2):
-                raise ValueError("must be 1 (own host) or 2 (also a neighbour host)")
-            return number
-        if name in _FLOAT_FIELDS:
-            return _as_float(value)
-        if name == "keep_best":
-            metric, mode, count = value
-            if mode not in ("min", "max"):
-                raise ValueError("mode must be 'min' or 'max'")
-            return (str(metric), str(mode), _as_int(count))
-        if name in ("storage_options", "schedules"):
-            if not isinstance(value, dict):
-                raise ValueError("must be a table")
-            return dict(value)
-        if name == "delta":
-            return _delta_value(value)
-        if name == "sync":
-            return _sync_value(value)
-        if name == "capture":
-            return _bool_value(value)
-        if name == "capture_env":
-            return _name_list(value)
-        if name == "cold_restore_tier":
-            # The three retrieval tiers S3 RestoreObject accepts, in S3's own spelling.
-            if value not in _RESTORE_TIERS:
-                raise ValueError(f"must be one of {', '.join(_RESTORE_TIERS)}")
-            return str(value)
-        if name == "codec" or name == "archive_codec":
-            allowed = _CODECS if name == "codec" else _ARCHIVE_CODECS
-            if value not in allowed:
-                raise ValueError(f"must be one of {', '.join(allowed)}")
-            return str(value)
-        return str(value)
+        return _checked(name, value)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise ConfigError(f"{origin}: invalid value for {name}: {value!r} ({exc})") from exc
+        shown = redact_setting(value, name)
+        raise ConfigError(f"{origin}: invalid value for {_key_label(name, origin)}: "
+                          f"{shown!r} ({exc})") from exc
+
+
+def _checked(name: str, value: Any) -> Any:
+    """``value`` as the setting ``name`` holds it (raises ValueError/TypeError saying what is
+    allowed)."""
+    if value is None:
+        return None
+    if name == "root":
+        if not isinstance(value, str | os.PathLike) or not os.fspath(value):
+            raise ValueError("must be a directory path (a string)")
+        return Path(value).expanduser()
+    if name in _INT_FIELDS:
+        number = _as_int(value)
+        if name in ("chunk_bytes", "threads", "keyframe_every",
+                    "cold_restore_days") and number == 0:
+            raise ValueError("must be positive")
+        if name == "replicas" and number not in (1, 2):
+            raise ValueError("must be 1 (own host) or 2 (also a neighbour host)")
+        return number
+    if name in _FLOAT_FIELDS:
+        return _as_float(value)
+    if name == "keep_best":
+        if not isinstance(value, list | tuple) or len(value) != 3:
+            raise ValueError('must be [metric, "min" or "max", count], e.g. '
+                             '["val_loss", "min", 3]')
+        metric, mode, count = value
+        if not isinstance(metric, str) or not metric:
+            raise ValueError("the metric must be a non-empty string")
+        if mode not in ("min", "max"):
+            raise ValueError("mode must be 'min' or 'max'")
+        return (metric, str(mode), _as_int(count))
+    if name == "storage_options":
+        if not isinstance(value, dict):
+            raise ValueError("must be a table")
+        return dict(value)
+    if name == "schedules":
+        return _schedules_value(value)
+    if name == "delta":
+        return _delta_value(value)
+    if name == "sync":
+        return _sync_value(value)
+    if name == "capture":
+        return _bool_value(value)
+    if name == "capture_env":
+        return _name_list(value)
+    if name in ("hot", "warm", "cold"):
+        return _tier_url(name, value)
+    if name == "memory_tier_dir":
+        if not isinstance(value, str) or not value or "://" in value:
+            raise ValueError("must be a local directory path")
+        return value
+    if name == "catalog_url":
+        if not isinstance(value, str) or not value.startswith(("sqlite://", "postgresql")):
+            raise ValueError("must be sqlite:///path/to/catalog.db or "
+                             "postgresql+psycopg://user@host:5432/db")
+        return value
+    if name == "cold_storage_class":
+        if value not in _STORAGE_CLASSES:
+            raise ValueError(f"must be one of {', '.join(_STORAGE_CLASSES)}")
+        return str(value)
+    if name == "cold_restore_tier":
+        # The three retrieval tiers S3 RestoreObject accepts, in S3's own spelling.
+        if value not in _RESTORE_TIERS:
+            raise ValueError(f"must be one of {', '.join(_RESTORE_TIERS)}")
+        return str(value)
+    if name == "codec" or name == "archive_codec":
+        allowed = _CODECS if name == "codec" else _ARCHIVE_CODECS
+        if value not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}")
+        return str(value)
+    if not isinstance(value, str):
+        raise ValueError("must be a string")
+    return value
+
+
+def _tier_url(name: str, value: Any) -> str:
+    """A tier location: a local path, ``file://`` or ``s3://bucket/prefix``."""
+    schemes = "a local path, a file:// URL or an s3://bucket/prefix URL"
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"must be {schemes} (a string)")
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        return value
+    if scheme == "file" and rest:
+        return value
+    if scheme == "s3" and rest.split("/", 1)[0]:
+        return value
+    if scheme in ("file", "s3"):
+        raise ValueError(f"names no {'path' if scheme == 'file' else 'bucket'}; must be "
+                         f"{schemes}")
+    raise ValueError(f"unsupported scheme {scheme + '://'!r}; must be {schemes}")
+
+
+def _schedules_value(value: Any) -> dict[str, str]:
+    """The ``[schedules]`` table checked: schedulable flows, each a valid schedule."""
+    if not isinstance(value, dict):
+        raise ValueError("must be a table of flow name = schedule")
+    out: dict[str, str] = {}
+    for flow, text in value.items():
+        if flow not in SCHEDULABLE_FLOWS:
+            raise ValueError(f"schedule for {flow!r} cannot be served (that flow runs on "
+                             f"request only, or is unknown); schedulable flows: "
+                             f"{', '.join(SCHEDULABLE_FLOWS)}")
+        try:
+            out[flow] = check_schedule(text)
+        except ValueError as exc:
+            raise ValueError(f"{flow} = {text!r}: {exc}") from None
+    return out
 
 
 def _as_int(value: Any) -> int:

@@ -32,7 +32,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Self
 
-from ckptstore.catalog import Catalog, mask_url, migrate
+from ckptstore.catalog import Catalog, mask_url
+from ckptstore.catalog.presence import catalog_is_new, refuse_files_as_directories, require_store
 from ckptstore.config import STORE_DIR_NAME, Settings, load_settings
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, StorageError
 from ckptstore.extras import missing_extra
@@ -171,6 +172,7 @@ class StoreCore:
         *,
         config: str | os.PathLike[str] | None = None,
         catalog_url: str | None = None,
+        create: bool = True,
         **overrides: Any,
     ) -> Self:
         """Open (and on first use create) a store.
@@ -179,6 +181,10 @@ class StoreCore:
             root: Store directory; holds ``catalog.db`` and ``hot/`` by default.
             config: A TOML config file (default ``$CKPT_CONFIG``).
             catalog_url: Catalog URL (default ``$CKPT_CATALOG_URL`` or the embedded SQLite).
+            create: Create the store when there is none yet (the default: a first save
+                creates its store). False opens only an existing store and creates nothing
+                otherwise: what commands that only read use, so that a mistyped path never
+                becomes a new, empty store.
             **overrides: Any other :class:`~ckptstore.config.Settings` field.
 
         Returns:
@@ -189,10 +195,16 @@ class StoreCore:
             ConfigError: If the configuration is invalid, or the catalog and the hot tier
                 belong to different stores (see :func:`check_store_identity`).
             StorageError: If the hot tier cannot be created.
+            StoreNotFoundError: If the root (or hot tier) is a file, or, with
+                ``create=False``, there is no store yet.
         """
         settings = load_settings(config, root=root, catalog_url=catalog_url, **overrides)
         url = settings.resolved_catalog_url
         hot = settings.hot_path
+        if create:
+            refuse_files_as_directories(settings)
+        else:
+            require_store(settings)
         # Refused before anything is created: a new, empty catalog for a hot tier that
         # already belongs to a store (or holds checkpoints of one) elsewhere.
         _refuse_new_catalog_for_used_hot_tier(url, hot)
@@ -411,24 +423,10 @@ def _refuse_new_catalog_for_used_hot_tier(url: str, hot: Path) -> None:
     marker = read_store_marker(hot)
     masked = mask_url(url)
     if marker is not None:
-        if marker.catalog not in (None, masked) and _catalog_is_new(url):
+        if marker.catalog not in (None, masked) and catalog_is_new(url):
             raise ConfigError(_foreign_hot(masked, hot, marker))
-    elif _holds_checkpoints(hot) and _catalog_is_new(url):
+    elif _holds_checkpoints(hot) and catalog_is_new(url):
         raise ConfigError(_orphaned_hot(masked, hot))
-
-
-def _catalog_is_new(url: str) -> bool:
-    """Whether the catalog at ``url`` has no schema yet (opening it would create one)."""
-    from ckptstore.catalog.engine import parse_catalog_url
-
-    parsed = parse_catalog_url(url)
-    if parsed.get_backend_name() == "sqlite":
-        database = parsed.database or ""
-        if not database or database == ":memory:":
-            return True
-        path = Path(database)
-        return not path.exists() or path.stat().st_size == 0
-    return migrate.current(url) is None
 
 
 def _holds_checkpoints(hot: Path) -> bool:

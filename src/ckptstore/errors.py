@@ -21,8 +21,10 @@ __all__ = [
     "MissingExtraError",
     "RemoteError",
     "StorageError",
+    "StoreNotFoundError",
     "ThawPendingError",
     "UnsafeObjectError",
+    "UsageError",
 ]
 
 
@@ -61,6 +63,15 @@ class LeaseHeldError(ConflictError):
 
 class InvalidNameError(CkptError, ValueError):
     """A run name, tag, alias, reference or query field is not acceptable."""
+
+
+class UsageError(InvalidNameError):
+    """The request itself is malformed: a reference, expression, option value or format that
+    cannot name anything (``run-a@v0``, ``--where 'loss<<2'``, ``--format onnx``).
+
+    Told apart from a well-formed request that fails (a missing run, a damaged copy): the
+    ``ckpt`` command exits 2 for this one, 1 for those.
+    """
 
 
 class UnsafeObjectError(CkptError, TypeError):
@@ -106,6 +117,14 @@ def _rebuild_thaw_error(message: str, checkpoint_id: str, tier: str,
 
 class ConfigError(CkptError, ValueError):
     """The configuration file or environment holds an invalid value."""
+
+
+class StoreNotFoundError(ConfigError, LookupError):
+    """The path (or catalog URL) given as a store holds no store, or is not a directory.
+
+    Raised instead of creating one where a command only reads (``ckpt ls --store ./typo``);
+    ``ckpt init`` or a save through the API create a store.
+    """
 
 
 class RemoteError(ConfigError):

@@ -20,18 +20,21 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 from ckptstore.errors import CkptError, InvalidNameError
 
 __all__ = [
     "MAX_INT32",
     "MAX_INT64",
+    "counted",
     "decimal_or_none",
     "float_or_none",
     "human_bytes",
     "is_decimal",
     "parse_decimal",
     "parse_float",
+    "rounded",
 ]
 
 #: Largest value of a signed 64-bit column (``BIGINT``: steps, byte counts).
@@ -165,3 +168,25 @@ def human_bytes(n: int | float | None) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and the noun in the right number: ``"1 problem"``, ``"3 problems"``, ``"0
+    arrays"`` (``plural`` for nouns that do not just take an s: ``"copies"``)."""
+    return f"{n} {noun if n == 1 else (plural or noun + 's')}"
+
+
+# A float written with more digits than anyone reads (1.1026153340935707).
+_LONG_FLOAT = re.compile(r"-?\d+\.\d{5,}(?:[eE][-+]?\d+)?")
+
+
+def rounded(value: Any) -> str:
+    """A number for people: 4 significant digits (``1.103``); text passes through with
+    every long float in it rounded the same way; None is "-"."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int | float):
+        return f"{value:.4g}"
+    return _LONG_FLOAT.sub(lambda m: f"{float(m.group(0)):.4g}", str(value))

@@ -28,6 +28,7 @@ __all__ = [
     "Thaw",
     "ThawState",
     "UsageRow",
+    "checkpoint_dict",
     "expected_digest",
 ]
 
@@ -342,3 +343,41 @@ class RunContext:
     digest: str
     document: dict[str, Any]
     created_at: datetime
+
+
+def checkpoint_dict(ck: Checkpoint) -> dict[str, Any]:
+    """A checkpoint's catalog record as a JSON-able dict (replicas included)."""
+    return {
+        "id": ck.id,
+        "ref": ck.ref,
+        "run": ck.run,
+        "step": ck.step,
+        "version": ck.version,
+        "state": str(ck.state),
+        "kind": ck.kind,
+        "base_id": ck.base_id,
+        "parent_id": ck.parent_id,
+        "created_at": ck.created_at.isoformat(),
+        "metrics": dict(ck.metrics),
+        "tags": list(ck.tags),
+        "logical_bytes": ck.logical_bytes,
+        "stored_bytes": ck.stored_bytes,
+        "codec": ck.codec,
+        "manifest_digest": ck.manifest_digest,
+        "lossy": ck.lossy,
+        "error_bound": ck.error_bound,
+        "lossy_scope": list(ck.lossy_scope),
+        "pinned": ck.pinned,
+        "aliases": list(ck.aliases),
+        "hosts": list(ck.hosts),
+        "replicas": [
+            {
+                "tier": r.tier,
+                "state": str(r.state),
+                "bytes": r.bytes,
+                "verified_at": r.verified_at.isoformat() if r.verified_at else None,
+                "manifest_digest": r.manifest_digest,
+            }
+            for r in ck.replicas
+        ],
+    }

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
-from ckptstore.errors import InvalidNameError
+from ckptstore.errors import InvalidNameError, UsageError
 from ckptstore.names import validate_metric_name, validate_name
 from ckptstore.numeric import MAX_INT32, MAX_INT64, is_decimal, parse_decimal
 
@@ -80,14 +80,23 @@ def parse_ref(text: object) -> Ref:
         The parsed :class:`Ref`.
 
     Raises:
-        InvalidNameError: If the text is not a valid reference.
+        UsageError: If the text is not a valid reference (an :class:`InvalidNameError`).
 
     Example:
         >>> parse_ref("exp1@best:val_loss:max").mode
         'max'
     """
+    try:
+        return _parse_ref(text)
+    except UsageError:
+        raise
+    except InvalidNameError as exc:  # a bad run or metric name inside it
+        raise UsageError(str(exc)) from None
+
+
+def _parse_ref(text: object) -> Ref:
     if not isinstance(text, str) or not text:
-        raise InvalidNameError(f"checkpoint reference must be a non-empty string, got {text!r}")
+        raise UsageError(f"checkpoint reference must be a non-empty string, got {text!r}")
     if "@" not in text:
         as_id = _as_uuid(text)
         if as_id is not None:
@@ -105,6 +114,9 @@ def parse_ref(text: object) -> Ref:
         return Ref(kind="step", text=text, run=run, step=step)
     if sel[:1] == "v" and is_decimal(sel[1:]):
         version = parse_decimal(sel[1:], "version", max_value=MAX_VERSION)
+        if version < 1:
+            raise UsageError(f"cannot parse checkpoint reference {text!r}: versions start at "
+                             f"v1 (run@v1 is a run's first checkpoint)")
         return Ref(kind="version", text=text, run=run, version=version)
     if sel.startswith("best:"):
         parts = sel.split(":")
@@ -113,7 +125,7 @@ def parse_ref(text: object) -> Ref:
             return Ref(
                 kind="best", text=text, run=run, metric=validate_metric_name(parts[1]), mode=mode
             )
-    raise InvalidNameError(
+    raise UsageError(
         f"cannot parse checkpoint reference {text!r}: use a uuid, an alias, run@latest, "
         "run@<step>, run@v<version>, run@best:<metric> or run@best:<metric>:max"
     )

@@ -141,7 +141,7 @@ def test_cli_prints_one_line_for_out_of_range_refs(
     for ref in ("h@99999999999999999999", f"h@v{MAX_VERSION + 1}"):
         code = main(["--store", root, "show", ref])
         err = capsys.readouterr().err
-        assert code == 1, err
+        assert code == 2, err  # a malformed reference is bad usage
         assert err.startswith("error:") and len(err.strip().splitlines()) == 1, err
         assert "out of range" in err, err
     code = main(["--store", root, "ls", "--limit", "99999999999999999999"])

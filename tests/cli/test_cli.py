@@ -78,9 +78,9 @@ def test_errors_and_exit_codes(filled: Path, capsys: pytest.CaptureFixture[str])
     code, _, err = run(capsys, "-s", str(filled), "show", "base@7")
     assert code == 1 and "error:" in err and "100" in err  # lists what exists
     code, _, err = run(capsys, "-s", str(filled), "ls", "--order-by", "step; DROP TABLE runs")
-    assert code == 1 and "order" in err.lower()
+    assert code == 2 and "order" in err.lower()  # bad usage
     code, _, err = run(capsys, "-s", str(filled), "ls", "--where", "loss<<2")
-    assert code == 1
+    assert code == 2
     code, _, err = run(capsys, "-s", str(filled), "show")
     assert code == 2
     code, _, err = run(capsys, "--no-such-option")

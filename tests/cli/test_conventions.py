@@ -91,6 +91,8 @@ def _record(doc: Any) -> bool:
 
 W = "{work}"  # replaced by the test's work directory
 CASES = [
+    Case("init", [f"{W}/new-store"], lambda d: d["created"] is True
+         and d["root"].endswith("/new-store") and d["hot"].endswith("/new-store/hot")),
     Case("ls", check=lambda d: isinstance(d, list) and all(_record(r) for r in d) and len(d) == 6),
     Case("show", ["base@latest"], lambda d: d["checkpoint"]["step"] == 100),
     Case("runs", check=lambda d: {r["name"] for r in d} >= {"base", "tuned"}),
@@ -251,6 +253,7 @@ def test_every_command_takes_the_global_options_after_its_name() -> None:
 def test_store_after_the_command_wins(filled: FilledStore, ckpt: Ckpt,
                                       tmp_path: Path) -> None:
     empty = tmp_path / "empty"
+    assert ckpt("init", empty).code == 0
     result = ckpt("ls", "--store", filled.root, "--json")
     assert result.code == 0 and len(json.loads(result.out)) == 6
     result = ckpt("--store", empty, "ls", "-s", filled.root, "--json")

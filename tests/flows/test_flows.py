@@ -28,7 +28,7 @@ def test_retention_flow_dry_run_then_real(flow_store: CheckpointStore) -> None:
     dry = retention_flow(store_root=root, keep_last=2, dry_run=True)
     assert dry["dry_run"] is True and dry["executed"] == []
     assert [a["checkpoint_id"] for a in dry["planned"]] == [ck.id for ck in saved[2::-1]]
-    assert "3 action(s)" in dry["plan_text"]
+    assert "3 actions" in dry["plan_text"]
     assert len(flow_store.list(run="r")) == 5
 
     real = retention_flow(store_root=root, keep_last=2)

@@ -105,7 +105,7 @@ def test_ckpt_tiers_command(
     assert ckpt_cli("--store", root, "tiers", "--probe", "--probe-mib", "2") == 0
     out = capsys.readouterr().out
     assert "hot" in out and "MB/s" in out and ("ok" in out or "slow" in out)
-    assert ckpt_cli("--store", root, "tiers", "--probe-mib", "0") == 1
+    assert ckpt_cli("--store", root, "tiers", "--probe-mib", "0") == 2  # bad usage
     assert "--probe-mib" in capsys.readouterr().err
 
 
@@ -118,6 +118,8 @@ def test_ckpt_tiers_fails_when_a_tier_is_down(
         f'root = "{tmp_path / "store"}"\n[tiers]\nwarm = "s3://absent-{uuid.uuid4().hex[:8]}/w"\n'
         f'[storage_options]\nendpoint_url = "{s3.endpoint_url}"\n'
     )
+    assert ckpt_cli("init", "--config", str(config)) == 0
+    capsys.readouterr()
     assert ckpt_cli("--config", str(config), "tiers") == 1
     captured = capsys.readouterr()
     assert "NO" in captured.out and "does not exist" in captured.err

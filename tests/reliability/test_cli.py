@@ -44,7 +44,7 @@ def test_sign_export_import_doctor(new_root: Any, tmp_path: Path, w: Any,
                         str(keys / "alice.pub"))
     assert code == 0 and "signature valid" in out
     code, _, err = _run(capsys, *s, "verify", "r@latest", "--signature")
-    assert code == 1 and "--pubkey" in err
+    assert code == 2 and "--pubkey" in err  # bad usage
     bundle = tmp_path / "ck.tar"
     code, out, _ = _run(capsys, *s, "export", "r@latest", "--out", str(bundle))
     assert code == 0 and bundle.is_file()

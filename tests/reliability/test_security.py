@@ -570,7 +570,7 @@ def test_numbers_no_column_holds_and_foreign_digits_are_refused(
             attempts += 1
             code = main(["--store", str(root), "show", ref])
             err = capsys.readouterr().err
-            assert code == 1 and err.startswith("error:"), err
+            assert code == 2 and err.startswith("error:"), err  # a malformed reference
             assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
         for kwargs in BAD_SAVES:
             attempts += 2

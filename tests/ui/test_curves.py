@@ -54,7 +54,7 @@ def test_run_page_draws_the_curve_with_checkpoints_and_alerts(
     assert "jumped" in svg and "nonfinite at step 15000" in svg
     # The downsampled curve still reaches the spike: the band's top is the spike's height.
     assert ">40</text>" in svg  # a y tick at the spike's height
-    assert "<td>40.0</td>" in body and 'class="alerts"' in body
+    assert '<td class="num">40</td>' in body and 'class="alerts"' in body
     # Links to overlay the other runs that have a curve (not delta, which has none).
     assert 'href="/compare?run=alpha&amp;run=beta"' in body
     assert 'href="/compare?run=alpha&amp;run=gamma"' in body

@@ -5,122 +5,37 @@ Exit codes: 0 success, 1 the operation failed (the message says why and what to 
 document on stdout, a failure included: ``{"error": {"type": ..., "message": ...}}`` with the
 same exit code.
 
-This module assembles the command: the root's global options, the command groups of the
-sibling modules (queries, labels, cleanup, settings, db, transfer, trust, overview, deltas,
-prefetch, remote) and :func:`main`, which turns errors into exit codes.
+This module is the entry point: :func:`main` runs the command and turns errors into exit
+codes. The command itself (the root's global options and every command group) is assembled
+in :mod:`ckptstore.cli.commands`, imported on first use, so that ``ckpt --version`` answers
+without importing typer or any command module.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
-from typing import Annotated
+from typing import TYPE_CHECKING, Any
 
-import typer
-
-from ckptstore.cli import (
-    cleanup,
-    db,
-    deltas,
-    labels,
-    lineage,
-    merge,
-    overview,
-    prefetch,
-    queries,
-    remote,
-    reproduce,
-    settings,
-    transfer,
-    trust,
-)
-from ckptstore.cli.common import State, configure_logging, install_global_options
-from ckptstore.cli.output import console, err_console, print_error, print_error_json
-from ckptstore.errors import CkptError, ThawPendingError
-from ckptstore.extras import extra_for, missing_extra
+if TYPE_CHECKING:
+    from ckptstore.cli.commands import app
 
 __all__ = ["app", "main"]
 
-app = typer.Typer(
-    name="ckpt",
-    help=(
-        "Manage PyTorch checkpoints: list, inspect, archive, prune, restore, convert.\n\n"
-        "The store is chosen by --store PATH (a directory holding catalog.db and hot/), "
-        "--config FILE (TOML; else $CKPT_CONFIG, else ./ckptstore.toml), and the CKPT_* "
-        "variables ($CKPT_ROOT, $CKPT_CATALOG_URL, ...); default ./ckpt. `ckpt config` "
-        "shows what was resolved. References: a uuid, run@latest, run@<step>, run@v<version>, "
-        "run@best:<metric>[:max] or an alias. The global options (--store, --config, "
-        "--verbose) go before or after the command name. Every command that prints a result "
-        "takes --json.\n\n"
-        "Exit codes: 0 done; 1 error (one line says what failed and what to do); 2 bad usage; "
-        f"{prefetch.EXIT_THAW_PENDING} the checkpoint's only copy is in GLACIER and is "
-        "thawing: retry later, or wait with `ckpt thaw REF --wait`."
-    ),
-    no_args_is_help=True,
-    # --install-completion / --show-completion: tab completion for bash, zsh, fish, pwsh.
-    add_completion=True,
-    rich_markup_mode=None,
-    pretty_exceptions_enable=False,
-)
+
+def __getattr__(name: str) -> Any:
+    # The typer app is built on first use (ckptstore.cli.commands): `ckpt --version` answers
+    # before typer and the command modules are imported.
+    if name == "app":
+        from ckptstore.cli.commands import app as built
+
+        return built
+    raise AttributeError(f"module 'ckptstore.cli.app' has no attribute {name!r}")
 
 
-def version_text() -> str:
-    """What ``ckpt --version`` prints: "ckpt" and the installed distribution's version."""
-    try:
-        version = importlib.metadata.version("ckptstore")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree
-        from ckptstore import __version__ as version
-    return f"ckpt {version}"
-
-
-def _print_version(value: bool) -> None:
-    if value:
-        console.print(version_text(), markup=False, highlight=False)
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    ctx: typer.Context,
-    store: Annotated[
-        str | None, typer.Option("--store", "-s", help="Store directory (default ./ckpt).")
-    ] = None,
-    config: Annotated[
-        str | None,
-        typer.Option("--config", "-c",
-                     help="TOML config file (default $CKPT_CONFIG, else ./ckptstore.toml)."),
-    ] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress.")] = False,
-    version: Annotated[
-        bool,
-        typer.Option("--version", callback=_print_version, is_eager=True,
-                     help="Print the version (ckpt <version>) and exit."),
-    ] = False,
-) -> None:
-    configure_logging(verbose)
-    ctx.obj = State(store=store, config=config, verbose=verbose)
-
-
-queries.register(app)
-labels.register(app)
-cleanup.register(app)
-settings.register(app)
-db.register(app)
-transfer.register(app)
-trust.register(app)
-overview.register(app)
-deltas.register(app)
-lineage.register(app)
-merge.register(app)
-reproduce.register(app)
-prefetch.register(app)
-remote.register(app)
-# Last, so that every command registered above gets them.
-install_global_options(app)
-# After them: `remote add` has a --config option of its own (the remote's config file).
-remote.register_remote_group(app)
+def _version_only(args: Sequence[str]) -> bool:
+    return list(args) == ["--version"]
 
 
 def _wants_json(args: Sequence[str]) -> bool:
@@ -134,6 +49,8 @@ def _wants_json(args: Sequence[str]) -> bool:
 
 
 def _fail(as_json: bool, kind: str, message: str, code: int) -> int:
+    from ckptstore.cli.output import print_error, print_error_json
+
     if as_json:
         print_error_json(kind, message)
     else:
@@ -144,12 +61,26 @@ def _fail(as_json: bool, kind: str, message: str, code: int) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ckpt``; returns the exit code instead of raising.
 
-    Usage errors exit 2; our own errors print one line saying what failed and what to do
-    (exit 1; exit 75 for a checkpoint still thawing from GLACIER) instead of a traceback;
-    a missing optional package names the extra to install.
+    Usage errors exit 2 (click's own, and our :class:`UsageError`: a malformed reference,
+    expression, option value or format); our own errors print one line saying what failed
+    and what to do (exit 1; exit 75 for a checkpoint still thawing from GLACIER) instead of
+    a traceback; a missing optional package names the extra to install.
     With ``--json`` both go to stdout as ``{"error": {"type": ..., "message": ...}}``.
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    if _version_only(args):
+        from ckptstore.cli.version import version_text
+
+        print(version_text())
+        return 0
+    import typer
+
+    from ckptstore.cli.commands import app
+    from ckptstore.cli.output import err_console, print_error_json
+    from ckptstore.cli.prefetch import EXIT_THAW_PENDING
+    from ckptstore.errors import CkptError, ThawPendingError, UsageError
+    from ckptstore.extras import extra_for, missing_extra
+
     as_json = _wants_json(args)
     try:
         command = typer.main.get_command(app)
@@ -167,8 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except typer.Abort:
         return _fail(as_json, "Aborted", "aborted", 1)
+    except UsageError as exc:  # a malformed reference, expression or option value
+        return _fail(as_json, type(exc).__name__, str(exc), 2)
     except ThawPendingError as exc:  # a temporary state, told apart so scripts can retry
-        return _fail(as_json, type(exc).__name__, str(exc), prefetch.EXIT_THAW_PENDING)
+        return _fail(as_json, type(exc).__name__, str(exc), EXIT_THAW_PENDING)
     except CkptError as exc:
         return _fail(as_json, type(exc).__name__, str(exc), 1)
     except ImportError as exc:  # an optional package that no library module checked for

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import functools
 import inspect
 import logging
@@ -10,35 +11,38 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 
 from ckptstore.config import Settings, load_settings
-from ckptstore.errors import InvalidNameError
+from ckptstore.errors import InvalidNameError, UsageError
 from ckptstore.numeric import MAX_INT64, decimal_or_none, float_or_none, parse_float
 from ckptstore.redact import RedactingFormatter
-from ckptstore.store import CheckpointStore
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
+    from ckptstore.catalog import Catalog
+    from ckptstore.records import Checkpoint, Event, RunInfo, UsageRow
+    from ckptstore.store import CheckpointStore
+
+# Imports of the store (zarr, torch) and of Prefect happen inside the commands that need
+# them: `ckpt --version`, `--help`, tab completion and the catalog queries (`ls`, `runs`,
+# `du`, `events`, `lineage`, `config`) never pay for them (tests/cli/test_startup.py).
 
 __all__ = [
     "State",
     "ascii_float",
     "ascii_int",
+    "check_usage",
     "configure_logging",
     "install_global_options",
+    "open_catalog",
     "open_store",
     "parse_where",
     "progress_bar",
+    "quiet_logger",
     "spinner",
     "with_global_options",
 ]
@@ -119,6 +123,7 @@ def with_global_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        check_usage(func, kwargs)
         store = kwargs.pop("global_store", None)
         config = kwargs.pop("global_config", None)
         verbose = kwargs.pop("global_verbose", False)
@@ -138,6 +143,56 @@ def with_global_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+#: Parameters that hold checkpoint references, by their name in every command.
+_REF_PARAMS = ("ref", "refs", "a", "b", "parent")
+#: Parameters that hold names of one kind, by their name in every command.
+_NAME_PARAMS = {"run": "run name", "tag": "tag", "best": "metric"}
+#: ``name`` parameters: what they name, by command function.
+_NAME_OF = {"alias_cmd": "alias", "keygen_cmd": "key name", "remote_add_cmd": "remote name",
+            "remote_rm_cmd": "remote name"}
+
+
+def check_usage(func: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    """Check the values a command was given that can be checked without a store.
+
+    References, run names, tags, aliases, codec names: a malformed one is bad usage
+    (:class:`UsageError`, exit 2), told apart from a well-formed request that then fails
+    (a run that does not exist, exit 1). Checked before anything is opened.
+
+    Raises:
+        UsageError: Naming the value and what is allowed.
+    """
+    from ckptstore.config import CODECS
+    from ckptstore.names import validate_metric_name, validate_name
+    from ckptstore.refs import parse_ref
+
+    def each(value: Any) -> list[Any]:
+        if value is None:
+            return []
+        return list(value) if isinstance(value, list | tuple) else [value]
+
+    try:
+        for param in _REF_PARAMS:
+            for value in each(kwargs.get(param)):
+                parse_ref(value)
+        for param, what in _NAME_PARAMS.items():
+            for value in each(kwargs.get(param)):
+                if what == "metric":
+                    validate_metric_name(value)
+                else:
+                    validate_name(value, what)
+        named = _NAME_OF.get(func.__name__)
+        if named is not None:
+            validate_name(kwargs.get("name"), named)
+    except InvalidNameError as exc:
+        raise UsageError(str(exc)) from None
+    codec = kwargs.get("codec")
+    if isinstance(codec, str) and codec not in CODECS:
+        raise UsageError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+    if kwargs.get("pool") == "":
+        raise UsageError("work pool name is empty; pass --pool NAME")
+
+
 def install_global_options(app: typer.Typer) -> None:
     """Wrap every command of ``app`` (and of its sub-apps) with :func:`with_global_options`."""
     for info in app.registered_commands:
@@ -149,14 +204,73 @@ def install_global_options(app: typer.Typer) -> None:
 
 
 @contextmanager
-def open_store(ctx: typer.Context) -> Iterator[CheckpointStore]:
-    """Open the store selected by the global options and close it afterwards."""
+def open_store(ctx: typer.Context, *, create: bool = False) -> Iterator[CheckpointStore]:
+    """Open the store selected by the global options and close it afterwards.
+
+    Args:
+        ctx: The command's context (its :class:`State`).
+        create: Create the store when there is none: only for the commands that bring
+            checkpoints in (``import``, ``import-bundle``) and ``init``. Every other command
+            fails with "no store at PATH" instead, so a mistyped path creates nothing.
+    """
+    from ckptstore.store import CheckpointStore
+
     state: State = ctx.obj
-    store = CheckpointStore.open(state.store, config=state.config)
+    store = CheckpointStore.open(state.store, config=state.config, create=create)
     try:
         yield store
     finally:
         store.close()
+
+
+class CatalogView:
+    """What the catalog queries need of a store, without the store: its settings and its
+    catalog, and the store's query methods, which only read the catalog.
+
+    Opening it imports neither the format layer (zarr, torch) nor the tiers, so ``ckpt ls``
+    answers in about the time the catalog takes.
+    """
+
+    def __init__(self, settings: Settings, catalog: Catalog) -> None:
+        self.settings = settings
+        self.catalog = catalog
+
+    def list(self, **filters: Any) -> builtins.list[Checkpoint]:
+        """As :meth:`CheckpointStore.list`."""
+        return self.catalog.list(**filters)
+
+    def get(self, ref: str) -> Checkpoint:
+        """As :meth:`CheckpointStore.get`."""
+        return self.catalog.get(ref)
+
+    def runs(self) -> builtins.list[RunInfo]:
+        """As :meth:`CheckpointStore.runs`."""
+        return self.catalog.runs()
+
+    def usage(self) -> builtins.list[UsageRow]:
+        """As :meth:`CheckpointStore.usage`."""
+        return self.catalog.usage()
+
+    def events(self, ref: str | None = None, **kw: Any) -> builtins.list[Event]:
+        """As :meth:`CheckpointStore.events`."""
+        return self.catalog.events(ref, **kw)
+
+
+@contextmanager
+def open_catalog(ctx: typer.Context) -> Iterator[CatalogView]:
+    """Open only the catalog of the store selected by the global options (an existing store:
+    "no store at PATH" otherwise), for the commands that only query it."""
+    from ckptstore.catalog import Catalog
+    from ckptstore.catalog.presence import require_store
+
+    state: State = ctx.obj
+    settings = state.settings()
+    require_store(settings)
+    catalog = Catalog(settings.resolved_catalog_url)
+    try:
+        yield CatalogView(settings, catalog)
+    finally:
+        catalog.close()
 
 
 _WHERE = re.compile(
@@ -194,16 +308,19 @@ def parse_where(text: str) -> tuple[str, tuple[str, float]]:
     """Parse a metric filter such as ``loss<2.0`` into ``("loss", ("<", 2.0))``.
 
     Raises:
-        InvalidNameError: If the text is not ``<metric><op><number>``.
+        UsageError: If the text is not ``<metric><op><number>``.
     """
     match = _WHERE.match(text)
     if not match:
-        raise InvalidNameError(
+        raise UsageError(
             f"cannot parse --where {text!r}: write <metric><op><number> with op one of "
             "< <= > >= == !=, e.g. --where 'loss<2.0'"
         )
-    return match.group(1), (match.group(2), parse_float(match.group(3), f"--where {text!r}",
-                                                        finite=False))
+    try:
+        value = parse_float(match.group(3), f"--where {text!r}", finite=False)
+    except InvalidNameError as exc:
+        raise UsageError(str(exc)) from None
+    return match.group(1), (match.group(2), value)
 
 
 class _Bar:
@@ -244,6 +361,16 @@ def progress_bar(
     if not enabled or not sys.stderr.isatty():
         yield _Bar(None, None)
         return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     columns: list[Any] = ["[progress.description]{task.description}", BarColumn()]
     if unit == "bytes":
         columns += [DownloadColumn(), TransferSpeedColumn()]
@@ -256,6 +383,20 @@ def progress_bar(
 
 
 @contextmanager
+def quiet_logger(name: str, *, unless: bool = False) -> Iterator[None]:
+    """Hold back the warnings of logger ``name`` (errors still show) while a command prints
+    the same findings in its own report; ``unless`` (``--verbose``) keeps them."""
+    logger = logging.getLogger(name)
+    before = logger.level
+    if not unless:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
+
+
+@contextmanager
 def spinner(description: str, *, enabled: bool = True) -> Iterator[None]:
     """A live "working..." line for steps without a byte count (verify, prune).
 
@@ -264,5 +405,7 @@ def spinner(description: str, *, enabled: bool = True) -> Iterator[None]:
     if not enabled or not sys.stderr.isatty():
         yield
         return
+    from rich.console import Console
+
     with Console(stderr=True).status(description):
         yield

@@ -34,8 +34,12 @@ def db_current(ctx: typer.Context, as_json: TextJsonOpt = False) -> None:
     JSON: {"catalog": URL (password masked), "revision": revision id, null when empty}.
     """
     from ckptstore.catalog import mask_url, migrate
+    from ckptstore.catalog.presence import require_store
 
-    url = ctx.obj.settings().resolved_catalog_url
+    settings = ctx.obj.settings()
+    # A missing embedded catalog is "no store at PATH", not a new, empty file to report on.
+    require_store(settings, connect=False)
+    url = settings.resolved_catalog_url
     revision = migrate.current(url)
     if as_json:
         print_json({"catalog": mask_url(url), "revision": revision})

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -12,9 +12,13 @@ from ckptstore.cli.output import (
     LS_COLUMNS,
     checkpoint_row,
     console,
+    err_console,
     print_json,
     print_table,
 )
+
+if TYPE_CHECKING:
+    from ckptstore.records import Checkpoint
 
 __all__ = ["compact_cmd", "diff_cmd", "register"]
 
@@ -72,19 +76,48 @@ def compact_cmd(
 
     The new version reads no other checkpoint's chunks (its bases may then be pruned) and
     gets a converted-from edge from the source. Running it again returns the same version.
+    Nothing moves silently: a note says when run@latest now names the new version, and
+    which aliases and pin stay with the source.
 
-    JSON: the compacted checkpoint's record (keys as in `ckpt ls --json`).
+    JSON: the compacted checkpoint's record (keys as in `ckpt ls --json`) and "notes".
     """
-    from ckptstore.ops.reading.show import checkpoint_dict
     from ckptstore.ops.upkeep.compact import compact_checkpoint
+    from ckptstore.records import checkpoint_dict
 
     with open_store(ctx) as store, progress_bar(f"compacting {ref}",
                                                 enabled=not as_json) as advance:
+        src = store.get(ref)
+        latest_before = store.get(f"{src.run}@latest")
         new = compact_checkpoint(store, ref, progress=advance)
+        latest_after = store.get(f"{src.run}@latest")
+    notes = _compact_notes(src, new, latest_before, latest_after)
     if as_json:
-        print_json(checkpoint_dict(new))
+        print_json({**checkpoint_dict(new), "notes": notes})
         return
     print_table(LS_COLUMNS, [checkpoint_row(new)], no_wrap=("checkpoint", "step", "stored"))
+    for note in notes:
+        err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _compact_notes(src: Checkpoint, new: Checkpoint, latest_before: Checkpoint,
+                   latest_after: Checkpoint) -> list[str]:
+    """What a compaction changed besides adding a version, said out loud: ``@latest`` now
+    naming the new version, and the aliases and pin that stay with the source."""
+    if new.id == src.id:
+        return []
+    notes = []
+    if latest_after.id != latest_before.id:
+        notes.append(f"{src.run}@latest now names {latest_after.ref} (was "
+                     f"{latest_before.ref}); load a version by name (run@vN) or an alias "
+                     "to keep reading the one you chose")
+    if src.aliases:
+        notes.append(f"alias{'es' if len(src.aliases) > 1 else ''} "
+                     f"{', '.join(src.aliases)} still name{'' if len(src.aliases) > 1 else 's'} "
+                     f"{src.ref}; move {'them' if len(src.aliases) > 1 else 'it'} with "
+                     f"`ckpt alias {new.ref} NAME` if the compacted copy should be used")
+    if src.pinned:
+        notes.append(f"{src.ref} stays pinned; {new.ref} is not (`ckpt pin {new.ref}`)")
+    return notes
 
 
 def register(app: typer.Typer) -> None:

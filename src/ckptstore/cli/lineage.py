@@ -15,9 +15,9 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from ckptstore.cli.common import open_store
+from ckptstore.cli.common import open_catalog
 from ckptstore.cli.output import checkpoint_json, console, print_json
-from ckptstore.errors import InvalidNameError
+from ckptstore.errors import UsageError
 
 __all__ = ["lineage_cmd", "register", "render_dot", "render_mermaid", "render_tree"]
 
@@ -47,8 +47,8 @@ def lineage_cmd(
     `ckpt ls --json`.
     """
     if fmt not in FORMATS:
-        raise InvalidNameError(f"unknown --format {fmt!r}; use tree, dot or mermaid")
-    with open_store(ctx) as store:
+        raise UsageError(f"unknown --format {fmt!r}; use tree, dot or mermaid")
+    with open_catalog(ctx) as store:
         graph = store.catalog.lineage_graph(ref, descendants=descendants)
     refs = {ck.id: ck.ref for ck in [graph.root, *graph.nodes]}
     edges = [_edge(link, refs) for link in graph.links]

@@ -122,7 +122,6 @@ def checkpoint_row(ck: Checkpoint, *, wide: bool = False) -> list[str]:
 
 def checkpoint_json(ck: Checkpoint) -> dict[str, Any]:
     """A checkpoint as ``ckpt ls --json`` prints it (the record every command shares)."""
-    # Imported here: the operations are loaded only by the commands that print a record.
-    from ckptstore.ops.reading.show import checkpoint_dict
+    from ckptstore.records import checkpoint_dict
 
     return checkpoint_dict(ck)

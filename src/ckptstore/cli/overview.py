@@ -14,8 +14,7 @@ import typer
 
 from ckptstore.cli.common import ascii_int, open_store
 from ckptstore.cli.output import console, err_console, human_bytes, print_json, print_table
-from ckptstore.errors import InvalidNameError
-from ckptstore.ops.reading.show import hosts_overview
+from ckptstore.errors import UsageError
 
 __all__ = ["register"]
 
@@ -63,7 +62,7 @@ def tiers_cmd(
     from ckptstore.observability.tiers import tier_statuses
 
     if probe_mib is not None and not 1 <= probe_mib <= 4096:
-        raise InvalidNameError(f"--probe-mib must be between 1 and 4096, got {probe_mib}")
+        raise UsageError(f"--probe-mib must be between 1 and 4096, got {probe_mib}")
     with open_store(ctx) as store:
         statuses = tier_statuses(
             store.settings,
@@ -72,6 +71,8 @@ def tiers_cmd(
             probe=probe,
             probe_bytes=probe_mib * 2**20 if probe_mib else None,
         )
+        from ckptstore.ops.reading.show import hosts_overview
+
         host_rows = hosts_overview(store) if hosts else []
     healthy = all(s.reachable for s in statuses)
     if as_json:
@@ -167,7 +168,7 @@ def report_cmd(
     from ckptstore.ui.report import write_report
 
     if max_checkpoints < 0:
-        raise InvalidNameError(f"--max-checkpoints must be >= 0, got {max_checkpoints}")
+        raise UsageError(f"--max-checkpoints must be >= 0, got {max_checkpoints}")
     with open_store(ctx) as store:
         path = write_report(store, html, max_checkpoints=max_checkpoints)
     if as_json:

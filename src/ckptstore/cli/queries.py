@@ -7,28 +7,33 @@ document for scripts; none of them changes the store.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ckptstore.cli.common import ascii_int, open_store, parse_where
+from ckptstore.cli.common import ascii_int, open_catalog, open_store, parse_where
 from ckptstore.cli.merge import merge_rows
 from ckptstore.cli.output import (
-    LS_COLUMNS,
-    LS_WIDE_COLUMNS,
     checkpoint_json,
-    checkpoint_row,
+    console,
     err_console,
     human_bytes,
     print_json,
     print_table,
 )
 from ckptstore.cli.reproduce import context_rows, runs_diff_cmd
+from ckptstore.errors import UsageError
+
+if TYPE_CHECKING:
+    from ckptstore.records import Checkpoint
 
 __all__ = [
     "du_cmd",
     "events_cmd",
     "ls_cmd",
+    "ls_columns",
+    "ls_row",
     "register",
     "runs_cmd",
     "show_cmd",
@@ -63,9 +68,14 @@ def ls_cmd(
         int | None, typer.Option(parser=ascii_int, help="At most this many rows.")
     ] = None,
     wide: Annotated[bool, typer.Option("--wide", "-w", help="Also show time and id.")] = False,
+    columns: Annotated[str | None, typer.Option(
+        "--columns",
+        help="Comma-separated columns to show, in order: checkpoint, step, stored, logical, "
+             "tiers, tags, kind, created, id, and metric names (default: the fixed columns "
+             "and every metric that fits the terminal).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """List committed checkpoints.
+    """List committed checkpoints, one column per metric (as many as fit; --columns picks).
 
     JSON: a list of records with id, ref, run, step, version, state, kind, base_id,
     parent_id, created_at, metrics, tags, logical_bytes, stored_bytes, codec,
@@ -76,7 +86,7 @@ def ls_cmd(
     configs = [w for w in (where or []) if w.lstrip().startswith("config.")]
     metrics = dict(parse_where(w) for w in (where or []) if w not in configs)
     step_range = (min_step, max_step) if min_step is not None or max_step is not None else None
-    with open_store(ctx) as store:
+    with open_catalog(ctx) as store:
         items = store.list(
             run=run,
             experiment=experiment,
@@ -94,11 +104,64 @@ def ls_cmd(
     if not items:
         err_console.print("no checkpoints match")
         return
-    print_table(
-        LS_WIDE_COLUMNS if wide else LS_COLUMNS,
-        (checkpoint_row(c, wide=wide) for c in items),
-        no_wrap=("checkpoint", "step", "stored", "id", "created"),
-    )
+    chosen, hidden = ls_columns(items, columns, wide=wide, width=console.width)
+    print_table(chosen, (ls_row(c, chosen) for c in items),
+                no_wrap=[c for c in chosen if c != "tags"])
+    if hidden:
+        err_console.print(f"not shown: {', '.join(hidden)} (choose columns with --columns)",
+                          markup=False, highlight=False, soft_wrap=True)
+
+
+#: What ``ckpt ls --columns`` accepts besides metric names, and how each cell reads.
+_LS_CELLS: dict[str, Callable[[Checkpoint], str]] = {
+    "checkpoint": lambda c: c.ref,
+    "step": lambda c: str(c.step),
+    "stored": lambda c: human_bytes(c.stored_bytes),
+    "logical": lambda c: human_bytes(c.logical_bytes),
+    "tiers": lambda c: ",".join(c.tiers) or "-",
+    "tags": lambda c: " ".join([*c.tags, *(["pinned"] if c.pinned else []),
+                                *(f"={a}" for a in c.aliases)]),
+    "kind": lambda c: c.kind,
+    "created": lambda c: c.created_at.strftime("%Y-%m-%d %H:%M"),
+    "id": lambda c: c.id,
+}
+# Room a metric column takes (header or a 4-significant-digit value, and the gap).
+_METRIC_WIDTH = 11
+
+
+def ls_columns(items: Sequence[Checkpoint], columns: str | None, *, wide: bool,
+               width: int) -> tuple[list[str], list[str]]:
+    """The columns ``ckpt ls`` shows, and the metrics left out for want of room.
+
+    Raises:
+        UsageError: For a column that is neither a fixed one nor a metric of the rows.
+    """
+    metrics = sorted({name for c in items for name in c.metrics})
+    if columns is not None:
+        chosen = [c.strip() for c in columns.split(",") if c.strip()]
+        unknown = [c for c in chosen if c not in _LS_CELLS and c not in metrics]
+        if unknown or not chosen:
+            raise UsageError(
+                f"--columns: unknown column {', '.join(unknown) or '(none given)'}; use "
+                f"{', '.join(_LS_CELLS)}" + (f" or a metric ({', '.join(metrics)})"
+                                             if metrics else ""))
+        return chosen, []
+    fixed = ["checkpoint", "step", "stored", "tiers"]
+    tail = ["tags", *(["created", "id"] if wide else [])]
+    # Widths of the fixed columns as the rows fill them, so the metrics get the rest.
+    used = sum(max(len(name), *(len(_LS_CELLS[name](c)) for c in items)) + 2
+               for name in [*fixed, *tail])
+    room = max(1, (width - used) // _METRIC_WIDTH) if not wide else len(metrics)
+    shown = metrics[:room]
+    return [*fixed, *shown, *tail], metrics[len(shown):]
+
+
+def ls_row(ck: Checkpoint, columns: Sequence[str]) -> list[str]:
+    """One row of ``ckpt ls``: the chosen columns' cells (a metric this checkpoint lacks:
+    "-"; values rounded to 4 significant digits, exact in --json)."""
+    return [_LS_CELLS[name](ck) if name in _LS_CELLS
+            else (f"{ck.metrics[name]:.4g}" if name in ck.metrics else "-")
+            for name in columns]
 
 
 def show_cmd(
@@ -115,7 +178,9 @@ def show_cmd(
     data_version, python, torch, cuda, cudnn, platform, packages, lock, env, rng_seeds,
     world_size, notes; null when none was recorded),
     "manifest": format_version, codec, kind, tensors, dtypes, arrays, chunks, logical_bytes,
-    stored_bytes, delta (or {"error": ...}), "tensors" with --tensors: [key, dtype, shape],
+    stored_bytes, delta (or {"error": ...}), "copies": per copy tier, state, self_contained
+    and reads (refs of the checkpoints whose chunks it reads), "tensors" with --tensors:
+    [key, dtype, shape],
     "parts" for a checkpoint saved across hosts: every copy of every host's part (tier, part,
     stored_on (null on a shared tier), state, bytes, files, verified_at), "merge" for a
     merged checkpoint: method, accumulate, keys, weights_from_metric, inputs (id, ref,
@@ -146,6 +211,7 @@ def show_cmd(
         ("tags", ", ".join(ck["tags"]) or "-"),
         ("pinned / aliases", f"{ck['pinned']} / {', '.join(ck['aliases']) or '-'}"),
         ("replicas", ", ".join(f"{r['tier']}:{r['state']}" for r in ck["replicas"]) or "-"),
+        *_copy_rows(info.get("copies") or []),
         *_part_rows(ck, info.get("parts") or []),
         ("lossy", f"yes, max abs error {ck['error_bound']} in {', '.join(ck['lossy_scope'])}"
                   if ck["lossy"] else "no"),
@@ -175,6 +241,17 @@ def show_cmd(
             ["tensor", "dtype", "shape"],
             ((t["key"], t["dtype"], t["shape"]) for t in info["tensors"]),
         )
+
+
+def _copy_rows(copies: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """One ``ckpt show`` row: per copy, self-contained or the checkpoints it reads."""
+    if not copies:
+        return []
+    text = "; ".join(
+        f"{c['tier']}: " + ("self-contained" if c["self_contained"]
+                            else f"reads chunks of {', '.join(c['reads'])}")
+        for c in copies)
+    return [("copies", text)]
 
 
 def _part_rows(ck: dict[str, Any], parts: list[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -225,7 +302,7 @@ def runs_cmd(
             raise typer.BadParameter("write `ckpt runs` or `ckpt runs diff A B`")
         runs_diff_cmd(ctx, a, b, as_json=as_json)
         return
-    with open_store(ctx) as store:
+    with open_catalog(ctx) as store:
         runs = store.runs()
     if as_json:
         print_json(runs)
@@ -245,7 +322,7 @@ def du_cmd(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
     JSON: a list of rows with run, tier, checkpoints, bytes.
     """
-    with open_store(ctx) as store:
+    with open_catalog(ctx) as store:
         rows = store.usage()
     if as_json:
         print_json(rows)
@@ -272,7 +349,7 @@ def events_cmd(
 
     JSON: a list of events with kind, at, checkpoint_id, actor, detail, run.
     """
-    with open_store(ctx) as store:
+    with open_catalog(ctx) as store:
         events = store.events(ref, limit=limit)
     if as_json:
         print_json(events)

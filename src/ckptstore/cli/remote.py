@@ -9,18 +9,21 @@ global options go before ``remote`` there.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ckptstore.cli.common import open_store, progress_bar, with_global_options
-from ckptstore.cli.output import console, human_bytes, print_json, print_table
+from ckptstore.cli.common import check_usage, open_store, progress_bar, with_global_options
+from ckptstore.cli.output import console, print_json, print_table
 from ckptstore.cli.trust import DecryptKeyOpt, EncryptToOpt
-from ckptstore.core import StoreCore
 from ckptstore.errors import CheckpointNotFoundError
+
+if TYPE_CHECKING:
+    from ckptstore.core import StoreCore
 
 __all__ = ["register", "register_remote_group"]
 
@@ -144,7 +147,7 @@ def _show(report: Any, as_json: bool) -> None:
     if as_json:
         print_json(report.to_json())
         return
-    console.print(report.summary() + f" ({human_bytes(report.bytes_sent)})", markup=False,
+    console.print(report.summary(), markup=False,
                   highlight=False)
     for ckpt_id, refs in getattr(report, "lineage_elsewhere", {}).items():
         kept = ", ".join(f"{r['kind']} {r['checkpoint']}" for r in refs)
@@ -300,11 +303,23 @@ def register(app: typer.Typer) -> None:
     app.command("sync")(sync_cmd)
 
 
+def _checked(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` with its arguments checked first (:func:`check_usage`); for the one command
+    that takes no global options after its name."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        check_usage(func, kwargs)
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
 def register_remote_group(app: typer.Typer) -> None:
     """Add the ``remote`` group; call it after the global options are installed."""
     group = typer.Typer(help="Other stores to push to and pull from (add, ls, rm).",
                         no_args_is_help=True)
-    group.command("add")(remote_add_cmd)
+    group.command("add")(_checked(remote_add_cmd))
     group.command("ls")(with_global_options(remote_ls_cmd))
     group.command("rm")(with_global_options(remote_rm_cmd))
     app.add_typer(group, name="remote")

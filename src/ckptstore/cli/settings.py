@@ -22,15 +22,20 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a t
 def config_cmd(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     """Print the resolved settings and where each came from (argument, env, file, default).
 
+    Fails (exit 1) where the settings point at no store: an embedded catalog that does not
+    exist (`ckpt init` creates one). A catalog server is not contacted.
+
     Passwords in URLs and credential-like storage options are masked.
 
     JSON: {"config": {"path", "found_by"}, "settings": {name: {"value", "from", "detail"}}}.
     """
+    from ckptstore.catalog.presence import require_store
     from ckptstore.config import resolve_settings
 
     state: State = ctx.obj
     resolved = resolve_settings(state.config, root=state.store)
     settings = resolved.settings
+    require_store(settings, connect=False)  # a catalog server is not contacted
     report: dict[str, dict[str, Any]] = {}
     for name, origin in resolved.origins.items():
         value = getattr(settings, name)

@@ -14,10 +14,17 @@ from typing import Annotated, Any
 
 import typer
 
-from ckptstore.cli.common import ascii_float, ascii_int, open_store, progress_bar, spinner
+from ckptstore.cli.common import (
+    ascii_float,
+    ascii_int,
+    open_store,
+    progress_bar,
+    quiet_logger,
+    spinner,
+)
 from ckptstore.cli.output import console, err_console, human_bytes, print_json
-from ckptstore.errors import InvalidNameError
-from ckptstore.numeric import decimal_or_none, float_or_none
+from ckptstore.errors import UsageError
+from ckptstore.numeric import counted, decimal_or_none, float_or_none
 
 __all__ = ["register"]
 
@@ -141,7 +148,7 @@ def prune_cmd(
             parts = keep_best.split(":")
             count = decimal_or_none(parts[2]) if len(parts) == 3 else None
             if count is None or parts[1] not in ("min", "max"):
-                raise InvalidNameError(
+                raise UsageError(
                     f"--keep-best {keep_best!r}: write METRIC:min|max:N, e.g. val_loss:min:3"
                 )
             overrides["keep_best"] = (parts[0], parts[1], count)
@@ -180,8 +187,8 @@ def restore_cmd(
 
     JSON: {"checkpoint": the record (keys as in `ckpt ls --json`), "path": where it is now}.
     """
-    from ckptstore.ops.reading.show import checkpoint_dict
     from ckptstore.ops.tiering.restore import restore_checkpoint
+    from ckptstore.records import checkpoint_dict
 
     with open_store(ctx) as store:
         ck = store.get(ref)
@@ -227,7 +234,7 @@ def verify_cmd(
         from ckptstore.ops.sharing.signing import verify_signature
 
         if ref is None or pubkey is None:
-            raise InvalidNameError("--signature needs a checkpoint reference and --pubkey PATH")
+            raise UsageError("--signature needs a checkpoint reference and --pubkey PATH")
         with open_store(ctx) as store:
             verify_signature(store, ref, pubkey, deep=True)
             ck = store.get(ref)
@@ -238,14 +245,17 @@ def verify_cmd(
         console.print(f"{ref}: signature valid ({pubkey})")
         return
     if ref is None and not all_:
-        raise InvalidNameError("give a checkpoint reference or --all")
-    with open_store(ctx) as store, spinner("verifying replicas", enabled=not as_json):
+        raise UsageError("give a checkpoint reference or --all")
+    # The report below names every damaged copy once; the library's own warnings about the
+    # same copies (for logs of scheduled runs) would repeat it: shown only with --verbose.
+    with open_store(ctx) as store, spinner("verifying replicas", enabled=not as_json), \
+            quiet_logger("ckptstore.ops.upkeep.verify", unless=ctx.obj.verbose):
         report = verify_replicas(store, ref=ref, tier=tier, repair=repair)
     if as_json:
         print_json(_summary(report))
     else:
         console.print(
-            f"checked {len(report.checked)} replica(s): {len(report.ok)} intact, "
+            f"checked {counted(len(report.checked), 'replica')}: {len(report.ok)} intact, "
             f"{len(report.damaged)} damaged, {len(report.repaired)} repaired, "
             f"{len(report.unrepaired)} unrepaired, {len(report.skipped)} skipped"
         )
@@ -293,10 +303,10 @@ def convert_cmd(
 
     fmt = "pt" if fmt == "pytorch" else fmt
     if fmt not in ("pt", "safetensors", "hf", "dcp"):
-        raise InvalidNameError(f"unknown --format {fmt!r}; use pt, safetensors, hf or dcp")
+        raise UsageError(f"unknown --format {fmt!r}; use pt, safetensors, hf or dcp")
     if input_dir is not None:
         if output_dir is None:
-            raise InvalidNameError("--input-dir needs --output-dir")
+            raise UsageError("--input-dir needs --output-dir")
         from ckptstore.convert.directory import convert_directory
 
         outputs = convert_directory(input_dir, output_dir, fmt)
@@ -309,7 +319,7 @@ def convert_cmd(
             console.print(f"wrote {path}")
         return
     if ref is not None and codec is not None:
-        from ckptstore.ops.reading.show import checkpoint_dict
+        from ckptstore.records import checkpoint_dict
 
         with open_store(ctx) as store:
             new = convert.convert_checkpoint(store, ref, codec=codec)
@@ -319,7 +329,7 @@ def convert_cmd(
         console.print(f"{ref} re-encoded with {codec} as {new.ref} ({new.id})")
         return
     if ref is None or out is None:
-        raise InvalidNameError("give a checkpoint reference and --out PATH (or --input-dir)")
+        raise UsageError("give a checkpoint reference and --out PATH (or --input-dir)")
     with open_store(ctx) as store:
         ck = store.get(ref)
         with progress_bar(f"converting {ck.ref}", ck.logical_bytes,
@@ -360,8 +370,8 @@ def import_cmd(
 
     JSON: the new checkpoint's record (keys as in `ckpt ls --json`).
     """
-    from ckptstore.ops.reading.show import checkpoint_dict
     from ckptstore.ops.upkeep.convert import import_checkpoint
+    from ckptstore.records import checkpoint_dict
 
     metrics: dict[str, float] = {}
     for item in metric or []:
@@ -372,8 +382,8 @@ def import_cmd(
         else:
             metrics[name] = number
         if not sep:
-            raise InvalidNameError(f"--metric {item!r}: write NAME=VALUE, e.g. loss=1.25")
-    with open_store(ctx) as store, progress_bar(f"importing {path.name}",
+            raise UsageError(f"--metric {item!r}: write NAME=VALUE, e.g. loss=1.25")
+    with open_store(ctx, create=True) as store, progress_bar(f"importing {path.name}",
                                                 enabled=not as_json) as advance:
         ck = import_checkpoint(
             store, path, run=run, step=step, fmt=fmt, tags=tuple(tag or ()),

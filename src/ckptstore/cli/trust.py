@@ -121,8 +121,12 @@ def export_cmd(
     encrypt_to: EncryptToOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Write a checkpoint (and its signature, if any) as one bundle file; with
-    --encrypt-to, as an encrypted bundle only those keys' holders can import.
+    """Write a checkpoint (and its signature, if any) as one self-contained bundle file;
+    with --encrypt-to, as an encrypted bundle only those keys' holders can import.
+
+    A checkpoint that reads chunks of others (an unchanged tensor deduplicated against an
+    earlier save, a delta) is bundled with those chunks: `ckpt import-bundle` in another
+    store gets the same bytes, bit for bit.
 
     JSON: {"ref", "id", "path": the bundle, "bytes": its size, "encrypted"}.
     """
@@ -162,11 +166,11 @@ def import_bundle_cmd(
 
     JSON: the imported checkpoint's record (keys as in `ckpt ls --json`).
     """
-    from ckptstore.ops.reading.show import checkpoint_dict
     from ckptstore.ops.sharing.bundle import import_bundle
     from ckptstore.ops.sharing.sealed import decryption_key_path, import_sealed, is_sealed_bundle
+    from ckptstore.records import checkpoint_dict
 
-    with open_store(ctx) as store, progress_bar(f"importing {path.name}",
+    with open_store(ctx, create=True) as store, progress_bar(f"importing {path.name}",
                                                 enabled=not as_json) as advance:
         if is_sealed_bundle(path):
             ck = import_sealed(store, path,

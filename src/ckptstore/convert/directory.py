@@ -26,7 +26,7 @@ from ckptstore.convert.readers import (
 )
 from ckptstore.convert.safetensors import HF_INDEX_NAME, TensorSpec, hf_name_map
 from ckptstore.convert.writers import staged_output, write_hf, write_pt, write_safetensors
-from ckptstore.errors import InvalidNameError
+from ckptstore.errors import InvalidNameError, UsageError
 from ckptstore.format.flatten import flatten_state
 
 __all__ = ["DIRECTORY_FORMATS", "check_format", "convert_directory"]
@@ -48,7 +48,7 @@ def check_format(fmt: str, allowed: Sequence[str] = FORMATS) -> str:
     """
     name = "pt" if fmt == "pytorch" else fmt
     if name not in allowed:
-        raise InvalidNameError(f"unknown format {fmt!r}; use one of {', '.join(allowed)}")
+        raise UsageError(f"unknown format {fmt!r}; use one of {', '.join(allowed)}")
     return name
 
 

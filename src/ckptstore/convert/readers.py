@@ -25,6 +25,7 @@ from ckptstore.errors import (
     InvalidNameError,
     StorageError,
     UnsafeObjectError,
+    UsageError,
 )
 from ckptstore.extras import require
 from ckptstore.format.flatten import unflatten_state
@@ -286,4 +287,4 @@ def read_source(path: Path, fmt: str | None = None) -> Source:
         if not is_dcp_dir(path):
             raise StorageError(f"{path} is not a DCP folder (no .metadata inside)")
         return Source(read_dcp(path), fmt)
-    raise InvalidNameError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
+    raise UsageError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")

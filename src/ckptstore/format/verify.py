@@ -17,6 +17,7 @@ from ckptstore.format.codecs import TRAILER, crc32c_update
 from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME
 from ckptstore.format.manifest import ArrayEntry, FileEntry, Manifest
 from ckptstore.format.zarrcheck import check_zarr_metadata
+from ckptstore.numeric import counted
 
 __all__ = ["chunk_files", "verify_checkpoint"]
 
@@ -59,6 +60,7 @@ def verify_checkpoint(
     locate: Locate | None = None,
     deep: bool = True,
     metadata: bool = True,
+    committed: bool = True,
 ) -> list[str]:
     """Check that every file the checkpoint needs is present and intact.
 
@@ -70,6 +72,8 @@ def verify_checkpoint(
             files exist with the recorded sizes.
         metadata: Also check every ``zarr.json`` against the manifest (False: a caller that
             reports metadata problems apart, like doctor).
+        committed: Also require the commit marker (False: a copy checked before its marker
+            is written, such as an import in progress).
 
     Returns:
         One line per problem, e.g. ``"tensor model/w chunk float32/c/3: crc32c mismatch"``;
@@ -77,7 +81,7 @@ def verify_checkpoint(
     """
     directory = Path(directory)
     problems: list[str] = []
-    for rel in [*manifest.metadata_files(), MANIFEST_NAME, COMMIT_NAME]:
+    for rel in [*manifest.metadata_files(), MANIFEST_NAME, *([COMMIT_NAME] if committed else [])]:
         problem = _not_regular(directory / rel)
         if problem is not None:
             problems.append(f"{rel}: {problem}")
@@ -102,8 +106,16 @@ def verify_checkpoint(
         checker = partial(_check_extra, directory, deep)
         problems += [p for p in pool.map(checker, manifest.files) if p is not None]
     if problems:
-        logger.warning("checkpoint %s: %d problems", manifest.id, len(problems))
+        # For the log only: every caller reports (or raises on) the problems it gets back.
+        logger.info("checkpoint %s at %s has %s: %s", manifest.id, directory,
+                       counted(len(problems), "problem"), _problem_summary(problems))
     return problems
+
+
+def _problem_summary(problems: list[str], limit: int = 3) -> str:
+    """The first ``limit`` problems, and how many more there are."""
+    more = len(problems) - limit
+    return "; ".join(problems[:limit]) + (f" (+{more} more)" if more > 0 else "")
 
 
 def _not_regular(path: Path) -> str | None:

@@ -23,7 +23,7 @@ require("jinja2", "HTML pages (ckpt ui, ckpt report)")
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 from markupsafe import Markup
 
-from ckptstore.numeric import human_bytes
+from ckptstore.numeric import human_bytes, rounded
 from ckptstore.ui.views import Links
 
 __all__ = ["PACKAGE_DIR", "environment", "render"]
@@ -57,6 +57,7 @@ def environment() -> Environment:
     env.filters["when"] = _when
     env.filters["rate"] = _rate
     env.filters["tojson_pretty"] = _json
+    env.filters["num"] = rounded
     env.globals["css"] = Markup((PACKAGE_DIR / "static" / "style.css").read_text("utf-8"))
     return env
 

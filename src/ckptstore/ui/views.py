@@ -26,6 +26,7 @@ from urllib.parse import quote, urlencode
 from ckptstore.catalog.config_filter import CONFIG_OPS, parse_config_filter
 from ckptstore.errors import CkptError, InvalidNameError
 from ckptstore.names import validate_metric_name, validate_name
+from ckptstore.numeric import rounded
 from ckptstore.ops.reading.prefetch import PREFETCH_EVENTS, prefetch_by_host
 from ckptstore.ops.reading.reproduce import how_to_reproduce
 from ckptstore.ops.reading.show import hosts_overview, part_dict
@@ -411,7 +412,7 @@ def _markers(run: str, cks: Iterable[Checkpoint], alerts: Iterable[Event], metri
         value = detail.get("loss")
         out.append(CurveMarker(
             run, float(step), f"{detail.get('kind', 'alert')} at step {step}: "
-            f"{detail.get('reason', '')}",
+            f"{rounded(detail.get('reason', ''))}",
             y=float(value) if isinstance(value, int | float) else None, kind="alert",
         ))
     return out

@@ -375,7 +375,7 @@ def test_dry_run_changes_nothing(store: CheckpointStore) -> None:
     assert [(ck.id, ck.state, ck.replicas) for ck in store.list(state=None)] == before
     assert all(store.checkpoint_dir("r", ck.id).is_dir() for ck in saved)
     rendered = report.plan.render()
-    assert "3 action(s)" in rendered
+    assert "3 actions" in rendered
     for ck in saved[:3]:
         assert ck.id in rendered
     # The real run executes exactly what the dry run showed.

@@ -27,6 +27,7 @@ from ckptstore.format.dcp.chunks import ChunkSource, Request, load_blob, run_req
 from ckptstore.format.dcp.layout import DcpIndex
 from ckptstore.format.keys import escape_component, key_matches
 from ckptstore.format.manifest import Manifest
+from ckptstore.numeric import counted
 
 __all__ = ["index_of", "load_full", "verify_dcp"]
 
@@ -219,5 +220,6 @@ def verify_dcp(
         files = [f for f in index.files() if include is None or include(f[0])]
         problems += [p for p in pool.map(check, files) if p is not None]
     if problems:
-        logger.warning("checkpoint %s: %d problems", manifest.id, len(problems))
+        logger.warning("checkpoint %s at %s has %s: %s", manifest.id, directory,
+                       counted(len(problems), "problem"), "; ".join(problems[:3]))
     return problems

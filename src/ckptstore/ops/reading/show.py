@@ -15,48 +15,10 @@ from ckptstore.errors import CkptError
 from ckptstore.format import Manifest, read_manifest
 from ckptstore.ops.reading.reproduce import how_to_reproduce
 from ckptstore.ops.tiering.parts import parted_manifest
-from ckptstore.records import Checkpoint, ReplicaPart, expected_digest
+from ckptstore.records import Checkpoint, ReplicaPart, checkpoint_dict, expected_digest
 
-__all__ = ["checkpoint_dict", "hosts_overview", "manifest_summary", "merge_record",
+__all__ = ["copies_record", "hosts_overview", "manifest_summary", "merge_record",
            "part_dict", "show_checkpoint"]
-
-
-def checkpoint_dict(ck: Checkpoint) -> dict[str, Any]:
-    """A checkpoint's catalog record as a JSON-able dict (replicas included)."""
-    return {
-        "id": ck.id,
-        "ref": ck.ref,
-        "run": ck.run,
-        "step": ck.step,
-        "version": ck.version,
-        "state": str(ck.state),
-        "kind": ck.kind,
-        "base_id": ck.base_id,
-        "parent_id": ck.parent_id,
-        "created_at": ck.created_at.isoformat(),
-        "metrics": dict(ck.metrics),
-        "tags": list(ck.tags),
-        "logical_bytes": ck.logical_bytes,
-        "stored_bytes": ck.stored_bytes,
-        "codec": ck.codec,
-        "manifest_digest": ck.manifest_digest,
-        "lossy": ck.lossy,
-        "error_bound": ck.error_bound,
-        "lossy_scope": list(ck.lossy_scope),
-        "pinned": ck.pinned,
-        "aliases": list(ck.aliases),
-        "hosts": list(ck.hosts),
-        "replicas": [
-            {
-                "tier": r.tier,
-                "state": str(r.state),
-                "bytes": r.bytes,
-                "verified_at": r.verified_at.isoformat() if r.verified_at else None,
-                "manifest_digest": r.manifest_digest,
-            }
-            for r in ck.replicas
-        ],
-    }
 
 
 def part_dict(part: ReplicaPart) -> dict[str, Any]:
@@ -211,4 +173,25 @@ def show_checkpoint(core: StoreCore, ref: str) -> dict[str, Any]:
         info["manifest"] = {"error": str(exc)}
         return info
     info["manifest"] = manifest_summary(manifest)
+    info["copies"] = copies_record(core, ck, manifest)
     return info
+
+
+def copies_record(core: StoreCore, ck: Checkpoint, hot: Manifest) -> list[dict[str, Any]]:
+    """Per copy of ``ck``: whether it holds every chunk it reads, and which checkpoints it
+    reads chunks of (refs). A copy with the hot copy's manifest reads what the hot copy
+    reads; a re-encoded copy (another manifest digest: archived with re-encoding, pushed or
+    imported self-contained) holds all of its chunks."""
+    reads = []
+    for owner in sorted(hot.referenced_checkpoints()):
+        try:
+            reads.append(core.catalog.get_any(owner).ref)
+        except CkptError:
+            reads.append(owner)  # a base the catalog no longer knows: its id
+    out = []
+    for replica in ck.replicas:
+        own = replica.manifest_digest in (None, ck.manifest_digest) or replica.tier == "hot"
+        copy_reads = reads if own else []
+        out.append({"tier": replica.tier, "state": str(replica.state),
+                    "self_contained": not copy_reads, "reads": copy_reads})
+    return out

@@ -38,6 +38,7 @@ import logging
 import os
 import shutil
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -76,6 +77,7 @@ from ckptstore.ops.tiering.reencode import check_original
 from ckptstore.ops.writing.delta import lossy_record
 from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.storage.local import LocalTier
 from ckptstore.storage.transfer import (
     ORIGINAL_MANIFEST_NAME,
     is_reencoded,
@@ -209,7 +211,6 @@ def _self_contained(store: StoreCore, ck: Checkpoint, manifest: Manifest, workdi
     manifest (its signature copied along)."""
     from ckptstore.ops.tiering.reencode import reencode_copy
     from ckptstore.ops.tiering.replicas import run_resolver
-    from ckptstore.storage.local import LocalTier
 
     tier = LocalTier(workdir, name="hot")
     result = reencode_copy(store.tier("hot"), tier, ck.run, manifest, _SELF_CONTAINED_CODEC,
@@ -227,8 +228,11 @@ def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *
                   progress: Progress | None = None) -> Path:
     """Write one committed checkpoint as a bundle (an uncompressed tar).
 
-    An archived checkpoint is restored to the hot tier first. Only full checkpoints can be
-    bundled alone (a delta needs its base; re-save it in full first).
+    An archived checkpoint is restored to the hot tier first. A bundle is self-contained by
+    construction: a checkpoint that reads chunks of other checkpoints (deduplicated chunks,
+    xor or lossy deltas) is bundled as a re-encoded copy that holds every chunk it reads
+    (:func:`bundle_contents`), every chunk checked against its recorded blake3 on the way, so
+    the importing store gets the same bytes, bit for bit.
 
     Args:
         store: The open store.
@@ -242,14 +246,29 @@ def export_bundle(store: StoreCore, ref: str, out_tar: str | os.PathLike[str], *
 
     Raises:
         CheckpointNotFoundError: If the reference does not resolve.
-        InvalidNameError: If the checkpoint is a delta.
-        IntegrityError: If the hot copy is damaged.
+        IntegrityError: If the hot copy, or a chunk it reads, is damaged.
         StorageError: If the bundle cannot be written.
     """
-    contents = bundle_contents(store, ref)
+    out = Path(out_tar)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # A checkpoint that reads chunks of others is bundled self-contained: its re-encoded
+        # copy goes to a scratch directory beside the bundle (same file system), removed after.
+        scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.chunks-", dir=out.parent))
+    except OSError as exc:
+        raise StorageError(exc.errno or 5, f"cannot write bundle {out}: "
+                                           f"{exc.strerror or exc}; check the path") from exc
+    try:
+        return _write_bundle(store, bundle_contents(store, ref, workdir=scratch), out, progress)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _write_bundle(store: StoreCore, contents: BundleContents, out: Path,
+                  progress: Progress | None) -> Path:
+    """Write ``contents`` as the bundle ``out`` (a temp name, then a rename)."""
     ck, directory, files, sizes = (contents.checkpoint, contents.directory, contents.files,
                                    contents.sizes)
-    out = Path(out_tar)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     mtime = int(ck.created_at.timestamp())
     announce_total(progress, sum(sizes.values()))
@@ -530,8 +549,7 @@ def _import(store: StoreCore, tar: HostileTarFile, path: Path, run: str | None,
     try:
         _extract(tar, members, present, directory, store.hot, progress)
         # Re-hash what landed on disk (blake3 of every decoded chunk, sizes, crc32c).
-        problems = [p for p in verify_checkpoint(directory, manifest, deep=True)
-                    if not p.startswith(f"{COMMIT_NAME}:")]
+        problems = verify_checkpoint(directory, manifest, deep=True, committed=False)
         if problems:
             raise IntegrityError(f"bundle {path.name} is damaged: " + "; ".join(problems[:3]))
         _write_member(tar, members[_PREFIX + COMMIT_NAME], directory / COMMIT_NAME)

@@ -76,6 +76,7 @@ from ckptstore.errors import (
 from ckptstore.faultpoints import fault_point
 from ckptstore.format import Manifest
 from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME
+from ckptstore.numeric import counted, human_bytes
 from ckptstore.ops.leases import RenewingLease, lease_owner
 from ckptstore.ops.sharing.overlap import check_no_overlap
 from ckptstore.ops.sharing.remote import store_id
@@ -153,8 +154,8 @@ class PushReport:
         """One line for logs and the CLI."""
         arrow = "->" if self.direction == "push" else "<-"
         text = (f"{self.direction} {arrow} {self.remote} ({self.tier}): {len(self.pushed)} "
-                f"copied, {len(self.present)} already there, {self.bytes_sent} bytes in "
-                f"{self.files_sent} files sent")
+                f"copied, {len(self.present)} already there, {human_bytes(self.bytes_sent)} in "
+                f"{counted(self.files_sent, 'file')} sent")
         if self.revived:
             text += f"; {len(self.revived)} pruned there before, present again"
         if self.pruned_there:

@@ -31,6 +31,7 @@ from datetime import UTC, datetime, timedelta
 from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, ConfigError, MissingExtraError
 from ckptstore.format.constants import chunk_rel
+from ckptstore.numeric import human_bytes
 from ckptstore.ops.leases import RenewingLease, lease_owner
 from ckptstore.ops.tiering.parts_archive import archive_parts, by_parts
 from ckptstore.ops.tiering.reencode import (
@@ -103,7 +104,7 @@ class ArchiveReport:
         """One line for logs and error notes."""
         uploaded = sum(len(p) for p in self.parts.values())
         line = (
-            f"{self.src} -> {self.tier}: {len(self.archived)} copied ({self.bytes} bytes), "
+            f"{self.src} -> {self.tier}: {len(self.archived)} copied ({human_bytes(self.bytes)}), "
             + (f"{uploaded} host parts uploaded, " if uploaded else "") +
             f"{len(self.removed)} source copies removed, {len(self.skipped)} skipped, "
             f"{len(self.failed)} failed"

@@ -34,9 +34,15 @@ from typing import Any
 
 from ckptstore.core import StoreCore
 from ckptstore.errors import ConfigError
-from ckptstore.numeric import human_bytes
+from ckptstore.numeric import counted, human_bytes
 from ckptstore.records import TIER_ORDER, Checkpoint, CheckpointState, ReplicaState, ThawState
-from ckptstore.retention import CandidateInfo, Decision, RetentionPolicy
+from ckptstore.retention import (
+    REASON_LEASED,
+    REASON_PINNED,
+    CandidateInfo,
+    Decision,
+    RetentionPolicy,
+)
 
 __all__ = [
     "ActionKind",
@@ -164,8 +170,8 @@ class RetentionPlan:
         scope = f"run {self.run}" if self.run else "all runs"
         lines = [
             f"retention plan for tier {self.tier}, {scope}; policy: {self.policy.describe()}",
-            f"{len(self.actions)} action(s), {human_bytes(self.bytes_to_free)} to free; "
-            f"{len(self.kept)} copy(ies) kept",
+            f"{counted(len(self.actions), 'action')}, {human_bytes(self.bytes_to_free)} to "
+            f"free; {self.kept_text()}",
         ]
         lines.extend(f"  {a.describe()}" for a in self.actions)
         if show_kept:
@@ -173,6 +179,23 @@ class RetentionPlan:
                 f"  keep {k.ref:<24} step {k.step:<10} ({'; '.join(k.reasons)})" for k in self.kept
             )
         return "\n".join(lines)
+
+    def kept_text(self) -> str:
+        """How many copies stay, the protected ones counted apart: ``keep_last`` counts
+        among the unprotected (ckptstore/retention.py), so ``--keep-last 3`` with one pinned
+        checkpoint keeps "3 + 1 pinned", never a silent 4."""
+        protected = {"pinned": 0, "aliased": 0, "leased": 0}
+        for k in self.kept:
+            if REASON_PINNED in k.reasons:
+                protected["pinned"] += 1
+            elif any(r.startswith("alias ") for r in k.reasons):
+                protected["aliased"] += 1
+            elif REASON_LEASED in k.reasons:
+                protected["leased"] += 1
+        extra = "".join(f" + {n} {what}" for what, n in protected.items() if n)
+        by_policy = len(self.kept) - sum(protected.values())
+        return f"{counted(len(self.kept), 'copy', 'copies')} kept ({by_policy}{extra})" \
+            if extra else f"{counted(len(self.kept), 'copy', 'copies')} kept"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (flow results)."""
