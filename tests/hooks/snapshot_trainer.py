@@ -43,7 +43,8 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     store = CheckpointStore.open(store_dir, memory_tier_dir=shm_root)
-    out = open(log, "a", buffering=1)  # line-buffered: each line reaches the file at once
+    # Line-buffered, open for the whole life of the process (it is killed, never closed).
+    out = open(log, "a", buffering=1)  # noqa: SIM115
 
     def state_fn() -> dict[str, Any]:
         return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
@@ -51,15 +52,15 @@ def main() -> None:
     mgr = CheckpointManager(store, run, snapshot_interval=1, save_interval=save_interval,
                             handle_sigterm=False, history=False)
     restored = mgr.restore_latest()
-    step = -1
+    step = first = -1
     if restored is not None:
         model.load_state_dict(restored["model"])
         opt.load_state_dict(restored["optim"])
-        step = restored["step"]
+        step = first = restored["step"]
         out.write(f"resumed {step} {digest(state_fn())}\n")
     else:
         out.write("resumed -1 -\n")
-    for step in range(step + 1, int(steps)):
+    for step in range(first + 1, int(steps)):  # state_fn reads step
         gen = torch.Generator().manual_seed(1000 + step)
         x = torch.randn(16, 32, generator=gen)
         opt.zero_grad()

@@ -64,7 +64,7 @@ def _run(store: CheckpointStore, steps: range, w: torch.Tensor, **kw: Any) -> No
     with CheckpointManager(store, "r", handle_sigterm=False, history=False, **kw) as mgr:
         for step in steps:
             w.add_(1)
-            mgr.step(step, lambda: _state(w, step))
+            mgr.step(step, lambda step=step: _state(w, step))
 
 
 @pytest.mark.parametrize("async_save", [True, False])
@@ -77,7 +77,7 @@ def test_snapshots_each_step_and_durable_saves_from_them(
         inodes: set[int] = set()
         for step in range(1, 13):
             w.add_(1)
-            mgr.step(step, lambda: _state(w, step))
+            mgr.step(step, lambda step=step: _state(w, step))
             mgr.snapshots.flush()  # type: ignore[union-attr]
             inodes |= {p.stat().st_ino for p in snapshot_dir(snap_store, "r").iterdir()}
             assert newest_snapshot(snap_store, "r").step == step  # type: ignore[union-attr]
@@ -110,7 +110,7 @@ def test_restore_latest_prefers_newer_snapshot_and_continues_schedule(
         assert torch.equal(into["model"]["w"], w)
         for step in range(9, 11):
             w.add_(1)
-            mgr.step(step, lambda: _state(w, step))
+            mgr.step(step, lambda step=step: _state(w, step))
         mgr.wait()
         ck = snap_store.latest("r")
         assert ck.step == 10
