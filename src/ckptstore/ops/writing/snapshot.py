@@ -639,22 +639,29 @@ def read_snapshot(
             another incarnation of the run (the caller then uses a durable checkpoint).
     """
     try:
-        with open(found.path, "rb") as fh:
-            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError) as exc:
+        # Plain reads, not a mapping: the kernel copies tmpfs pages straight into ours.
+        with open(found.path, "rb", buffering=0) as fh:
+            before = fh.read(_HEADER.size)
+            parsed = _parse_header(before)
+            if parsed is None or parsed[0] != found.seq:
+                raise IntegrityError(f"snapshot {found.path} changed or is incomplete")
+            _seq, step, meta_len, data_off, data_len, crc = parsed
+            fh.seek(HEADER_BYTES)
+            meta = fh.read(meta_len)
+            data = torch.empty(data_len, dtype=torch.uint8)
+            view = memoryview(data.numpy())
+            fh.seek(data_off)
+            got_bytes = 0
+            while got_bytes < data_len:
+                n = fh.readinto(view[got_bytes:])
+                if not n:
+                    raise IntegrityError(
+                        f"snapshot {found.path} is shorter than its header says")
+                got_bytes += n
+            fh.seek(0)
+            after = fh.read(_HEADER.size)
+    except OSError as exc:
         raise IntegrityError(f"snapshot {found.path} cannot be read: {exc}") from exc
-    with mapped:
-        before = bytes(mapped[: _HEADER.size])
-        parsed = _parse_header(before)
-        if parsed is None or parsed[0] != found.seq:
-            raise IntegrityError(f"snapshot {found.path} changed or is incomplete")
-        _seq, step, meta_len, data_off, data_len, crc = parsed
-        if data_off + data_len > len(mapped):
-            raise IntegrityError(f"snapshot {found.path} is shorter than its header says")
-        meta = bytes(mapped[HEADER_BYTES: HEADER_BYTES + meta_len])
-        data = torch.empty(data_len, dtype=torch.uint8)
-        data.numpy()[:] = memoryview(mapped)[data_off: data_off + data_len]
-        after = bytes(mapped[: _HEADER.size])
     got = crc32c_update(data.numpy(), crc32c_update(meta))
     if after != before:
         raise IntegrityError(f"snapshot {found.path} was rewritten while it was read")
