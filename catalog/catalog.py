@@ -13,6 +13,7 @@ from ckptstore.catalog.pruning import PruningMixin
 from ckptstore.catalog.queries import QueriesMixin
 from ckptstore.catalog.remotes import RemotesMixin
 from ckptstore.catalog.replicas import ReplicasMixin
+from ckptstore.catalog.snapshots import SnapshotsMixin
 from ckptstore.catalog.thaws import ThawsMixin
 
 __all__ = ["Catalog"]
@@ -31,6 +32,7 @@ class Catalog(
     HistoryMixin,
     ThawsMixin,
     RemotesMixin,
+    SnapshotsMixin,
 ):
     """The checkpoint catalog on SQLite (embedded) or PostgreSQL (shared).
 
@@ -65,7 +67,9 @@ class Catalog(
         * thaws of archival copies: :meth:`record_thaw`, :meth:`thaw_ready`,
           :meth:`finish_thaw`, :meth:`get_thaw`, :meth:`thaws`;
         * remotes and arrivals: :meth:`add_remote`, :meth:`remote`, :meth:`remotes`,
-          :meth:`remove_remote`, :meth:`forget_failed_arrival`.
+          :meth:`remove_remote`, :meth:`forget_failed_arrival`;
+        * snapshot areas (one row per run, host and rank, never per snapshot):
+          :meth:`record_snapshot_area`, :meth:`snapshot_areas`, :meth:`forget_snapshot_area`.
 
     Args:
         url: ``sqlite:///path/catalog.db`` (the parent directory is created) or

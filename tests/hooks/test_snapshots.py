@@ -81,8 +81,11 @@ def test_snapshots_each_step_and_durable_saves_from_them(
             mgr.snapshots.flush()  # type: ignore[union-attr]
             inodes |= {p.stat().st_ino for p in snapshot_dir(snap_store, "r").iterdir()}
             assert newest_snapshot(snap_store, "r").step == step  # type: ignore[union-attr]
-    # Three slots (two alternating, one for the durable save), created once.
+    # Three slots (two alternating, one for the durable save), created once, and one
+    # catalog row for them (not one per snapshot).
     assert len(inodes) == 3
+    (area,) = snap_store.catalog.snapshot_areas("r")
+    assert area.slots == 3 and area.uri.endswith(str(snapshot_dir(snap_store, "r")))
     # Durable checkpoints only every save_interval, with the snapshot's bytes.
     assert sorted(ck.step for ck in snap_store.list(run="r")) == [5, 10]
     five = snap_store.load("r@5")

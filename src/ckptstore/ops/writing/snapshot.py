@@ -51,6 +51,7 @@ import os
 import struct
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,7 @@ from ckptstore.format import FlatState, unflatten_state
 from ckptstore.format.codecs import crc32c_update
 from ckptstore.format.dtypes import dtype_by_name, dtype_info
 from ckptstore.format.tree import match_into, select_tree
+from ckptstore.identity import host
 from ckptstore.storage.shm import DEFAULT_MEMORY_ROOT
 
 __all__ = [
@@ -352,6 +354,17 @@ class SnapshotWriter:
         self._seq = max([self._seq, *(s.seq for s in self._slots)])
         self._seq += self._seq % 2
         self._signature = signature
+        self._record_area(self._slots[0].size)
+
+    def _record_area(self, slot_bytes: int) -> None:
+        """The run's one catalog row for this process's slots (never one per snapshot)."""
+        uri = f"shm://{host()}{urllib.parse.quote(str(self.directory))}"
+        try:
+            self.store.catalog.record_snapshot_area(
+                self.run, host(), self.rank, uri, slots=self.slots, slot_bytes=slot_bytes)
+        except CkptError:
+            # Only a listing for operators: restarts find the slots by their path.
+            logger.warning("could not record the snapshot area of %s", self.run, exc_info=True)
 
     def _drop_slots(self) -> None:
         for slot in self._slots:
