@@ -136,7 +136,7 @@ def test_damaged_snapshot_gives_way_to_the_one_before(snap_store: CheckpointStor
     newest, older = snapshots_here(snap_store, "r")[:2]
     assert (newest.step, older.step) == (5, 4)
     with open(newest.path, "r+b") as fh:  # one flipped data byte: the crc32c catches it
-        fh.seek(newest.path.stat().st_size - 8)
+        fh.seek(newest.path.stat().st_size - 4096)  # inside "w"
         byte = fh.read(1)
         fh.seek(-1, os.SEEK_CUR)
         fh.write(bytes([byte[0] ^ 0xFF]))

@@ -138,10 +138,10 @@ def load_checkpoint(
             newest: Checkpoint | None = core.catalog.get(ref)
         except CheckpointNotFoundError:
             newest = None
-        hit = load_latest_snapshot(core, run, newest.step if newest is not None else None,
-                                   keys=keys, into=into)
-        if hit is not None:
-            return hit[1]
+        snap = load_latest_snapshot(core, run, newest.step if newest is not None else None,
+                                    keys=keys, into=into)
+        if snap is not None:
+            return snap[1]
     ck = core.catalog.get(ref)
     if ck.parted:
         # Saved across hosts: each part is read from its best copy, none is restored whole.

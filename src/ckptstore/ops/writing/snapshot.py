@@ -472,7 +472,7 @@ class SnapshotWriter:
         newest = max((s for s in self._slots if s.complete), key=lambda s: s.seq, default=None)
         if newest is None or newest.step is None or not newest.ours:
             return None
-        slot = newest
+        slot, step = newest, newest.step
         slot.pins += 1
         released = threading.Event()
 
@@ -485,7 +485,7 @@ class SnapshotWriter:
 
         tensors = dict(zip((e.key for e in slot.entries), slot.views, strict=True))
         tree = json.loads(bytes(slot.buf[HEADER_BYTES: HEADER_BYTES + _meta_len(slot)]))
-        return SnapshotView(slot.step, FlatState(tensors, tree["tree"]), release)
+        return SnapshotView(step, FlatState(tensors, tree["tree"]), release)
 
     def close(self) -> None:
         """Wait for the pending snapshot, stop the worker; the slot files stay (restarts)."""
@@ -549,8 +549,13 @@ class SnapshotWriter:
         meta_off = HEADER_BYTES
         slot.buf[meta_off: meta_off + len(job.meta)] = job.meta
         data_len = slot.size - slot.data_off
-        crc = crc32c_update(memoryview(slot.buf)[meta_off: meta_off + len(job.meta)])
-        crc = crc32c_update(memoryview(slot.buf)[slot.data_off: slot.data_off + data_len], crc)
+        # Meta, then each tensor's bytes in table order (not the alignment padding): a reader
+        # can then check the bytes where it put them, e.g. in the caller's own tensors.
+        with memoryview(slot.buf) as whole:
+            crc = crc32c_update(whole[meta_off: meta_off + len(job.meta)])
+            for entry in slot.entries:
+                start = slot.data_off + entry.offset
+                crc = crc32c_update(whole[start: start + entry.nbytes], crc)
         fault_point("snapshot.copied")
         slot.write_header(job.seq, job.step, len(job.meta), data_len, crc)
         slot.step = job.step
@@ -636,13 +641,19 @@ def read_snapshot(
     keys: Sequence[str] | None = None,
     into: Any | None = None,
 ) -> Any:
-    """Read a snapshot into fresh memory, checked whole; return the state.
+    """Read a snapshot, checked whole; return the state.
+
+    Each tensor is read straight to its destination (a fresh CPU tensor, or with ``into``
+    the caller's tensor at the same path when it is a contiguous CPU tensor of the same
+    shape and dtype: no allocation, no second copy), and the crc32c is computed over the
+    bytes where they landed.
 
     Args:
         found: From :func:`newest_snapshot`.
         run_token: Refuse a snapshot written for another incarnation of the run.
         keys: fnmatch patterns selecting part of the state (as ``store.load``).
-        into: A live state whose tensors at the same paths are filled in place.
+        into: A live state whose tensors at the same paths are filled in place. If the
+            snapshot turns out damaged, they may be partly overwritten (as with any load).
 
     Returns:
         The state (CPU tensors, or ``into``'s own tensors).
@@ -652,70 +663,79 @@ def read_snapshot(
             another incarnation of the run (the caller then uses a durable checkpoint).
     """
     try:
-        # Plain reads, not a mapping: the kernel copies tmpfs pages straight into ours.
-        with open(found.path, "rb", buffering=0) as fh:
-            before = fh.read(_HEADER.size)
-            parsed = _parse_header(before)
-            if parsed is None or parsed[0] != found.seq:
-                raise IntegrityError(f"snapshot {found.path} changed or is incomplete")
-            _seq, step, meta_len, data_off, data_len, crc = parsed
-            fh.seek(HEADER_BYTES)
-            meta = fh.read(meta_len)
-            data = torch.empty(data_len, dtype=torch.uint8)
-            view = memoryview(data.numpy())
-            fh.seek(data_off)
-            got_bytes = 0
-            while got_bytes < data_len:
-                n = fh.readinto(view[got_bytes:])
-                if not n:
-                    raise IntegrityError(
-                        f"snapshot {found.path} is shorter than its header says")
-                got_bytes += n
-            fh.seek(0)
-            after = fh.read(_HEADER.size)
+        fd = os.open(found.path, os.O_RDONLY)
     except OSError as exc:
         raise IntegrityError(f"snapshot {found.path} cannot be read: {exc}") from exc
-    got = crc32c_update(data.numpy(), crc32c_update(meta))
+    try:
+        before = os.pread(fd, _HEADER.size, 0)
+        parsed = _parse_header(before)
+        if parsed is None or parsed[0] != found.seq:
+            raise IntegrityError(f"snapshot {found.path} changed or is incomplete")
+        _seq, step, meta_len, data_off, data_len, crc = parsed
+        meta = os.pread(fd, meta_len, HEADER_BYTES)
+        got = crc32c_update(meta)
+        try:
+            info = json.loads(meta)
+            tree = info["tree"]
+            table = [(str(k), str(d), tuple(int(x) for x in shape))
+                     for k, d, shape in info["tensors"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise IntegrityError(f"snapshot {found.path} has unreadable meta: {exc}") from exc
+        if run_token is not None and info.get("token") != run_token:
+            raise IntegrityError(
+                f"snapshot {found.path} belongs to another run of the same name")
+        if keys is not None:
+            tree, _matched = select_tree(tree, list(keys))
+        live: dict[str, Any] = {}
+        if into is not None:
+            shapes = {k: (d, shape) for k, d, shape in table}
+            live = match_into(tree, into, lambda k, obj: _fits(obj, shapes.get(k)))
+        tensors: dict[str, torch.Tensor] = {}
+        offset = 0
+        for key, dtype_name, shape in table:
+            dinfo = dtype_by_name(dtype_name)
+            if dinfo is None:
+                raise IntegrityError(f"snapshot {found.path}: unknown dtype {dtype_name!r}")
+            dest = live.get(key)
+            if dest is None:
+                dest = torch.empty(shape, dtype=dinfo.torch_dtype)
+            tensors[key] = dest
+            nbytes = dest.numel() * dinfo.itemsize
+            if offset + nbytes > data_len:
+                raise IntegrityError(f"snapshot {found.path} is shorter than its table says")
+            if nbytes:
+                raw = dest.detach().reshape(-1).view(torch.uint8).numpy()
+                with raw.data as view:
+                    _pread_into(fd, view, data_off + offset, found.path)
+                    got = crc32c_update(view, got)
+            offset = _align(offset + nbytes)
+        after = os.pread(fd, _HEADER.size, 0)
+    except OSError as exc:
+        raise IntegrityError(f"snapshot {found.path} cannot be read: {exc}") from exc
+    finally:
+        os.close(fd)
     if after != before:
         raise IntegrityError(f"snapshot {found.path} was rewritten while it was read")
     if got != crc:
         raise IntegrityError(
             f"snapshot {found.path} (step {step}) has crc32c {got:#010x}, its header says "
             f"{crc:#010x}: it is damaged")
-    try:
-        info = json.loads(meta)
-        tree = info["tree"]
-        table = info["tensors"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise IntegrityError(f"snapshot {found.path} has unreadable meta: {exc}") from exc
-    if run_token is not None and info.get("token") != run_token:
-        raise IntegrityError(f"snapshot {found.path} belongs to another run of the same name")
-    tensors: dict[str, torch.Tensor] = {}
-    offset = 0
-    for key, dtype_name, shape in table:
-        dinfo = dtype_by_name(dtype_name)
-        if dinfo is None:
-            raise IntegrityError(f"snapshot {found.path}: unknown dtype {dtype_name!r}")
-        numel = 1
-        for dim in shape:
-            numel *= int(dim)
-        nbytes = numel * dinfo.itemsize
-        if nbytes == 0:
-            tensors[key] = torch.empty(tuple(shape), dtype=dinfo.torch_dtype)
-        else:
-            tensors[key] = data[offset: offset + nbytes].view(dinfo.torch_dtype).view(
-                tuple(shape))
-        offset = _align(offset + nbytes)
-    if keys is not None:
-        selected, _matched = select_tree(tree, list(keys))
-        tree = selected
-    if into is not None:
-        found_live = match_into(
-            tree, into,
-            lambda k, obj: isinstance(obj, torch.Tensor) and k in tensors
-            and obj.shape == tensors[k].shape and obj.dtype == tensors[k].dtype)
-        with torch.no_grad():
-            for key, live in found_live.items():
-                live.copy_(tensors[key])
-                tensors[key] = live
     return unflatten_state(tree, tensors)
+
+
+def _fits(obj: Any, want: tuple[str, tuple[int, ...]] | None) -> bool:
+    """Whether a live tensor can take a snapshot tensor's bytes in place."""
+    if want is None or not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
+        return False
+    info = dtype_info(obj.dtype)
+    return (info is not None and info.name == want[0] and tuple(obj.shape) == want[1]
+            and obj.is_contiguous())
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise IntegrityError(f"snapshot {path} is shorter than its header says")
+        done += n
