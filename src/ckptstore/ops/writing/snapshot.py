@@ -10,16 +10,16 @@ from its slot (:meth:`SnapshotWriter.persist_view`), so the state is never stage
 Where: ``<memory dir>/<store id>.snapshots/<run>/rank<r>/slot<i>.snap`` (memory dir
 ``memory_tier_dir``, default ``/dev/shm/ckptstore``; store id as the memory tier's).
 
-A slot file is ``[header page][meta JSON][tensor bytes]``. The header
-(:data:`_HEADER`: magic, sequence number, step, meta length, data offset, data length,
-crc32c of meta and data, crc32c of the header itself) is the commit word, in the manner of a
-seqlock: a snapshot first rewrites its slot's header with an odd sequence number (invisible),
-then copies the tensors and the meta, computes the crc32c of both, and only then writes the
-header with the next even sequence number. A reader takes a slot only when its header is
-intact (own crc), even, and the crc32c of what it copied out matches, and the header is
-unchanged after the copy; so a snapshot torn by a crash, or being rewritten under the
-reader, is never returned. Of the intact slots, the one with the highest sequence number is
-the newest.
+A slot file is ``[header page][meta JSON][tensor bytes]``. The header (:data:`_HEADER`:
+magic, sequence number, step, meta length, data offset, data length, crc32c of the meta and
+of each tensor's bytes, crc32c of the header itself) is the commit word, in the manner of a
+seqlock: a snapshot first rewrites its slot's header with an odd sequence number
+(invisible), then copies the tensors and the meta, computes the crc32c of both, and only
+then writes the header with the next even sequence number. A reader takes a slot only when
+its header is intact (own crc), even, and the crc32c of what it copied out matches, and the
+header is unchanged after the copy; so a snapshot torn by a crash, or being rewritten under
+the reader, is never returned. Of the intact slots, the one with the highest sequence
+number is the newest.
 
 Slots are reused: created (and their pages reserved with ``posix_fallocate``, so a full
 ``/dev/shm`` is an error at creation rather than a SIGBUS mid-copy) on the first snapshot,
