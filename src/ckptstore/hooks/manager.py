@@ -44,6 +44,7 @@ from ckptstore.ops.upkeep.history import DEFAULT_HISTORY_POINTS, MetricHistory
 from ckptstore.ops.writing.async_save import SaveHandle, saver_for
 from ckptstore.ops.writing.save import save_checkpoint
 from ckptstore.ops.writing.snapshot import SnapshotWriter
+from ckptstore.ops.writing.snapshot_peer import SnapshotReplicator, parse_address, pull_replica
 from ckptstore.retention import RetentionPolicy
 from ckptstore.save_options import SaveOptions
 
@@ -127,6 +128,8 @@ class CheckpointManager:
         history_points: int = DEFAULT_HISTORY_POINTS,
         snapshot_interval: int | None = None,
         snapshot_budget_bytes: int | None = None,
+        replicas: int = 1,
+        peer: str | None = None,
     ) -> None:
         """Attach a manager to ``run`` of ``store``.
 
@@ -170,7 +173,14 @@ class CheckpointManager:
             snapshot_budget_bytes: Most shared memory the snapshot slots may take (2 slots,
                 3 with durable saves, each the state's size); a state that does not fit is
                 refused with a ConfigError at the first snapshot. None: only the free space
-                of the shared-memory file system bounds them.
+                of the shared-memory file system bounds them. With ``replicas=2`` the
+                neighbour's replica (2 slots) counts too.
+            replicas: 2 also sends every snapshot to a neighbour node's memory
+                (asynchronously; :mod:`ckptstore.ops.writing.snapshot_peer`), and
+                :meth:`restore_latest` pulls it back when this host has none.
+            peer: The neighbour's replica server, ``"host:port"`` (needed with
+                ``replicas=2``; it runs a
+                :class:`~ckptstore.ops.writing.snapshot_peer.SnapshotReplicaServer`).
 
         Raises:
             ConfigError: For a non-positive interval or count, a bad ``keep_best``, or a
@@ -229,13 +239,28 @@ class CheckpointManager:
         self.snapshots: SnapshotWriter | None = None
         self._snapshot_policy: EveryNSteps | None = None
         self._overlap = False
+        self.replicator: SnapshotReplicator | None = None
+        self._peer: tuple[str, int] | None = None
+        if replicas not in (1, 2) or isinstance(replicas, bool):
+            raise ConfigError(f"replicas must be 1 or 2, got {replicas!r}")
+        if replicas == 2:
+            if snapshot_interval is None or peer is None:
+                raise ConfigError(
+                    "replicas=2 needs snapshot_interval and peer='host:port' (the neighbour's "
+                    "snapshot replica server)")
+            self._peer = parse_address(peer)
         if snapshot_interval is not None:
             self._snapshot_policy = EveryNSteps(snapshot_interval)
             durable = (save_interval is not None or save_every_seconds is not None
                        or policy is not None)
+            rank = snapshot_rank()
+            if self._peer is not None:
+                self.replicator = SnapshotReplicator(self._peer, run, rank)
             self.snapshots = SnapshotWriter(
                 store, run, slots=3 if durable else 2, budget_bytes=snapshot_budget_bytes,
-                rank=snapshot_rank(), run_token=run_info.created_at.isoformat(),
+                rank=rank, run_token=run_info.created_at.isoformat(),
+                peer_slots=2 if self._peer is not None else 0,
+                on_commit=self.replicator.offer if self.replicator is not None else None,
             )
         self.history = (
             MetricHistory(store, run, max_points=history_points) if history else None
@@ -315,8 +340,13 @@ class CheckpointManager:
         if priority is None:
             # A complete snapshot in this host's memory at or after the newest checkpoint
             # (a restart after a crash) is the newer state; a torn one is never read.
-            hit = load_latest_snapshot(self.store, self.run,
-                                       latest.step if latest is not None else None, into=into)
+            durable_step = latest.step if latest is not None else None
+            hit = load_latest_snapshot(self.store, self.run, durable_step, into=into)
+            if hit is None and self._peer is not None:
+                # A replacement node: the neighbour holds this rank's newest snapshot.
+                pulled = pull_replica(self.store, self.run, snapshot_rank(), self._peer)
+                if pulled is not None:
+                    hit = load_latest_snapshot(self.store, self.run, durable_step, into=into)
             if hit is not None:
                 self._resumed_snapshot(hit[0], latest)
                 return hit[1]
@@ -623,6 +653,8 @@ class CheckpointManager:
             self._closed = True
             if self.snapshots is not None:
                 self.snapshots.close()
+            if self.replicator is not None:
+                self.replicator.close()
             self._uninstall_sigterm()
             # After the wait: the last saves' timings still reach the endpoint and the file.
             self._stop_observability()

@@ -75,6 +75,7 @@ __all__ = [
     "SnapshotView",
     "SnapshotWriter",
     "newest_snapshot",
+    "parse_header",
     "read_snapshot",
     "snapshot_bytes_needed",
     "snapshot_dir",
@@ -194,7 +195,7 @@ class _Slot:
             if fd >= 0:
                 os.close(fd)
         if reuse:
-            parsed = _parse_header(bytes(self.buf[: _HEADER.size]))
+            parsed = parse_header(bytes(self.buf[: _HEADER.size]))
             if parsed is not None:
                 self.seq, self.step = parsed[0], parsed[1]
                 self.complete = True
@@ -267,6 +268,8 @@ class SnapshotWriter:
         budget_bytes: int | None = None,
         rank: int = 0,
         run_token: str = "",
+        peer_slots: int = 0,
+        on_commit: Callable[[Path, int, int], None] | None = None,
     ) -> None:
         """Prepare the writer (slot files are created at the first :meth:`take`).
 
@@ -278,6 +281,10 @@ class SnapshotWriter:
             rank: This process's rank (one slot directory per rank).
             run_token: Identifies this incarnation of the run (its creation time); a reader
                 asking for another token ignores the snapshot.
+            peer_slots: Slots of a neighbour's replica this node also holds (2 with
+                ``replicas=2``), counted against the budget as the same size as ours.
+            on_commit: Called on the worker as ``on_commit(slot path, seq, step)`` after each
+                snapshot is committed (the peer replicator's ``offer``).
 
         Raises:
             ConfigError: For a bad slot count or budget.
@@ -296,6 +303,8 @@ class SnapshotWriter:
         self.run_token = run_token
         self.slots = slots
         self.budget_bytes = budget_bytes
+        self.peer_slots = peer_slots
+        self.on_commit = on_commit
         self.directory = snapshot_dir(store, run, rank)
         self._slots: list[_Slot] = []
         self._signature: tuple[tuple[str, str, tuple[int, ...]], ...] | None = None
@@ -315,11 +324,12 @@ class SnapshotWriter:
             return
         entries, data_bytes = _layout(flat)
         meta_cap = max(_MIN_META, _align(2 * meta_len))
-        need = snapshot_bytes_needed(data_bytes, self.slots, meta_cap)
+        need = snapshot_bytes_needed(data_bytes, self.slots + self.peer_slots, meta_cap)
         if self.budget_bytes is not None and need > self.budget_bytes:
             raise ConfigError(
-                f"snapshots of {self.run} need {need} bytes of shared memory ({self.slots} "
-                f"slots of {data_bytes} bytes of state each), over snapshot_budget_bytes="
+                f"snapshots of {self.run} need {need} bytes of shared memory "
+                f"({self.slots} slots of {data_bytes} bytes of state each, and "
+                f"{self.peer_slots} for a neighbour's replica), over snapshot_budget_bytes="
                 f"{self.budget_bytes}; raise the budget to at least {need}, or set "
                 "snapshot_interval=None to save without snapshots"
             )
@@ -562,6 +572,11 @@ class SnapshotWriter:
         slot.seq = job.seq
         slot.complete = True
         job.flat = FlatState({}, None)  # the caller's tensors are not kept alive
+        if self.on_commit is not None:
+            try:
+                self.on_commit(slot.path, job.seq, job.step)
+            except Exception:  # replication is best effort; the snapshot is committed
+                logger.exception("snapshot commit hook failed for %s", self.run)
         job.commit_s = time.perf_counter() - started
 
 
@@ -594,8 +609,11 @@ class SnapshotFound:
     step: int
 
 
-def _parse_header(raw: bytes) -> tuple[int, int, int, int, int, int] | None:
-    """``(seq, step, meta_len, data_off, data_len, crc)`` of an intact, committed header."""
+def parse_header(raw: bytes) -> tuple[int, int, int, int, int, int] | None:
+    """``(seq, step, meta_len, data_off, data_len, crc)`` of an intact, committed header.
+
+    None for anything else: another file, a torn header, a slot being written (odd seq).
+    """
     if len(raw) < _HEADER.size:
         return None
     magic, seq, step, meta_len, data_off, data_len, crc, hcrc = _HEADER.unpack_from(raw)
@@ -620,7 +638,7 @@ def snapshots_here(store: StoreCore, run: str, rank: int = 0) -> list[SnapshotFo
     for path in paths:
         try:
             with open(path, "rb") as fh:
-                parsed = _parse_header(fh.read(_HEADER.size))
+                parsed = parse_header(fh.read(_HEADER.size))
         except OSError:
             continue
         if parsed is not None:
@@ -668,7 +686,7 @@ def read_snapshot(
         raise IntegrityError(f"snapshot {found.path} cannot be read: {exc}") from exc
     try:
         before = os.pread(fd, _HEADER.size, 0)
-        parsed = _parse_header(before)
+        parsed = parse_header(before)
         if parsed is None or parsed[0] != found.seq:
             raise IntegrityError(f"snapshot {found.path} changed or is incomplete")
         _seq, step, meta_len, data_off, data_len, crc = parsed
