@@ -206,20 +206,31 @@ def _lines(log: Path) -> list[list[str]]:
     return [line.split() for line in log.read_text().splitlines() if line.strip()]
 
 
-def _reference(tmp_path: Path, shm_root: Path, steps: int) -> dict[int, str]:
-    log = tmp_path / "reference.log"
-    proc = _trainer(tmp_path, shm_root, "reference", steps, log)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err.decode()
-    return {int(p[1]): p[2] for p in _lines(log) if p[0] == "done"}
+REFERENCE_STEPS = 80
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, str]]:
+    """Digest of the trainer's state after each step of one uninterrupted run (shared by the
+    tests of this module: every trainer start costs seconds on a loaded machine)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    base = Path("/dev/shm")
+    shm = base / f"ckptstore-test-{uuid.uuid4().hex[:10]}" if base.is_dir() else tmp / "shm"
+    try:
+        log = tmp / "reference.log"
+        proc = _trainer(tmp, shm, "reference", REFERENCE_STEPS, log)
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err.decode()
+        yield {int(p[1]): p[2] for p in _lines(log) if p[0] == "done"}
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.mark.slow
 def test_sigkill_at_random_steps_resumes_within_one_step_bit_exact(
-    tmp_path: Path, shm_root: Path
+    tmp_path: Path, shm_root: Path, reference: dict[int, str]
 ) -> None:
-    steps = 80
-    reference = _reference(tmp_path, shm_root, steps)
+    steps = REFERENCE_STEPS
     log = tmp_path / "killed.log"
     rng = random.Random(34)
     kills = 0
@@ -262,9 +273,10 @@ def test_sigkill_at_random_steps_resumes_within_one_step_bit_exact(
     assert last_done == steps - 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["snapshot.tensor:40", "snapshot.copied:4"])
 def test_snapshot_torn_by_a_crash_is_never_read(
-    tmp_path: Path, shm_root: Path, point: str
+    tmp_path: Path, shm_root: Path, point: str, reference: dict[int, str]
 ) -> None:
     # Tensor pass 40 is mid-copy in the 3rd or 4th snapshot (the trainer's state has a dozen
     # tensors): the training thread waits for the copy, so the torn snapshot is that of the
@@ -285,7 +297,6 @@ def test_snapshot_torn_by_a_crash_is_never_read(
         assert state["step"] == torn_step - 1
     finally:
         store.close()
-    reference = _reference(tmp_path, shm_root, 5)
     proc = _trainer(tmp_path, shm_root, "torn", 6, log)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err.decode()
