@@ -303,3 +303,38 @@ def test_snapshot_torn_by_a_crash_is_never_read(
     resumed = [p for p in _lines(log) if p[0] == "resumed"][-1]
     assert resumed == ["resumed", str(torn_step - 1), reference[torn_step - 1]]
 
+
+
+@pytest.mark.slow
+def test_node_lost_after_sigkill_resumes_from_the_neighbours_replica(
+    tmp_path: Path, shm_root: Path, reference: dict[int, str]
+) -> None:
+    from ckptstore.ops.writing.snapshot_peer import SnapshotReplicaServer
+
+    neighbour = CheckpointStore.open(tmp_path / "store", memory_tier_dir=str(shm_root / "b"))
+    server = SnapshotReplicaServer(neighbour)
+    try:
+        env = {"TRAINER_PEER": f"127.0.0.1:{server.address[1]}", "TRAINER_PAUSE": "0.05"}
+        log = tmp_path / "peer.log"
+        proc = _trainer(tmp_path, shm_root / "a", "peer", REFERENCE_STEPS, log, env=env)
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            if log.exists() and sum(1 for p in _lines(log) if p[0] == "done") >= 12:
+                break
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        last_done = int([p for p in _lines(log) if p[0] == "done"][-1][1])
+        shutil.rmtree(shm_root / "a")  # the node is lost with its memory
+        # The replacement: a new, empty shared memory; 2 steps are enough to see it resume.
+        proc = _trainer(tmp_path, shm_root / "c", "peer", last_done + 3, log, env=env)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err.decode()
+        resumed = [p for p in _lines(log) if p[0] == "resumed"][-1]
+        step = int(resumed[1])
+        # One snapshot interval, plus the one send that may be in flight.
+        assert last_done - 2 <= step <= last_done + 1, (step, last_done)
+        assert reference[step] == resumed[2]
+    finally:
+        server.close()
+        neighbour.close()
