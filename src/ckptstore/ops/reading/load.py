@@ -142,7 +142,9 @@ def load_checkpoint(
                                     keys=keys, into=into)
         if snap is not None:
             return snap[1]
-    ck = core.catalog.get(ref)
+        ck = newest if newest is not None else core.catalog.get(ref)  # raises the not-found
+    else:
+        ck = core.catalog.get(ref)
     if ck.parted:
         # Saved across hosts: each part is read from its best copy, none is restored whole.
         if require_signature is not None:
