@@ -14,6 +14,7 @@ from ckptstore.catalog.pruning import PruningMixin
 from ckptstore.catalog.queries import QueriesMixin
 from ckptstore.catalog.remotes import RemotesMixin
 from ckptstore.catalog.replicas import ReplicasMixin
+from ckptstore.catalog.snapshots import SnapshotsMixin
 from ckptstore.catalog.thaws import ThawsMixin
 
 __all__ = ["Catalog"]
@@ -33,6 +34,7 @@ class Catalog(
     ThawsMixin,
     RemotesMixin,
     ContextsMixin,
+    SnapshotsMixin,
 ):
     """The checkpoint catalog on SQLite (embedded) or PostgreSQL (shared).
 
@@ -71,6 +73,8 @@ class Catalog(
         * run contexts (what made a run's checkpoints) and their blobs:
           :meth:`record_context`, :meth:`run_contexts`, :meth:`context_of`,
           :meth:`context_blob`.
+        * snapshot areas (one row per run, host and rank, never per snapshot):
+          :meth:`record_snapshot_area`, :meth:`snapshot_areas`, :meth:`forget_snapshot_area`.
 
     Args:
         url: ``sqlite:///path/catalog.db`` (the parent directory is created) or

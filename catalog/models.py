@@ -63,6 +63,7 @@ __all__ = [
     "ReplicaRow",
     "RunContextRow",
     "RunRow",
+    "SnapshotAreaRow",
     "StoreMetaRow",
     "ThawRow",
     "UTCDateTime",
@@ -372,6 +373,26 @@ class StoreMetaRow(Base):
 
     key: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[str] = mapped_column(Text)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
+
+
+class SnapshotAreaRow(Base):
+    """Where one process of a run keeps its snapshots: one row per (run, host, rank).
+
+    Written when the process creates its snapshot slots, never per snapshot: the slots'
+    headers say which one is newest (``ops/writing/snapshot.py``, docs/SNAPSHOTS.md).
+    """
+
+    __tablename__ = "snapshot_areas"
+
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    host: Mapped[str] = mapped_column(String(255), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    uri: Mapped[str] = mapped_column(Text)
+    slots: Mapped[int] = mapped_column(Integer)
+    slot_bytes: Mapped[int] = mapped_column(BigInteger)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
 
 

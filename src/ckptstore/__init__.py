@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from ckptstore.ops.reading.sweep import CheckpointSweep
     from ckptstore.ops.tiering.gc import GcReport
     from ckptstore.ops.writing.async_save import SaveHandle
+    from ckptstore.ops.writing.snapshot_peer import SnapshotReplicaServer
     from ckptstore.store import CheckpointStore
 
 __version__ = "0.1.0"
@@ -79,6 +80,7 @@ _LAZY = {
     "ProgressiveLoad": "ckptstore.ops.reading.progressive",
     "PrefetchResult": "ckptstore.ops.reading.prefetch",
     "CheckpointSweep": "ckptstore.ops.reading.sweep",
+    "SnapshotReplicaServer": "ckptstore.ops.writing.snapshot_peer",
 }
 
 
@@ -126,6 +128,7 @@ __all__ = [
     "SaveOptions",
     "SavePolicy",
     "Settings",
+    "SnapshotReplicaServer",
     "StorageError",
     "StoreNotFoundError",
     "UnsafeObjectError",

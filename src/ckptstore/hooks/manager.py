@@ -37,11 +37,15 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore.capture import safe_config
 from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError
+from ckptstore.format import as_flat
 from ckptstore.hooks.policies import AnyOf, EveryNSeconds, EveryNSteps, OnDemand, SavePolicy
+from ckptstore.ops.reading.load import load_latest_snapshot, snapshot_rank
 from ckptstore.ops.tiering.retention import apply_retention
 from ckptstore.ops.upkeep.history import DEFAULT_HISTORY_POINTS, MetricHistory
 from ckptstore.ops.writing.async_save import SaveHandle, saver_for
 from ckptstore.ops.writing.save import save_checkpoint
+from ckptstore.ops.writing.snapshot import SnapshotWriter
+from ckptstore.ops.writing.snapshot_peer import SnapshotReplicator, parse_address, pull_replica
 from ckptstore.retention import RetentionPolicy
 from ckptstore.save_options import SaveOptions
 
@@ -124,6 +128,10 @@ class CheckpointManager:
         tensorboard_dir: str | os.PathLike[str] | None = None,
         history: bool = True,
         history_points: int = DEFAULT_HISTORY_POINTS,
+        snapshot_interval: int | None = None,
+        snapshot_budget_bytes: int | None = None,
+        replicas: int = 1,
+        peer: str | None = None,
     ) -> None:
         """Attach a manager to ``run`` of ``store``.
 
@@ -162,6 +170,21 @@ class CheckpointManager:
                 :mod:`ckptstore.ops.upkeep.history`).
             history_points: The most points the catalog keeps per metric of the run (older
                 stretches are merged, min and max kept).
+            snapshot_interval: Also snapshot the state into this host's shared memory every
+                N steps (no catalog row, no disk I/O; see docs/SNAPSHOTS.md); each durable
+                save is then written from the newest snapshot. :meth:`restore_latest`
+                prefers a snapshot newer than the newest checkpoint.
+            snapshot_budget_bytes: Most shared memory the snapshot slots may take (2 slots,
+                3 with durable saves, each the state's size); a state that does not fit is
+                refused with a ConfigError at the first snapshot. None: only the free space
+                of the shared-memory file system bounds them. With ``replicas=2`` the
+                neighbour's replica (2 slots) counts too.
+            replicas: 2 also sends every snapshot to a neighbour node's memory
+                (asynchronously; :mod:`ckptstore.ops.writing.snapshot_peer`), and
+                :meth:`restore_latest` pulls it back when this host has none.
+            peer: The neighbour's replica server, ``"host:port"`` (needed with
+                ``replicas=2``; it runs a
+                :class:`~ckptstore.ops.writing.snapshot_peer.SnapshotReplicaServer`).
 
         Raises:
             ConfigError: For a non-positive interval or count, a bad ``keep_best``, or a
@@ -218,8 +241,35 @@ class CheckpointManager:
         if data_version is not None:
             fields["data_version"] = str(data_version)
         self._config, self._data_version = config, data_version
-        store.run(run, **fields)
+        run_info = store.run(run, **fields)
         store.catalog.set_run_status(run, "active")  # again, for a resumed run
+        self.resumed_step: int | None = None
+        self.snapshots: SnapshotWriter | None = None
+        self._snapshot_policy: EveryNSteps | None = None
+        self._overlap = False
+        self.replicator: SnapshotReplicator | None = None
+        self._peer: tuple[str, int] | None = None
+        if replicas not in (1, 2) or isinstance(replicas, bool):
+            raise ConfigError(f"replicas must be 1 or 2, got {replicas!r}")
+        if replicas == 2:
+            if snapshot_interval is None or peer is None:
+                raise ConfigError(
+                    "replicas=2 needs snapshot_interval and peer='host:port' (the neighbour's "
+                    "snapshot replica server)")
+            self._peer = parse_address(peer)
+        if snapshot_interval is not None:
+            self._snapshot_policy = EveryNSteps(snapshot_interval)
+            durable = (save_interval is not None or save_every_seconds is not None
+                       or policy is not None)
+            rank = snapshot_rank()
+            if self._peer is not None:
+                self.replicator = SnapshotReplicator(self._peer, run, rank)
+            self.snapshots = SnapshotWriter(
+                store, run, slots=3 if durable else 2, budget_bytes=snapshot_budget_bytes,
+                rank=rank, run_token=run_info.created_at.isoformat(),
+                peer_slots=2 if self._peer is not None else 0,
+                on_commit=self.replicator.offer if self.replicator is not None else None,
+            )
         self.history = (
             MetricHistory(store, run, max_points=history_points) if history else None
         )
@@ -290,11 +340,28 @@ class CheckpointManager:
             IntegrityError: If it is damaged.
         """
         self.wait()
+        latest: Checkpoint | None
         try:
-            ck = self.store.latest(self.run)
+            latest = self.store.latest(self.run)
         except CheckpointNotFoundError:
+            latest = None
+        if priority is None:
+            # A complete snapshot in this host's memory at or after the newest checkpoint
+            # (a restart after a crash) is the newer state; a torn one is never read.
+            durable_step = latest.step if latest is not None else None
+            hit = load_latest_snapshot(self.store, self.run, durable_step, into=into)
+            if hit is None and self._peer is not None:
+                # A replacement node: the neighbour holds this rank's newest snapshot.
+                pulled = pull_replica(self.store, self.run, snapshot_rank(), self._peer)
+                if pulled is not None:
+                    hit = load_latest_snapshot(self.store, self.run, durable_step, into=into)
+            if hit is not None:
+                self._resumed_snapshot(hit[0], latest)
+                return hit[1]
+        if latest is None:
             logger.info("run %s has no checkpoint yet: starting fresh", self.run)
             return None
+        ck = latest
         if priority is None:
             state = self.store.load(ck.id, into=into)
         else:
@@ -345,9 +412,29 @@ class CheckpointManager:
             except CkptError:
                 logger.exception("could not rewind the metric history of %s", self.run)
         self.resumed_from = ck
+        self.resumed_step = ck.step
         self._parent_pending = ck.id
-        self.policy.saved(ck.step, time.monotonic())
+        now = time.monotonic()
+        self.policy.saved(ck.step, now)
+        if self._snapshot_policy is not None:
+            self._snapshot_policy.saved(ck.step, now)
         logger.info("resumed %s from %s (step %s)", self.run, ck.ref, ck.step)
+
+    def _resumed_snapshot(self, step: int, durable: Checkpoint | None) -> None:
+        if self.history is not None:
+            try:
+                self.history.rewind(step)
+            except CkptError:
+                logger.exception("could not rewind the metric history of %s", self.run)
+        # Lineage: the snapshot continues the newest durable checkpoint's line.
+        self.resumed_from = durable
+        self.resumed_step = step
+        self._parent_pending = durable.id if durable is not None else None
+        now = time.monotonic()
+        self.policy.saved(step, now)
+        if self._snapshot_policy is not None:
+            self._snapshot_policy.saved(step, now)
+        logger.info("resumed %s from its snapshot at step %s", self.run, step)
 
     # ------------------------------------------------------------------ saving
     def step(
@@ -377,9 +464,68 @@ class CheckpointManager:
             self.history.add_many(step, metrics)
         if self._preempted:
             self._save_and_exit(step, state_fn, metrics)
+        if self.snapshots is not None:
+            return self._snapshot_step(step, state_fn, metrics)
         if not self.policy.should_save(step, time.monotonic()):
             return None
         return self._save(step, state_fn, metrics, tags=(), pin=False)
+
+    def guard(self, optimizer: Any) -> None:
+        """Let snapshots overlap the next step: the copy runs while it computes.
+
+        Registers a pre-step hook on ``optimizer`` that waits for the pending snapshot's
+        copy, so :meth:`step` returns before the tensors are copied. Only correct when
+        every change to the saved state happens in that optimizer's ``step()`` (no
+        BatchNorm running statistics, no in-place edits of the weights elsewhere).
+
+        Args:
+            optimizer: A ``torch.optim.Optimizer`` updating the saved state.
+
+        Raises:
+            ConfigError: If the manager takes no snapshots.
+        """
+        if self.snapshots is None:
+            raise ConfigError("guard() needs snapshot_interval: the manager takes no snapshots")
+        snapshots = self.snapshots
+        optimizer.register_step_pre_hook(lambda *_args: snapshots.wait_copied())
+        self._overlap = True
+
+    def _snapshot_step(
+        self, step: int, state_fn: StateFn, metrics: Mapping[str, Any] | None
+    ) -> SaveHandle | Checkpoint | None:
+        """Snapshot when due; when a durable save is due, write it from the snapshot."""
+        assert self.snapshots is not None and self._snapshot_policy is not None
+        now = time.monotonic()
+        save_due = self.policy.should_save(step, now)
+        if not (save_due or self._snapshot_policy.should_save(step, now)):
+            return None
+        self.snapshots.take(step, as_flat(state_fn()), overlap=self._overlap and not save_due)
+        self._snapshot_policy.saved(step, now)
+        if not save_due:
+            return None
+        view = self.snapshots.persist_view()
+        if view is None:  # no complete snapshot of ours (cannot happen after a take)
+            return self._save(step, state_fn, metrics, tags=(), pin=False)
+        options = SaveOptions(metrics=_finite_metrics(metrics), parent=self._parent_pending)
+        after = functools.partial(self._after_commit, pin=False)
+        result: SaveHandle | Checkpoint
+        if self._async:
+            handle = saver_for(self.store).submit_staged(
+                self.run, view.step, view.flat, options, release=view.release, on_commit=after)
+            with self._handles_lock:
+                self._handles = [h for h in self._handles if not h.done()]
+                self._handles.append(handle)
+            result = handle
+        else:
+            try:
+                ck = save_checkpoint(self.store, self.run, view.step, view.flat, options)
+            finally:
+                view.release()
+            after(ck)
+            result = ck
+        self._parent_pending = None
+        self.policy.saved(step, now)
+        return result
 
     def save_now(
         self,
@@ -494,6 +640,8 @@ class CheckpointManager:
         Raises:
             CkptError: The first failure of this manager's saves not yet reported.
         """
+        if self.snapshots is not None:
+            self.snapshots.flush()
         with self._handles_lock:
             handles, self._handles = self._handles, []
         if handles:
@@ -512,6 +660,10 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
+            if self.snapshots is not None:
+                self.snapshots.close()
+            if self.replicator is not None:
+                self.replicator.close()
             self._uninstall_sigterm()
             # After the wait: the last saves' timings still reach the endpoint and the file.
             self._stop_observability()

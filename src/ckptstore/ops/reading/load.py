@@ -21,6 +21,7 @@ from __future__ import annotations
 import builtins
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,14 +43,74 @@ from ckptstore.ops.tiering.readrepair import is_repairable, read_repair
 from ckptstore.ops.tiering.replicas import manifest_of
 from ckptstore.ops.tiering.restore import ensure_hot, hot_digest
 from ckptstore.ops.writing.memory import load_from_memory, memory_replica_here
+from ckptstore.ops.writing.snapshot import read_snapshot, snapshots_here
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 
-__all__ = ["load_checkpoint", "read_any_manifest", "restore_latest", "verify_hot"]
+__all__ = [
+    "load_checkpoint",
+    "load_latest_snapshot",
+    "read_any_manifest",
+    "restore_latest",
+    "snapshot_rank",
+    "verify_hot",
+]
 
 logger = logging.getLogger(__name__)
 
 #: Reads of a hot copy that retention took away meanwhile, re-planned before giving up.
 _REPLANS = 3
+_LATEST = "@latest"
+
+
+def snapshot_rank() -> int:
+    """This process's rank for snapshots: ``$RANK`` (torchrun), else 0."""
+    raw = os.environ.get("RANK", "")
+    return int(raw) if raw.isdigit() else 0
+
+
+def load_latest_snapshot(
+    core: StoreCore,
+    run: str,
+    durable_step: int | None,
+    *,
+    keys: Sequence[str] | None = None,
+    into: Any | None = None,
+) -> tuple[int, Any] | None:
+    """The newest complete snapshot of ``run`` in this host's memory, if worth loading.
+
+    A snapshot is taken when its step is at least the newest durable checkpoint's (at the
+    same step it holds the same bytes, already in memory; see docs/SNAPSHOTS.md). A torn,
+    damaged, or other-incarnation snapshot is skipped (logged), never returned.
+
+    Args:
+        core: The open store.
+        run: Run name.
+        durable_step: Step of the run's newest committed checkpoint (None: there is none).
+        keys: fnmatch patterns, as :meth:`StoreCore.load`.
+        into: A live state to fill in place.
+
+    Returns:
+        ``(step, state)``, or None when the caller should load the durable checkpoint.
+    """
+    candidates = [found for found in snapshots_here(core, run, snapshot_rank())
+                  if durable_step is None or found.step >= durable_step]
+    if not candidates:
+        return None
+    try:
+        token = core.catalog.get_run(run).created_at.isoformat()
+    except CheckpointNotFoundError:
+        return None
+    for found in candidates:  # newest first; a damaged one gives way to the one before
+        started = time.perf_counter()
+        try:
+            state = read_snapshot(found, run_token=token, keys=keys, into=into)
+        except IntegrityError as exc:
+            logger.warning("not using the snapshot of %s at step %s: %s", run, found.step, exc)
+            continue
+        logger.info("loaded %s at step %s from its snapshot in shared memory in %.3fs",
+                    run, found.step, time.perf_counter() - started)
+        return found.step, state
+    return None
 
 
 def load_checkpoint(
@@ -69,7 +130,21 @@ def load_checkpoint(
             verified copy can be read instead, or the signature that ``require_signature``
             asks for is missing or wrong.
     """
-    ck = core.catalog.get(ref)
+    if ref.endswith(_LATEST) and require_signature is None:
+        # A snapshot in this host's memory newer than the newest durable checkpoint wins
+        # (ops/writing/snapshot.py); a signed load needs a catalogued checkpoint.
+        run = ref[: -len(_LATEST)]
+        try:
+            newest: Checkpoint | None = core.catalog.get(ref)
+        except CheckpointNotFoundError:
+            newest = None
+        snap = load_latest_snapshot(core, run, newest.step if newest is not None else None,
+                                    keys=keys, into=into)
+        if snap is not None:
+            return snap[1]
+        ck = newest if newest is not None else core.catalog.get(ref)  # raises the not-found
+    else:
+        ck = core.catalog.get(ref)
     if ck.parted:
         # Saved across hosts: each part is read from its best copy, none is restored whole.
         if require_signature is not None:

@@ -140,6 +140,8 @@ class _Job:
     on_commit: Callable[[Checkpoint], None] | None
     handle: SaveHandle
     future: Future[Checkpoint]
+    # Frees memory the job reads that the pool does not own (a pinned snapshot slot).
+    release: Callable[[], None] | None = None
 
 
 # --------------------------------------------------------------------------- the saver
@@ -276,6 +278,47 @@ class AsyncSaver(StoreService):
         )
         return handle
 
+    def submit_staged(
+        self,
+        run: str,
+        step: int,
+        flat: FlatState,
+        options: SaveOptions,
+        *,
+        release: Callable[[], None],
+        on_commit: Callable[[Checkpoint], None] | None = None,
+    ) -> SaveHandle:
+        """Save a state that already lies in stable host memory, without staging it again.
+
+        The snapshot path (:mod:`ckptstore.ops.writing.snapshot`) hands over a pinned
+        snapshot slot: ``flat``'s tensors are views of it and ``release`` unpins it once the
+        save finished (committed or failed). Queued behind earlier saves, like
+        :meth:`submit`.
+
+        Raises:
+            CkptError: As :meth:`submit` (``release`` is then called before raising).
+            InvalidNameError: For a bad run name, tag, step or metric.
+        """
+        try:
+            self._check_not_worker("submit_staged")
+            self._raise_unreported()
+            if self._closed:
+                raise CkptError(
+                    f"cannot save {run}@{step}: the async saver is closed; open the store again")
+            step, options = check_save(self.store, run, step, options)
+        except BaseException:
+            release()
+            raise
+        future: Future[Checkpoint] = Future()
+        handle = SaveHandle(run, step, future)
+        job = _Job(run, step, flat, [], [], options, None, on_commit, handle, future,
+                   release=release)
+        with self._lock:
+            self._pending.add(future)
+            self._ensure_thread()
+        self._queue.put(job)
+        return handle
+
     def wait(self, handles: Iterable[SaveHandle] | None = None) -> None:
         """Wait for pending saves, then raise the first failure not yet reported.
 
@@ -381,6 +424,8 @@ class AsyncSaver(StoreService):
         except BaseException as exc:  # every failure must reach the caller, not kill the thread
             job.state = None
             self.pool.release(job.keys, job.buffers)
+            if job.release is not None:
+                job.release()
             logger.error("async save of %s@%s failed: %s", job.run, job.step, exc)
             with self._lock:
                 self._unreported.append((job.handle, exc))
@@ -391,6 +436,8 @@ class AsyncSaver(StoreService):
         # need them and must not hold back the next submit.
         job.state = None
         self.pool.release(job.keys, job.buffers)
+        if job.release is not None:
+            job.release()
         if job.on_commit is not None:
             try:
                 job.on_commit(ck)
