@@ -41,6 +41,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeEngine
 
 from ckptstore.records import CheckpointState, ReplicaState
 
@@ -164,6 +165,60 @@ class ExperimentRow(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=func.now())
 
 
+def _escape_nul(value: Any, *, decode: bool) -> Any:
+    """``value`` with every string (keys too) made safe for JSONB, or restored.
+
+    JSONB cannot hold U+0000, which a user's config may (it is stored as given). Strings
+    holding U+0000 or U+0001 are written as U+0001 followed by the string with U+0001 doubled
+    and U+0000 as U+0001 "0"; no other string starts with U+0001, so reading it back is exact.
+    """
+    if isinstance(value, dict):
+        return {_escape_nul(k, decode=decode): _escape_nul(v, decode=decode)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escape_nul(v, decode=decode) for v in value]
+    if not isinstance(value, str):
+        return value
+    if decode:
+        if not value.startswith("\x01"):
+            return value
+        out, i, body = [], 0, value[1:]
+        while i < len(body):
+            if body[i] == "\x01" and i + 1 < len(body):
+                out.append("\x00" if body[i + 1] == "0" else "\x01")
+                i += 2
+            else:
+                out.append(body[i])
+                i += 1
+        return "".join(out)
+    if "\x00" not in value and "\x01" not in value:
+        return value
+    return "\x01" + value.replace("\x01", "\x01\x01").replace("\x00", "\x010")
+
+
+class ConfigJSON(TypeDecorator[Any]):
+    """A run's config: JSON, and JSONB on PostgreSQL (whose U+0000 is escaped, see
+    :func:`_escape_nul`)."""
+
+    impl = JSON
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name == "postgresql":
+            return dialect.type_descriptor(JSONB())
+        return dialect.type_descriptor(JSON())
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> Any:
+        if value is None or dialect.name != "postgresql":
+            return value
+        return _escape_nul(value, decode=False)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> Any:
+        if value is None or dialect.name != "postgresql":
+            return value
+        return _escape_nul(value, decode=True)
+
+
 class RunRow(Base):
     """A training run and what is needed to reproduce it.
 
@@ -183,8 +238,7 @@ class RunRow(Base):
     experiment_id: Mapped[int | None] = mapped_column(
         ForeignKey("experiments.id", ondelete="SET NULL"), index=True
     )
-    config: Mapped[dict[str, Any] | None] = mapped_column(
-        JSON().with_variant(JSONB(), "postgresql"))
+    config: Mapped[dict[str, Any] | None] = mapped_column(ConfigJSON())
     code_version: Mapped[str | None] = mapped_column(String(200))
     data_version: Mapped[str | None] = mapped_column(String(200))
     host: Mapped[str | None] = mapped_column(String(255))

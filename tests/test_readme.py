@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,13 @@ def test_the_readme_tour_runs_as_written(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.chdir(tmp_path)
     for var in ("CKPT_CONFIG", "CKPT_ROOT", "CKPT_CATALOG_URL", "CKPT_HOT", "CKPT_WARM"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("CKPT_CAPTURE", "1")  # a user's default (the suite turns it off)
+    # The tour is run from a training project's git checkout (`ckpt reproduce` needs a commit).
+    (tmp_path / "train.py").write_text("# the training script\n")
+    (tmp_path / ".gitignore").write_text("ckpt/\nwarm/\n")
+    for git in (["init", "-q"], ["add", "train.py", ".gitignore"],
+                ["-c", "user.name=t", "-c", "user.email=t@example.invalid", "commit", "-qm", "t"]):
+        subprocess.run(["git", *git], cwd=tmp_path, check=True)
     given = _prelude(tmp_path)
     (python,) = _blocks(_section("### Python API"), "python")
     namespace = dict(given)

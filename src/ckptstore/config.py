@@ -437,6 +437,8 @@ def _checked(name: str, value: Any) -> Any:
 def _tier_url(name: str, value: Any) -> str:
     """A tier location: a local path, ``file://`` or ``s3://bucket/prefix``."""
     schemes = "a local path, a file:// URL or an s3://bucket/prefix URL"
+    if name != "hot" and value == "":
+        return value  # an empty warm or cold tier means none (``CKPT_WARM=`` turns it off)
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"must be {schemes} (a string)")
     scheme, sep, rest = value.partition("://")

@@ -73,6 +73,7 @@ USAGE: dict[str, list[list[str]]] = {
     "sync": [["bad name", "--to", "x"]],
     "remote add": [["bad name", "--config", f"{W}/x.toml"]],
     "remote rm": [["bad name"]],
+    "reproduce": [["base@v0", "--dir", f"{W}/r"]],
 }
 #: Well-formed requests that fail: exit 1.
 FAILED = {
@@ -89,6 +90,7 @@ FAILED = {
     "prefetch": ["nope@latest"], "thaw": ["nope@latest"], "push": ["base@10", "--to", "nope"],
     "pull": ["base@10", "--from", "nope"], "sync": ["base", "--to", "nope"],
     "remote rm": ["nope"], "archive": ["--ref", "nope@latest"],
+    "reproduce": ["nope@latest", "--dir", f"{W}/r"],
 }
 
 

@@ -182,8 +182,8 @@ def check_usage(func: Callable[..., Any], kwargs: dict[str, Any]) -> None:
                 else:
                     validate_name(value, what)
         named = _NAME_OF.get(func.__name__)
-        if named is not None:
-            validate_name(kwargs.get("name"), named)
+        if named is not None and kwargs.get("name") is not None:  # keygen's is optional
+            validate_name(kwargs["name"], named)
     except InvalidNameError as exc:
         raise UsageError(str(exc)) from None
     codec = kwargs.get("codec")

@@ -15,7 +15,7 @@ and print a few lines per flow run there.
 * :func:`root_logging_kept` wraps the first import of Prefect so that the root logger keeps
   the handlers it had (none, in a plain training script); :func:`route_prefect_logs` then
   sends the ``prefect`` logger to the store's log file (:func:`flow_log_path`), and to the
-  console only when this process logs at INFO (``ckpt --verbose``, or a script's
+  console only when this process logs at INFO (``--verbose`` on a ``ckpt`` command, or a script's
   ``logging.basicConfig(level=logging.INFO)``).
 
 Nothing here imports Prefect.
