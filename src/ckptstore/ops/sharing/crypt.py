@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import errno
 import hashlib
 import logging
 import os
@@ -31,8 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptstore.durable import write_new_file
-from ckptstore.errors import ConfigError, DecryptionError, StorageError
+from ckptstore.errors import ConfigError, DecryptionError
 from ckptstore.extras import require
 
 if TYPE_CHECKING:
@@ -180,30 +178,14 @@ def generate_encryption_keypair(out_dir: str | os.PathLike[str], name: str) -> t
         MissingExtraError: If the 'sign' extra (cryptography) is not installed.
     """
     _need_cryptography()
-    from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
     from ckptstore.names import validate_name
+    from ckptstore.ops.sharing.signing import write_key_pair
 
     validate_name(name, "key name")
-    directory = Path(out_dir)
-    private_path, public_path = directory / f"{name}.key", directory / f"{name}.pub"
     key = X25519PrivateKey.generate()
-    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
-    public = key.public_key().public_bytes(serialization.Encoding.PEM,
-                                           serialization.PublicFormat.SubjectPublicKeyInfo)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise StorageError(exc.errno or 5, f"cannot write keys to {directory}: "
-                                           f"{exc.strerror}") from exc
-    for path in (private_path, public_path):
-        if path.exists() or path.is_symlink():
-            raise StorageError(errno.EEXIST, f"{path} exists; keys are never overwritten, "
-                                             "choose another --out or --name")
-    for path, data, mode in ((private_path, private, 0o600), (public_path, public, 0o644)):
-        write_new_file(path, data, mode=mode)
+    private_path, public_path = write_key_pair(out_dir, name, key)
     logger.info("wrote X25519 key pair %s / %s (fingerprint %s)", private_path, public_path,
                 encryption_fingerprint(key.public_key()))
     return private_path, public_path

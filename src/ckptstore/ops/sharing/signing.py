@@ -244,6 +244,43 @@ def key_fingerprint(public_key: Ed25519PublicKey) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
+def write_key_pair(out_dir: str | os.PathLike[str], name: str, key: Any) -> tuple[Path, Path]:
+    """Write ``key`` (an Ed25519 or X25519 private key) as ``NAME.key`` (PKCS#8 PEM, mode
+    0600) and its public half as ``NAME.pub`` (SubjectPublicKeyInfo PEM) in ``out_dir``.
+
+    Both names are checked before either is written, so a refusal leaves no half pair.
+
+    Raises:
+        StorageError: If either file exists (keys are never overwritten) or the files
+            cannot be written.
+    """
+    from cryptography.hazmat.primitives import serialization
+
+    directory = Path(out_dir)
+    private_path, public_path = directory / f"{name}.key", directory / f"{name}.pub"
+    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    public = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                           serialization.PublicFormat.SubjectPublicKeyInfo)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StorageError(exc.errno or 5, f"cannot write keys to {directory}: "
+                                           f"{exc.strerror}") from exc
+    exists = "exists; keys are never overwritten, choose another --out or --name"
+    for path in (private_path, public_path):
+        if path.exists() or path.is_symlink():
+            raise StorageError(errno.EEXIST, f"{path} {exists}")
+    for path, data, mode in ((private_path, private, 0o600), (public_path, public, 0o644)):
+        try:
+            write_new_file(path, data, mode=mode)
+        except StorageError as exc:
+            if exc.errno != errno.EEXIST:
+                raise
+            raise StorageError(exc.errno, f"{path} {exists}") from exc
+    return private_path, public_path
+
+
 def generate_keypair(out_dir: str | os.PathLike[str], name: str = "ckpt-signing") -> \
         tuple[Path, Path]:
     """Write a new Ed25519 key pair: ``<name>.key`` (mode 0600) and ``<name>.pub``.
@@ -261,32 +298,13 @@ def generate_keypair(out_dir: str | os.PathLike[str], name: str = "ckpt-signing"
         MissingExtraError: If the 'sign' extra (cryptography) is not installed.
     """
     _need_cryptography()
-    from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from ckptstore.names import validate_name
 
     validate_name(name, "key name")
-    directory = Path(out_dir)
-    private_path, public_path = directory / f"{name}.key", directory / f"{name}.pub"
     key = Ed25519PrivateKey.generate()
-    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
-    public = key.public_key().public_bytes(serialization.Encoding.PEM,
-                                           serialization.PublicFormat.SubjectPublicKeyInfo)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise StorageError(exc.errno or 5, f"cannot write keys to {directory}: "
-                                           f"{exc.strerror}") from exc
-    for path, data, mode in ((private_path, private, 0o600), (public_path, public, 0o644)):
-        try:
-            write_new_file(path, data, mode=mode)
-        except StorageError as exc:
-            if exc.errno != errno.EEXIST:
-                raise
-            raise StorageError(exc.errno, f"{path} exists; keys are never overwritten, "
-                                          "choose another --out or --name") from exc
+    private_path, public_path = write_key_pair(out_dir, name, key)
     logger.info("wrote Ed25519 key pair %s / %s (fingerprint %s)", private_path, public_path,
                 key_fingerprint(key.public_key()))
     return private_path, public_path
