@@ -438,7 +438,7 @@ def _tier_url(name: str, value: Any) -> str:
     """A tier location: a local path, ``file://`` or ``s3://bucket/prefix``."""
     schemes = "a local path, a file:// URL or an s3://bucket/prefix URL"
     if name != "hot" and value == "":
-        return value  # an empty warm or cold tier means none (``CKPT_WARM=`` turns it off)
+        return ""  # an empty warm or cold tier means none (``CKPT_WARM=`` turns it off)
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"must be {schemes} (a string)")
     scheme, sep, rest = value.partition("://")
