@@ -8,7 +8,9 @@ that need a real ``prefect server start`` share the session's ``real_prefect_ser
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,3 +112,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     config.option.loadscopereorder = False
     return PrefectTogether(config, log)
+
+
+@pytest.fixture
+def shm_root(tmp_path: Path) -> Iterator[Path]:
+    """A private parent directory in /dev/shm for memory tiers and snapshots (under
+    ``tmp_path`` where there is no /dev/shm), removed after the test."""
+    base = Path("/dev/shm")
+    root = base / f"ckptstore-test-{uuid.uuid4().hex[:10]}" if base.is_dir() else tmp_path / "shm"
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

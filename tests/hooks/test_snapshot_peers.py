@@ -8,8 +8,6 @@ import json
 import shutil
 import socket
 import struct
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +22,9 @@ from ckptstore.ops.writing.snapshot_peer import SnapshotReplicaServer, pull_repl
 from ckptstore.store import CheckpointStore
 
 
-@pytest.fixture
-def shm_base(tmp_path: Path) -> Iterator[Path]:
-    """A private parent for the nodes' shared-memory directories."""
-    base = Path("/dev/shm")
-    root = base / f"ckptstore-test-{uuid.uuid4().hex[:10]}" if base.is_dir() else tmp_path / "shm"
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _node(tmp_path: Path, shm_base: Path, name: str) -> CheckpointStore:
+def _node(tmp_path: Path, shm_root: Path, name: str) -> CheckpointStore:
     # Nodes share the catalog and hot tier (one store); each has its own shared memory.
-    return CheckpointStore.open(tmp_path / "store", memory_tier_dir=str(shm_base / name))
+    return CheckpointStore.open(tmp_path / "store", memory_tier_dir=str(shm_root / name))
 
 
 def _close(store: CheckpointStore) -> None:
@@ -66,15 +53,15 @@ def _train(store: CheckpointStore, port: int, steps: int) -> dict[str, Any]:
 
 
 def test_replacement_node_resumes_from_the_neighbours_replica(
-    tmp_path: Path, shm_base: Path
+    tmp_path: Path, shm_root: Path
 ) -> None:
-    node_a, node_b = _node(tmp_path, shm_base, "a"), _node(tmp_path, shm_base, "b")
+    node_a, node_b = _node(tmp_path, shm_root, "a"), _node(tmp_path, shm_root, "b")
     server = SnapshotReplicaServer(node_b)
     try:
         expected = _train(node_a, server.address[1], steps=8)
         _close(node_a)
-        shutil.rmtree(shm_base / "a")  # node a is lost, with its memory
-        node_c = _node(tmp_path, shm_base, "c")  # its replacement: empty memory
+        shutil.rmtree(shm_root / "a")  # node a is lost, with its memory
+        node_c = _node(tmp_path, shm_root, "c")  # its replacement: empty memory
         try:
             mgr = CheckpointManager(node_c, "r", snapshot_interval=1, replicas=2,
                                     peer=f"127.0.0.1:{server.address[1]}",
@@ -92,8 +79,8 @@ def test_replacement_node_resumes_from_the_neighbours_replica(
         _close(node_b)
 
 
-def test_replica_cut_off_mid_send_is_never_read(tmp_path: Path, shm_base: Path) -> None:
-    node_a, node_b = _node(tmp_path, shm_base, "a"), _node(tmp_path, shm_base, "b")
+def test_replica_cut_off_mid_send_is_never_read(tmp_path: Path, shm_root: Path) -> None:
+    node_a, node_b = _node(tmp_path, shm_root, "a"), _node(tmp_path, shm_root, "b")
     server = SnapshotReplicaServer(node_b)
     try:
         _train(node_a, server.address[1], steps=3)
@@ -104,7 +91,7 @@ def test_replica_cut_off_mid_send_is_never_read(tmp_path: Path, shm_base: Path) 
             raw = json.dumps({"op": "put", "run": "r", "rank": 0, "size": size}).encode()
             sock.sendall(struct.pack("!4sI", b"CKRP", len(raw)) + raw)
             sock.sendall(b"\x7f" * ((size - 4096) // 2))
-        node_c = _node(tmp_path, shm_base, "c")
+        node_c = _node(tmp_path, shm_root, "c")
         try:
             assert pull_replica(node_c, "r", 0, server.address) == 3
             assert node_c.load("r@latest")["step"] == 3
@@ -116,8 +103,8 @@ def test_replica_cut_off_mid_send_is_never_read(tmp_path: Path, shm_base: Path) 
         _close(node_b)
 
 
-def test_budgets_count_the_neighbours_part(tmp_path: Path, shm_base: Path) -> None:
-    node_a, node_b = _node(tmp_path, shm_base, "a"), _node(tmp_path, shm_base, "b")
+def test_budgets_count_the_neighbours_part(tmp_path: Path, shm_root: Path) -> None:
+    node_a, node_b = _node(tmp_path, shm_root, "a"), _node(tmp_path, shm_root, "b")
     server = SnapshotReplicaServer(node_b, budget_bytes=64 * 1024)
     try:
         w = torch.zeros(256 * 1024)  # 1 MiB of state

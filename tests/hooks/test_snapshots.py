@@ -32,16 +32,6 @@ from ckptstore.store import CheckpointStore
 TRAINER = Path(__file__).with_name("snapshot_trainer.py")
 
 
-@pytest.fixture
-def shm_root(tmp_path: Path) -> Iterator[Path]:
-    """A private shared-memory parent directory (tmp_path where /dev/shm is missing)."""
-    base = Path("/dev/shm")
-    root = base / f"ckptstore-test-{uuid.uuid4().hex[:10]}" if base.is_dir() else tmp_path / "shm"
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
 
 @pytest.fixture
 def snap_store(tmp_path: Path, shm_root: Path) -> Iterator[CheckpointStore]:

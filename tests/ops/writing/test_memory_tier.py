@@ -10,11 +10,9 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from ckptstore.ops.writing.memory import (
@@ -30,17 +28,6 @@ from ckptstore.ops.writing.memory import (
 )
 from ckptstore.records import ReplicaState
 from ckptstore.store import CheckpointStore
-
-
-@pytest.fixture
-def shm_root(tmp_path: Path) -> Iterator[Path]:
-    """A private memory-tier parent directory in /dev/shm (tmp_path where there is none)."""
-    base = Path("/dev/shm")
-    root = base / f"ckptstore-test-{uuid.uuid4().hex[:10]}" if base.is_dir() else tmp_path / "shm"
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def _state(seed: int, n: int = 4) -> dict[str, Any]:
