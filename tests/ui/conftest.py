@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -110,3 +111,20 @@ def curve_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CurveStore
 def curve_server(curve_store: CurveStore) -> Iterator[BackgroundUI]:
     with start_background(curve_store.store) as running:
         yield running
+
+
+def _screenshot_painted(page: Any, path: Path, *, full_page: bool = False) -> None:
+    """Screenshot ``page`` once the compositor has produced a frame of its current content.
+
+    Right after a navigation (and on a cold browser) Chromium may not have a frame to capture
+    yet and answers "Unable to capture screenshot"; two animation frames guarantee that one
+    was painted after the page settled.
+    """
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+    page.screenshot(path=str(path), full_page=full_page)
+
+
+@pytest.fixture
+def screenshot_painted() -> Callable[..., None]:
+    """:func:`_screenshot_painted`: ``screenshot_painted(page, path, full_page=...)``."""
+    return _screenshot_painted

@@ -55,7 +55,8 @@ def page(browser: Any) -> Iterator[Any]:
 
 
 def test_click_from_run_to_checkpoint_to_parent(
-    page: Any, ui_server: BackgroundUI, ui_store: Any, tmp_path: Path
+    page: Any, ui_server: BackgroundUI, ui_store: Any, tmp_path: Path,
+    screenshot_painted: Any,
 ) -> None:
     errors: list[str] = []
     page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
@@ -80,13 +81,14 @@ def test_click_from_run_to_checkpoint_to_parent(
     assert "base@v3" in page.locator("h1").inner_text()
     assert page.locator("a.neighbour-link[data-relation='child']").inner_text() == "tuned@v1"
     shot = tmp_path / "parent-checkpoint.png"
-    page.screenshot(path=str(shot), full_page=True)
+    screenshot_painted(page, shot, full_page=True)
     assert shot.stat().st_size > 10_000
     assert errors == []  # nothing blocked by the CSP, nothing broken
 
 
 def test_lineage_graph_renders_nodes_and_edges(
-    page: Any, ui_server: BackgroundUI, ui_store: Any, tmp_path: Path
+    page: Any, ui_server: BackgroundUI, ui_store: Any, tmp_path: Path,
+    screenshot_painted: Any,
 ) -> None:
     page.goto(ui_server.url + "lineage")
     nodes = page.locator("svg.dag g.node")
@@ -103,12 +105,14 @@ def test_lineage_graph_renders_nodes_and_edges(
     child_box = page.locator(f"svg.dag g.node[data-id='{ui_store.tuned_first}'] rect").first
     b, c = base_box.bounding_box(), child_box.bounding_box()
     assert b is not None and c is not None and c["x"] > b["x"] + b["width"]
-    page.screenshot(path=str(tmp_path / "lineage.png"), full_page=True)
+    screenshot_painted(page, tmp_path / "lineage.png", full_page=True)
     page.click(f"svg.dag g.node[data-id='{ui_store.tuned_first}'] a")
     page.wait_for_url(f"**/checkpoints/{ui_store.tuned_first}")
 
 
-def test_static_report_navigates_by_anchors(page: Any, ui_store: Any, tmp_path: Path) -> None:
+def test_static_report_navigates_by_anchors(
+    page: Any, ui_store: Any, tmp_path: Path, screenshot_painted: Any
+) -> None:
     path = write_report(ui_store.store, tmp_path / "report.html")
     page.goto(path.as_uri())
     assert page.locator("section.report-page").count() >= 6
@@ -117,4 +121,4 @@ def test_static_report_navigates_by_anchors(page: Any, ui_store: Any, tmp_path: 
     assert page.locator("#run-tuned").is_visible()
     assert page.locator("svg.plot path.series").count() >= 3
     assert page.locator("svg.dag g.node").count() >= 3
-    page.screenshot(path=str(tmp_path / "report.png"))
+    screenshot_painted(page, tmp_path / "report.png")

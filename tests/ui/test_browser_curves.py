@@ -64,7 +64,8 @@ def page(browser: Any) -> Iterator[Any]:
 
 
 def test_curve_with_markers_links_to_the_checkpoint(
-    page: Any, curve_server: BackgroundUI, curve_store: Any, tmp_path: Path
+    page: Any, curve_server: BackgroundUI, curve_store: Any, tmp_path: Path,
+    screenshot_painted: Any,
 ) -> None:
     errors: list[str] = []
     page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
@@ -79,7 +80,7 @@ def test_curve_with_markers_links_to_the_checkpoint(
     # Markers sit inside the plot, left to right in step order.
     xs = [curve.locator("circle.ckpt-marker").nth(i).bounding_box()["x"] for i in range(5)]
     assert xs == sorted(xs) and box["x"] <= xs[0] and xs[-1] <= box["x"] + box["width"]
-    page.screenshot(path=str(tmp_path / "curve.png"), full_page=True)
+    screenshot_painted(page, tmp_path / "curve.png", full_page=True)
     ck = curve_store.store.get("alpha@8000")
     page.click("svg.curve circle.ckpt-marker[data-step='8000']")
     page.wait_for_url(f"**/checkpoints/{ck.id}")
