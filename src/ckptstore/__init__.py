@@ -32,6 +32,7 @@ from ckptstore.errors import (
     StoreNotFoundError,
     UnsafeObjectError,
 )
+from ckptstore.lazy import lazy_attributes
 from ckptstore.records import (
     Checkpoint,
     CheckpointState,
@@ -84,17 +85,9 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    # The store pulls in zarr, SQLAlchemy and the format layer; loading it on first use keeps
-    # `import ckptstore.errors` (and the CLI's --help) cheap.
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'ckptstore' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
+# The store pulls in zarr, SQLAlchemy and the format layer; loading it on first use keeps
+# `import ckptstore.errors` (and the CLI's --help) cheap.
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 __all__ = [
     "AnyOf",

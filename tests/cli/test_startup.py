@@ -35,7 +35,8 @@ def imported(args: list[str], env: dict[str, str] | None = None) -> tuple[int, s
 COMMANDS = [
     ["--version"], ["--help"], ["ls", "--help"], ["ls", "--json"], ["ls"], ["runs", "--json"],
     ["du", "--json"], ["events", "--json"], ["config", "--json"],
-    ["lineage", "tuned@latest", "--json"],
+    ["lineage", "tuned@latest", "--json"], ["show", "tuned@latest", "--json"],
+    ["show", "tuned@latest"],
 ]
 
 

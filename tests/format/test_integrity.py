@@ -194,7 +194,7 @@ def test_too_many_tensors_is_rejected(save: Any, monkeypatch: pytest.MonkeyPatch
 def test_oversized_manifest_is_rejected_before_reading(
     save: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckptstore.format.reader as reader_module
+    import ckptstore.format.committed as committed_module
 
     directory, _ = save(_state())
     path = directory / "manifest.json"
@@ -210,7 +210,7 @@ def test_oversized_manifest_is_rejected_before_reading(
         return real_fdopen(fd, *args, **kwargs)
 
     with monkeypatch.context() as patch:
-        patch.setattr(reader_module.os, "fdopen", no_manifest_read)
+        patch.setattr(committed_module.os, "fdopen", no_manifest_read)
         with pytest.raises(IntegrityError, match="limit"):
             read_manifest(directory)
     os.unlink(path)

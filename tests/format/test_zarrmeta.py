@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
 from zarr.storage import MemoryStore
@@ -91,3 +92,44 @@ def test_dcp_documents_equal_zarrs_own_with_the_dot_separator() -> None:
             )
             assert array_doc(name, codec, (6, 40), (3, 40)) == store_dict[
                 f"t/{ZARR_JSON}"].to_bytes(), (name, codec)
+
+
+def test_the_formats_dtype_table_matches_torch() -> None:
+    """The widths are written out so manifests are read without torch: each one must be
+    torch's, and a stored dtype maps back to its own entry."""
+    import torch
+
+    from ckptstore.format.dtypes import dtype_info
+
+    for name in supported_dtype_names():
+        info = dtype_by_name(name)
+        assert info is not None
+        dtype = getattr(torch, name)
+        assert info.torch_dtype is dtype
+        assert info.itemsize == dtype.itemsize, name
+        assert dtype_info(dtype) is info
+        if not info.native:
+            assert info.zarr_dtype == f"uint{8 * dtype.itemsize}"
+    assert dtype_info(torch.float32) is not None
+    assert dtype_by_name("float33") is None
+
+
+def test_the_tree_validators_name_sets_match_torch() -> None:
+    """A state's ``dtype`` and ``device`` leaves are validated from written-out names (no
+    torch import to read a manifest): the dtype names are exactly torch's dtype attributes,
+    and torch parses every listed device type (with and without an index)."""
+    import warnings
+
+    import torch
+
+    from ckptstore.format.dtypes import DEVICE_TYPES, TORCH_DTYPE_ATTRS
+
+    assert {
+        k for k, v in vars(torch).items() if isinstance(v, torch.dtype)} == TORCH_DTYPE_ATTRS
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates some of the types it still parses
+        for kind in DEVICE_TYPES:
+            assert torch.device(kind).type == kind
+            assert torch.device(f"{kind}:3").index == 3
+    with pytest.raises(RuntimeError):
+        torch.device("nodevice")

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
     from ckptstore.catalog import Catalog
+    from ckptstore.core import StoreCore
     from ckptstore.records import Checkpoint, Event, RunInfo, UsageRow
     from ckptstore.store import CheckpointStore
 
@@ -221,6 +222,21 @@ def open_store(ctx: typer.Context, *, create: bool = False) -> Iterator[Checkpoi
         yield store
     finally:
         store.close()
+
+
+@contextmanager
+def open_core(ctx: typer.Context) -> Iterator[StoreCore]:
+    """Open the existing store selected by the global options without its operations (the
+    catalog, the settings, the tiers): for the commands that only read the catalog and
+    manifests, such as ``ckpt show``; opening it imports neither torch nor zarr."""
+    from ckptstore.core import StoreCore
+
+    state: State = ctx.obj
+    core = StoreCore.open(state.store, config=state.config, create=False)
+    try:
+        yield core
+    finally:
+        core.close()
 
 
 class CatalogView:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ckptstore.cli.common import ascii_int, open_catalog, open_store, parse_where
+from ckptstore.cli.common import ascii_int, open_catalog, open_core, parse_where
 from ckptstore.cli.merge import merge_rows
 from ckptstore.cli.output import (
     checkpoint_json,
@@ -186,10 +186,14 @@ def show_cmd(
     merged checkpoint: method, accumulate, keys, weights_from_metric, inputs (id, ref,
     state, weight, position)}.
     """
-    with open_store(ctx) as store:
-        info = store.show(ref)
+    from ckptstore.ops.reading.show import show_checkpoint
+
+    with open_core(ctx) as core:
+        info = show_checkpoint(core, ref)
         if tensors:
-            manifest = store.manifest(ref)
+            from ckptstore.ops.reading.load import read_any_manifest
+
+            manifest = read_any_manifest(core, ref)
             info["tensors"] = [
                 {"key": k, **_tensor_entry(v)} for k, v in manifest.tensors.items()
             ]

@@ -16,24 +16,65 @@ are in :mod:`ckptstore.format.constants`.
 
 from __future__ import annotations
 
-from ckptstore.format.basecache import KeyframeCache
-from ckptstore.format.codecs import CODEC_PRESETS
-from ckptstore.format.constants import DEFAULT_CHUNK_BYTES, FORMAT_VERSION
-from ckptstore.format.delta import DeltaSpec, parse_delta
-from ckptstore.format.flatten import FlatState, as_flat, flatten_state, unflatten_state
-from ckptstore.format.manifest import (
-    ArrayEntry,
-    BaseChunk,
-    BaseRef,
-    ChunkEntry,
-    DeltaInfo,
-    FileEntry,
-    Manifest,
-    TensorEntry,
-)
-from ckptstore.format.reader import iter_tensors, read_checkpoint, read_manifest, read_tensors
-from ckptstore.format.verify import chunk_files, verify_checkpoint
-from ckptstore.format.writer import PHASES, write_checkpoint
+from typing import TYPE_CHECKING
+
+from ckptstore.lazy import lazy_attributes
+
+if TYPE_CHECKING:
+    from ckptstore.format.basecache import KeyframeCache
+    from ckptstore.format.codecs import CODEC_PRESETS
+    from ckptstore.format.committed import read_manifest
+    from ckptstore.format.constants import DEFAULT_CHUNK_BYTES, FORMAT_VERSION
+    from ckptstore.format.delta import DeltaSpec, parse_delta
+    from ckptstore.format.flatten import FlatState, as_flat, flatten_state, unflatten_state
+    from ckptstore.format.manifest import (
+        ArrayEntry,
+        BaseChunk,
+        BaseRef,
+        ChunkEntry,
+        DeltaInfo,
+        FileEntry,
+        Manifest,
+        TensorEntry,
+    )
+    from ckptstore.format.reader import iter_tensors, read_checkpoint, read_tensors
+    from ckptstore.format.verify import chunk_files, verify_checkpoint
+    from ckptstore.format.writer import PHASES, write_checkpoint
+
+# Each name by the module that is its home. They load on first use: the delta codec and the
+# writer import torch, and the catalog-only commands (`ckpt show`, `ckpt ls`) read manifests
+# through this package without it (tests/cli/test_startup.py).
+_LAZY = {
+    "KeyframeCache": "ckptstore.format.basecache",
+    "CODEC_PRESETS": "ckptstore.format.codecs",
+    "DEFAULT_CHUNK_BYTES": "ckptstore.format.constants",
+    "FORMAT_VERSION": "ckptstore.format.constants",
+    "DeltaSpec": "ckptstore.format.delta",
+    "parse_delta": "ckptstore.format.delta",
+    "FlatState": "ckptstore.format.flatten",
+    "as_flat": "ckptstore.format.flatten",
+    "flatten_state": "ckptstore.format.flatten",
+    "unflatten_state": "ckptstore.format.flatten",
+    "ArrayEntry": "ckptstore.format.manifest",
+    "BaseChunk": "ckptstore.format.manifest",
+    "BaseRef": "ckptstore.format.manifest",
+    "ChunkEntry": "ckptstore.format.manifest",
+    "DeltaInfo": "ckptstore.format.manifest",
+    "FileEntry": "ckptstore.format.manifest",
+    "Manifest": "ckptstore.format.manifest",
+    "TensorEntry": "ckptstore.format.manifest",
+    "iter_tensors": "ckptstore.format.reader",
+    "read_checkpoint": "ckptstore.format.reader",
+    "read_manifest": "ckptstore.format.committed",
+    "read_tensors": "ckptstore.format.reader",
+    "chunk_files": "ckptstore.format.verify",
+    "verify_checkpoint": "ckptstore.format.verify",
+    "PHASES": "ckptstore.format.writer",
+    "write_checkpoint": "ckptstore.format.writer",
+}
+
+
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 __all__ = [
     "CODEC_PRESETS",

@@ -17,12 +17,6 @@ import blake3
 import numpy as np
 
 from ckptstore.format.codecs import BLOSC_HEADER, TRAILER, codec_spec, crc32c_update, decode_into
-from ckptstore.format.delta import (
-    decode_payload,
-    dequantize_into,
-    quantized_payload_size,
-    xor_into,
-)
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.manifest import ArrayEntry, BaseChunk, ChunkEntry, Manifest
 
@@ -67,6 +61,15 @@ def _decode_raw(array: ArrayEntry, data: _Bytes) -> np.ndarray[Any, np.dtype[np.
 def _apply_delta(array: ArrayEntry, chunk: ChunkEntry, data: _Bytes,
                  target: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
     """Decode delta chunk file ``data`` onto ``target``, which holds its base's content."""
+    # The delta codec computes with torch: loaded when a delta chunk is checked, not when a
+    # catalog-only command imports this module (tests/cli/test_startup.py).
+    from ckptstore.format.delta import (
+        decode_payload,
+        dequantize_into,
+        quantized_payload_size,
+        xor_into,
+    )
+
     raw = array.chunk_nbytes
     body = np.frombuffer(data, dtype=np.uint8)[: len(data) - TRAILER.size]
     if chunk.enc == "xor":

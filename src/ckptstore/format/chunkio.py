@@ -40,12 +40,6 @@ from ckptstore.format.codecs import (
     crc32c_update,
     decode_into,
 )
-from ckptstore.format.delta import (
-    decode_payload,
-    dequantize_into,
-    quantized_payload_size,
-    xor_into,
-)
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.fsio import fadvise_willneed, preadv_all
 from ckptstore.format.manifest import ArrayEntry, BaseChunk, ChunkEntry, Manifest
@@ -274,6 +268,15 @@ class ChunkReader:
 
     def _read_delta(self, array: ArrayEntry, chunk: ChunkEntry, dests: Sequence[Dest]) -> None:
         """Read a delta-encoded chunk: its base chunk, then the delta applied on top."""
+        # Loaded here, not at import: the delta codec computes with torch, and the catalog-only
+        # commands reach this module without reading a chunk (tests/cli/test_startup.py).
+        from ckptstore.format.delta import (
+            decode_payload,
+            dequantize_into,
+            quantized_payload_size,
+            xor_into,
+        )
+
         base = chunk.base
         if base is None:  # the manifest parser guarantees a base; guard direct callers
             raise self.damaged(array, chunk.i, self.directory, "is a delta without a base")

@@ -25,12 +25,14 @@ import bisect
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from ckptstore.format.constants import TENSOR_GROUP
 from ckptstore.format.dtypes import DtypeInfo, dtype_info
 from ckptstore.format.keys import escape_node_name, key_matches
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "LOSSY_DTYPES",

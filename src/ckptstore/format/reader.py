@@ -11,9 +11,6 @@ tensor when one tensor covers the whole chunk. Fresh loads allocate every tensor
 from __future__ import annotations
 
 import logging
-import os
-import re
-import stat
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -25,16 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptstore.durable import storage_error
 from ckptstore.errors import (
-    CheckpointNotFoundError,
-    IncompleteCheckpointError,
-    IntegrityError,
     InvalidNameError,
 )
 from ckptstore.format.chunkio import ByteBuffer, ChunkReader, Dest, Locate
 from ckptstore.format.codecs import codec_spec
-from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
 from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.flatten import rebuild_state
 from ckptstore.format.fsio import populate_write
@@ -44,18 +36,14 @@ from ckptstore.format.manifest import (
     ArrayEntry,
     Manifest,
     TensorEntry,
-    manifest_digest,
-    parse_verified,
 )
 from ckptstore.format.pool import run_all
 from ckptstore.format.tree import iter_tensor_refs, match_into, select_tree
 
-__all__ = ["RangeReader", "iter_tensors", "read_checkpoint", "read_manifest", "read_tensors"]
+__all__ = ["RangeReader", "iter_tensors", "read_checkpoint", "read_tensors"]
 
 logger = logging.getLogger(__name__)
 
-_DIGEST = re.compile(r"^[0-9a-f]{64}$")
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 #: Reads of raw chunks are I/O- and page-fault-bound, not CPU-bound: at least this many reader
 #: threads keep the disk queue and the fault path busy even when the caller asks for fewer.
@@ -66,89 +54,6 @@ PREFETCH_AHEAD = 8
 #: Fresh tensors at least this large have their pages faulted in by a helper thread, ahead of
 #: and in parallel with the reads that fill them.
 PREFAULT_MIN_BYTES = 1024 * 1024
-
-
-def read_manifest(directory: Path, expected_digest: str | None = None) -> Manifest:
-    """Read and validate the manifest of a committed checkpoint.
-
-    Args:
-        directory: The checkpoint directory.
-        expected_digest: The digest the catalog recorded, if known.
-
-    Raises:
-        CheckpointNotFoundError: If ``directory`` does not exist.
-        IncompleteCheckpointError: If the ``COMMITTED`` marker is absent.
-        IntegrityError: If the manifest is missing, too large, invalid, or its digest differs
-            from the marker's or ``expected_digest``.
-        StorageError: On other OS errors.
-    """
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CheckpointNotFoundError(f"no checkpoint directory at {directory}")
-    marker = directory / COMMIT_NAME
-    try:
-        text = _read_regular(marker, 256)
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(
-            f"{directory} has no {COMMIT_NAME} marker: the save that wrote it died or is still "
-            "running; it cannot be loaded (ckpt gc removes dead ones)"
-        ) from None
-    except OSError as exc:
-        raise storage_error(marker, "read", exc) from exc
-    committed = text.decode("ascii", "replace").strip()
-    if not _DIGEST.match(committed):
-        raise IntegrityError(f"{marker} does not hold a manifest digest")
-    data = _read_bounded(directory / MANIFEST_NAME)
-    actual = manifest_digest(data)
-    if actual != committed:
-        raise IntegrityError(
-            f"{directory / MANIFEST_NAME} has digest {actual}, but {COMMIT_NAME} records "
-            f"{committed}: the manifest was modified or damaged"
-        )
-    if expected_digest is not None and actual != expected_digest:
-        raise IntegrityError(
-            f"{directory / MANIFEST_NAME} has digest {actual}, but {expected_digest} was "
-            "expected: this is not the checkpoint the catalog recorded"
-        )
-    return parse_verified(data, actual)
-
-
-def _open_regular(path: Path) -> int:
-    """Open a checkpoint file read-only without blocking (FIFO) or following a link."""
-    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise IntegrityError(f"{path} is not a regular file; the checkpoint was tampered with")
-    return fd
-
-
-def _read_regular(path: Path, limit: int) -> bytes:
-    fd = _open_regular(path)
-    try:
-        with os.fdopen(os.dup(fd), "rb") as fh:
-            return fh.read(limit)
-    finally:
-        os.close(fd)
-
-
-def _read_bounded(path: Path) -> bytes:
-    try:
-        fd = _open_regular(path)
-    except FileNotFoundError:
-        raise IntegrityError(f"{path} is missing from a committed checkpoint") from None
-    except OSError as exc:
-        raise storage_error(path, "open", exc) from exc
-    try:
-        size = os.fstat(fd).st_size
-        # Checked before reading so a hostile file cannot make us allocate unbounded memory.
-        if size > MAX_MANIFEST_BYTES:
-            raise IntegrityError(f"{path} is {size} bytes, over the {MAX_MANIFEST_BYTES} limit")
-        with os.fdopen(os.dup(fd), "rb") as fh:
-            return fh.read(MAX_MANIFEST_BYTES + 1)
-    except OSError as exc:
-        raise storage_error(path, "read", exc) from exc
-    finally:
-        os.close(fd)
 
 
 def _select(manifest: Manifest, keys: Sequence[str] | None) -> Any:
@@ -276,7 +181,7 @@ def read_checkpoint(
 
     Args:
         directory: The checkpoint directory.
-        manifest: Its manifest (from :func:`read_manifest`).
+        manifest: Its manifest (from :func:`~ckptstore.format.committed.read_manifest`).
         keys: fnmatch patterns over tensor keys (see :mod:`ckptstore.format.keys`); a pattern
             also selects everything under a matching container path (``"model"`` ==
             ``"model/*"``). Only the selected leaves are returned, inside the containers

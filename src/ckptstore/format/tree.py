@@ -33,10 +33,8 @@ import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import torch
-
 from ckptstore.format.constants import MAX_TREE_DEPTH
-from ckptstore.format.dtypes import NUMPY_NATIVE_DTYPES
+from ckptstore.format.dtypes import DEVICE_TYPES, NUMPY_NATIVE_DTYPES, TORCH_DTYPE_ATTRS
 from ckptstore.format.keys import join_key, key_matches
 from ckptstore.format.validate import Invalid, short
 
@@ -238,10 +236,11 @@ def _validate_leaf(
         ok = (
             isinstance(value, str)
             and bool(_DTYPE_NAME.match(value))
-            and isinstance(getattr(torch, value, None), torch.dtype)
+            and value in TORCH_DTYPE_ATTRS
         )
     elif tag == "device":
-        ok = isinstance(value, str) and bool(_DEVICE.match(value)) and _is_device(value)
+        ok = (isinstance(value, str) and bool(_DEVICE.match(value))
+              and value.partition(":")[0] in DEVICE_TYPES)
     else:  # "np"
         dtype = node.get("dtype")
         ok = (
@@ -270,14 +269,6 @@ def _is_hex(value: str) -> bool:
     try:
         bytes.fromhex(value)
     except ValueError:
-        return False
-    return True
-
-
-def _is_device(value: str) -> bool:
-    try:
-        torch.device(value)
-    except (RuntimeError, ValueError):
         return False
     return True
 

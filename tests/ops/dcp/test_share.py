@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ckptstore.errors import IncompleteCheckpointError, IntegrityError
-from ckptstore.format.dcp.chunks import ReadJob
+from ckptstore.format.dcp.requests import ReadJob
 from ckptstore.ops.dcp.share import LOCAL_COST, Arrivals, assign
 
 

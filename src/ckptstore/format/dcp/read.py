@@ -1,7 +1,7 @@
-"""Reading a DCP checkpoint without a process group: its index, full loads, verification.
+"""Reading a DCP checkpoint without a process group: full loads.
 
 :func:`load_full` returns full (unsharded) CPU tensors, nested as DCP's flatten mapping
-says; :func:`verify_dcp` checks every file against the index. Chunk reads go through
+says (the index and the file checks: :mod:`ckptstore.format.dcp.verify`). Chunk reads go through
 :mod:`ckptstore.format.dcp.chunks` (verified), box geometry through
 :mod:`ckptstore.format.dcp.boxes`.
 """
@@ -11,41 +11,24 @@ from __future__ import annotations
 import io
 import logging
 import pickle
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import crc32c as _crc32c
 import torch
 
-from ckptstore.errors import IntegrityError, InvalidNameError, UnsafeObjectError
-from ckptstore.format.codecs import TRAILER
-from ckptstore.format.constants import ZARR_JSON
+from ckptstore.errors import InvalidNameError, UnsafeObjectError
 from ckptstore.format.dcp.boxes import dtype_of, stored_boxes
-from ckptstore.format.dcp.chunks import ChunkSource, Request, load_blob, run_requests
+from ckptstore.format.dcp.chunks import ChunkSource, load_blob
 from ckptstore.format.dcp.layout import DcpIndex
+from ckptstore.format.dcp.requests import Request, run_requests
+from ckptstore.format.dcp.verify import index_of
 from ckptstore.format.keys import escape_component, key_matches
 from ckptstore.format.manifest import Manifest
-from ckptstore.numeric import counted
 
-__all__ = ["index_of", "load_full", "verify_dcp"]
+__all__ = ["load_full"]
 
 logger = logging.getLogger(__name__)
-
-
-def index_of(manifest: Manifest) -> DcpIndex:
-    """The DCP index of a manifest (parsed and validated with the manifest).
-
-    Raises:
-        IntegrityError: If the manifest has no valid DCP index.
-    """
-    if manifest.dcp is None:
-        raise IntegrityError(
-            f"checkpoint {manifest.id} was not saved through DCP (no DCP index in its "
-            "manifest); load it with store.load instead of a DCP storage reader"
-        )
-    return manifest.dcp
 
 
 def _key_of(index: DcpIndex, fqn: str) -> str:
@@ -163,63 +146,3 @@ def load_full(
     for fqn in sorted(values, key=lambda f: _key_of(index, f)):
         _set_path(root, index.planner_data.get(fqn) or (fqn,), values[fqn])
     return root
-
-
-# --------------------------------------------------------------------------- verify
-def verify_dcp(
-    directory: Path,
-    manifest: Manifest,
-    *,
-    deep: bool = True,
-    include: Callable[[str], bool] | None = None,
-) -> list[str]:
-    """Check every file of a DCP checkpoint against the index.
-
-    Args:
-        directory: The checkpoint directory.
-        manifest: Its manifest.
-        deep: Read every chunk and check its crc32c; otherwise sizes only.
-        include: Check only the files (relative paths) it accepts: the parts one host of a
-            save across hosts holds.
-
-    Returns:
-        One line per problem; empty when intact.
-    """
-    directory = Path(directory)
-    try:
-        index = index_of(manifest)
-    except IntegrityError as exc:
-        return [str(exc)]
-    problems: list[str] = []
-    for path in index.arrays:
-        doc = f"{path}/{ZARR_JSON}"
-        if (include is None or include(doc)) and not (directory / doc).is_file():
-            problems.append(f"{doc}: missing")
-
-    def check(entry: tuple[str, int, int]) -> str | None:
-        rel, nbytes, crc = entry
-        path = directory / rel
-        try:
-            if not deep:
-                size = path.stat().st_size
-                return None if size == nbytes else f"{rel}: is {size} bytes, expected {nbytes}"
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return f"{rel}: missing"
-        except OSError as exc:
-            return f"{rel}: cannot read: {exc}"
-        if len(data) != nbytes:
-            return f"{rel}: is {len(data)} bytes, expected {nbytes}"
-        body_crc = int(_crc32c.crc32c(data[: -TRAILER.size]))
-        trailer = TRAILER.unpack(data[-TRAILER.size :])[0]
-        if body_crc != trailer or body_crc != crc:
-            return f"{rel}: crc32c {body_crc:#010x} differs from {crc:#010x}"
-        return None
-
-    with ThreadPoolExecutor(2, thread_name_prefix="ckpt-dcp-verify") as pool:
-        files = [f for f in index.files() if include is None or include(f[0])]
-        problems += [p for p in pool.map(check, files) if p is not None]
-    if problems:
-        logger.warning("checkpoint %s at %s has %s: %s", manifest.id, directory,
-                       counted(len(problems), "problem"), "; ".join(problems[:3]))
-    return problems

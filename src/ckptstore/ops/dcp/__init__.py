@@ -33,7 +33,8 @@ full load without a process group does the same.
 from __future__ import annotations
 
 from ckptstore.format.dcp.layout import is_dcp_manifest
-from ckptstore.format.dcp.read import load_full, verify_dcp
+from ckptstore.format.dcp.read import load_full
+from ckptstore.format.dcp.verify import verify_dcp
 from ckptstore.ops.dcp.distributed import load_dcp, load_parted, needs_dcp, save_distributed
 from ckptstore.ops.dcp.reader import SafeLoadPlanner, ZarrStorageReader, dcp_reader
 from ckptstore.ops.dcp.writer import PACK_BELOW, ZarrStorageWriter, dcp_writer

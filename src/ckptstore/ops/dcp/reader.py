@@ -28,9 +28,10 @@ from ckptstore.errors import CkptError, IntegrityError, UnsafeObjectError
 from ckptstore.format import Manifest, read_manifest
 from ckptstore.format.constants import COMMIT_NAME, DCP_ARRAY_GROUP
 from ckptstore.format.dcp.boxes import BoxLoc, build_metadata, stored_boxes
-from ckptstore.format.dcp.chunks import ChunkSource, Request, load_blob, run_requests
+from ckptstore.format.dcp.chunks import ChunkSource, load_blob
 from ckptstore.format.dcp.layout import BlobItem
-from ckptstore.format.dcp.read import index_of
+from ckptstore.format.dcp.requests import Request, run_requests
+from ckptstore.format.dcp.verify import index_of
 from ckptstore.ops.dcp.share import run_shared
 from ckptstore.ops.tiering.parts import PartsSource, parts_source
 from ckptstore.ops.tiering.thaw import thawed_source

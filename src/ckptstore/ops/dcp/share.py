@@ -47,15 +47,9 @@ import torch
 import torch.distributed as dist
 
 from ckptstore.errors import CkptError
-from ckptstore.format.dcp.chunks import (
-    ByteView,
-    ReadJob,
-    Request,
-    flat_chunks,
-    read_jobs,
-    run_jobs,
-)
+from ckptstore.format.dcp.chunks import ByteView, flat_chunks
 from ckptstore.format.dcp.layout import ArrayInfo, BlobItem, chunk_file
+from ckptstore.format.dcp.requests import ReadJob, Request, read_jobs, run_jobs
 from ckptstore.ops.tiering.parts import PartsSource
 
 __all__ = [

@@ -47,7 +47,7 @@ from ckptstore.format import Manifest
 from ckptstore.format.constants import COMMIT_NAME
 from ckptstore.format.dcp.chunks import ByteView, ChunkSource
 from ckptstore.format.dcp.layout import ArrayInfo, chunk_file, rank_of_file
-from ckptstore.format.dcp.read import verify_dcp
+from ckptstore.format.dcp.verify import verify_dcp
 from ckptstore.format.manifest import known_manifest, parse_verified
 from ckptstore.identity import host
 from ckptstore.records import TIER_ORDER, Checkpoint, PartSpec, ReplicaState

@@ -19,7 +19,7 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, read_manifest, verify_checkpoint
-from ckptstore.format.dcp.read import verify_dcp
+from ckptstore.format.dcp.verify import verify_dcp
 from ckptstore.format.zarrcheck import check_zarr_metadata, rewrite_zarr_metadata
 from ckptstore.ops.tiering.parts import of_ranks, parted_manifest
 from ckptstore.ops.tiering.replicas import manifest_on

@@ -1,0 +1,98 @@
+"""A DCP checkpoint's index, and the check of every file it lists (sizes, crc32c).
+
+Torch-free, so the processes that only check or move the parts of a checkpoint saved across
+hosts (and ``ckpt show``) never import it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import crc32c as _crc32c
+
+from ckptstore.errors import IntegrityError
+from ckptstore.format.codecs import TRAILER
+from ckptstore.format.constants import ZARR_JSON
+from ckptstore.format.dcp.layout import DcpIndex
+from ckptstore.format.manifest import Manifest
+from ckptstore.numeric import counted
+
+__all__ = ["index_of", "verify_dcp"]
+
+logger = logging.getLogger(__name__)
+
+
+def index_of(manifest: Manifest) -> DcpIndex:
+    """The DCP index of a manifest (parsed and validated with the manifest).
+
+    Raises:
+        IntegrityError: If the manifest has no valid DCP index.
+    """
+    if manifest.dcp is None:
+        raise IntegrityError(
+            f"checkpoint {manifest.id} was not saved through DCP (no DCP index in its "
+            "manifest); load it with store.load instead of a DCP storage reader"
+        )
+    return manifest.dcp
+
+
+def verify_dcp(
+    directory: Path,
+    manifest: Manifest,
+    *,
+    deep: bool = True,
+    include: Callable[[str], bool] | None = None,
+) -> list[str]:
+    """Check every file of a DCP checkpoint against the index.
+
+    Args:
+        directory: The checkpoint directory.
+        manifest: Its manifest.
+        deep: Read every chunk and check its crc32c; otherwise sizes only.
+        include: Check only the files (relative paths) it accepts: the parts one host of a
+            save across hosts holds.
+
+    Returns:
+        One line per problem; empty when intact.
+    """
+    directory = Path(directory)
+    try:
+        index = index_of(manifest)
+    except IntegrityError as exc:
+        return [str(exc)]
+    problems: list[str] = []
+    for path in index.arrays:
+        doc = f"{path}/{ZARR_JSON}"
+        if (include is None or include(doc)) and not (directory / doc).is_file():
+            problems.append(f"{doc}: missing")
+
+    def check(entry: tuple[str, int, int]) -> str | None:
+        rel, nbytes, crc = entry
+        path = directory / rel
+        try:
+            if not deep:
+                size = path.stat().st_size
+                return None if size == nbytes else f"{rel}: is {size} bytes, expected {nbytes}"
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return f"{rel}: missing"
+        except OSError as exc:
+            return f"{rel}: cannot read: {exc}"
+        if len(data) != nbytes:
+            return f"{rel}: is {len(data)} bytes, expected {nbytes}"
+        body_crc = int(_crc32c.crc32c(data[: -TRAILER.size]))
+        trailer = TRAILER.unpack(data[-TRAILER.size :])[0]
+        if body_crc != trailer or body_crc != crc:
+            return f"{rel}: crc32c {body_crc:#010x} differs from {crc:#010x}"
+        return None
+
+    with ThreadPoolExecutor(2, thread_name_prefix="ckpt-dcp-verify") as pool:
+        files = [f for f in index.files() if include is None or include(f[0])]
+        problems += [p for p in pool.map(check, files) if p is not None]
+    if problems:
+        logger.warning("checkpoint %s at %s has %s: %s", manifest.id, directory,
+                       counted(len(problems), "problem"), "; ".join(problems[:3]))
+    return problems
