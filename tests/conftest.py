@@ -31,7 +31,7 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 # runs inside this repository, whose working tree every first save would otherwise read.
 # Tests of the capture turn it on (tests/ops/writing/test_context.py: ``capture_on``).
 os.environ.setdefault("CKPT_CAPTURE", "0")
-for _var in ("CKPT_CONFIG", "CKPT_ROOT", "CKPT_CATALOG_URL", "CKPT_FAULT_POINT"):
+for _var in ("CKPT_CONFIG", "CKPT_ROOT", "CKPT_CATALOG_URL", "CKPT_FAULT_POINT", "CKPT_RESUME"):
     os.environ.pop(_var, None)
 
 

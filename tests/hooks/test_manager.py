@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptstore.errors import ConfigError, StorageError
+from ckptstore.errors import CheckpointNotFoundError, ConfigError, StorageError
 from ckptstore.hooks.loss_monitor import LossMonitor
 from ckptstore.hooks.manager import CheckpointManager
 from ckptstore.hooks.policies import EveryNSteps
@@ -106,6 +106,33 @@ def test_resume_continues_policy_and_records_parent(store: CheckpointStore) -> N
     newest = store.latest("resume")
     assert newest.parent_id == first.id
     assert [c.id for c in store.lineage(newest.id)][:1] == [first.id]
+
+
+def test_ckpt_resume_picks_the_checkpoint_a_recipe_names(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `ckpt reproduce` recipe sets CKPT_RESUME: restore_latest (and the progressive one)
+    resume from that checkpoint, not the run's newest; one this store lacks is a clear
+    error, not a fresh start."""
+    trainer = Trainer()
+    with CheckpointManager(store, "pinned", save_interval=2, handle_sigterm=False) as mgr:
+        for step in range(1, 7):
+            trainer.train_step()
+            mgr.step(step, trainer.state_fn(step))
+    older = store.get("pinned@4")
+    assert store.latest("pinned").step == 6
+    monkeypatch.setenv("CKPT_RESUME", older.id)
+    with CheckpointManager(store, "pinned", save_interval=2, handle_sigterm=False) as mgr:
+        state = mgr.restore_latest()
+        assert state is not None and state["step"] == 4
+        assert mgr.resumed_from is not None and mgr.resumed_from.id == older.id
+        progressive = mgr.restore_latest_progressive(["model/*"])
+        assert progressive is not None and progressive.result()["step"] == 4
+    monkeypatch.setenv("CKPT_RESUME", "pinned@99")
+    with CheckpointManager(store, "pinned", save_interval=2, handle_sigterm=False) as mgr:
+        with pytest.raises(CheckpointNotFoundError, match="CKPT_RESUME='pinned@99'"):
+            mgr.restore_latest()
+        assert mgr.resumed_from is None
 
 
 def test_restore_latest_into_existing_tensors(store: CheckpointStore) -> None:

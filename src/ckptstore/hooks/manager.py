@@ -40,6 +40,7 @@ from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError
 from ckptstore.format import as_flat
 from ckptstore.hooks.policies import AnyOf, EveryNSeconds, EveryNSteps, OnDemand, SavePolicy
 from ckptstore.ops.reading.load import load_latest_snapshot, snapshot_rank
+from ckptstore.ops.reading.reproduce import RESUME_ENV
 from ckptstore.ops.tiering.retention import apply_retention
 from ckptstore.ops.upkeep.history import DEFAULT_HISTORY_POINTS, MetricHistory
 from ckptstore.ops.writing.async_save import SaveHandle, saver_for
@@ -322,7 +323,9 @@ class CheckpointManager:
         """Load the newest committed checkpoint of the run.
 
         The next save records it as its parent (lineage: resumed-from), and the step policy
-        continues from its step.
+        continues from its step. When ``CKPT_RESUME`` names a checkpoint (what a
+        ``ckpt reproduce`` recipe sets), that checkpoint is loaded instead, whatever is newer
+        in memory or in the catalog: the recipe resumes the exact state it recorded.
 
         Args:
             into: A state of the same structure to fill in place (fastest; no allocations).
@@ -336,16 +339,13 @@ class CheckpointManager:
             The state, or None when the run has no committed checkpoint yet.
 
         Raises:
-            CheckpointNotFoundError: If the newest checkpoint has no copy on any tier.
+            CheckpointNotFoundError: If the newest checkpoint has no copy on any tier, or
+                ``CKPT_RESUME`` names no checkpoint of this store.
             IntegrityError: If it is damaged.
         """
         self.wait()
-        latest: Checkpoint | None
-        try:
-            latest = self.store.latest(self.run)
-        except CheckpointNotFoundError:
-            latest = None
-        if priority is None:
+        latest, pinned = self._resume_target()
+        if priority is None and not pinned:
             # A complete snapshot in this host's memory at or after the newest checkpoint
             # (a restart after a crash) is the newer state; a torn one is never read.
             durable_step = latest.step if latest is not None else None
@@ -394,14 +394,36 @@ class CheckpointManager:
         from ckptstore.ops.reading.progressive import load_progressive
 
         self.wait()
-        try:
-            ck = self.store.latest(self.run)
-        except CheckpointNotFoundError:
+        ck, _ = self._resume_target()
+        if ck is None:
             logger.info("run %s has no checkpoint yet: starting fresh", self.run)
             return None
         progressive = load_progressive(self.store, ck.id, priority, into=into)
         self._resumed(ck)
         return progressive
+
+    def _resume_target(self) -> tuple[Checkpoint | None, bool]:
+        """The checkpoint to resume from (None: the run has none yet), and whether
+        ``CKPT_RESUME`` chose it.
+
+        Raises:
+            CheckpointNotFoundError: If ``CKPT_RESUME`` names no checkpoint of this store.
+        """
+        pinned = os.environ.get(RESUME_ENV, "").strip()
+        if not pinned:
+            try:
+                return self.store.latest(self.run), False
+            except CheckpointNotFoundError:
+                return None, False
+        try:
+            ck = self.store.get(pinned)
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"{RESUME_ENV}={pinned!r} names no checkpoint of this store ({exc}); restore "
+                f"it first (ckpt restore {pinned}) or unset {RESUME_ENV} to resume from the "
+                "run's newest checkpoint") from exc
+        logger.info("%s names %s: resuming from it", RESUME_ENV, ck.ref)
+        return ck, True
 
     def _resumed(self, ck: Checkpoint) -> None:
         if self.history is not None:

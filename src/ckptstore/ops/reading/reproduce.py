@@ -31,6 +31,7 @@ from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError
 from ckptstore.records import Checkpoint, RunContext
 
 __all__ = [
+    "RESUME_ENV",
     "Difference",
     "check_against",
     "context_for",
@@ -39,6 +40,11 @@ __all__ = [
     "lock_versions",
     "write_recipe",
 ]
+
+
+#: Set by a recipe (:func:`write_recipe`) to the id of the checkpoint the run resumes from;
+#: ``CheckpointManager.restore_latest`` loads that one instead of the run's newest.
+RESUME_ENV = "CKPT_RESUME"
 
 
 @dataclass(frozen=True)
@@ -311,7 +317,7 @@ def _script(core: StoreCore, ck: Checkpoint, doc: Mapping[str, Any]) -> str:
         "# 3. the checkpoint: a verified copy on the hot tier",
         f'"$PY" -m ckptstore restore {q(ck.id)} >/dev/null',
         "# 4. the command, resuming from the checkpoint (CKPT_RESUME names it)",
-        f"export CKPT_RESUME={q(ck.id)} CKPT_RESUME_REF={q(ck.ref)}",
+        f"export {RESUME_ENV}={q(ck.id)} {RESUME_ENV}_REF={q(ck.ref)}",
         f'cd "$SRC"/{q(rel_cwd)}',
         'exec "$PY" ' + " ".join(q(a) for a in argv),
     ]
