@@ -1,8 +1,11 @@
 """Bundles: one checkpoint as a single tar file, to move between stores and machines.
 
 A bundle holds ``ckptstore-bundle.json`` (what it is: id, run, step, digest, metrics, tags,
-file list) and the checkpoint's own files under ``checkpoint/`` (chunks, Zarr metadata,
-``manifest.json``, ``COMMITTED``, and ``SIGNATURE`` when signed).
+file list, and the run context the checkpoint was saved under with the blobs it names, so the
+importing store can say how to reproduce it) and the checkpoint's own files under
+``checkpoint/`` (chunks, Zarr metadata, ``manifest.json``, ``COMMITTED``, and ``SIGNATURE``
+when signed). The header is not signed: like metrics and tags, the context is what the
+exporter says, each part checked against its own digest.
 
 A hot copy re-encoded with the archive codec (restored from such an archive copy, see
 :mod:`ckptstore.ops.tiering.reencode`) is exported as it is, with the original manifest it carries
@@ -32,6 +35,8 @@ format, and every rule the importer checks is a property the exporter writes.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import json
 import logging
@@ -74,6 +79,7 @@ from ckptstore.ops.sharing.signing import (
     load_public_key,
 )
 from ckptstore.ops.tiering.reencode import check_original
+from ckptstore.ops.writing.context import adopt_context, context_payload
 from ckptstore.ops.writing.delta import lossy_record
 from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
@@ -96,6 +102,9 @@ _FORMAT = "ckptstore-bundle"
 _VERSION = 1
 _MAX_SMALL = 64 * 1024  # zarr.json, COMMITTED, SIGNATURE
 _MAX_HEADER = 16 * 1024 * 1024
+#: JSON values the header may hold besides four per member: metrics, tags and the run context
+#: (its config and notes; the patch and the lock are single base64 strings).
+_CONTEXT_ITEMS = 65_536
 _DEFAULT_MAX_MEMBERS = 200_000
 _COPY_BLOCK = 4 * 1024 * 1024
 #: Codec of the self-contained copy a delta is bundled as (``bundle_contents(workdir=)``).
@@ -201,6 +210,11 @@ def bundle_contents(store: StoreCore, ref: str, *,
     }
     if is_reencoded(manifest):
         header["copy_digest"] = manifest.digest
+    payload = context_payload(store.catalog, ck)
+    if payload is not None:
+        doc, digest, blobs = payload
+        header["context"] = {"digest": digest, "document": doc, "blobs": {
+            name: base64.b64encode(blob).decode("ascii") for name, blob in blobs.items()}}
     data = json.dumps(header, sort_keys=True, indent=1).encode()
     return BundleContents(ck, data, directory, files, sizes)
 
@@ -302,10 +316,11 @@ def _check_member_name(name: str) -> None:
 
 
 def _parse_header(data: bytes, members: int) -> dict[str, Any]:
-    # The header lists every member (three JSON values each) plus metrics and tags: bound
-    # its values by the member count, so a small bundle cannot carry a huge header.
+    # The header lists every member (three JSON values each) plus metrics, tags and the run
+    # context: bound its values by the member count (and the context's allowance), so a
+    # small bundle cannot carry a huge header.
     header = bounded_json(data, f"the bundle header {BUNDLE_HEADER}",
-                           min(MAX_JSON_ITEMS, 4 * members + 4096))
+                           min(MAX_JSON_ITEMS, 4 * members + _CONTEXT_ITEMS))
     if not isinstance(header, dict) or (header.get("format"), header.get("version")) != (
         _FORMAT, _VERSION
     ):
@@ -326,7 +341,35 @@ def _parse_header(data: bytes, members: int) -> dict[str, Any]:
             check_step(header["step"])
     except InvalidNameError as exc:
         raise IntegrityError(f"{BUNDLE_HEADER}: {exc}; refusing the bundle") from None
+    if "context" in header:
+        header["context"] = _parse_context(header["context"])
     return header
+
+
+def _parse_context(value: Any) -> tuple[dict[str, Any], str, dict[str, bytes]]:
+    """The header's run context: the document, its digest and its blobs, each checked
+    against its digest here, before anything is written."""
+    from ckptstore.capture import blob_digest, context_digest
+
+    if not (isinstance(value, dict) and isinstance(value.get("document"), dict)
+            and isinstance(value.get("digest"), str) and isinstance(value.get("blobs"), dict)):
+        raise IntegrityError(f"{BUNDLE_HEADER}: field 'context' is malformed; refusing the "
+                             "bundle")
+    doc, digest = value["document"], value["digest"]
+    if context_digest(doc) != digest:
+        raise IntegrityError(f"{BUNDLE_HEADER}: the run context does not match its digest "
+                             f"{digest}; refusing the bundle")
+    blobs: dict[str, bytes] = {}
+    for name, text in value["blobs"].items():
+        try:
+            blob = base64.b64decode(text, validate=True) if isinstance(text, str) else None
+        except (binascii.Error, ValueError):
+            blob = None
+        if blob is None or blob_digest(blob) != name:
+            raise IntegrityError(f"{BUNDLE_HEADER}: context blob {name[:80]!r} does not match "
+                                 "its digest; refusing the bundle")
+        blobs[name] = blob
+    return doc, digest, blobs
 
 
 def _parse_manifest(data: bytes, marker: bytes, header: dict[str, Any]) -> Manifest:
@@ -577,6 +620,8 @@ def _import(store: StoreCore, tar: HostileTarFile, path: Path, run: str | None,
         store.catalog.set_replica(ck.id, "hot", state=ReplicaState.PRESENT,
                                   manifest_digest=digest)
         committed = store.catalog.get_any(ck.id)
+    if "context" in header:
+        adopt_context(store.catalog, committed, *header["context"])
     store.catalog.record_event(
         "imported", checkpoint_id=ck.id,
         detail={"bundle": path.name, "signed": signature is not None,

@@ -94,6 +94,7 @@ from ckptstore.ops.tiering.reencode import (
     reencode_copy,
 )
 from ckptstore.ops.tiering.replicas import manifest_on, run_resolver
+from ckptstore.ops.writing.context import adopt_context, context_payload
 from ckptstore.ops.writing.delta import lossy_record
 from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
@@ -460,14 +461,9 @@ def _carry_context(ctx: _Push, ck: Checkpoint) -> None:
     """The context ``ck`` was saved under, with the blobs it names, so the destination can
     hand back how to reproduce it too. Each blob is checked against its digest on arrival
     (``record_context``); the destination records it from its own version of ``ck`` on."""
-    context = ctx.src.catalog.context_of(ck)
-    if context is None:
-        return
-    doc = context.document
-    names = ((doc.get("code") or {}).get("patch"), (doc.get("environment") or {}).get("lock"))
-    blobs = {d: ctx.src.catalog.context_blob(d) for d in names if isinstance(d, str)}
-    there = ctx.dst.catalog.get_any(ck.id)
-    ctx.dst.catalog.record_context(ck.run, there.version, doc, context.digest, blobs)
+    payload = context_payload(ctx.src.catalog, ck)
+    if payload is not None:
+        adopt_context(ctx.dst.catalog, ctx.dst.catalog.get_any(ck.id), *payload)
 
 
 def _record(ctx: _Push, ck: Checkpoint, docs: list[SignatureDoc], nbytes: int,
