@@ -164,6 +164,12 @@ class SnapshotReplicaServer:
         """Stop accepting; replicas stay in shared memory."""
         self._closed = True
         try:
+            # close() alone does not wake a thread blocked in accept() on Linux: the join
+            # below then always ran out its 5 s. shutdown() makes that accept() fail now.
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not connected / already shut (other platforms): close() still runs
             self._sock.close()
         finally:
             self._thread.join(timeout=5)
