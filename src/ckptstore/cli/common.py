@@ -204,9 +204,9 @@ def install_global_options(app: typer.Typer) -> None:
             install_global_options(group.typer_instance)
 
 
-@contextmanager
-def open_store(ctx: typer.Context, *, create: bool = False) -> Iterator[CheckpointStore]:
-    """Open the store selected by the global options and close it afterwards.
+def open_store(ctx: typer.Context, *, create: bool = False) -> CheckpointStore:
+    """Open the store selected by the global options (use it as ``with open_store(ctx) as
+    store``: it closes on leaving).
 
     Args:
         ctx: The command's context (its :class:`State`).
@@ -217,26 +217,18 @@ def open_store(ctx: typer.Context, *, create: bool = False) -> Iterator[Checkpoi
     from ckptstore.store import CheckpointStore
 
     state: State = ctx.obj
-    store = CheckpointStore.open(state.store, config=state.config, create=create)
-    try:
-        yield store
-    finally:
-        store.close()
+    return CheckpointStore.open(state.store, config=state.config, create=create)
 
 
-@contextmanager
-def open_core(ctx: typer.Context) -> Iterator[StoreCore]:
+def open_core(ctx: typer.Context) -> StoreCore:
     """Open the existing store selected by the global options without its operations (the
-    catalog, the settings, the tiers): for the commands that only read the catalog and
-    manifests, such as ``ckpt show``; opening it imports neither torch nor zarr."""
+    catalog, the settings, the tiers; ``with open_core(ctx) as core``): for the commands that
+    only read the catalog and manifests, such as ``ckpt show``; it imports neither torch nor
+    zarr."""
     from ckptstore.core import StoreCore
 
     state: State = ctx.obj
-    core = StoreCore.open(state.store, config=state.config, create=False)
-    try:
-        yield core
-    finally:
-        core.close()
+    return StoreCore.open(state.store, config=state.config, create=False)
 
 
 class CatalogView:

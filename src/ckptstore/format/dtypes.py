@@ -46,10 +46,7 @@ class DtypeInfo:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype (imports torch: reading a manifest does not need it)."""
-        import torch
-
-        dtype: torch.dtype = getattr(torch, self.name)
-        return dtype
+        return _torch_dtype(self.name)
 
 
 # Dtypes with a numpy equivalent holding the same values, and their widths in bytes.
@@ -102,6 +99,15 @@ DEVICE_TYPES = frozenset({
     "cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga",
     "maia", "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone",
 })
+
+
+@cache
+def _torch_dtype(name: str) -> torch.dtype:
+    # Cached: readers ask for it per chunk and per tensor.
+    import torch
+
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 @cache

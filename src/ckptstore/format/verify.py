@@ -13,9 +13,9 @@ import blake3
 
 from ckptstore.errors import IntegrityError, MissingBaseError, StorageError
 from ckptstore.format.chunkio import ChunkReader, Locate
-from ckptstore.format.codecs import TRAILER, crc32c_update
 from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME
-from ckptstore.format.manifest import ArrayEntry, FileEntry, Manifest
+from ckptstore.format.filecheck import check_file, not_regular
+from ckptstore.format.manifest import ArrayEntry, Manifest
 from ckptstore.format.zarrcheck import check_zarr_metadata
 from ckptstore.numeric import counted
 
@@ -82,7 +82,7 @@ def verify_checkpoint(
     directory = Path(directory)
     problems: list[str] = []
     for rel in [*manifest.metadata_files(), MANIFEST_NAME, *([COMMIT_NAME] if committed else [])]:
-        problem = _not_regular(directory / rel)
+        problem = not_regular(directory / rel)
         if problem is not None:
             problems.append(f"{rel}: {problem}")
     # Every zarr.json is under the manifest's digests (or rebuilt from it, version 1): a
@@ -103,7 +103,7 @@ def verify_checkpoint(
 
     with ThreadPoolExecutor(_VERIFY_THREADS, thread_name_prefix="ckpt-verify") as pool:
         problems += [p for p in pool.map(check, jobs) if p is not None]
-        checker = partial(_check_extra, directory, deep)
+        checker = partial(check_file, directory, deep)
         problems += [p for p in pool.map(checker, manifest.files) if p is not None]
     if problems:
         # For the log only: every caller reports (or raises on) the problems it gets back.
@@ -116,49 +116,6 @@ def _problem_summary(problems: list[str], limit: int = 3) -> str:
     """The first ``limit`` problems, and how many more there are."""
     more = len(problems) - limit
     return "; ".join(problems[:limit]) + (f" (+{more} more)" if more > 0 else "")
-
-
-def _not_regular(path: Path) -> str | None:
-    """Why ``path`` is not a plain file (a symlink counts as not), or None when it is one."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return "missing"
-    except OSError as exc:
-        return f"cannot stat: {exc}"
-    if stat.S_ISLNK(mode):
-        return "is a symlink"
-    return None if stat.S_ISREG(mode) else "is not a regular file"
-
-
-def _check_extra(directory: Path, deep: bool, entry: FileEntry) -> str | None:
-    rel, nbytes, crc = entry
-    path = directory / rel
-    try:
-        if not deep or crc is None:
-            # lstat: a symlink planted in the file's place must not pass on its target's size.
-            problem = _not_regular(path)
-            if problem is not None:
-                return f"{rel}: {problem}"
-            size = os.lstat(path).st_size
-            return None if size == nbytes else f"{rel}: is {size} bytes, expected {nbytes}"
-        # Non-blocking, no link following: a planted FIFO must not hang verification.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-        with os.fdopen(fd, "rb") as fh:
-            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-                return f"{rel}: is not a regular file"
-            data = fh.read(nbytes + 1)
-    except FileNotFoundError:
-        return f"{rel}: missing"
-    except OSError as exc:
-        return f"{rel}: cannot read: {exc}"
-    if len(data) != nbytes:
-        return f"{rel}: is {len(data)} bytes, expected {nbytes}"
-    got = crc32c_update(memoryview(data)[: -TRAILER.size], 0)
-    trailer = TRAILER.unpack(data[-TRAILER.size :])[0]
-    if got != trailer or got != crc:
-        return f"{rel}: crc32c {got:#010x} differs from the recorded {crc:#010x}"
-    return None
 
 
 def _check_chunk(reader: ChunkReader, array: ArrayEntry, index: int, deep: bool) -> str | None:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
-import crc32c as _crc32c
-
 from ckptstore.errors import IntegrityError
-from ckptstore.format.codecs import TRAILER
 from ckptstore.format.constants import ZARR_JSON
 from ckptstore.format.dcp.layout import DcpIndex
+from ckptstore.format.filecheck import check_file
 from ckptstore.format.manifest import Manifest
 from ckptstore.numeric import counted
 
@@ -69,29 +68,10 @@ def verify_dcp(
         if (include is None or include(doc)) and not (directory / doc).is_file():
             problems.append(f"{doc}: missing")
 
-    def check(entry: tuple[str, int, int]) -> str | None:
-        rel, nbytes, crc = entry
-        path = directory / rel
-        try:
-            if not deep:
-                size = path.stat().st_size
-                return None if size == nbytes else f"{rel}: is {size} bytes, expected {nbytes}"
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return f"{rel}: missing"
-        except OSError as exc:
-            return f"{rel}: cannot read: {exc}"
-        if len(data) != nbytes:
-            return f"{rel}: is {len(data)} bytes, expected {nbytes}"
-        body_crc = int(_crc32c.crc32c(data[: -TRAILER.size]))
-        trailer = TRAILER.unpack(data[-TRAILER.size :])[0]
-        if body_crc != trailer or body_crc != crc:
-            return f"{rel}: crc32c {body_crc:#010x} differs from {crc:#010x}"
-        return None
-
     with ThreadPoolExecutor(2, thread_name_prefix="ckpt-dcp-verify") as pool:
         files = [f for f in index.files() if include is None or include(f[0])]
-        problems += [p for p in pool.map(check, files) if p is not None]
+        problems += [p for p in pool.map(partial(check_file, directory, deep), files)
+                     if p is not None]
     if problems:
         logger.warning("checkpoint %s at %s has %s: %s", manifest.id, directory,
                        counted(len(problems), "problem"), "; ".join(problems[:3]))
