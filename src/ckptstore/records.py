@@ -12,7 +12,9 @@ from datetime import datetime
 from typing import Any
 
 __all__ = [
+    "SEALED_DIR",
     "TIER_ORDER",
+    "sealed_copy_id",
     "Checkpoint",
     "CheckpointState",
     "Event",
@@ -58,6 +60,22 @@ class ReplicaState(enum.StrEnum):
     DAMAGED = "DAMAGED"
 
 
+#: Tier prefix of sealed (encrypted) copies: never a run name (run names do not start with a
+#: dot), so layouts, doctor and gc that walk runs never take it for one.
+SEALED_DIR = ".sealed"
+_SEALED_ID_LEN = 32
+
+
+def sealed_copy_id(uri: str) -> str | None:
+    """The copy id of a replica URI that names a sealed copy (``.../.sealed/<32 hex>``)."""
+    head, sep, copy_id = uri.rstrip("/").rpartition("/")
+    if not sep or (not head.endswith("/" + SEALED_DIR) and head != SEALED_DIR):
+        return None
+    if len(copy_id) != _SEALED_ID_LEN or not all(c in "0123456789abcdef" for c in copy_id):
+        return None
+    return copy_id
+
+
 @dataclass(frozen=True)
 class Replica:
     """One copy of a checkpoint on one storage tier.
@@ -80,6 +98,13 @@ class Replica:
     bytes: int = 0
     verified_at: datetime | None = None
     manifest_digest: str | None = None
+
+    @property
+    def sealed(self) -> str | None:
+        """The copy id when this copy is sealed (encrypted, ``[tiers] encrypt_to``), else
+        None: its files are then ciphertext objects under ``.sealed/<copy id>/`` on the
+        tier, not a checkpoint directory (:mod:`ckptstore.ops.tiering.sealed_tier`)."""
+        return sealed_copy_id(self.uri)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ writer below the format owns it.)
 from __future__ import annotations
 
 __all__ = [
+    "BUNDLE_HEADER",
     "CHUNK_DIR",
     "CHUNK_REF_CODEC",
     "COMMIT_NAME",
@@ -127,6 +128,10 @@ def chunk_rel(array: str, index: int) -> str:
 #: Limits applied to manifests read from disk: they may be hostile, and parsing must stay
 #: cheap and bounded.
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+
+#: First member of a bundle and of every sealed copy: the header saying what it holds
+#: (ops/sharing/bundle.py writes it; format/sealed.py requires it first).
+BUNDLE_HEADER = "ckptstore-bundle.json"
 #: JSON values (counted as ``,`` + ``{`` + ``[`` bytes) a manifest may hold, checked before
 #: parsing: json.loads costs ~75 bytes of Python objects per value, so a 30 MB manifest of
 #: 10^7 empty objects would otherwise take 750 MB and 10 s before any other check ran.

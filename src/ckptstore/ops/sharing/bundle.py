@@ -61,7 +61,13 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, read_manifest, verify_checkpoint
-from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, ZARR_JSON
+from ckptstore.format.constants import (
+    BUNDLE_HEADER,
+    COMMIT_NAME,
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    ZARR_JSON,
+)
 from ckptstore.format.manifest import manifest_digest
 from ckptstore.format.tarball import (
     MAX_JSON_ITEMS,
@@ -95,8 +101,6 @@ __all__ = ["BUNDLE_HEADER", "BundleContents", "bundle_contents", "export_bundle"
 
 logger = logging.getLogger(__name__)
 
-#: Name of the header member (always the first one).
-BUNDLE_HEADER = "ckptstore-bundle.json"
 _PREFIX = "checkpoint/"
 _FORMAT = "ckptstore-bundle"
 _VERSION = 1
