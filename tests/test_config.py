@@ -113,6 +113,8 @@ ENV_SAMPLES: dict[str, tuple[str, object]] = {
     "host_timeout_s": ("45", 45.0),
     "sync": ('{"runs": ["a"], "best": "loss"}', {"runs": ["a"], "best": "loss"}),
     "decrypt_key": ("/tmp/x/me.key", "/tmp/x/me.key"),
+    # Relative to the current directory (the test's), where the keys are made below.
+    "encrypt_to": ("keys/a.pub, keys/b.pub", ("keys/a.pub", "keys/b.pub")),
     "capture": ("0", False),
     "capture_env": ("SLURM_JOB_ID, RUN_TAG", ("SLURM_JOB_ID", "RUN_TAG")),
 }
@@ -147,6 +149,7 @@ def test_every_setting_is_documented_and_has_an_env_var(
     assert not missing_env, f"settings without a documented CKPT_* variable: {missing_env}"
     assert set(ENV_SAMPLES) == set(_settings_fields())  # this test covers every setting
     monkeypatch.chdir(tmp_path)
+    _encryption_keys(tmp_path / "keys", "a", "b")
     for name, (text, expected) in ENV_SAMPLES.items():
         monkeypatch.setenv(ENV_VARS[name], text)
         resolved = resolve_settings()
@@ -172,13 +175,30 @@ def test_bad_env_values_name_their_variable(monkeypatch: pytest.MonkeyPatch, var
         load_settings()
 
 
+def _encryption_keys(directory: Path, *names: str) -> None:
+    from ckptstore.ops.sharing.crypt import generate_encryption_keypair
+
+    for name in names:
+        generate_encryption_keypair(directory, name)
+
+
 def test_the_example_config_is_valid_with_every_key_uncommented(tmp_path: Path) -> None:
     import re
 
     text = re.sub(r"(?m)^# (\w+ = )", r"\1", EXAMPLE.read_text(encoding="utf-8"))
     cfg = tmp_path / "all.toml"
     cfg.write_text(text, encoding="utf-8")
+    # encrypt_to names keys/ops.pub next to the config: missing, it is refused by name.
+    with pytest.raises(ConfigError, match=r"tiers\.encrypt_to: .*keys/ops\.pub"):
+        load_settings(cfg)
+    _encryption_keys(tmp_path / "keys", "ops")
+    # Every key at once puts encrypt_to beside an S3 cold tier in GLACIER: that is refused.
+    with pytest.raises(ConfigError, match="GLACIER_IR"):
+        load_settings(cfg)
+    cfg.write_text(text.replace('cold_storage_class = "GLACIER"',
+                                'cold_storage_class = "GLACIER_IR"'), encoding="utf-8")
     s = load_settings(cfg)
+    assert s.encrypt_to == (str(tmp_path / "keys" / "ops.pub"),)
     assert s.catalog_url and s.cold_after_days == 30 and s.max_age_days == 30
     assert s.storage_options == {"endpoint_url": "http://127.0.0.1:9000"}
 

@@ -158,7 +158,14 @@ class Settings:
             every remote), ``runs`` (default every run), ``best`` (only each run's best by
             this metric), ``mode`` (``min``/``max``) and ``tag`` (docs/REMOTES.md).
         decrypt_key: X25519 private key file that opens encrypted copies (``ckpt pull``,
-            ``import-bundle``) when no ``--key`` is given (docs/SHARING.md).
+            ``import-bundle``, and restores from an encrypted tier) when no ``--key`` is given
+            (docs/SHARING.md).
+        encrypt_to: Recipients' X25519 public key files (``[tiers] encrypt_to``; in
+            ``CKPT_ENCRYPT_TO`` separated by commas or ``os.pathsep``). When set, archive and
+            demote write the warm and cold tiers as sealed (encrypted) copies only
+            (:mod:`ckptstore.ops.tiering.sealed_tier`, docs/SHARING.md). Each file is checked
+            when the settings load; an archival cold storage class (GLACIER, DEEP_ARCHIVE)
+            on an S3 cold tier is refused with it.
         capture: Record each run's context (git commit and uncommitted change, command,
             environment, config) on its first save and when it changes
             (:mod:`ckptstore.capture`); ``false`` (``CKPT_CAPTURE=0``) records none.
@@ -197,6 +204,7 @@ class Settings:
     host_timeout_s: float = 600.0
     sync: dict[str, Any] = field(default_factory=dict)
     decrypt_key: str | None = None
+    encrypt_to: tuple[str, ...] = ()
     capture: bool = True
     capture_env: tuple[str, ...] = ()
     source: Path | None = None
@@ -279,6 +287,7 @@ ENV_VARS: dict[str, str] = {
     "host_timeout_s": "CKPT_HOST_TIMEOUT_S",
     "sync": "CKPT_SYNC",
     "decrypt_key": "CKPT_DECRYPT_KEY",
+    "encrypt_to": "CKPT_ENCRYPT_TO",
     "capture": "CKPT_CAPTURE",
     "capture_env": "CKPT_CAPTURE_ENV",
 }
@@ -303,8 +312,7 @@ def _flatten_file(data: dict[str, Any], source: Path) -> dict[str, Any]:
     for key, value in data.items():
         if key == "tiers" and isinstance(value, dict):
             for tkey, tval in value.items():
-                if tkey not in ("hot", "warm", "cold", "cold_storage_class",
-                                "cold_restore_tier", "cold_restore_days"):
+                if tkey not in _TIER_KEYS:
                     raise ConfigError(f"{source}: unknown key tiers.{tkey}")
                 out[tkey] = tval
         elif key == "retention" and isinstance(value, dict):
@@ -337,7 +345,9 @@ SCHEDULABLE_FLOWS = ("archive", "demote", "gc", "retention", "sync", "verify")
 _STORAGE_CLASSES = ("STANDARD", "REDUCED_REDUNDANCY", "STANDARD_IA", "ONEZONE_IA",
                     "INTELLIGENT_TIERING", "GLACIER", "GLACIER_IR", "DEEP_ARCHIVE")
 _TIER_KEYS = ("hot", "warm", "cold", "cold_storage_class", "cold_restore_tier",
-              "cold_restore_days")
+              "cold_restore_days", "encrypt_to")
+# Storage classes whose objects cannot be read without an S3 restore request (a thaw).
+_ARCHIVAL_CLASSES = ("GLACIER", "DEEP_ARCHIVE")
 _RETENTION_KEYS = ("keep_last", "keep_every", "keep_best", "max_age_days")
 
 
@@ -404,6 +414,8 @@ def _checked(name: str, value: Any) -> Any:
         return _bool_value(value)
     if name == "capture_env":
         return _name_list(value)
+    if name == "encrypt_to":
+        return _path_list(value)
     if name in ("hot", "warm", "cold"):
         return _tier_url(name, value)
     if name == "memory_tier_dir":
@@ -506,6 +518,18 @@ def _name_list(value: Any) -> tuple[str, ...]:
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
         raise ValueError("must be a list of names (comma-separated in the environment)")
+    return tuple(i.strip() for i in items if i.strip())
+
+
+def _path_list(value: Any) -> tuple[str, ...]:
+    """Key file paths: a TOML list (or one string), or in the environment one string
+    separated by commas or ``os.pathsep``."""
+    if isinstance(value, str):
+        items: Any = value.replace(os.pathsep, ",").split(",")
+    else:
+        items = value
+    if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+        raise ValueError('must be a list of public key files, e.g. ["keys/ops.pub"]')
     return tuple(i.strip() for i in items if i.strip())
 
 
@@ -649,10 +673,44 @@ def resolve_settings(
             origins["root"] = Origin("default", "ckpt/ next to the config file")
     if source is not None:
         values["source"] = source
+    _check_encryption(values, origins)
     # In the order of the Settings fields, for reports.
     origins = {name: origins.get(name, Origin("default")) for name in _FIELDS if name != "source"}
     logger.debug("settings resolved from %s", source or "defaults/environment")
     return ResolvedSettings(Settings(**values), origins, source, found_by)
+
+
+def _check_encryption(values: dict[str, Any], origins: dict[str, Origin]) -> None:
+    """Refuse an ``encrypt_to`` that cannot work, before anything is written with it.
+
+    Each file must be an X25519 public key (an Ed25519 signing key, a private key or a
+    missing file is a ConfigError naming it, from :mod:`ckptstore.keyfiles`). An S3 cold
+    tier in an archival class (GLACIER, DEEP_ARCHIVE) is refused with it: such objects
+    must be thawed object by object before they can be read, and the thaw of a copy
+    (ops/tiering/thaw.py) follows the plain layout's manifest, which a sealed copy keeps
+    encrypted; GLACIER_IR or STANDARD_IA are as cheap to keep and read without a thaw.
+    """
+    paths = values.get("encrypt_to") or ()
+    if not paths:
+        return
+    from ckptstore.keyfiles import load_encryption_key
+
+    origin = origins.get("encrypt_to", Origin("default"))
+    where = origin.detail or origin.kind
+    label = _key_label("encrypt_to", where)
+    for path in paths:
+        try:
+            load_encryption_key(path)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {label}: {exc}") from None
+    cold = values.get("cold")
+    storage_class = values.get("cold_storage_class", _FIELDS["cold_storage_class"].default)
+    if cold and str(cold).startswith("s3://") and storage_class in _ARCHIVAL_CLASSES:
+        raise ConfigError(
+            f"{where}: {label} with an S3 cold tier in storage class {storage_class}: sealed "
+            "(encrypted) copies cannot be thawed from an archival class. Set "
+            'tiers.cold_storage_class = "GLACIER_IR" (or "STANDARD_IA"), which read without '
+            "a thaw, or drop encrypt_to (docs/SHARING.md, \"Encrypted tiers\")")
 
 
 def _sync_value(value: Any) -> dict[str, Any]:
@@ -717,6 +775,8 @@ def _relative_to(base: Path, name: str, value: Any) -> Any:
     if name == "root":
         path = Path(value).expanduser()
         return path if path.is_absolute() else (base / path).resolve()
+    if name == "encrypt_to":
+        return tuple(_relative_to(base, "decrypt_key", path) for path in value)
     if name in _PATH_FIELDS:
         text = str(value)
         prefix = "file://" if text.startswith("file://") else ""
