@@ -181,9 +181,17 @@ def restore_cmd(
     to: Annotated[
         Path | None, typer.Option(help="Restore into this directory instead of the hot tier.")
     ] = None,
+    key: Annotated[
+        Path | None,
+        typer.Option(help="X25519 private key that opens an encrypted tier copy "
+                          "(default: $CKPT_DECRYPT_KEY, else decrypt_key)."),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Bring a checkpoint back from the fastest tier that has a verified copy.
+
+    A copy on an encrypted tier (tiers.encrypt_to) is decrypted with --key (or
+    $CKPT_DECRYPT_KEY, or decrypt_key) and checked chunk by chunk before it lands.
 
     JSON: {"checkpoint": the record (keys as in `ckpt ls --json`), "path": where it is now}.
     """
@@ -194,7 +202,7 @@ def restore_cmd(
         ck = store.get(ref)
         with progress_bar(f"restoring {ck.ref}", ck.stored_bytes,
                           enabled=not as_json) as advance:
-            path = restore_checkpoint(store, ref, to=to, progress=advance)
+            path = restore_checkpoint(store, ref, to=to, progress=advance, key=key)
         ck = store.get(ck.id)
     if as_json:
         print_json({"checkpoint": checkpoint_dict(ck), "path": str(path)})

@@ -502,7 +502,7 @@ def _pick_source(
     remote = sorted(
         (tiers[r.tier] for r in ck.replicas
          if r.state == ReplicaState.PRESENT and r.tier in tiers and r.tier != "hot"
-         and tiers[r.tier].readable),
+         and tiers[r.tier].readable and not r.sealed),
         key=lambda t: tier_rank(t.name),
     )
     if not remote or (replica is not None and replica.state != ReplicaState.DELETED):

@@ -48,6 +48,16 @@ from ckptstore.ops.tiering.replicas import (
     run_resolver,
     tier_of,
 )
+from ckptstore.ops.tiering.sealed_tier import (
+    check_sealable,
+    copy_sealed,
+    is_sealed_on,
+    new_copy_id,
+    recipients_of,
+    seal_copy,
+    sealed_uri,
+    seals_tier,
+)
 from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import COMMIT_NAME, Tier, copy_checkpoint, is_retryable
@@ -191,6 +201,9 @@ def _copy_one(
     pointless); otherwise it is byte for byte the source copy, and records the source
     copy's manifest digest (which is the checkpoint's own unless that copy was re-encoded).
     """
+    if seals_tier(store, dst.name) or is_sealed_on(ck, src.name):
+        return _copy_sealed(store, ck, src, dst, lease=lease, threads=threads,
+                            progress=progress, deep=deep, reencode=reencode)
     uri = dst.uri_for(ck.run, ck.id)
     manifest = manifest_on(src, ck)
     run_of = run_resolver(store, ck)
@@ -241,6 +254,57 @@ def _copy_one(
     return nbytes
 
 
+def _copy_sealed(
+    store: StoreCore,
+    ck: Checkpoint,
+    src: Tier,
+    dst: Tier,
+    *,
+    lease: RenewingLease,
+    threads: int,
+    progress: Progress | None,
+    deep: bool,
+    reencode: str | None,
+) -> int:
+    """Write the ``dst`` copy of ``ck`` as a sealed copy (``encrypt_to``) and record it.
+
+    A sealed source copy (a demote) is copied as it is, ciphertext to ciphertext, under the
+    same copy id; a plain one is sealed (:func:`~ckptstore.ops.tiering.sealed_tier.seal_copy`)
+    for the configured recipients. The replica row names the sealed prefix and records the
+    plaintext manifest's digest; the ``archived`` / ``demoted`` event says ``encrypted``.
+    """
+    check_sealable(ck)
+    source = ck.replica(src.name)
+    copy_id = source.sealed if source is not None and source.sealed else new_copy_id()
+    uri = sealed_uri(dst, copy_id)
+
+    def tick(nbytes: int) -> None:
+        lease.touch()
+        if progress is not None:
+            progress(nbytes)
+
+    # Recorded before the first object, so a crash leaves a row that names the prefix
+    # (doctor and gc find what it wrote there).
+    store.catalog.set_replica(ck.id, dst.name, uri=uri, state=ReplicaState.COPYING,
+                              manifest_digest=expected_digest(ck, src.name))
+    try:
+        if source is not None and source.sealed:
+            nbytes = copy_sealed(src, dst, copy_id, deep=deep, progress=tick)
+            digest = expected_digest(ck, src.name)
+        else:
+            sealed = seal_copy(store, ck, src, dst, copy_id=copy_id, reencode=reencode,
+                               threads=threads, deep=deep, progress=tick)
+            nbytes, digest = sealed.bytes, sealed.digest
+    except BaseException:
+        store.catalog.set_replica(ck.id, dst.name, state=ReplicaState.DELETED, bytes=0)
+        raise
+    # The digest is recorded even when it is the checkpoint's own: a sealed copy is
+    # self-contained, and a recorded digest is what tells replicas.py it reads no chunks.
+    store.catalog.set_replica(ck.id, dst.name, uri=uri, state=ReplicaState.PRESENT,
+                              bytes=nbytes, verified=True, manifest_digest=digest)
+    return nbytes
+
+
 def _run(
     store: StoreCore,
     todo: list[Checkpoint],
@@ -283,6 +347,13 @@ def _run(
         visited.add(ckpt_id)
         listed = store.catalog.get_any(ckpt_id)
         if not remove_source and by_parts(store, listed, src.name):
+            if seals_tier(store, dst.name):
+                exc = ConfigError(
+                    f"{listed.ref} ({ckpt_id}) was saved across hosts: encrypted tiers "
+                    "(tiers.encrypt_to) cannot hold checkpoints saved across hosts yet; "
+                    "archive it without encrypt_to")
+                report.failed.setdefault(ckpt_id, str(exc))
+                raise exc
             if reencode is not None:
                 report.not_reencoded[ckpt_id] = (
                     "saved across hosts: each host's part is copied as it is")
@@ -312,7 +383,10 @@ def _run(
                     return
                 # A delta's bases go first, whole: the reader needs each base directory to
                 # be a committed checkpoint on the tier it reads from.
-                for base_id in sorted(manifest_on(src, ck).referenced_checkpoints()):
+                # A sealed copy is self-contained: its bases need not be there first.
+                sealing = seals_tier(store, dst.name) or is_sealed_on(ck, src.name)
+                bases = () if sealing else manifest_on(src, ck).referenced_checkpoints()
+                for base_id in sorted(bases):
                     base = store.catalog.get_any(base_id)
                     if (depth < 64 and base.state == CheckpointState.COMMITTED
                             and _present(base, src.name) and not _present(base, dst.name)):
@@ -322,8 +396,14 @@ def _run(
                                    report=report)
                 report.archived.append(ck.id)
                 report.bytes += nbytes
+                done = store.catalog.get_any(ck.id).replica(dst.name)
                 detail: dict[str, object] = {"from": src.name, "tier": dst.name,
-                                             "bytes": nbytes, "uri": dst.uri_for(ck.run, ck.id)}
+                                             "bytes": nbytes, "uri": done.uri if done
+                                             else dst.uri_for(ck.run, ck.id)}
+                if done is not None and done.sealed:
+                    detail["encrypted"] = True
+                    detail["copy"] = done.sealed
+                    detail["recipients"] = recipients_of(dst, done.sealed)
                 if ck.id in report.reencoded:
                     detail["reencoded"] = {"codec": reencode, **report.reencoded[ck.id]}
                 store.catalog.record_event(verb, checkpoint_id=ck.id, actor=owner,

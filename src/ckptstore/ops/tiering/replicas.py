@@ -35,9 +35,11 @@ from ckptstore.errors import (
 from ckptstore.format import Manifest, read_manifest
 from ckptstore.format.constants import chunk_rel
 from ckptstore.format.manifest import known_manifest, parse_verified
+from ckptstore.format.sealed import ENVELOPE_NAME
 from ckptstore.identity import host
 from ckptstore.ops.tiering.parts import parted_manifest, remove_local_parts
 from ckptstore.records import (
+    SEALED_DIR,
     TIER_ORDER,
     Checkpoint,
     CheckpointState,
@@ -193,8 +195,8 @@ def manifest_of(store: StoreCore, ck: Checkpoint, *, tier: str | None = None) ->
 
     for replica in sorted(ck.replicas, key=order):
         source = tiers.get(replica.tier)
-        if source is None or replica.state != ReplicaState.PRESENT:
-            continue
+        if source is None or replica.state != ReplicaState.PRESENT or replica.sealed:
+            continue  # a sealed copy's manifest is encrypted: read it after a restore
         if tier is not None and expected_digest(ck, replica.tier) != wanted:
             continue
         try:
@@ -217,8 +219,8 @@ def _reads_on(store: StoreCore, ck: Checkpoint, tier: str) -> Manifest | None:
     recorded yet and so counts with the original's references: the safe side).
     """
     replica = ck.replica(tier)
-    if replica is not None and replica.manifest_digest is not None:
-        return None
+    if replica is not None and (replica.manifest_digest is not None or replica.sealed):
+        return None  # re-encoded or sealed: self-contained
     return manifest_of(store, ck, tier=tier)
 
 
@@ -230,6 +232,9 @@ def copy_is_absent(store: StoreCore, ck: Checkpoint, tier: str) -> bool:
         StorageError: If the tier cannot be listed (that says nothing about the copy).
     """
     target = tier_of(store, tier)
+    replica = ck.replica(tier)
+    if replica is not None and replica.sealed:
+        return not target.list_prefix(f"{SEALED_DIR}/{replica.sealed}/")
     return not target.list_prefix(target.prefix_for(ck.run, ck.id))
 
 
@@ -375,6 +380,8 @@ def delete_replica(
                 f"refusing to delete the {tier} copy of {ck.ref} ({ck.id}): it is the last "
                 "verified copy; archive or restore it to another tier first"
             )
+    if replica is not None and replica.sealed:
+        return _delete_sealed(store, ck, tier, target, replica.sealed, actor)
     prefix = target.prefix_for(ck.run, ck.id)
     if not target.list_prefix(prefix):
         # Already gone (removed by hand, a lost disk, or an earlier run of this delete):
@@ -423,6 +430,27 @@ def delete_replica(
                 "freed_chunks": freed},
     )
     return deleted + freed
+
+
+def _delete_sealed(store: StoreCore, ck: Checkpoint, tier: str, target: Tier, copy_id: str,
+                   actor: str | None) -> int:
+    """Delete a sealed copy (``.sealed/<copy id>/``): envelope first, as the marker of a
+    plain copy, then the rest. No other copy reads its objects (each is self-contained and
+    encrypted under its own key), so nothing is kept."""
+    prefix = f"{SEALED_DIR}/{copy_id}/"
+    if not target.list_prefix(prefix):
+        return _record_gone(store, ck, tier, target, prefix, actor)
+    store.catalog.set_replica(ck.id, tier, state=ReplicaState.DELETING)
+    deleted = 1 if target.delete(prefix + ENVELOPE_NAME) else 0
+    deleted += target.delete_prefix(prefix)
+    target.abort_multipart_uploads(prefix)
+    store.catalog.set_replica(ck.id, tier, state=ReplicaState.DELETED, bytes=0)
+    store.catalog.record_event(
+        "replica_deleted", checkpoint_id=ck.id, actor=actor,
+        detail={"tier": tier, "files": deleted, "kept_chunks": 0, "freed_chunks": 0,
+                "encrypted": True, "copy": copy_id},
+    )
+    return deleted
 
 
 def _record_gone(store: StoreCore, ck: Checkpoint, tier: str, target: Tier, prefix: str,

@@ -48,6 +48,7 @@ from ckptstore.ops.tiering.replicas import (
     store_tiers,
     tier_rank,
 )
+from ckptstore.ops.tiering.sealed_tier import restore_sealed
 from ckptstore.ops.tiering.thaw import thawed_source
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import (
@@ -180,10 +181,19 @@ def _restore_from(
     actor: str,
     depth: int,
     repair: bool = False,
+    key: str | os.PathLike[str] | None = None,
 ) -> tuple[Path, int, str | None]:
     """Restore ``ck`` from ``src``; return its directory, bytes and the copy's own digest
     (None when the copy holds the checkpoint's manifest). ``repair``: the target holds a
-    damaged copy of ``ck`` to restore over."""
+    damaged copy of ``ck`` to restore over. A sealed copy (an encrypted tier) is decrypted
+    with ``key`` (or ``$CKPT_DECRYPT_KEY``, ``decrypt_key``) and checked in full before
+    anything is written to ``target`` (:mod:`ckptstore.ops.tiering.sealed_tier`)."""
+    replica = ck.replica(src.name)
+    if replica is not None and replica.sealed:
+        unsealed, nbytes, plain = restore_sealed(store, ck, src, target, key=key,
+                                                 threads=threads, progress=progress)
+        return unsealed, nbytes, (None if plain.digest == ck.manifest_digest
+                                  else plain.digest)
     run_of = run_resolver(store, ck)
     manifest = manifest_on(src, ck)
     # Bases come back whole first: the reader needs each base directory to be a committed
@@ -242,6 +252,7 @@ def _restore_into(
     depth: int = 0,
     archival: tuple[Tier, ...] = (),
     repair: bool = False,
+    key: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Restore ``ck`` into ``target`` from the fastest good copy (``archival``: only from
     these thawed views of archival tiers; ``repair``: over a damaged copy on ``target``).
@@ -267,7 +278,8 @@ def _restore_into(
         try:
             directory, nbytes, digest = _restore_from(store, ck, src, target, threads=threads,
                                               progress=progress, deep=deep, record=record,
-                                              actor=actor, depth=depth, repair=repair)
+                                              actor=actor, depth=depth, repair=repair,
+                                              key=key)
         except (IntegrityError, IncompleteCheckpointError, StorageError) as exc:
             logger.warning("restoring %s from %s failed: %s", ck.ref, src.name, exc)
             failures.append(exc)
@@ -299,7 +311,7 @@ def _restore_into(
         if thawed is not None:
             return _restore_into(store, ck, target, record=record, threads=threads,
                                  progress=progress, deep=deep, actor=actor, depth=depth,
-                                 archival=(thawed,), repair=repair)
+                                 archival=(thawed,), repair=repair, key=key)
     last = failures[-1]
     last.add_note("tried: " + tried)
     raise last
@@ -310,6 +322,9 @@ def _mark_if_damaged(store: StoreCore, ck: Checkpoint, src: Tier, exc: CkptError
     """After a restore from ``src`` failed: when ``src`` is a local copy that fails its own
     check, mark it DAMAGED. A remote copy is left to ``ckpt verify`` (a failure there is
     as likely the network); so is a failure that is not about the bytes (a missing base)."""
+    replica = ck.replica(src.name)
+    if replica is not None and replica.sealed:
+        return  # not a checkpoint directory; `ckpt verify` checks sealed copies
     directory = src.local_dir(ck.run, ck.id)
     if directory is None or isinstance(exc, MissingBaseError) or (
             isinstance(exc, StorageError) and not is_not_found(exc)):
@@ -343,6 +358,7 @@ def restore_checkpoint(
     deep: bool = True,
     owner: str | None = None,
     wait_s: float = 600.0,
+    key: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Restore a committed checkpoint and verify it.
 
@@ -361,6 +377,8 @@ def restore_checkpoint(
         deep: Re-hash every chunk after the copy (blake3 of the decoded chunk).
         owner: Lease owner (default: unique per call).
         wait_s: How long to wait for another restore of the same checkpoint.
+        key: Private key that opens a sealed copy (an encrypted tier, ``encrypt_to``);
+            default ``$CKPT_DECRYPT_KEY``, else the ``decrypt_key`` setting.
 
     Returns:
         The restored checkpoint directory.
@@ -370,6 +388,8 @@ def restore_checkpoint(
         IntegrityError: If every copy is damaged (MissingBaseError when a base's chunks are).
         StorageError: If the tiers holding copies are unreachable.
         LeaseHeldError: If another restore holds the lease for longer than ``wait_s``.
+        DecryptionError: If the only copies are sealed and no key, or a key they were not
+            encrypted to, was given, or they are altered or truncated (nothing is written).
     """
     ck = store.catalog.get(ref)
     actor = lease_owner(owner)
@@ -381,11 +401,12 @@ def restore_checkpoint(
         _lease_against_retention(store, ck, "restore", actor, wait_s)
         try:
             return _restore_into(store, store.catalog.get(ck.id), target, record=False,
-                                 threads=threads, progress=progress, deep=deep, actor=actor)
+                                 threads=threads, progress=progress, deep=deep, actor=actor,
+                                 key=key)
         finally:
             store.catalog.release_lease(ck.id, "restore", actor)
     return _restore_hot(store, ck, threads=threads, progress=progress, deep=deep,
-                        actor=actor, wait_s=wait_s, depth=0)
+                        actor=actor, wait_s=wait_s, depth=0, key=key)
 
 
 def _restore_parts(store: StoreCore, ck: Checkpoint, to: str | os.PathLike[str] | None,
@@ -424,6 +445,7 @@ def _restore_hot(
     actor: str,
     wait_s: float,
     depth: int,
+    key: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Restore onto the hot tier under the ``restore:hot`` lease (waiting for another one)."""
     hot = store_tiers(store)["hot"]
@@ -440,7 +462,7 @@ def _restore_hot(
         damaged = replica is not None and replica.state == ReplicaState.DAMAGED
         return _restore_into(store, current, hot, record=True, threads=threads,
                              progress=progress, deep=deep, actor=actor, depth=depth,
-                             repair=damaged)
+                             repair=damaged, key=key)
     finally:
         store.catalog.release_lease(ck.id, "restore:hot", actor)
 

@@ -1,0 +1,538 @@
+"""Encrypted tiers: archive and demote write sealed copies only (``[tiers] encrypt_to``).
+
+With ``encrypt_to`` set, every copy archive or demote writes to the warm or cold tier is a
+sealed copy in the format pushes and bundles use (:mod:`ckptstore.format.sealed`): the
+checkpoint's files (a self-contained copy of it: a delta or dedup'd save is re-encoded
+first, like a bundle) and a bundle header, each encrypted with AES-256-GCM under a data key
+wrapped for every recipient, stored under ``.sealed/<copy id>/`` on the tier, envelope last.
+The replica row's URI names that prefix (:attr:`~ckptstore.records.Replica.sealed`) and its
+``manifest_digest`` the plaintext manifest inside (always set: a sealed copy reads no other
+checkpoint's files, so :mod:`ckptstore.ops.tiering.replicas` counts no chunk references for
+it). The tier learns sizes and counts, nothing else (docs/SHARING.md, "Encrypted tiers").
+
+Reading one back (restore, a load that restores, ``verify`` with a key) takes a
+recipient's private key: ``--key``, else ``$CKPT_DECRYPT_KEY``, else ``decrypt_key``
+(:func:`~ckptstore.format.sealed.decryption_key_path`). The copy is decrypted object by
+object into a private (0700) directory of the hot tier, its manifest checked against the
+catalog's digest and its marker, every chunk decoded and checked against the manifest's
+plaintext blake3; only then are its files copied into the hot tier. A missing or wrong
+key, or an altered, truncated or swapped object, is a :class:`~ckptstore.errors.DecryptionError`
+and the hot tier is left as it was.
+
+Demoting a sealed warm copy copies its ciphertext objects as they are (no key needed):
+the cold copy is encrypted to the recipients the warm one was. Checkpoints saved across
+hosts (parts on several hosts' disks) are refused: each host would seal its own part, and
+no copy format for that exists yet.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+import blake3
+
+from ckptstore.core import StoreCore
+from ckptstore.errors import (
+    CkptError,
+    ConfigError,
+    DecryptionError,
+    IntegrityError,
+    StorageError,
+)
+from ckptstore.format import Manifest, verify_checkpoint
+from ckptstore.format.constants import BUNDLE_HEADER, SIGNATURE_NAME
+from ckptstore.format.crypt import TAG_BYTES
+from ckptstore.format.sealed import (
+    ENVELOPE_NAME,
+    INDEX_NAME,
+    MAX_ENVELOPE,
+    SEALED_DIR,
+    Envelope,
+    Getter,
+    OpenedCopy,
+    decryption_key_path,
+    open_copy,
+    private_dir,
+    recipient_keys,
+    seal_objects,
+)
+from ckptstore.keyfiles import encryption_fingerprint, load_decryption_key
+from ckptstore.ops.tiering.reencode import read_copy_manifest, reencode_copy, why_not_reencode
+from ckptstore.ops.tiering.replicas import manifest_on, run_resolver
+from ckptstore.progress import Progress
+from ckptstore.records import Checkpoint, expected_digest
+from ckptstore.storage import LocalTier, Tier, copy_checkpoint
+from ckptstore.storage.transfer import owned_files
+
+__all__ = [
+    "SealedCopy",
+    "check_sealable",
+    "copy_sealed",
+    "is_sealed_on",
+    "new_copy_id",
+    "open_sealed",
+    "recipients_of",
+    "restore_sealed",
+    "seal_copy",
+    "sealed_prefix",
+    "sealed_uri",
+    "seals_tier",
+    "verify_sealed",
+]
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "checkpoint/"
+#: Codec of the self-contained copy a delta is sealed as (what bundles use).
+_SELF_CONTAINED_CODEC = "zstd-1"
+_HEADER_FORMAT = "ckptstore-bundle"
+_HEADER_VERSION = 1
+
+
+@dataclass(frozen=True)
+class SealedCopy:
+    """A sealed copy written to a tier.
+
+    Attributes:
+        copy_id: Its random id (``.sealed/<copy id>/`` on the tier).
+        bytes: Ciphertext bytes written.
+        digest: Digest of the plaintext manifest it holds (what the replica row records).
+        recipients: sha256 fingerprints of the recipients' public keys.
+    """
+
+    copy_id: str
+    bytes: int
+    digest: str
+    recipients: list[str]
+
+
+def seals_tier(store: StoreCore, tier: str) -> bool:
+    """Whether copies written to ``tier`` are sealed: ``encrypt_to`` is set and the tier is
+    not the hot one (the hot tier is where the store reads and writes plaintext)."""
+    return bool(store.settings.encrypt_to) and tier != "hot"
+
+
+def is_sealed_on(ck: Checkpoint, tier: str) -> bool:
+    """Whether the copy of ``ck`` on ``tier`` is a sealed one."""
+    replica = ck.replica(tier)
+    return replica is not None and replica.sealed is not None
+
+
+def sealed_prefix(copy_id: str) -> str:
+    """The tier prefix of sealed copy ``copy_id``."""
+    return f"{SEALED_DIR}/{copy_id}/"
+
+
+def sealed_uri(tier: Tier, copy_id: str) -> str:
+    """The URI a replica row records for sealed copy ``copy_id`` on ``tier``."""
+    base = str(tier.root) if isinstance(tier, LocalTier) else tier.url
+    return f"{base.rstrip('/')}/{SEALED_DIR}/{copy_id}"
+
+
+def check_sealable(ck: Checkpoint) -> None:
+    """Refuse what a sealed copy cannot hold.
+
+    Raises:
+        ConfigError: For a checkpoint saved across hosts (its parts live on several hosts'
+            disks; there is no sealed format for a copy assembled part by part).
+    """
+    if ck.parted:
+        raise ConfigError(
+            f"{ck.ref} ({ck.id}) was saved across hosts ({', '.join(ck.hosts)}): encrypted "
+            "tiers (tiers.encrypt_to) cannot hold checkpoints saved across hosts yet. Archive "
+            "it without encrypt_to, or gather it (`ckpt restore REF --to DIR`) and save it "
+            "again from one host")
+
+
+# ---------------------------------------------------------------------- writing
+@dataclass(frozen=True)
+class _Contents:
+    """A checkpoint directory as the members of a sealed copy (header first)."""
+
+    header: bytes
+    directory: Path
+    files: list[str]
+    sizes: dict[str, int]
+
+    def members(self) -> list[tuple[str, int]]:
+        return [(BUNDLE_HEADER, len(self.header))] + [
+            (_PREFIX + rel, self.sizes[rel]) for rel in self.files]
+
+    def open_member(self, name: str) -> IO[bytes]:
+        if name == BUNDLE_HEADER:
+            return io.BytesIO(self.header)
+        return open(self.directory / name[len(_PREFIX):], "rb")
+
+
+def _plaintext(store: StoreCore, ck: Checkpoint, src: Tier, workdir: Path,
+               reencode: str | None, deep: bool) -> tuple[Path, Manifest]:
+    """A complete, self-contained plaintext copy of ``ck`` from ``src``: its directory and
+    the manifest its files follow.
+
+    The hot copy itself when it is self-contained and no codec was asked for; otherwise a
+    copy re-encoded into ``workdir`` (every chunk read, decoded and checked against its
+    blake3), which also brings the chunks a delta reads from other checkpoints along.
+    """
+    if ck.manifest_digest is None:
+        raise IntegrityError(f"checkpoint {ck.ref} has no manifest digest in the catalog")
+    manifest = manifest_on(src, ck)
+    local = src.local_dir(ck.run, ck.id)
+    codec = reencode or (_SELF_CONTAINED_CODEC if manifest.referenced_checkpoints() else None)
+    if codec is not None and why_not_reencode(manifest, codec) is None:
+        tier = LocalTier(workdir, name="seal-work")
+        result = reencode_copy(src, tier, ck.run, manifest, codec,
+                               run_of=run_resolver(store, ck), own_digest=ck.manifest_digest,
+                               threads=store.settings.threads, deep=True)
+        directory = tier.local_dir(ck.run, ck.id)
+        if local is not None and (local / SIGNATURE_NAME).is_file():
+            shutil.copyfile(local / SIGNATURE_NAME, directory / SIGNATURE_NAME)
+        return directory, result.manifest
+    if manifest.referenced_checkpoints():
+        raise ConfigError(
+            f"{ck.ref} ({ck.id}) reads chunks of other checkpoints and holds files of another "
+            "layout (DCP), which cannot be re-encoded into a self-contained copy: encrypted "
+            "tiers cannot hold it. Save it in full (`ckpt compact REF`) and archive again")
+    if local is None:
+        # A plain copy on object storage (archived before encrypt_to was set): fetch it.
+        tier = LocalTier(workdir, name="seal-work")
+        copy_checkpoint(src, tier, ck.run, ck.id, manifest, threads=store.settings.threads,
+                        deep=True)
+        local = tier.local_dir(ck.run, ck.id)
+    problems = verify_checkpoint(local, manifest, deep=deep)
+    if problems:
+        raise IntegrityError(f"cannot seal {ck.ref}: its {src.name} copy is damaged: "
+                             + "; ".join(problems[:3]) + "; run `ckpt verify` to repair it")
+    return local, manifest
+
+
+def _header(ck: Checkpoint, manifest: Manifest, files: list[str],
+            sizes: dict[str, int]) -> bytes:
+    """The bundle header of a tier copy (``ops/sharing/bundle.py``'s, without the run
+    context: the catalog that reads it back has that already)."""
+    header: dict[str, Any] = {
+        "format": _HEADER_FORMAT, "version": _HEADER_VERSION, "checkpoint_id": ck.id,
+        "run": ck.run, "step": ck.step, "manifest_digest": ck.manifest_digest,
+        "metrics": dict(ck.metrics), "tags": list(ck.tags),
+        "created_at": ck.created_at.isoformat(), "exported_at": datetime.now(UTC).isoformat(),
+        "files": [{"path": rel, "size": sizes[rel]} for rel in files],
+    }
+    if manifest.digest != ck.manifest_digest:
+        header["copy_digest"] = manifest.digest
+    return json.dumps(header, sort_keys=True, indent=1).encode()
+
+
+def seal_copy(store: StoreCore, ck: Checkpoint, src: Tier, dst: Tier, *, copy_id: str,
+              reencode: str | None = None, threads: int = 4, deep: bool = False,
+              progress: Progress | None = None) -> SealedCopy:
+    """Write ``ck`` (read from ``src``) as sealed copy ``copy_id`` on ``dst``, then check
+    that every object is there with the size (``deep``: the blake3) it was written with.
+
+    Encrypted to the store's ``encrypt_to`` recipients. On any failure what was written
+    under the copy's prefix is removed (a fresh random prefix: everything under it is ours).
+
+    Raises:
+        ConfigError: If ``encrypt_to`` is empty or names a key that is not an X25519 public
+            key, or the checkpoint cannot be sealed (:func:`check_sealable`).
+        IntegrityError: If the source copy is damaged or an object does not read back.
+        StorageError: If a tier fails.
+    """
+    check_sealable(ck)
+    if not store.settings.encrypt_to:
+        raise ConfigError("no recipients: set [tiers] encrypt_to to seal tier copies")
+    recipients = recipient_keys(store.settings.encrypt_to)
+    prefix = sealed_prefix(copy_id)
+    written: dict[str, tuple[int, str | None]] = {}
+
+    def put(name: str, data: bytes) -> None:
+        dst.put_bytes(prefix + name, data)
+        written[name] = (len(data), blake3.blake3(data).hexdigest() if deep else None)
+
+    try:
+        with private_dir(store.hot) as workdir:
+            directory, manifest = _plaintext(store, ck, src, workdir, reencode, deep)
+            files = owned_files(manifest)
+            if (directory / SIGNATURE_NAME).is_file():
+                files.append(SIGNATURE_NAME)
+            sizes = {rel: (directory / rel).stat().st_size for rel in files}
+            contents = _Contents(_header(ck, manifest, files, sizes), directory, files, sizes)
+            seal_objects(contents, recipients, put, copy_id, threads=threads,
+                         progress=progress, put_in_workers=True)
+        _check_written(dst, prefix, written, deep)
+    except BaseException:
+        try:
+            dst.delete_prefix(prefix)
+        except CkptError:
+            logger.warning("could not remove the unfinished sealed copy %s on %s", prefix,
+                           dst.name, exc_info=True)
+        raise
+    return SealedCopy(copy_id, sum(size for size, _ in written.values()), manifest.digest,
+                      [encryption_fingerprint(k) for k in recipients])
+
+
+def _check_written(dst: Tier, prefix: str, written: dict[str, tuple[int, str | None]],
+                   deep: bool) -> None:
+    """Every object of a copy just written is on ``dst`` as written (copy → verify)."""
+    for name, (size, digest) in written.items():
+        key = prefix + name
+        if deep:
+            data = dst.get_bytes(key)
+            ok = len(data) == size and blake3.blake3(data).hexdigest() == digest
+        else:
+            ok = dst.size(key) == size
+        if not ok:
+            raise IntegrityError(f"sealed copy {prefix} on {dst.name}: {name} did not read "
+                                 "back as written; rerun the archive")
+
+
+def copy_sealed(src: Tier, dst: Tier, copy_id: str, *, deep: bool = False,
+                progress: Progress | None = None) -> int:
+    """Copy sealed copy ``copy_id`` from ``src`` to ``dst`` as it is (ciphertext, no key
+    needed), envelope last, each object read back; returns the bytes copied.
+
+    Raises:
+        IntegrityError: If the source copy is unfinished (no envelope) or an object does
+            not read back as written.
+        StorageError: If a tier fails (what was written is removed).
+    """
+    prefix = sealed_prefix(copy_id)
+    keys = sorted(src.list_prefix(prefix))
+    envelope = prefix + ENVELOPE_NAME
+    if envelope not in keys:
+        raise IntegrityError(f"sealed copy {prefix} on {src.name} has no envelope: it is "
+                             "unfinished; run `ckpt verify` to repair it")
+    written: dict[str, tuple[int, str | None]] = {}
+    try:
+        for key in [k for k in keys if k != envelope] + [envelope]:
+            data = src.get_bytes(key)
+            dst.put_bytes(key, data)
+            written[key[len(prefix):]] = (len(data), blake3.blake3(data).hexdigest()
+                                          if deep else None)
+            if progress is not None:
+                progress(len(data))
+        _check_written(dst, prefix, written, deep)
+    except BaseException:
+        try:
+            dst.delete_prefix(prefix)
+        except CkptError:
+            logger.warning("could not remove the unfinished sealed copy %s on %s", prefix,
+                           dst.name, exc_info=True)
+        raise
+    return sum(size for size, _ in written.values())
+
+
+# ---------------------------------------------------------------------- reading
+def _getter(tier: Tier, prefix: str, what: str) -> Getter:
+    def get(name: str, limit: int) -> bytes:
+        key = prefix + name
+        try:
+            size = tier.size(key)
+        except CkptError as exc:
+            raise DecryptionError(f"{what} lacks {name} ({exc}): it is damaged or unfinished; "
+                                  "run `ckpt verify` to repair it") from exc
+        if size > limit:
+            raise DecryptionError(f"{what}: {name} is {size} bytes, more than its index "
+                                  f"allows ({limit}): the copy is damaged")
+        return tier.get_bytes(key)
+    return get
+
+
+def _what(ck: Checkpoint, tier: Tier) -> str:
+    return f"the encrypted {tier.name} copy of {ck.ref} ({ck.id})"
+
+
+def open_sealed(store: StoreCore, ck: Checkpoint, tier: Tier,
+                key: str | os.PathLike[str] | None = None) -> OpenedCopy:
+    """Open the sealed copy of ``ck`` on ``tier`` with a recipient's private key.
+
+    Args:
+        store: The open store.
+        ck: The checkpoint.
+        tier: The tier holding the sealed copy.
+        key: Private key file; default ``$CKPT_DECRYPT_KEY``, else ``decrypt_key``.
+
+    Raises:
+        DecryptionError: Without a key, with a key the copy was not encrypted to, if the
+            copy is damaged, or if it holds another checkpoint.
+        ConfigError: If the key file is not an X25519 private key.
+    """
+    replica = ck.replica(tier.name)
+    copy_id = replica.sealed if replica is not None else None
+    what = _what(ck, tier)
+    if copy_id is None:
+        raise DecryptionError(f"{what} is not a sealed copy")
+    path = decryption_key_path(key, store.settings.decrypt_key)
+    if path is None:
+        raise DecryptionError(
+            f"{what} is encrypted (tiers.encrypt_to): give the private key of one of its "
+            "recipients with --key, $CKPT_DECRYPT_KEY or `decrypt_key` in the config")
+    opened = open_copy(_getter(tier, sealed_prefix(copy_id), what), load_decryption_key(path),
+                       what)
+    if opened.envelope.copy_id != copy_id:
+        raise DecryptionError(f"{what}: its envelope names copy {opened.envelope.copy_id}, "
+                              f"not {copy_id}: the copy was swapped")
+    if opened.header.get("checkpoint_id") != ck.id or opened.header.get("run") != ck.run:
+        raise DecryptionError(f"{what} holds another checkpoint "
+                              f"({opened.header.get('checkpoint_id')}): the copy was swapped")
+    return opened
+
+
+def _safe_rel(path: str, what: str) -> str:
+    """The checkpoint-relative path of member ``path``, refused unless it is a plain
+    relative path inside the checkpoint (anyone with a public key can make a copy)."""
+    rel = path[len(_PREFIX):] if path.startswith(_PREFIX) else ""
+    parts = rel.split("/")
+    if not rel or "\\" in rel or "\0" in rel or any(p in ("", ".", "..") for p in parts):
+        raise DecryptionError(f"{what}: member {path!r} is not a checkpoint file")
+    return rel
+
+
+def _unseal_into(store: StoreCore, ck: Checkpoint, tier: Tier, opened: OpenedCopy,
+                 workdir: Path) -> tuple[Path, Manifest]:
+    """Decrypt every object into ``workdir/<run>/<id>/`` and check it as a restore checks
+    any copy: the manifest against the catalog's digest, every chunk against its blake3."""
+    what = _what(ck, tier)
+    directory = workdir / ck.run / ck.id
+    directory.mkdir(parents=True)
+    names: set[str] = set()
+    for i, member in enumerate(opened.members[1:], start=1):
+        rel = _safe_rel(member.path, what)
+        if rel in names:
+            raise DecryptionError(f"{what}: member {member.path!r} appears twice")
+        names.add(rel)
+        target = directory / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "xb") as fh:
+            fh.write(opened.member(i))
+    if ck.manifest_digest is None:
+        raise IntegrityError(f"checkpoint {ck.ref} has no manifest digest in the catalog")
+    manifest = read_copy_manifest(directory, ck.manifest_digest, expected_digest(ck, tier.name))
+    expected = set(owned_files(manifest)) | ({SIGNATURE_NAME} & names)
+    if names != expected:
+        extra, missing = sorted(names - expected), sorted(expected - names)
+        raise IntegrityError(f"{what} does not hold what its manifest lists (extra: "
+                             f"{extra[:3]}, missing: {missing[:3]}); run `ckpt verify`")
+    problems = verify_checkpoint(directory, manifest, deep=True)
+    if problems:
+        raise IntegrityError(f"{what} decrypts, but fails verification: "
+                             + "; ".join(problems[:5]) + "; run `ckpt verify` to repair it")
+    return directory, manifest
+
+
+def restore_sealed(store: StoreCore, ck: Checkpoint, src: Tier, target: Tier, *,
+                   key: str | os.PathLike[str] | None = None, threads: int = 4,
+                   progress: Progress | None = None) -> tuple[Path, int, Manifest]:
+    """Decrypt the sealed copy of ``ck`` on ``src`` and copy it into ``target``.
+
+    The copy is decrypted and checked in full in a private directory of the hot tier
+    (:func:`_unseal_into`) before the first file is written to ``target``; ``target`` then
+    receives it through the ordinary verified copy, marker last.
+
+    Returns:
+        ``(directory on target, bytes written, the plaintext manifest)``.
+
+    Raises:
+        DecryptionError: As :func:`open_sealed`, or for an altered or truncated object.
+        IntegrityError: If the decrypted content does not match its manifest.
+        StorageError: If a tier fails.
+    """
+    opened = open_sealed(store, ck, src, key)
+    with private_dir(store.hot) as workdir:
+        staged, manifest = _unseal_into(store, ck, src, opened, workdir)
+        nbytes = copy_checkpoint(LocalTier(workdir, name="unsealed"), target, ck.run, ck.id,
+                                 manifest, threads=threads, progress=progress)
+        directory = target.local_dir(ck.run, ck.id)
+        assert directory is not None  # restore targets are local
+        signature = staged / SIGNATURE_NAME
+        if signature.is_file() and not (directory / SIGNATURE_NAME).exists():
+            shutil.copyfile(signature, directory / SIGNATURE_NAME)
+    return directory, nbytes, manifest
+
+
+# ---------------------------------------------------------------------- verify
+def verify_sealed(store: StoreCore, ck: Checkpoint, tier: Tier,
+                  key: str | os.PathLike[str] | None = None) -> tuple[list[str], bool]:
+    """Check the sealed copy of ``ck`` on ``tier``.
+
+    With a key (``key``, ``$CKPT_DECRYPT_KEY`` or ``decrypt_key``): in full, every object
+    decrypted and every chunk checked against the manifest's blake3, in a private directory
+    removed afterwards. Without one: what can be checked without reading the content, the
+    envelope, that every object it counts is there, and their total size against the
+    catalog's.
+
+    Returns:
+        ``(problems, full)``: what is wrong (empty: intact) and whether the check was full.
+    """
+    replica = ck.replica(tier.name)
+    copy_id = replica.sealed if replica is not None else None
+    if copy_id is None:
+        return [f"{tier.name} copy is not a sealed copy"], False
+    if decryption_key_path(key, store.settings.decrypt_key) is None:
+        return _verify_envelope(tier, copy_id, replica.bytes if replica else 0), False
+    try:
+        opened = open_sealed(store, ck, tier, key)
+        with private_dir(store.hot) as workdir:
+            _unseal_into(store, ck, tier, opened, workdir)
+    except DecryptionError as exc:
+        if "was not encrypted to the key" in str(exc):
+            raise  # the key is wrong, not the copy
+        return [str(exc)], True
+    except IntegrityError as exc:
+        return [str(exc)], True
+    return [], True
+
+
+def _verify_envelope(tier: Tier, copy_id: str, recorded: int) -> list[str]:
+    """The checks a sealed copy allows without a key."""
+    prefix = sealed_prefix(copy_id)
+    where = f"sealed copy {prefix} on {tier.name}"
+    try:
+        keys = set(tier.list_prefix(prefix))
+        if prefix + ENVELOPE_NAME not in keys:
+            return [f"{where} has no envelope (lost or unfinished)"]
+        data = tier.get_bytes(prefix + ENVELOPE_NAME)
+        if len(data) > MAX_ENVELOPE:
+            return [f"{where}: its envelope is too large"]
+        envelope = Envelope.parse(data, where)
+    except DecryptionError as exc:
+        return [str(exc)]
+    except StorageError as exc:
+        return [f"{where}: {exc}"]
+    problems = []
+    if envelope.copy_id != copy_id:
+        problems.append(f"{where}: its envelope names copy {envelope.copy_id}")
+    wanted = {prefix + ENVELOPE_NAME, prefix + INDEX_NAME} | {
+        f"{prefix}o/{i}" for i in range(envelope.objects)}
+    missing = sorted(wanted - keys)
+    if missing:
+        problems.append(f"{where}: {len(missing)} objects missing ({', '.join(missing[:3])})")
+    extra = sorted(keys - wanted)
+    if extra:
+        problems.append(f"{where}: unexpected objects ({', '.join(extra[:3])})")
+    if not problems and recorded:
+        total = sum(tier.size(k) for k in wanted)
+        if total != recorded:
+            problems.append(f"{where} holds {total} bytes, the catalog recorded {recorded}")
+        small = [k for k in wanted - {prefix + ENVELOPE_NAME} if tier.size(k) < TAG_BYTES]
+        if small:
+            problems.append(f"{where}: {len(small)} objects are truncated")
+    return problems
+
+
+def recipients_of(tier: Tier, copy_id: str) -> int:
+    """How many recipients sealed copy ``copy_id`` on ``tier`` was encrypted to."""
+    prefix = sealed_prefix(copy_id)
+    return len(Envelope.parse(tier.get_bytes(prefix + ENVELOPE_NAME), prefix).recipients)
+
+
+def new_copy_id() -> str:
+    """A fresh random copy id."""
+    return uuid.uuid4().hex

@@ -1,0 +1,299 @@
+"""Encrypted tiers (``[tiers] encrypt_to``): archive and demote write sealed copies only.
+
+Real components throughout: local tier directories and a moto S3 server, real X25519 keys,
+the real archive / restore / verify / retention / gc code. What is checked is what a user
+relies on: the tier never holds a plaintext chunk, a round trip is bit-exact, every bad key
+or damaged copy is a DecryptionError that leaves the hot tier as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptstore import CheckpointStore, ReplicaState
+from ckptstore.errors import ConfigError, DecryptionError
+from ckptstore.ops.sharing.crypt import generate_encryption_keypair
+from ckptstore.ops.sharing.signing import generate_keypair
+from ckptstore.ops.tiering.archive import archive_checkpoints, demote_checkpoints
+from ckptstore.ops.tiering.replicas import delete_replica, store_tiers
+from ckptstore.ops.tiering.restore import restore_checkpoint
+from ckptstore.records import SEALED_DIR
+from ckptstore.testing.s3 import MotoS3
+
+# A run of float32 values no random tensor contains: its bytes are searched for on the tier.
+_MARK = torch.arange(4096, dtype=torch.float32) * 0.5 + 12345.0
+_MARK_BYTES = _MARK[100:132].numpy().tobytes()
+
+
+def _state(seed: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(3000, generator=gen), "mark": _MARK.clone(),
+                  "b": torch.arange(64, dtype=torch.int64)},
+        "half": torch.randn(500, generator=gen).to(torch.bfloat16),
+        "step": seed,
+    }
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> dict[str, Path]:
+    """Two encryption pairs (ops, other) and a signing pair."""
+    out = tmp_path / "keys"
+    ops_key, ops_pub = generate_encryption_keypair(out, "ops")
+    other_key, other_pub = generate_encryption_keypair(out, "other")
+    sign_key, sign_pub = generate_keypair(out, "signer")
+    return {"key": ops_key, "pub": ops_pub, "other_key": other_key, "other_pub": other_pub,
+            "sign_key": sign_key, "sign_pub": sign_pub}
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CKPT_DECRYPT_KEY", raising=False)
+    monkeypatch.delenv("CKPT_ENCRYPT_TO", raising=False)
+
+
+@pytest.fixture
+def local_store(tmp_path: Path, keys: dict[str, Path]) -> Iterator[CheckpointStore]:
+    """Hot, warm and cold tiers in local directories; warm and cold encrypted."""
+    store = CheckpointStore.open(tmp_path / "store", warm=str(tmp_path / "warm"),
+                                 cold=str(tmp_path / "cold"), chunk_bytes=4096,
+                                 encrypt_to=[str(keys["pub"])])
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def s3_store(tmp_path: Path, s3: MotoS3, keys: dict[str, Path]) -> Iterator[CheckpointStore]:
+    prefix = uuid.uuid4().hex[:12]
+    store = CheckpointStore.open(tmp_path / "store", warm=s3.url(f"{prefix}/warm"),
+                                 cold=s3.url(f"{prefix}/cold"), cold_storage_class="STANDARD_IA",
+                                 storage_options=s3.storage_options, chunk_bytes=4096,
+                                 encrypt_to=[str(keys["pub"]), str(keys["other_pub"])])
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def _tier_objects(store: CheckpointStore, tier: str) -> dict[str, bytes]:
+    t = store_tiers(store)[tier]
+    return {k: t.get_bytes(k) for k in t.list_prefix("")}
+
+
+def _drop_hot(store: CheckpointStore, ref: str) -> None:
+    ck = store.get(ref)
+    delete_replica(store, ck, "hot")
+    assert not store.checkpoint_dir(ck.run, ck.id).exists()
+
+
+def _hot_snapshot(store: CheckpointStore) -> list[str]:
+    return sorted(str(p.relative_to(store.hot)) for p in store.hot.rglob("*")
+                  if not p.name.startswith(".ckptstore"))
+
+
+def test_archive_writes_ciphertext_only_and_restores_bit_exact(
+        local_store: CheckpointStore, keys: dict[str, Path]) -> None:
+    store = local_store
+    first = store.save("run-a", 1, _state(1))
+    second = store.save("run-a", 2, _state(2))  # dedup'd against the first (a delta)
+    report = archive_checkpoints(store, tier="warm")
+    assert sorted(report.archived) == sorted([first.id, second.id]) and report.ok
+    objects = _tier_objects(store, "warm")
+    assert objects and all(k.startswith(f"{SEALED_DIR}/") for k in objects)
+    # The tier holds no plaintext: no chunk bytes, no run name, no checkpoint id.
+    for key, data in objects.items():
+        assert _MARK_BYTES not in data, key
+        assert b"run-a" not in data and first.id.encode() not in data, key
+    # The hot copy's chunk does hold the pattern (so the search above can fail).
+    hot_bytes = b"".join(p.read_bytes() for p in store.checkpoint_dir("run-a", first.id)
+                         .rglob("*") if p.is_file())
+    assert _MARK_BYTES in hot_bytes
+    for ck in (first, second):
+        warm = store.get(ck.id).replica("warm")
+        assert warm is not None and warm.state == ReplicaState.PRESENT
+        assert warm.sealed is not None and warm.verified_at is not None
+        assert warm.uri.endswith(f"{SEALED_DIR}/{warm.sealed}")
+        events = [e for e in store.catalog.events(ck.id) if e.kind == "archived"]
+        assert events and events[0].detail["encrypted"] is True
+        assert events[0].detail["recipients"] == 1
+    # Drop the hot copies (the newer first: it read the older's chunks), restore, compare.
+    for ck in (second, first):
+        _drop_hot(store, ck.id)
+    for seed, ck in ((2, second), (1, first)):
+        restore_checkpoint(store, ck.id, key=keys["key"])
+        hot = store.get(ck.id).replica("hot")
+        assert hot is not None and hot.state == ReplicaState.PRESENT
+        assert _equal(store.load(ck.id), _state(seed))
+
+
+def test_s3_round_trip_and_demote_copies_ciphertext(
+        s3_store: CheckpointStore, keys: dict[str, Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    store = s3_store
+    ck = store.save("run-s", 5, _state(5))
+    archive_checkpoints(store, tier="warm")
+    warm = store.get(ck.id).replica("warm")
+    assert warm is not None and warm.sealed and warm.uri.startswith("s3://")
+    for data in _tier_objects(store, "warm").values():
+        assert _MARK_BYTES not in data
+    demoted = demote_checkpoints(store, older_than_days=0)
+    assert demoted.archived == [ck.id] and demoted.removed == [ck.id]
+    now = store.get(ck.id)
+    cold = now.replica("cold")
+    assert cold is not None and cold.sealed == warm.sealed  # the same ciphertext, moved
+    assert now.replica("warm").state == ReplicaState.DELETED  # type: ignore[union-attr]
+    assert not _tier_objects(store, "warm")
+    for data in _tier_objects(store, "cold").values():
+        assert _MARK_BYTES not in data
+    _drop_hot(store, ck.id)
+    # Either recipient opens it; the key comes from the environment here (a load restores).
+    monkeypatch.setenv("CKPT_DECRYPT_KEY", str(keys["other_key"]))
+    assert _equal(store.load(ck.id), _state(5))
+
+
+@pytest.mark.parametrize("key_name", [None, "other"])
+def test_no_key_or_wrong_key_is_refused_and_hot_is_unchanged(
+        tmp_path: Path, keys: dict[str, Path], key_name: str | None) -> None:
+    # Encrypted to ops only: "other" is a key it was not encrypted to.
+    store = CheckpointStore.open(tmp_path / "store", warm=str(tmp_path / "warm"),
+                                 chunk_bytes=4096, encrypt_to=[str(keys["pub"])])
+    with store:
+        ck = store.save("run-k", 1, _state(1))
+        archive_checkpoints(store, tier="warm")
+        _drop_hot(store, ck.id)
+        before = _hot_snapshot(store)
+        key = keys["other_key"] if key_name else None
+        with pytest.raises(DecryptionError, match=r"--key|not encrypted to") as err:
+            restore_checkpoint(store, ck.id, key=key)
+        assert ("not encrypted to" in str(err.value)) == (key_name is not None)
+        assert _hot_snapshot(store) == before
+        hot = store.get(ck.id).replica("hot")
+        assert hot is not None and hot.state == ReplicaState.DELETED
+        warm = store.get(ck.id).replica("warm")
+        assert warm is not None and warm.state == ReplicaState.PRESENT  # not marked damaged
+        restore_checkpoint(store, ck.id, key=keys["key"])
+        assert _equal(store.load(ck.id), _state(1))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "drop", "swap"])
+def test_tampered_or_truncated_copy_is_refused(
+        local_store: CheckpointStore, keys: dict[str, Path], damage: str) -> None:
+    store = local_store
+    ck = store.save("run-t", 1, _state(1))
+    archive_checkpoints(store, tier="warm")
+    warm = store.get(ck.id).replica("warm")
+    assert warm is not None and warm.sealed
+    copy_dir = Path(warm.uri)
+    victim = copy_dir / "o" / "3"
+    data = victim.read_bytes()
+    victim.chmod(0o644)
+    if damage == "flip":
+        victim.write_bytes(data[:10] + bytes([data[10] ^ 1]) + data[11:])
+    elif damage == "truncate":
+        victim.write_bytes(data[: len(data) // 2])
+    elif damage == "drop":
+        victim.unlink()
+    else:
+        other = copy_dir / "o" / "4"
+        other.chmod(0o644)
+        swapped = other.read_bytes()
+        other.write_bytes(data)
+        victim.write_bytes(swapped)
+    _drop_hot(store, ck.id)
+    before = _hot_snapshot(store)
+    with pytest.raises(DecryptionError):
+        restore_checkpoint(store, ck.id, key=keys["key"])
+    assert _hot_snapshot(store) == before
+    assert not list(store.hot.glob(".sealed-work-*"))  # the private staging is gone
+
+
+# ---------------------------------------------------------------------- config refusals
+def test_signing_key_as_recipient_is_refused(tmp_path: Path, keys: dict[str, Path]) -> None:
+    with pytest.raises(ConfigError, match=r"signer\.pub.*Ed25519 signing key.*keygen --encryption"):
+        CheckpointStore.open(tmp_path / "s", warm=str(tmp_path / "w"),
+                             encrypt_to=[str(keys["sign_pub"])])
+
+
+@pytest.mark.parametrize("which", ["private", "missing"])
+def test_private_or_missing_recipient_is_refused(tmp_path: Path, keys: dict[str, Path],
+                                                 which: str) -> None:
+    path = keys["key"] if which == "private" else tmp_path / "nope.pub"
+    with pytest.raises(ConfigError, match=str(path.name)):
+        CheckpointStore.open(tmp_path / "s", warm=str(tmp_path / "w"), encrypt_to=[str(path)])
+
+
+@pytest.mark.parametrize("storage_class", ["GLACIER", "DEEP_ARCHIVE"])
+def test_archival_cold_class_is_refused(tmp_path: Path, keys: dict[str, Path],
+                                        storage_class: str) -> None:
+    from ckptstore.config import load_settings
+
+    with pytest.raises(ConfigError, match="GLACIER_IR"):
+        load_settings(root=tmp_path, cold="s3://b/cold", cold_storage_class=storage_class,
+                      encrypt_to=[str(keys["pub"])])
+    # the default class is GLACIER: refused too, unless the cold tier is not on S3
+    with pytest.raises(ConfigError, match="cannot be thawed"):
+        load_settings(root=tmp_path, cold="s3://b/cold", encrypt_to=[str(keys["pub"])])
+    ok = load_settings(root=tmp_path, cold=str(tmp_path / "cold"),
+                       encrypt_to=[str(keys["pub"])])
+    assert ok.encrypt_to == (str(keys["pub"]),)
+    ok = load_settings(root=tmp_path, cold="s3://b/cold", cold_storage_class="GLACIER_IR",
+                       encrypt_to=[str(keys["pub"])])
+    assert ok.encrypt_to
+
+
+def test_env_recipients_take_commas_and_pathsep(tmp_path: Path, keys: dict[str, Path],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptstore.config import load_settings
+
+    monkeypatch.setenv("CKPT_ENCRYPT_TO", f"{keys['pub']},{keys['other_pub']}")
+    assert load_settings(root=tmp_path).encrypt_to == (str(keys["pub"]), str(keys["other_pub"]))
+    monkeypatch.setenv("CKPT_ENCRYPT_TO", f"{keys['pub']}{os.pathsep}{keys['sign_pub']}")
+    with pytest.raises(ConfigError, match=r"\$CKPT_ENCRYPT_TO.*signer\.pub"):
+        load_settings(root=tmp_path)
+
+
+def test_checkpoint_saved_across_hosts_is_refused(local_store: CheckpointStore) -> None:
+    import dataclasses
+
+    from ckptstore.ops.tiering.sealed_tier import check_sealable
+
+    ck = local_store.save("run-h", 1, _state(1))
+    check_sealable(ck)  # one host: fine
+    with pytest.raises(ConfigError, match="saved across hosts"):
+        check_sealable(dataclasses.replace(ck, hosts=("node-a", "node-b")))
+
+
+def test_cli_restore_with_key(local_store: CheckpointStore, keys: dict[str, Path],
+                              tmp_path: Path) -> None:
+    from ckptstore.cli.app import main
+
+    store = local_store
+    ck = store.save("run-c", 1, _state(1))
+    archive_checkpoints(store, tier="warm")
+    _drop_hot(store, ck.id)
+    config = tmp_path / "ckptstore.toml"
+    config.write_text(
+        f'root = "{store.settings.root}"\n[tiers]\nhot = "{store.hot}"\n'
+        f'warm = "{tmp_path / "warm"}"\ncold = "{tmp_path / "cold"}"\n'
+        f'encrypt_to = ["{keys["pub"]}"]\n', encoding="utf-8")
+    assert main(["--config", str(config), "restore", ck.id]) == 1  # no key: exit 1
+    assert store.get(ck.id).replica("hot").state == ReplicaState.DELETED  # type: ignore[union-attr]
+    assert main(["--config", str(config), "restore", ck.id, "--key", str(keys["key"])]) == 0
+    assert _equal(store.load(ck.id), _state(1))
