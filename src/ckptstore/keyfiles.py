@@ -6,9 +6,9 @@ key, a private key) is a :class:`~ckptstore.errors.ConfigError` before anything 
 not a failure in the middle of an archive flow. Everything above (the sealed format in
 :mod:`ckptstore.format.crypt`, pushes and bundles) loads keys through here.
 
-Keys are PEM files (``ckpt keygen --encryption``: a PKCS#8 private key with mode 0600 and a
-SubjectPublicKeyInfo public key). A signing key given where an encryption key is expected,
-or the reverse, is refused with the command that makes the right kind. No key material
+Keys are PEM files (``ckpt keygen --encryption --out DIR``: a PKCS#8 private key with mode
+0600 and a SubjectPublicKeyInfo public key). A signing key given where an encryption key is
+expected, or the reverse, is refused with the command that makes the right kind. No key material
 reaches the catalog, logs or errors; a public key's sha256 fingerprint names it.
 """
 

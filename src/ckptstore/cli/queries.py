@@ -178,9 +178,10 @@ def show_cmd(
     data_version, python, torch, cuda, cudnn, platform, packages, lock, env, rng_seeds,
     world_size, notes; null when none was recorded),
     "manifest": format_version, codec, kind, tensors, dtypes, arrays, chunks, logical_bytes,
-    stored_bytes, delta (or {"error": ...}), "copies": per copy tier, state, self_contained
-    and reads (refs of the checkpoints whose chunks it reads), "tensors" with --tensors:
-    [key, dtype, shape],
+    stored_bytes, delta (or {"error": ...}), "copies": per copy tier, state, self_contained,
+    reads (refs of the checkpoints whose chunks it reads), and for a sealed copy of an
+    encrypted tier "encrypted": true and recipients (how many keys it was encrypted to),
+    "tensors" with --tensors: [key, dtype, shape],
     "parts" for a checkpoint saved across hosts: every copy of every host's part (tier, part,
     stored_on (null on a shared tier), state, bytes, files, verified_at), "merge" for a
     merged checkpoint: method, accumulate, keys, weights_from_metric, inputs (id, ref,
@@ -247,6 +248,13 @@ def show_cmd(
         )
 
 
+def _encrypted(recipients: object) -> str:
+    """How ``show`` says a copy is sealed (an encrypted tier)."""
+    if isinstance(recipients, int):
+        return f", encrypted to {recipients} recipient{'' if recipients == 1 else 's'}"
+    return ", encrypted"
+
+
 def _copy_rows(copies: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """One ``ckpt show`` row: per copy, self-contained or the checkpoints it reads."""
     if not copies:
@@ -254,6 +262,7 @@ def _copy_rows(copies: list[dict[str, Any]]) -> list[tuple[str, str]]:
     text = "; ".join(
         f"{c['tier']}: " + ("self-contained" if c["self_contained"]
                             else f"reads chunks of {', '.join(c['reads'])}")
+        + (_encrypted(c.get("recipients")) if c.get("encrypted") else "")
         for c in copies)
     return [("copies", text)]
 

@@ -224,6 +224,123 @@ def test_tampered_or_truncated_copy_is_refused(
     assert not list(store.hot.glob(".sealed-work-*"))  # the private staging is gone
 
 
+def test_delete_prune_and_gc_remove_sealed_copies(
+        tmp_path: Path, keys: dict[str, Path]) -> None:
+    from ckptstore.ops.tiering.retention.apply import apply_retention
+    from ckptstore.retention import RetentionPolicy
+
+    # No cold tier: retention would otherwise keep warm copies awaiting demotion.
+    store = CheckpointStore.open(tmp_path / "store", warm=str(tmp_path / "warm"),
+                                 chunk_bytes=4096, encrypt_to=[str(keys["pub"])])
+    cks = [store.save("run-p", step, _state(step)) for step in (1, 2, 3, 4)]
+    archive_checkpoints(store, tier="warm")
+    warm_root = store_tiers(store)["warm"]
+    copies = {ck.id: store.get(ck.id).replica("warm").sealed for ck in cks}  # type: ignore[union-attr]
+    assert all(copies.values())
+    # delete one sealed copy by hand
+    delete_replica(store, store.get(cks[0].id), "warm")
+    assert not warm_root.list_prefix(f"{SEALED_DIR}/{copies[cks[0].id]}/")
+    assert store.get(cks[0].id).replica("warm").state == ReplicaState.DELETED  # type: ignore[union-attr]
+    # retention on the warm tier keeps the newest two of the other three
+    report = apply_retention(store, tier="warm", policy=RetentionPolicy(keep_last=2))
+    assert report.ok
+    assert not warm_root.list_prefix(f"{SEALED_DIR}/{copies[cks[1].id]}/")
+    assert warm_root.list_prefix(f"{SEALED_DIR}/{copies[cks[2].id]}/")
+    # gc removes what a killed archive left: a COPYING row naming a half-written copy
+    from ckptstore.ops.tiering.sealed_tier import sealed_uri
+
+    fresh = store.save("run-p", 5, _state(5))
+    orphan_id = uuid.uuid4().hex
+    orphan = f"{SEALED_DIR}/{orphan_id}/"
+    warm_root.put_bytes(orphan + "o/0", b"x" * 40)
+    store.catalog.set_replica(fresh.id, "warm", uri=sealed_uri(warm_root, orphan_id),
+                              state=ReplicaState.COPYING)
+    # and a sealed copy no row names (another store's push) is left alone
+    foreign = f"{SEALED_DIR}/{uuid.uuid4().hex}/"
+    warm_root.put_bytes(foreign + "o/0", b"y" * 40)
+    gc = store.gc()
+    assert not warm_root.list_prefix(orphan)
+    assert gc.sealed_removed == [f"warm:{orphan.rstrip('/')}"]
+    assert store.get(fresh.id).replica("warm").state == ReplicaState.DELETED  # type: ignore[union-attr]
+    assert warm_root.list_prefix(foreign)
+    assert warm_root.list_prefix(f"{SEALED_DIR}/{copies[cks[2].id]}/")
+    store.close()
+
+
+def test_verify_with_and_without_key_and_repair_by_resealing(
+        local_store: CheckpointStore, keys: dict[str, Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptstore.ops.upkeep.verify import verify_replicas
+
+    store = local_store
+    ck = store.save("run-v", 1, _state(1))
+    archive_checkpoints(store, tier="warm")
+    report = verify_replicas(store, ref=ck.id, tier="warm")
+    assert report.clean and report.ok  # without a key: envelope and sizes
+    monkeypatch.setenv("CKPT_DECRYPT_KEY", str(keys["key"]))
+    assert verify_replicas(store, ref=ck.id, tier="warm").clean
+    # damage one object: the full check finds it, and the copy is resealed from hot
+    warm = store.get(ck.id).replica("warm")
+    assert warm is not None and warm.sealed
+    victim = Path(warm.uri) / "o" / "2"
+    victim.chmod(0o644)
+    data = victim.read_bytes()
+    victim.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    monkeypatch.delenv("CKPT_DECRYPT_KEY")
+    assert verify_replicas(store, ref=ck.id, tier="warm", repair=False).clean  # sizes hold
+    monkeypatch.setenv("CKPT_DECRYPT_KEY", str(keys["key"]))
+    found = verify_replicas(store, ref=ck.id, tier="warm")
+    assert found.damaged and found.repaired
+    now = store.get(ck.id).replica("warm")
+    assert now is not None and now.state == ReplicaState.PRESENT and now.sealed
+    assert now.sealed != warm.sealed  # a new sealed copy
+    assert not Path(warm.uri).exists()
+    assert verify_replicas(store, ref=ck.id, tier="warm").clean
+    # a truncated object is found without a key too
+    victim = Path(now.uri) / "o" / "1"
+    victim.chmod(0o644)
+    victim.write_bytes(victim.read_bytes()[:-5])
+    monkeypatch.delenv("CKPT_DECRYPT_KEY")
+    assert not verify_replicas(store, ref=ck.id, tier="warm", repair=False).clean
+
+
+def test_show_says_encrypted(local_store: CheckpointStore) -> None:
+    store = local_store
+    ck = store.save("run-w", 1, _state(1))
+    archive_checkpoints(store, tier="warm")
+    shown = store.show(ck.id)
+    copies = {c["tier"]: c for c in shown["copies"]}
+    assert copies["warm"]["encrypted"] is True and copies["warm"]["recipients"] == 1
+    assert copies["warm"]["self_contained"] is True
+    assert "encrypted" not in copies["hot"] and "recipients" not in copies["hot"]
+
+
+def test_doctor_understands_sealed_copies(local_store: CheckpointStore) -> None:
+    from ckptstore.ops.upkeep.doctor import doctor
+
+    store = local_store
+    ck = store.save("run-d", 1, _state(1))
+    archive_checkpoints(store, tier="warm")
+    clean = doctor(store)
+    assert not clean.findings, clean.findings  # a sealed copy is neither orphan nor missing
+    warm = store.get(ck.id).replica("warm")
+    assert warm is not None and warm.sealed
+    # a truncated object: damaged
+    victim = Path(warm.uri) / "o" / "1"
+    victim.chmod(0o644)
+    victim.write_bytes(victim.read_bytes()[:-3])
+    found = doctor(store)
+    assert [f.kind for f in found.findings] == ["damaged-replica"], found.findings
+    # every object gone: missing (lost), and --fix records it
+    for path in Path(warm.uri).rglob("*"):
+        if path.is_file():
+            path.unlink()
+    found = doctor(store, fix=True)
+    assert [f.kind for f in found.findings] == ["missing-replica"], found.findings
+    assert "lost" in found.findings[0].detail
+    assert store.get(ck.id).replica("warm").state == ReplicaState.DAMAGED  # type: ignore[union-attr]
+
+
 # ---------------------------------------------------------------------- config refusals
 def test_signing_key_as_recipient_is_refused(tmp_path: Path, keys: dict[str, Path]) -> None:
     with pytest.raises(ConfigError, match=r"signer\.pub.*Ed25519 signing key.*keygen --encryption"):

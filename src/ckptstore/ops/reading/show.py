@@ -190,8 +190,24 @@ def copies_record(core: StoreCore, ck: Checkpoint, hot: Manifest) -> list[dict[s
             reads.append(owner)  # a base the catalog no longer knows: its id
     out = []
     for replica in ck.replicas:
-        own = replica.manifest_digest in (None, ck.manifest_digest) or replica.tier == "hot"
+        own = (replica.manifest_digest in (None, ck.manifest_digest) or replica.tier == "hot") \
+            and not replica.sealed
         copy_reads = reads if own else []
-        out.append({"tier": replica.tier, "state": str(replica.state),
-                    "self_contained": not copy_reads, "reads": copy_reads})
+        entry: dict[str, Any] = {"tier": replica.tier, "state": str(replica.state),
+                                 "self_contained": not copy_reads, "reads": copy_reads}
+        if replica.sealed is not None:
+            entry["encrypted"] = True
+            entry["recipients"] = _recipients(core, ck, replica.sealed)
+        out.append(entry)
     return out
+
+
+def _recipients(core: StoreCore, ck: Checkpoint, copy_id: str) -> int | None:
+    """How many recipients sealed copy ``copy_id`` was encrypted to, as the event that
+    wrote it recorded (the catalog's answer: ``show`` reads no tier)."""
+    for event in core.catalog.events(ck.id, limit=1000):
+        detail = dict(event.detail)
+        if event.kind in ("archived", "demoted") and detail.get("copy") == copy_id:
+            count = detail.get("recipients")
+            return count if isinstance(count, int) else None
+    return None

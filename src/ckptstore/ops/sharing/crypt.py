@@ -3,7 +3,7 @@
 The key files are read and checked by :mod:`ckptstore.keyfiles` (below the configuration,
 which checks ``[tiers] encrypt_to`` with it) and the primitives (AES-256-GCM, the X25519 +
 HKDF key wrap) are :mod:`ckptstore.format.crypt`, shared with encrypted tiers; this module
-adds making a key pair (``ckpt keygen --encryption``, beside the Ed25519 signing pairs of
+adds making a key pair (``ckpt keygen --encryption --out DIR``, beside the Ed25519 signing pairs of
 :mod:`ckptstore.ops.sharing.signing`) and keeps the names pushes and bundles import.
 """
 

@@ -51,6 +51,7 @@ from ckptstore.ops.tiering.replicas import (
 from ckptstore.ops.tiering.sealed_tier import (
     check_sealable,
     copy_sealed,
+    drop_unfinished,
     is_sealed_on,
     new_copy_id,
     recipients_of,
@@ -274,6 +275,7 @@ def _copy_sealed(
     plaintext manifest's digest; the ``archived`` / ``demoted`` event says ``encrypted``.
     """
     check_sealable(ck)
+    drop_unfinished(store, ck, dst)
     source = ck.replica(src.name)
     copy_id = source.sealed if source is not None and source.sealed else new_copy_id()
     uri = sealed_uri(dst, copy_id)

@@ -1,5 +1,8 @@
 """Hot-tier gc: remove what dead saves and killed restores left behind.
 
+(And, on encrypted tiers, the sealed copies killed archives and deletes left unfinished:
+:func:`~ckptstore.ops.tiering.sealed_tier.gc_sealed`.)
+
 What a hot directory is, and whether its writer is dead, is decided in one place for gc and
 doctor (:func:`classify_hot_dir`, :func:`writer_is_dead`): a PENDING row is dead when its
 writer process on this host is gone, when this process abandoned it, or when it is older than
@@ -29,6 +32,7 @@ from ckptstore.identity import host, owner_is_dead, unique_owner
 from ckptstore.numeric import is_decimal
 from ckptstore.ops.leases import acquire_lease
 from ckptstore.ops.tiering.parts import remove_local_parts
+from ckptstore.ops.tiering.sealed_tier import gc_sealed
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
 from ckptstore.storage.marker import foreign_marker
 
@@ -55,11 +59,14 @@ class GcReport:
     failed_rows: list[str] = field(default_factory=list)
     dry_run: bool = False
     pruned_parts: list[str] = field(default_factory=list)
+    #: Unfinished sealed copies removed from encrypted tiers (``<tier>:.sealed/<copy id>``).
+    sealed_removed: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
         """True when there was nothing to clean."""
-        return not self.removed_dirs and not self.failed_rows and not self.pruned_parts
+        return (not self.removed_dirs and not self.failed_rows and not self.pruned_parts
+                and not self.sealed_removed)
 
 
 def writer_is_dead(core: StoreCore, ck: Checkpoint, *, older_than_s: float) -> bool:
@@ -168,6 +175,7 @@ def gc_hot(
     """
     report = GcReport(dry_run=dry_run)
     report.pruned_parts = prune_parts(core, dry_run=dry_run)
+    report.sealed_removed = gc_sealed(core, dry_run=dry_run)
     rows = {ck.id: ck for ck in core.catalog.list(state=None)}
     for ck in rows.values():
         if ck.state == CheckpointState.PENDING and writer_is_dead(
@@ -211,7 +219,8 @@ def gc_hot(
     if not dry_run and not report.empty:
         core.catalog.record_event(
             "gc", detail={"removed": len(report.removed_dirs), "failed": report.failed_rows,
-                          "pruned_parts": report.pruned_parts, "host": host()}
+                          "pruned_parts": report.pruned_parts,
+                          "sealed_removed": report.sealed_removed, "host": host()}
         )
     return report
 

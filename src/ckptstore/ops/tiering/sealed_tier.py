@@ -66,10 +66,11 @@ from ckptstore.format.sealed import (
     seal_objects,
 )
 from ckptstore.keyfiles import encryption_fingerprint, load_decryption_key
+from ckptstore.ops.leases import acquire_lease
 from ckptstore.ops.tiering.reencode import read_copy_manifest, reencode_copy, why_not_reencode
 from ckptstore.ops.tiering.replicas import manifest_on, run_resolver
 from ckptstore.progress import Progress
-from ckptstore.records import Checkpoint, expected_digest
+from ckptstore.records import Checkpoint, ReplicaState, expected_digest
 from ckptstore.storage import LocalTier, Tier, copy_checkpoint
 from ckptstore.storage.transfer import owned_files
 
@@ -77,6 +78,8 @@ __all__ = [
     "SealedCopy",
     "check_sealable",
     "copy_sealed",
+    "drop_unfinished",
+    "gc_sealed",
     "is_sealed_on",
     "new_copy_id",
     "open_sealed",
@@ -459,14 +462,15 @@ def restore_sealed(store: StoreCore, ck: Checkpoint, src: Tier, target: Tier, *,
 
 # ---------------------------------------------------------------------- verify
 def verify_sealed(store: StoreCore, ck: Checkpoint, tier: Tier,
-                  key: str | os.PathLike[str] | None = None) -> tuple[list[str], bool]:
+                  key: str | os.PathLike[str] | None = None, *,
+                  full: bool = True) -> tuple[list[str], bool]:
     """Check the sealed copy of ``ck`` on ``tier``.
 
     With a key (``key``, ``$CKPT_DECRYPT_KEY`` or ``decrypt_key``): in full, every object
     decrypted and every chunk checked against the manifest's blake3, in a private directory
     removed afterwards. Without one: what can be checked without reading the content, the
     envelope, that every object it counts is there, and their total size against the
-    catalog's.
+    catalog's (also with a key when ``full`` is False: a quick check).
 
     Returns:
         ``(problems, full)``: what is wrong (empty: intact) and whether the check was full.
@@ -475,7 +479,7 @@ def verify_sealed(store: StoreCore, ck: Checkpoint, tier: Tier,
     copy_id = replica.sealed if replica is not None else None
     if copy_id is None:
         return [f"{tier.name} copy is not a sealed copy"], False
-    if decryption_key_path(key, store.settings.decrypt_key) is None:
+    if not full or decryption_key_path(key, store.settings.decrypt_key) is None:
         return _verify_envelope(tier, copy_id, replica.bytes if replica else 0), False
     try:
         opened = open_sealed(store, ck, tier, key)
@@ -483,7 +487,10 @@ def verify_sealed(store: StoreCore, ck: Checkpoint, tier: Tier,
             _unseal_into(store, ck, tier, opened, workdir)
     except DecryptionError as exc:
         if "was not encrypted to the key" in str(exc):
-            raise  # the key is wrong, not the copy
+            # The key is not a recipient's: that says nothing of the copy; check what can
+            # be checked without one.
+            logger.warning("%s", exc)
+            return _verify_envelope(tier, copy_id, replica.bytes if replica else 0), False
         return [str(exc)], True
     except IntegrityError as exc:
         return [str(exc)], True
@@ -536,3 +543,58 @@ def recipients_of(tier: Tier, copy_id: str) -> int:
 def new_copy_id() -> str:
     """A fresh random copy id."""
     return uuid.uuid4().hex
+
+
+def drop_unfinished(store: StoreCore, ck: Checkpoint, dst: Tier) -> None:
+    """Remove what an earlier, unfinished sealed copy of ``ck`` left on ``dst`` (a row that
+    names a sealed prefix but is not PRESENT), before a new copy with a new id is begun:
+    otherwise the old prefix would be named by no row and left behind."""
+    replica = ck.replica(dst.name)
+    if replica is None or not replica.sealed or replica.state == ReplicaState.PRESENT:
+        return
+    removed = dst.delete_prefix(sealed_prefix(replica.sealed))
+    if removed:
+        logger.info("removed %d objects of the unfinished sealed copy %s of %s on %s",
+                    removed, replica.sealed, ck.ref, dst.name)
+
+
+def gc_sealed(store: StoreCore, *, dry_run: bool = False) -> list[str]:
+    """Remove sealed copies this store began or deleted and did not finish.
+
+    A replica row that names a sealed prefix and is DELETED or DELETING (a delete that
+    stopped half way), or COPYING while no archive holds the checkpoint's ``archive:<tier>``
+    lease (a killed archive; a lease of a dead process is taken over), has its objects
+    removed and the row set DELETED. Sealed prefixes no row of this catalog names are left
+    alone: a tier of this store may be another store's remote, and ``.sealed/`` is where
+    encrypted pushes land (docs/SHARING.md); ``ckpt doctor`` lists them.
+
+    Returns:
+        ``<tier>:.sealed/<copy id>`` of every copy removed (or, with ``dry_run``, to remove).
+    """
+    removed: list[str] = []
+    tiers = {name: store.tier(name) for name in store.settings.tier_urls() if name != "hot"}
+    for ck in store.catalog.list(state=None):
+        for replica in ck.replicas:
+            tier = tiers.get(replica.tier)
+            if tier is None or not replica.sealed or replica.state == ReplicaState.PRESENT \
+                    or replica.state == ReplicaState.DAMAGED:
+                continue
+            prefix = sealed_prefix(replica.sealed)
+            if not tier.list_prefix(prefix):
+                continue
+            purpose = f"archive:{tier.name}"
+            owner = f"gc-{uuid.uuid4().hex[:8]}"
+            if replica.state == ReplicaState.COPYING and not acquire_lease(
+                    store, ck.id, purpose, owner, 600.0):
+                continue  # an archive is writing it now
+            try:
+                removed.append(f"{tier.name}:{prefix.rstrip('/')}")
+                if not dry_run:
+                    tier.delete_prefix(prefix)
+                    tier.abort_multipart_uploads(prefix)
+                    store.catalog.set_replica(ck.id, tier.name, state=ReplicaState.DELETED,
+                                              bytes=0)
+            finally:
+                if replica.state == ReplicaState.COPYING:
+                    store.catalog.release_lease(ck.id, purpose, owner)
+    return removed

@@ -32,6 +32,13 @@ from ckptstore.ops.tiering.replicas import (
     store_tiers,
     tier_rank,
 )
+from ckptstore.ops.tiering.sealed_tier import (
+    new_copy_id,
+    seal_copy,
+    sealed_prefix,
+    sealed_uri,
+    verify_sealed,
+)
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import (
     MANIFEST_NAME,
@@ -134,6 +141,11 @@ def check_replica(store: StoreCore, ck: Checkpoint, tier: Tier, *,
     Raises:
         StorageError: If the tier cannot be reached (not a property of the copy).
     """
+    replica = ck.replica(tier.name)
+    if replica is not None and replica.sealed:
+        # Encrypted tier: in full with a key ($CKPT_DECRYPT_KEY, decrypt_key), else the
+        # envelope, the objects it counts and their sizes (sealed_tier.verify_sealed).
+        return verify_sealed(store, ck, tier)[0]
     run_of = run_resolver(store, ck)
     try:
         # The manifest and marker objects are readable even in archival classes.
@@ -213,11 +225,17 @@ def _repair(
         CkptError: If no donor is intact, the lease is held, or the copy fails.
     """
     tiers = store_tiers(store)
+    damaged = ck.replica(dst.name)
+    if damaged is not None and damaged.sealed:
+        return _reseal(store, ck, dst, damaged.sealed, deep=deep, owner=owner,
+                       threads=threads)
     want = expected_digest(ck, dst.name)
+    # A sealed copy cannot be copied into a plain one without its key: not a donor here
+    # (a damaged hot copy is restored from it by read repair or `ckpt restore --key`).
     donors = sorted(
         (tiers[r.tier] for r in ck.replicas
          if r.tier != dst.name and r.state == ReplicaState.PRESENT and r.tier in tiers
-         and tiers[r.tier].readable),
+         and tiers[r.tier].readable and not r.sealed),
         # Same manifest first: the cheapest exact repair.
         key=lambda t: (expected_digest(ck, t.name) != want, tier_rank(t.name)),
     )
@@ -267,6 +285,47 @@ def _repair(
         f"no intact copy of {ck.ref} ({ck.id}) to repair its {dst.name} copy from"
         + (f": {'; '.join(reasons)}" if reasons else "")
     )
+
+
+def _reseal(store: StoreCore, ck: Checkpoint, dst: Tier, old_copy: str, *, deep: bool,
+            owner: str, threads: int) -> str:
+    """Repair a damaged sealed copy: seal a new one from an intact plain copy (the hot
+    one, usually), record it, then remove the damaged one; return the donor tier's name.
+
+    Raises:
+        CkptError: If no plain copy is intact, the lease is held, or sealing fails.
+    """
+    tiers = store_tiers(store)
+    donors = sorted((tiers[r.tier] for r in ck.replicas
+                     if r.tier != dst.name and r.state == ReplicaState.PRESENT
+                     and r.tier in tiers and tiers[r.tier].readable and not r.sealed),
+                    key=lambda t: tier_rank(t.name))
+    reasons: list[str] = []
+    purpose = f"archive:{dst.name}"
+    for donor in donors:
+        problems = check_replica(store, ck, donor, deep=deep)
+        if problems:
+            reasons.append(f"{donor.name} is damaged too ({problems[0]})")
+            store.catalog.set_replica(ck.id, donor.name, state=ReplicaState.DAMAGED)
+            continue
+        if not store.catalog.acquire_lease(ck.id, purpose, owner, 3600.0):
+            raise LeaseHeldError(f"another flow is writing the {dst.name} copy of {ck.ref}; "
+                                 "retry the repair after it finishes")
+        try:
+            copy_id = new_copy_id()
+            sealed = seal_copy(store, ck, donor, dst, copy_id=copy_id, threads=threads,
+                               deep=deep)
+            store.catalog.set_replica(ck.id, dst.name, uri=sealed_uri(dst, copy_id),
+                                      state=ReplicaState.PRESENT, bytes=sealed.bytes,
+                                      verified=True, manifest_digest=sealed.digest)
+            dst.delete_prefix(sealed_prefix(old_copy))
+        finally:
+            store.catalog.release_lease(ck.id, purpose, owner)
+        return donor.name
+    raise IntegrityError(
+        f"no intact plain copy of {ck.ref} ({ck.id}) to reseal its encrypted {dst.name} copy "
+        "from" + (f": {'; '.join(reasons)}" if reasons else "")
+        + "; restore it with `ckpt restore REF --key KEY` first, then run verify again")
 
 
 def _verify_parts(store: StoreCore, ck: Checkpoint, name: str, deep: bool, owner: str,

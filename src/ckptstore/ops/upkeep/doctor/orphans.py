@@ -19,7 +19,7 @@ from ckptstore.format.constants import COMMIT_NAME, chunk_rel
 from ckptstore.ops.tiering.gc import HotDir, classify_hot_dir
 from ckptstore.ops.tiering.replicas import referenced_chunks
 from ckptstore.ops.upkeep.doctor.run import DoctorRun, is_temp, older_than
-from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
+from ckptstore.records import SEALED_DIR, Checkpoint, CheckpointState, ReplicaState
 from ckptstore.storage import Tier
 
 __all__ = ["check_hot_dirs", "check_tier_keys"]
@@ -145,6 +145,7 @@ def check_tier_keys(job: DoctorRun, by_id: dict[str, Checkpoint]) -> None:
             continue
         job.count("keys", len(keys))
         groups: dict[tuple[str, str], list[str]] = {}
+        _sealed_leftovers(job, tier, keys, by_id)
         for key in keys:
             parts = key.split("/", 2)
             # A dot prefix is never a run: sealed copies pushed here by other stores
@@ -165,6 +166,31 @@ def check_tier_keys(job: DoctorRun, by_id: dict[str, Checkpoint]) -> None:
             continue
         for (run, ckpt_id), group in sorted(groups.items()):
             _tier_group(job, tier, run, ckpt_id, group, by_id.get(ckpt_id), needed)
+
+
+def _sealed_leftovers(job: DoctorRun, tier: Tier, keys: list[str],
+                      by_id: dict[str, Checkpoint]) -> None:
+    """Sealed copies (an encrypted tier) that a row of this catalog names but no longer
+    owns: a DELETED or DELETING copy whose objects are still there. Sealed copies no row
+    names are left alone: they may be encrypted pushes of other stores (this tier may be
+    their remote), which this catalog knows nothing of."""
+    copies = {key.split("/", 2)[1] for key in keys
+              if key.startswith(SEALED_DIR + "/") and key.count("/") >= 2}
+    if not copies:
+        return
+    for ck in by_id.values():
+        replica = ck.replica(tier.name)
+        if replica is None or replica.sealed not in copies or replica.state not in (
+                ReplicaState.DELETED, ReplicaState.DELETING):
+            continue
+        prefix = f"{SEALED_DIR}/{replica.sealed}/"
+
+        def remove(prefix: str = prefix) -> None:
+            tier.delete_prefix(prefix)
+
+        job.find("orphan-data", prefix, f"objects of the deleted encrypted copy of {ck.ref} "
+                 f"are still on {tier.name}; `ckpt gc` (or doctor --fix) removes them",
+                 tier=tier.name, repair=remove)
 
 
 def _tier_group(job: DoctorRun, tier: Tier, run: str, ckpt_id: str, keys: list[str],

@@ -23,6 +23,7 @@ from ckptstore.format.dcp.verify import verify_dcp
 from ckptstore.format.zarrcheck import check_zarr_metadata, rewrite_zarr_metadata
 from ckptstore.ops.tiering.parts import of_ranks, parted_manifest
 from ckptstore.ops.tiering.replicas import manifest_on
+from ckptstore.ops.tiering.sealed_tier import sealed_prefix, verify_sealed
 from ckptstore.ops.upkeep.doctor.run import DoctorRun, is_temp, older_than
 from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
@@ -88,9 +89,39 @@ def _check_parts_here(job: DoctorRun, ck: Checkpoint) -> None:
                      tier="hot", repair=mark)
 
 
+def _check_sealed(job: DoctorRun, ck: Checkpoint, tier: Tier, copy_id: str) -> None:
+    """A sealed copy (an encrypted tier): its envelope, objects and sizes, and with a key
+    (``$CKPT_DECRYPT_KEY``, ``decrypt_key``) and ``--deep`` every chunk after decryption."""
+    hint = ("`ckpt verify --repair` seals it again from the hot copy"
+            if any(r.tier != tier.name and r.state == ReplicaState.PRESENT and not r.sealed
+                   for r in ck.replicas)
+            else "no plain copy exists to reseal it from: `ckpt restore REF --key KEY` "
+                 "another copy first")
+    try:
+        if not tier.list_prefix(sealed_prefix(copy_id)):
+            job.find("missing-replica", ck.id,
+                     f"the catalog says the encrypted copy of {ck.ref} is PRESENT, but no "
+                     f"object of sealed copy {copy_id} is left on {tier.name} (lost); {hint}",
+                     tier=tier.name, repair=job.mark_damaged(ck, tier.name))
+            return
+        problems, _ = (verify_sealed(job.store, ck, tier) if job.deep else
+                       verify_sealed(job.store, ck, tier, key=None, full=False))
+    except StorageError as exc:
+        job.find("missing-replica", ck.id, f"{ck.ref}: cannot check the copy: {exc}",
+                 tier=tier.name)
+        return
+    if problems:
+        job.find("damaged-replica", ck.id, f"{ck.ref}: {problems[0]}; {hint}",
+                 tier=tier.name, repair=job.mark_damaged(ck, tier.name))
+
+
 def _check_replica(job: DoctorRun, ck: Checkpoint, tier: Tier) -> None:
     if ck.parted and tier.name == "hot" and job.store.settings.hot_remote is None:
         _check_parts_here(job, ck)
+        return
+    replica = ck.replica(tier.name)
+    if replica is not None and replica.sealed:
+        _check_sealed(job, ck, tier, replica.sealed)
         return
     local = tier.local_dir(ck.run, ck.id)
     hint = ("`ckpt verify --repair` copies it again from another replica"
