@@ -341,6 +341,56 @@ def test_doctor_understands_sealed_copies(local_store: CheckpointStore) -> None:
     assert store.get(ck.id).replica("warm").state == ReplicaState.DAMAGED  # type: ignore[union-attr]
 
 
+def test_plain_copies_made_before_encrypt_to_are_sealed_on_demote(
+        tmp_path: Path, s3: MotoS3, keys: dict[str, Path]) -> None:
+    """A warm copy archived in the clear (before encrypt_to was set), a delta reading its
+    base's chunks on S3 among them, is sealed when demoted; restores are bit-exact."""
+    prefix = uuid.uuid4().hex[:12]
+    tiers = {"warm": s3.url(f"{prefix}/warm"), "cold": s3.url(f"{prefix}/cold"),
+             "cold_storage_class": "STANDARD_IA", "storage_options": s3.storage_options,
+             "chunk_bytes": 4096}
+    with CheckpointStore.open(tmp_path / "store", **tiers) as plain:
+        base = plain.save("run-m", 1, _state(1))
+        delta = plain.save("run-m", 2, _state(2))
+        archive_checkpoints(plain, tier="warm")
+        assert not plain.get(delta.id).replica("warm").sealed  # type: ignore[union-attr]
+    with CheckpointStore.open(tmp_path / "store", encrypt_to=[str(keys["pub"])],
+                              archive_codec="zstd-3", **tiers) as store:
+        for ck in (delta, base):
+            _drop_hot(store, ck.id)
+        report = demote_checkpoints(store, older_than_days=0)
+        assert sorted(report.archived) == sorted([base.id, delta.id]) and report.ok
+        for ck in (base, delta):
+            cold = store.get(ck.id).replica("cold")
+            assert cold is not None and cold.sealed
+        for data in _tier_objects(store, "cold").values():
+            assert _MARK_BYTES not in data
+        assert not _tier_objects(store, "warm")
+        for seed, ck in ((2, delta), (1, base)):
+            restore_checkpoint(store, ck.id, key=keys["key"])
+            assert _equal(store.load(ck.id), _state(seed))
+
+
+def test_read_repair_of_a_damaged_hot_copy_from_a_sealed_one(
+        local_store: CheckpointStore, keys: dict[str, Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    store = local_store
+    ck = store.save("run-r", 1, _state(1))
+    archive_checkpoints(store, tier="warm")
+    chunk = next(p for p in sorted(store.checkpoint_dir("run-r", ck.id).rglob("c/*"))
+                 if p.is_file() and p.stat().st_size > 64)
+    chunk.chmod(0o644)
+    data = chunk.read_bytes()
+    chunk.write_bytes(data[:20] + bytes([data[20] ^ 0xFF]) + data[21:])
+    monkeypatch.setenv("CKPT_DECRYPT_KEY", str(keys["key"]))
+    assert _equal(store.load(ck.id), _state(1))
+    hot = store.get(ck.id).replica("hot")
+    assert hot is not None and hot.state == ReplicaState.PRESENT
+    kinds = [(e.kind, e.detail.get("from")) for e in store.catalog.events(ck.id)]
+    assert any(k == "damaged" for k, _ in kinds)
+    assert ("restored", "warm") in kinds
+
+
 # ---------------------------------------------------------------------- config refusals
 def test_signing_key_as_recipient_is_refused(tmp_path: Path, keys: dict[str, Path]) -> None:
     with pytest.raises(ConfigError, match=r"signer\.pub.*Ed25519 signing key.*keygen --encryption"):
