@@ -2,12 +2,13 @@
 
 Reads select plain columns (Core rows, no ORM identity map): loading a 1,000-deep lineage or a
 page of a listing is dominated by object construction, and Core rows are several times cheaper
-than ORM instances. A list of N checkpoints costs two queries whatever N is: the checkpoints
-themselves (joined with run and experiment; tags and metrics ride along as JSON copies), then
-the aliases and replicas of all of them in one ``UNION ALL``. The ids travel as ONE bound
-value (a PostgreSQL array, a JSON array that SQLite unpacks with ``json_each``) rather than an
-``IN`` list of N parameters, whose rendering and binding cost more than the query for N in the
-thousands.
+than ORM instances. A list of N checkpoints costs ONE query whatever N is: each row carries
+the checkpoint's scalar columns, its run and experiment names, and one JSON text (the
+*document*) holding everything list-valued: metrics, tags, the lossy scope, the part hosts,
+and the replicas and aliases, gathered by two correlated subqueries that probe the
+``checkpoint_id`` indexes once per row. The database writes the document by concatenating the
+stored JSON texts (nothing is parsed on its side), and Python decodes it with one
+``json.loads`` per row instead of one per column.
 
 Statements on hot paths are built once at import with bind parameters: SQLAlchemy's
 statement construction costs more than executing an indexed point query.
@@ -16,31 +17,26 @@ statement construction costs more than executing an indexed point query.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any
-from typing import cast as typing_cast
 
 from sqlalchemy import (
-    BigInteger,
-    DateTime,
+    ColumnElement,
     FromClause,
     Row,
     Select,
-    String,
     Text,
     bindparam,
     cast,
-    column,
     func,
     literal_column,
-    null,
     select,
-    true,
-    union_all,
 )
-from sqlalchemy.dialects import postgresql
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
 
 from ckptstore.catalog.models import (
     AliasRow,
@@ -49,7 +45,8 @@ from ckptstore.catalog.models import (
     ReplicaRow,
     RunRow,
 )
-from ckptstore.records import Checkpoint, Replica
+from ckptstore.format.gcpause import gc_paused
+from ckptstore.records import TIER_ORDER, Checkpoint, Replica, ReplicaState
 
 __all__ = [
     "ROW_COLUMNS",
@@ -58,15 +55,19 @@ __all__ = [
     "load_by_id",
     "load_checkpoints",
     "load_one",
+    "load_rows",
 ]
 
 
 # Replicas are shown fastest tier first; unknown tier names follow, alphabetically.
-_TIER_RANK = {"hot": 0, "warm": 1, "cold": 2}
+_TIER_RANK = {tier: rank for rank, tier in enumerate(TIER_ORDER)}
+# A dict lookup: calling the enum costs several times more per replica.
+_REPLICA_STATES = {state.value: state for state in ReplicaState}
 
 C = CheckpointRow
 
-# The checkpoint's own columns, in the order _record unpacks them.
+# The checkpoint's own columns: what a recursive walk carries along (lineage.py), so that
+# the rows it reaches need no second lookup.
 ROW_COLUMNS = (
     C.id,
     C.step,
@@ -90,11 +91,97 @@ ROW_COLUMNS = (
     C.committed_at,
     C.part_hosts,
 )
-_COLUMNS = (
-    *ROW_COLUMNS,
-    RunRow.name.label("run_name"),
-    ExperimentRow.name.label("experiment_name"),
+
+# The scalar columns a record is built from, in the order _record unpacks them; run name,
+# experiment name and the document follow.
+_SCALARS = (
+    "id", "step", "version", "state", "kind", "base_id", "parent_id", "logical_bytes",
+    "stored_bytes", "manifest_digest", "codec", "lossy", "error_bound", "pinned", "writer",
+    "created_at", "committed_at",
 )
+# The JSON columns the document starts with, in the order _record unpacks them.
+_DOCUMENT_COLUMNS = ("metrics", "tags", "lossy_scope", "part_hosts")
+
+
+class _json_rows(FunctionElement[str]):
+    """The JSON array of one value per row of its group (an aggregate)."""
+
+    type = Text()
+    inherit_cache = True
+
+
+class _json_tuple(FunctionElement[str]):
+    """A JSON array of its arguments."""
+
+    type = Text()
+    inherit_cache = True
+
+
+@compiles(_json_rows, "sqlite")
+def _json_rows_sqlite(element: _json_rows, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"json_group_array({compiler.process(element.clauses, **kw)})"
+
+
+@compiles(_json_rows, "postgresql")
+def _json_rows_pg(element: _json_rows, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"json_agg({compiler.process(element.clauses, **kw)})"
+
+
+@compiles(_json_tuple, "sqlite")
+def _json_tuple_sqlite(element: _json_tuple, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"json_array({compiler.process(element.clauses, **kw)})"
+
+
+@compiles(_json_tuple, "postgresql")
+def _json_tuple_pg(element: _json_tuple, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"json_build_array({compiler.process(element.clauses, **kw)})"
+
+
+def _text(sql: str) -> ColumnElement[str]:
+    return literal_column(sql, Text)
+
+
+def _document(source: FromClause) -> ColumnElement[str]:
+    """The row's document: ``[metrics, tags, lossy_scope, part_hosts, replicas, aliases]``.
+
+    SQL NULL becomes JSON ``null`` (an empty list for the two subqueries: PostgreSQL's
+    ``json_agg`` of no rows is NULL), so the text is always one valid JSON array.
+    """
+    cid = source.c.id
+    # Own aliases of both tables, correlated to the source alone: a statement that also
+    # joins aliases (resolving an alias) or replicas must not capture the subqueries.
+    rep = ReplicaRow.__table__.alias("attached_replicas")
+    ali = AliasRow.__table__.alias("attached_aliases")
+    replicas = (
+        select(
+            _json_rows(
+                _json_tuple(
+                    rep.c.tier, rep.c.uri, rep.c.state, rep.c.bytes, rep.c.verified_at,
+                    rep.c.manifest_digest,
+                )
+            )
+        )
+        .where(rep.c.checkpoint_id == cid)
+        .correlate(source)
+        .scalar_subquery()
+    )
+    aliases = (
+        select(_json_rows(ali.c.name))
+        .where(ali.c.checkpoint_id == cid)
+        .correlate(source)
+        .scalar_subquery()
+    )
+    parts: list[ColumnElement[str]] = [
+        func.coalesce(cast(source.c[name], Text), _text("'null'")) for name in _DOCUMENT_COLUMNS
+    ]
+    parts += [
+        func.coalesce(cast(replicas, Text), _text("'[]'")),
+        func.coalesce(cast(aliases, Text), _text("'[]'")),
+    ]
+    document = _text("'['")
+    for i, part in enumerate(parts):
+        document = document + (part if i == 0 else _text("','") + part)
+    return (document + _text("']'")).label("document")
 
 
 def checkpoint_query_from(source: FromClause) -> Select[Any]:
@@ -106,9 +193,10 @@ def checkpoint_query_from(source: FromClause) -> Select[Any]:
     """
     return (
         select(
-            *(source.c[col.key] for col in ROW_COLUMNS),
+            *(source.c[name] for name in _SCALARS),
             RunRow.name.label("run_name"),
             ExperimentRow.name.label("experiment_name"),
+            _document(source),
         )
         .select_from(source)
         .join(RunRow, source.c.run_id == RunRow.id)
@@ -118,110 +206,36 @@ def checkpoint_query_from(source: FromClause) -> Select[Any]:
 
 def checkpoint_query() -> Select[Any]:
     """``SELECT`` of everything a :class:`Checkpoint` needs, before filters and ordering."""
-    return (
-        select(*_COLUMNS)
-        .join(RunRow, C.run_id == RunRow.id)
-        .outerjoin(ExperimentRow, RunRow.experiment_id == ExperimentRow.id)
-    )
+    return checkpoint_query_from(CheckpointRow.__table__)
 
 
-def _per_id(dialect: str, columns: Sequence[Any], key: Any, *, probe: bool = True) -> Select[Any]:
-    """``SELECT columns`` for every id of the bound list, driven by that list.
-
-    The ids are a table to join FROM, so each branch probes the ``checkpoint_id`` indexes
-    once per id. On PostgreSQL the probe is a LATERAL subquery: with a plain join (or
-    ``= ANY(array)``) the planner preferred scanning the whole table under the default
-    ``random_page_cost``, which cost up to 30 ms on a 100,000-checkpoint catalog where 100
-    or 1,000 index probes take well under a millisecond. ``probe=False`` leaves the join
-    strategy to the planner, for tables that stay small (aliases).
-    """
-    if dialect == "postgresql":
-        array = bindparam("ids", type_=postgresql.ARRAY(String))
-        ids = func.unnest(array).table_valued(column("id", String)).render_derived("ids")
-        if not probe:
-            return select(*columns).select_from(ids.join(key.table, key == ids.c.id))
-        # OFFSET 0 keeps PostgreSQL from flattening the LATERAL subquery back into a plain
-        # join (which it would again plan as a hash join over a full table scan).
-        per_id = select(*columns).where(key == ids.c.id).offset(0).lateral()
-        return select(*per_id.c).select_from(ids.join(per_id, true()))
-    each = func.json_each(bindparam("ids", type_=String)).table_valued(column("value", String))
-    return select(*columns).select_from(each.join(key.table, key == each.c.value))
+def _utc(text: str | None) -> datetime | None:
+    # SQLite's text has no zone (stored as UTC); PostgreSQL's JSON carries the session's.
+    if text is None:
+        return None
+    parsed = datetime.fromisoformat(text)
+    return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
 
 
-def _attachment_query(dialect: str) -> Select[Any]:
-    # Aliases and replicas of many checkpoints in ONE round trip (tags come with the row).
-    # Replicas come first so the UNION's column types (state enum, UTC timestamps) are the
-    # replica columns'; the alias branch fills those columns with NULL.
-    # Typed NULLs: PostgreSQL turns an untyped NULL of a subquery into text, which then
-    # cannot be UNIONed with the replica branch's timestamp and bigint columns.
-    nulls = [
-        cast(null(), Text()).label("uri"),
-        cast(null(), String(16)).label("state"),
-        cast(null(), BigInteger()).label("bytes"),
-        cast(null(), DateTime(timezone=True)).label("verified_at"),
-        cast(null(), String(128)).label("manifest_digest"),
+def _replicas(rows: list[list[Any]]) -> tuple[Replica, ...]:
+    replicas = [
+        Replica(
+            tier=tier,
+            uri=uri,
+            state=_REPLICA_STATES[state],
+            bytes=size,
+            verified_at=_utc(verified_at),
+            manifest_digest=digest,
+        )
+        for tier, uri, state, size, verified_at, digest in rows
     ]
-    replicas = _per_id(
-        dialect,
-        [
-            ReplicaRow.checkpoint_id,
-            literal_column("'r'", String).label("what"),
-            ReplicaRow.tier.label("name"),
-            ReplicaRow.uri,
-            ReplicaRow.state,
-            ReplicaRow.bytes,
-            ReplicaRow.verified_at,
-            ReplicaRow.manifest_digest,
-        ],
-        ReplicaRow.checkpoint_id,
-    )
-    aliases = _per_id(
-        dialect,
-        [
-            AliasRow.checkpoint_id,
-            literal_column("'a'", String).label("what"),
-            AliasRow.name.label("name"),
-            *nulls,
-        ],
-        AliasRow.checkpoint_id,
-        # A handful of user labels: hashing the whole table beats a probe per checkpoint.
-        probe=False,
-    )
-    return select(union_all(replicas, aliases).subquery())
+    if len(replicas) > 1:
+        replicas.sort(key=lambda rep: (_TIER_RANK.get(rep.tier, len(_TIER_RANK)), rep.tier))
+    return tuple(replicas)
 
 
-# Built once: constructing a statement costs more than running it on an indexed table.
-_ATTACHMENTS = {name: _attachment_query(name) for name in ("sqlite", "postgresql")}
-
-
-def _attachments(
-    session: Session, ids: Sequence[str]
-) -> tuple[dict[str, list[str]], dict[str, list[Replica]]]:
-    aliases: dict[str, list[str]] = defaultdict(list)
-    replicas: dict[str, list[Replica]] = defaultdict(list)
-    conn = session.connection()
-    dialect = conn.dialect.name
-    value = list(ids) if dialect == "postgresql" else json.dumps(list(ids))
-    # fetchall + tuple unpacking: Row attribute access by name costs ~1 us per field.
-    for cid, what, name, uri, state, size, verified_at, digest in conn.execute(
-        _ATTACHMENTS[dialect], {"ids": value}
-    ).all():
-        if what == "a":
-            aliases[cid].append(name)
-        else:
-            replicas[cid].append(
-                Replica(tier=name, uri=uri, state=state, bytes=size, verified_at=verified_at,
-                        manifest_digest=digest)
-            )
-    for names in aliases.values():
-        names.sort()
-    for reps in replicas.values():
-        reps.sort(key=lambda rep: (_TIER_RANK.get(rep.tier, len(_TIER_RANK)), rep.tier))
-    return aliases, replicas
-
-
-def _record(row: Row[Any], aliases: list[str], replicas: list[Replica]) -> Checkpoint:
-    # Unpacked positionally (same order as _COLUMNS): far cheaper than row.<name> lookups.
+def _record(row: Sequence[Any], attachments: bool) -> Checkpoint:
+    # Unpacked positionally (the order of _SCALARS): far cheaper than row.<name> lookups.
     (
         cid,
         step,
@@ -230,23 +244,27 @@ def _record(row: Row[Any], aliases: list[str], replicas: list[Replica]) -> Check
         kind,
         base_id,
         parent_id,
-        metrics,
-        tags,
         logical_bytes,
         stored_bytes,
         manifest_digest,
         codec,
         lossy,
         error_bound,
-        lossy_scope,
         pinned,
         writer,
         created_at,
         committed_at,
-        part_hosts,
         run_name,
         experiment_name,
-    ) = typing_cast("tuple[Any, ...]", row)
+        document,
+    ) = row
+    metrics, tags, lossy_scope, part_hosts, replicas, aliases = json.loads(document)
+    if attachments:
+        if len(aliases) > 1:
+            aliases.sort()
+        attached: tuple[Replica, ...] = _replicas(replicas) if replicas else ()
+    else:
+        aliases, attached = (), ()
     return Checkpoint(
         id=cid,
         run=run_name,
@@ -260,20 +278,32 @@ def _record(row: Row[Any], aliases: list[str], replicas: list[Replica]) -> Check
         experiment=experiment_name,
         committed_at=committed_at,
         metrics=metrics or {},
-        tags=tuple(tags or ()),
+        tags=tuple(tags) if tags else (),
         logical_bytes=logical_bytes,
         stored_bytes=stored_bytes,
         codec=codec,
         manifest_digest=manifest_digest,
         lossy=bool(lossy),
         error_bound=error_bound,
-        lossy_scope=tuple(lossy_scope or ()),
+        lossy_scope=tuple(lossy_scope) if lossy_scope else (),
         pinned=bool(pinned),
         aliases=tuple(aliases),
-        replicas=tuple(replicas),
+        replicas=attached,
         writer=writer,
-        hosts=tuple(part_hosts or ()),
+        hosts=tuple(part_hosts) if part_hosts else (),
     )
+
+
+def load_rows(rows: Sequence[Row[Any]], *, attachments: bool = True) -> list[Checkpoint]:
+    """Records of rows a :func:`checkpoint_query`-based statement returned, in row order.
+
+    The cyclic garbage collector is paused while they are built (:mod:`ckptstore.format.
+    gcpause`): the records hold no cycles, and a 1,000-record lineage otherwise allocated
+    enough to trigger full collections over every live object of the process, which made
+    its p99 several times its median.
+    """
+    with gc_paused():
+        return [_record(r, attachments) for r in rows]
 
 
 def load_checkpoints(
@@ -289,8 +319,8 @@ def load_checkpoints(
         session: Open session (inside the caller's transaction).
         stmt: A statement built from :func:`checkpoint_query`.
         params: Values of the statement's bind parameters, if it has any.
-        attachments: Load aliases and replicas; internal callers that only need the
-            row itself (ids, states) skip that query.
+        attachments: Fill in aliases and replicas; internal callers that only need the
+            row itself (ids, states) skip building them.
 
     Returns:
         One :class:`Checkpoint` per row, with tags, aliases and replicas filled in.
@@ -298,13 +328,7 @@ def load_checkpoints(
     # Through the Connection, not Session.execute: plain Core rows skip the ORM's per-row
     # result machinery, which dominated loading long lineages.
     rows = session.connection().execute(stmt, params).all()
-    if not rows:
-        return []
-    if not attachments:
-        return [_record(r, [], []) for r in rows]
-    aliases, replicas = _attachments(session, [r[0] for r in rows])
-    none: list[Any] = []
-    return [_record(r, aliases.get(r[0], none), replicas.get(r[0], none)) for r in rows]
+    return load_rows(rows, attachments=attachments) if rows else []
 
 
 _BY_ID = checkpoint_query().where(C.id == bindparam("cid"))

@@ -9,12 +9,27 @@ naming what is allowed.
 from __future__ import annotations
 
 import builtins
+import functools
+import json
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, and_, case, exists, func, select
-from sqlalchemy.orm import aliased
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Integer,
+    Select,
+    String,
+    any_,
+    bindparam,
+    column,
+    exists,
+    func,
+    select,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.orm import Session, aliased
 
 from ckptstore.catalog.checks import (
     check_checkpoint_state,
@@ -77,15 +92,16 @@ _METRIC_ALIASES = tuple(
 _ORDER_METRIC = aliased(CheckpointMetricRow, name="order_metric")
 
 
-def _order_clause(stmt: Select[Any], order_by: object, tagged: Any = None) -> Select[Any]:
-    if not isinstance(order_by, str):
-        raise UsageError(f"order_by must be a string; allowed fields: {_ALLOWED_ORDER}")
-    descending = order_by.startswith("-")
-    field = order_by[1:] if descending else order_by
-    if field.startswith("metric:"):
-        name = validate_metric_name(field.removeprefix("metric:"))
+def _order_clause(stmt: Select[Any], order: str, tagged: Any = None) -> Select[Any]:
+    """Order by ``order`` (checked: see :func:`_order_shape`); a metric's name is bound."""
+    descending = order.startswith("-")
+    field = order[1:] if descending else order
+    if field == "metric:":
         metric = _ORDER_METRIC
-        stmt = stmt.outerjoin(metric, (metric.checkpoint_id == C.id) & (metric.name == name))
+        stmt = stmt.outerjoin(
+            metric,
+            (metric.checkpoint_id == C.id) & (metric.name == bindparam("order_metric")),
+        )
         # Checkpoints without the metric go last in both directions (false sorts first).
         prefix: builtins.list[Any] = [metric.value.is_(None)]
         main: Any = metric.value
@@ -93,13 +109,8 @@ def _order_clause(stmt: Select[Any], order_by: object, tagged: Any = None) -> Se
         # Same values, read from the tag row: the (tag, step, run_id, version) index then
         # delivers rows already in order and the LIMIT stops the scan early.
         prefix, main = [], tagged.step
-    elif field in ORDER_FIELDS:
-        prefix, main = [], ORDER_FIELDS[field]
     else:
-        raise UsageError(
-            f"cannot order by {order_by!r}; allowed fields: {_ALLOWED_ORDER} "
-            "(prefix '-' for descending)"
-        )
+        prefix, main = [], ORDER_FIELDS[field]
     # Deterministic ties: run (in creation order: an indexed column, unlike its name), then
     # version, in the same direction as the main key.
     if field == "run":
@@ -112,15 +123,34 @@ def _order_clause(stmt: Select[Any], order_by: object, tagged: Any = None) -> Se
     return stmt.order_by(*prefix, *keys)
 
 
-def _metric_filters(
-    metrics: Mapping[str, tuple[str, float]],
-) -> list[ColumnElement[bool]]:
+def _order_shape(order_by: object, params: dict[str, Any]) -> str:
+    """``order_by`` checked, as it is part of a statement's shape (``[-]field`` or
+    ``[-]metric:``); a metric's name goes to ``params``."""
+    if not isinstance(order_by, str):
+        raise UsageError(f"order_by must be a string; allowed fields: {_ALLOWED_ORDER}")
+    descending = order_by.startswith("-")
+    field = order_by[1:] if descending else order_by
+    if field.startswith("metric:"):
+        params["order_metric"] = validate_metric_name(field.removeprefix("metric:"))
+        field = "metric:"
+    elif field not in ORDER_FIELDS:
+        raise UsageError(
+            f"cannot order by {order_by!r}; allowed fields: {_ALLOWED_ORDER} "
+            "(prefix '-' for descending)"
+        )
+    return f"-{field}" if descending else field
+
+
+def _metric_shape(
+    metrics: Mapping[str, tuple[str, float]], params: dict[str, Any]
+) -> tuple[str, ...]:
+    """The operators of the metric filters (the shape); names and values go to ``params``."""
     if not isinstance(metrics, Mapping):
         raise InvalidNameError("metrics filter must map metric name -> (operator, value)")
     if len(metrics) > _MAX_METRIC_FILTERS:
         raise InvalidNameError(f"at most {_MAX_METRIC_FILTERS} metric filters, got {len(metrics)}")
-    clauses: list[ColumnElement[bool]] = []
-    for metric, (name, spec) in zip(_METRIC_ALIASES, metrics.items(), strict=False):
+    ops: builtins.list[str] = []
+    for i, (name, spec) in enumerate(metrics.items()):
         validate_metric_name(name)
         if not isinstance(spec, tuple | builtins.list) or len(spec) != 2:
             raise InvalidNameError(
@@ -132,15 +162,106 @@ def _metric_filters(
                 f"unknown operator {op!r} in metric filter for {name!r}; "
                 f"use one of {' '.join(METRIC_OPS)}"
             )
-        number = check_metric_value(name, value)
-        clauses.append(
+        params[f"metric_name_{i}"] = name
+        params[f"metric_value_{i}"] = check_metric_value(name, value)
+        ops.append(op)
+    return tuple(ops)
+
+
+def _step_shape(step_range: object, params: dict[str, Any]) -> tuple[bool, bool]:
+    """Which bounds of ``step_range`` are given (the shape); their values go to ``params``."""
+    if not isinstance(step_range, tuple | builtins.list) or len(step_range) != 2:
+        raise InvalidNameError(f"step_range must be (low, high), got {step_range!r}")
+    for bound, key in zip(step_range, ("step_low", "step_high"), strict=True):
+        if bound is None:
+            continue
+        if isinstance(bound, bool) or not isinstance(bound, int):
+            raise InvalidNameError(f"step_range bounds must be ints or None, got {bound!r}")
+        params[key] = check_count(bound, "step_range bound", 0, MAX_STEP)
+    return "step_low" in params, "step_high" in params
+
+
+def _run_ids_clause(dialect: str, run_id: ColumnElement[Any]) -> ColumnElement[bool]:
+    """``run_id`` is one of the run ids bound as ONE value (``run_ids``).
+
+    One array parameter, not an ``IN`` list of N: the statement's text (and so its cached
+    compilation) is the same whatever the number of matching runs.
+    """
+    if dialect == "postgresql":
+        return run_id == any_(bindparam("run_ids", type_=postgresql.ARRAY(Integer)))
+    each = func.json_each(bindparam("run_ids", type_=String)).table_valued(
+        column("value", Integer)
+    )
+    return run_id.in_(select(each.c.value))
+
+
+@functools.lru_cache(maxsize=256)
+def _listing(
+    dialect: str,
+    run: bool,
+    experiment: bool,
+    tags: int,
+    steps: tuple[bool, bool],
+    metric_ops: tuple[str, ...],
+    runs: str | None,
+    state: bool,
+    tier: bool,
+    order: str,
+    limit: bool,
+) -> Select[Any]:
+    """The listing statement of one shape, with every value a bind parameter.
+
+    Built once per shape (a bounded cache): constructing a statement and computing its
+    cache key cost more than running an indexed listing, and a statement reused as the
+    same object is compiled once. ``runs`` is None, ``"in"`` (the checkpoints of the bound
+    run ids, through the ``run_id`` indexes) or ``"scan"`` (through the order's index,
+    keeping those of the bound runs: see :meth:`QueriesMixin._config_runs`).
+    """
+    stmt = checkpoint_query()
+    if run:
+        stmt = stmt.where(RunRow.name == bindparam("run"))
+    if experiment:
+        stmt = stmt.where(ExperimentRow.name == bindparam("experiment"))
+    first_tag = None
+    for i in range(tags):
+        tagged = _TAG_ALIASES[i]
+        # A JOIN, not EXISTS: the planner can then start from the tag index instead of
+        # scanning every checkpoint in list order and probing its tags.
+        stmt = stmt.join(
+            tagged, (tagged.checkpoint_id == C.id) & (tagged.tag == bindparam(f"tag_{i}"))
+        )
+        first_tag = tagged if first_tag is None else first_tag
+    if steps[0]:
+        stmt = stmt.where(C.step >= bindparam("step_low"))
+    if steps[1]:
+        stmt = stmt.where(C.step <= bindparam("step_high"))
+    for i, (metric, op) in enumerate(zip(_METRIC_ALIASES, metric_ops, strict=False)):
+        stmt = stmt.where(
             exists().where(
                 metric.checkpoint_id == C.id,
-                metric.name == name,
-                METRIC_OPS[op](metric.value, number),
+                metric.name == bindparam(f"metric_name_{i}"),
+                METRIC_OPS[op](metric.value, bindparam(f"metric_value_{i}")),
             )
         )
-    return clauses
+    if runs is not None:
+        # run_id + 0 keeps the planner off the run_id index (neither backend uses an index
+        # under an expression).
+        run_id = C.run_id + 0 if runs == "scan" else C.run_id.expression
+        stmt = stmt.where(_run_ids_clause(dialect, run_id))
+    if state:
+        stmt = stmt.where(C.state == bindparam("state"))
+    if tier:
+        stmt = stmt.where(
+            exists().where(
+                ReplicaRow.checkpoint_id == C.id,
+                ReplicaRow.tier == bindparam("tier"),
+                ReplicaRow.state == ReplicaState.PRESENT,
+            )
+        )
+    stmt = _order_clause(stmt, order, first_tag)
+    if limit:
+        stmt = stmt.limit(bindparam("limit", type_=BigInteger))
+    return stmt
 
 
 class QueriesMixin(CatalogCore):
@@ -238,64 +359,71 @@ class QueriesMixin(CatalogCore):
             >>> catalog.list(run="a", metrics={"loss": ("<", 0.5)}, order_by="-step", limit=5)
             ... # doctest: +SKIP
         """
-        stmt = checkpoint_query()
+        params: dict[str, Any] = {}
         if run is not None:
-            stmt = stmt.where(RunRow.name == validate_name(run))
+            params["run"] = validate_name(run)
         if experiment is not None:
-            stmt = stmt.where(ExperimentRow.name == validate_name(experiment, "experiment name"))
-        first_tag = None
+            params["experiment"] = validate_name(experiment, "experiment name")
         if tag is not None:
             tags = check_tags(tag)
             if len(tags) > _MAX_TAGS:
                 raise InvalidNameError(f"at most {_MAX_TAGS} tags per filter, got {len(tags)}")
-            for tagged, t in zip(_TAG_ALIASES, tags, strict=False):
-                # A JOIN, not EXISTS: the planner can then start from the tag index instead
-                # of scanning every checkpoint in list order and probing its tags.
-                stmt = stmt.join(tagged, (tagged.checkpoint_id == C.id) & (tagged.tag == t))
-                first_tag = tagged if first_tag is None else first_tag
-        if step_range is not None:
-            stmt = stmt.where(*self._step_clauses(step_range))
-        if metrics:
-            stmt = stmt.where(*_metric_filters(metrics))
-        if where:
-            stmt = stmt.where(self._config_runs(where, limited=limit is not None))
+            params.update((f"tag_{i}", t) for i, t in enumerate(tags))
+        else:
+            tags = ()
+        steps = _step_shape(step_range, params) if step_range is not None else (False, False)
+        metric_ops = _metric_shape(metrics, params) if metrics else ()
         if state is not None:
-            stmt = stmt.where(C.state == check_checkpoint_state(state))
+            params["state"] = check_checkpoint_state(state)
         if tier is not None:
-            stmt = stmt.where(
-                exists().where(
-                    ReplicaRow.checkpoint_id == C.id,
-                    ReplicaRow.tier == check_tier(tier),
-                    ReplicaRow.state == ReplicaState.PRESENT,
-                )
-            )
-        stmt = _order_clause(stmt, order_by, first_tag)
+            params["tier"] = check_tier(tier)
+        order = _order_shape(order_by, params)
         if limit is not None:
-            stmt = stmt.limit(check_count(limit, "limit", 1))
+            params["limit"] = check_count(limit, "limit", 1)
+        clauses = config_clauses(where, self.dialect) if where else None
         with self._read() as s:
-            return load_checkpoints(s, stmt)
+            runs = None
+            if clauses is not None:
+                runs = self._config_runs(s, clauses, params, limited=limit is not None)
+                if runs is None:
+                    return []
+            stmt = _listing(
+                self.dialect, run is not None, experiment is not None, len(tags), steps,
+                metric_ops, runs, state is not None, tier is not None, order,
+                limit is not None,
+            )
+            return load_checkpoints(s, stmt, params)
 
-    def _config_runs(self, where: object, *, limited: bool) -> ColumnElement[bool]:
-        """``checkpoints.run_id IN (runs whose config matches)``, shaped for the planner.
+    def _config_runs(
+        self,
+        session: Session,
+        clauses: builtins.list[ColumnElement[bool]],
+        params: dict[str, Any],
+        *,
+        limited: bool,
+    ) -> str | None:
+        """Find the runs whose config matches; bind their ids; say how to read their rows.
 
-        When few runs match, their checkpoints are read through the ``run_id`` indexes.
-        When many do (a twentieth of the runs or more) and the listing has a limit, reading
-        checkpoints through the listing's own order index and keeping those of matching
-        runs stops after ``limit`` rows instead of gathering and sorting all of them (with
-        R runs of n checkpoints each, the break-even is about sqrt(limit * R / n) matching
-        runs: 3% of 1,000 runs of 100 for a limit of 100); ``run_id + 0`` keeps the planner
-        off the ``run_id`` index then (neither backend uses an index under an expression).
-        The runs table has one row per run, so counting the matches is cheap.
+        ONE query over the runs table (one row per run) returns the matching ids and the
+        number of runs. When few runs match, their checkpoints are read through the
+        ``run_id`` indexes (``"in"``). When many do (a twentieth of the runs or more) and
+        the listing has a limit, reading checkpoints through the listing's own order index
+        and keeping those of matching runs stops after ``limit`` rows instead of gathering
+        and sorting all of them (``"scan"``; with R runs of n checkpoints each, the
+        break-even is about sqrt(limit * R / n) matching runs: 3% of 1,000 runs of 100 for a
+        limit of 100).
+
+        Returns:
+            ``"in"`` or ``"scan"`` with ``params["run_ids"]`` set, or None when no run
+            matches (nothing to list).
         """
-        clauses = config_clauses(where, self.dialect)
-        matching = select(RunRow.id).where(*clauses)
-        if not limited:
-            return C.run_id.in_(matching)
-        matched = func.count(case((and_(*clauses), 1)))
-        with self._read() as s:
-            total, hits = s.execute(select(func.count(), matched).select_from(RunRow)).one()
-        column = (C.run_id + 0) if limited and hits * 20 >= total else C.run_id
-        return column.in_(matching)
+        total = select(func.count()).select_from(RunRow).scalar_subquery()
+        rows = session.connection().execute(select(RunRow.id, total).where(*clauses)).all()
+        if not rows:
+            return None
+        ids = [row[0] for row in rows]
+        params["run_ids"] = ids if self.dialect == "postgresql" else json.dumps(ids)
+        return "scan" if limited and len(ids) * 20 >= rows[0][1] else "in"
 
     def usage(self) -> builtins.list[UsageRow]:
         """Bytes of PRESENT replicas by run and tier, ordered by run then tier."""
