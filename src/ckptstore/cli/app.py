@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     import typer
 
-    from ckptstore.cli.commands import app
+    from ckptstore.cli.commands import click_command
     from ckptstore.cli.output import err_console, print_error_json
     from ckptstore.cli.prefetch import EXIT_THAW_PENDING
     from ckptstore.errors import CkptError, ThawPendingError, UsageError
@@ -83,8 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     as_json = _wants_json(args)
     try:
-        command = typer.main.get_command(app)
-        result = command.main(args=args, prog_name="ckpt", standalone_mode=False)
+        result = click_command().main(args=args, prog_name="ckpt", standalone_mode=False)
     except SystemExit as exc:  # shell completion exits by itself
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)

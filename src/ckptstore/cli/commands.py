@@ -6,7 +6,8 @@ module costs typer and the command modules, which ``ckpt --version`` does withou
 
 from __future__ import annotations
 
-from typing import Annotated
+import functools
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -31,7 +32,10 @@ from ckptstore.cli.common import State, configure_logging, install_global_option
 from ckptstore.cli.output import console
 from ckptstore.cli.version import version_text
 
-__all__ = ["app"]
+if TYPE_CHECKING:
+    from typer._click.core import Command  # typer's own click, what get_command returns
+
+__all__ = ["app", "click_command"]
 
 app = typer.Typer(
     name="ckpt",
@@ -103,3 +107,16 @@ remote.register(app)
 install_global_options(app)
 # After them: `remote add` has a --config option of its own (the remote's config file).
 remote.register_remote_group(app)
+
+
+@functools.cache
+def click_command() -> Command:
+    """The click command that runs ``app``, built once per process.
+
+    typer builds it by reading every command function's signature and type hints (a tenth of
+    a second for this tree); a process that runs several commands, such as a test session or
+    a script calling :func:`ckptstore.cli.app.main` in a loop, pays that once. The command
+    holds no state between invocations: each one gets a fresh click context.
+    """
+    return typer.main.get_command(app)
+
