@@ -26,10 +26,12 @@ from sqlalchemy import (
     column,
     exists,
     func,
+    literal_column,
     select,
 )
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import aliased
 
 from ckptstore.catalog.checks import (
     check_checkpoint_state,
@@ -246,7 +248,7 @@ def _listing(
     if runs is not None:
         # run_id + 0 keeps the planner off the run_id index (neither backend uses an index
         # under an expression).
-        run_id = C.run_id + 0 if runs == "scan" else C.run_id.expression
+        run_id = C.run_id + literal_column("0") if runs == "scan" else C.run_id.expression
         stmt = stmt.where(_run_ids_clause(dialect, run_id))
     if state:
         stmt = stmt.where(C.state == bindparam("state"))
@@ -288,8 +290,7 @@ class QueriesMixin(CatalogCore):
             12000
         """
         parsed = self._ref(ref)
-        with self._read() as s:
-            return resolve(s, parsed)
+        return self._reading(lambda conn: resolve(conn, parsed))
 
     def latest(self, run: str) -> Checkpoint:
         """The run's COMMITTED checkpoint with the highest version (``run@latest``)."""
@@ -381,10 +382,11 @@ class QueriesMixin(CatalogCore):
         if limit is not None:
             params["limit"] = check_count(limit, "limit", 1)
         clauses = config_clauses(where, self.dialect) if where else None
-        with self._read() as s:
+
+        def query(conn: Connection) -> builtins.list[Checkpoint]:
             runs = None
             if clauses is not None:
-                runs = self._config_runs(s, clauses, params, limited=limit is not None)
+                runs = self._config_runs(conn, clauses, params, limited=limit is not None)
                 if runs is None:
                     return []
             stmt = _listing(
@@ -392,11 +394,13 @@ class QueriesMixin(CatalogCore):
                 metric_ops, runs, state is not None, tier is not None, order,
                 limit is not None,
             )
-            return load_checkpoints(s, stmt, params)
+            return load_checkpoints(conn, stmt, params)
+
+        return self._reading(query)
 
     def _config_runs(
         self,
-        session: Session,
+        conn: Connection,
         clauses: builtins.list[ColumnElement[bool]],
         params: dict[str, Any],
         *,
@@ -418,7 +422,7 @@ class QueriesMixin(CatalogCore):
             matches (nothing to list).
         """
         total = select(func.count()).select_from(RunRow).scalar_subquery()
-        rows = session.connection().execute(select(RunRow.id, total).where(*clauses)).all()
+        rows = conn.execute(select(RunRow.id, total).where(*clauses)).all()
         if not rows:
             return None
         ids = [row[0] for row in rows]
