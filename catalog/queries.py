@@ -23,6 +23,7 @@ from sqlalchemy import (
     String,
     any_,
     bindparam,
+    cast,
     column,
     exists,
     func,
@@ -190,7 +191,10 @@ def _run_ids_clause(dialect: str, run_id: ColumnElement[Any]) -> ColumnElement[b
     compilation) is the same whatever the number of matching runs.
     """
     if dialect == "postgresql":
-        return run_id == any_(bindparam("run_ids", type_=postgresql.ARRAY(Integer)))
+        # Bound as the array's text ('{1,2,3}') and cast by the server: psycopg's dumping
+        # of a list of ints cost more than the listing itself for hundreds of runs.
+        ids = cast(bindparam("run_ids", type_=String), postgresql.ARRAY(Integer))
+        return run_id == any_(ids)
     each = func.json_each(bindparam("run_ids", type_=String)).table_valued(
         column("value", Integer)
     )
@@ -426,7 +430,9 @@ class QueriesMixin(CatalogCore):
         if not rows:
             return None
         ids = [row[0] for row in rows]
-        params["run_ids"] = ids if self.dialect == "postgresql" else json.dumps(ids)
+        params["run_ids"] = (
+            "{" + ",".join(map(str, ids)) + "}" if self.dialect == "postgresql" else json.dumps(ids)
+        )
         return "scan" if limited and len(ids) * 20 >= rows[0][1] else "in"
 
     def usage(self) -> builtins.list[UsageRow]:
