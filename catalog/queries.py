@@ -270,6 +270,33 @@ def _listing(
     return stmt
 
 
+def _config_runs_query(dialect: str, where: object) -> Select[Any]:
+    """``SELECT id, <number of runs> FROM runs WHERE <the config filters>``.
+
+    Filters given as text (what ``--where`` passes) are built once per text (a bounded
+    cache): the construction cost more than scanning the runs. Mappings are built each
+    time: their values would share cache entries across types (``1 == 1.0 == True``).
+
+    Raises:
+        InvalidNameError: For a bad filter (:func:`config_clauses`).
+    """
+    if isinstance(where, str):
+        return _config_runs_cached(dialect, where)
+    if isinstance(where, Sequence) and all(isinstance(w, str) for w in where):
+        return _config_runs_cached(dialect, tuple(where))
+    return _config_runs_built(dialect, where)
+
+
+@functools.lru_cache(maxsize=256)
+def _config_runs_cached(dialect: str, where: str | tuple[str, ...]) -> Select[Any]:
+    return _config_runs_built(dialect, where)
+
+
+def _config_runs_built(dialect: str, where: object) -> Select[Any]:
+    total = select(func.count()).select_from(RunRow).scalar_subquery()
+    return select(RunRow.id, total).where(*config_clauses(where, dialect))
+
+
 class QueriesMixin(CatalogCore):
     """Read methods of :class:`~ckptstore.catalog.Catalog`."""
 
@@ -385,12 +412,12 @@ class QueriesMixin(CatalogCore):
         order = _order_shape(order_by, params)
         if limit is not None:
             params["limit"] = check_count(limit, "limit", 1)
-        clauses = config_clauses(where, self.dialect) if where else None
+        matching = _config_runs_query(self.dialect, where) if where else None
 
         def query(conn: Connection) -> builtins.list[Checkpoint]:
             runs = None
-            if clauses is not None:
-                runs = self._config_runs(conn, clauses, params, limited=limit is not None)
+            if matching is not None:
+                runs = self._config_runs(conn, matching, params, limited=limit is not None)
                 if runs is None:
                     return []
             stmt = _listing(
@@ -405,16 +432,17 @@ class QueriesMixin(CatalogCore):
     def _config_runs(
         self,
         conn: Connection,
-        clauses: builtins.list[ColumnElement[bool]],
+        matching: Select[Any],
         params: dict[str, Any],
         *,
         limited: bool,
     ) -> str | None:
         """Find the runs whose config matches; bind their ids; say how to read their rows.
 
-        ONE query over the runs table (one row per run) returns the matching ids and the
-        number of runs. When few runs match, their checkpoints are read through the
-        ``run_id`` indexes (``"in"``). When many do (a twentieth of the runs or more) and
+        ONE query over the runs table (one row per run, ``matching``: see
+        :func:`_config_runs_query`) returns the matching ids and the number of runs. When
+        few runs match, their checkpoints are read through the ``run_id`` indexes
+        (``"in"``). When many do (a twentieth of the runs or more) and
         the listing has a limit, reading checkpoints through the listing's own order index
         and keeping those of matching runs stops after ``limit`` rows instead of gathering
         and sorting all of them (``"scan"``; with R runs of n checkpoints each, the
@@ -425,14 +453,11 @@ class QueriesMixin(CatalogCore):
             ``"in"`` or ``"scan"`` with ``params["run_ids"]`` set, or None when no run
             matches (nothing to list).
         """
-        total = select(func.count()).select_from(RunRow).scalar_subquery()
-        rows = conn.execute(select(RunRow.id, total).where(*clauses)).all()
+        rows = conn.execute(matching).all()
         if not rows:
             return None
         ids = [row[0] for row in rows]
-        params["run_ids"] = (
-            ids if self.dialect == "postgresql" else json.dumps(ids)
-        )
+        params["run_ids"] = ids if self.dialect == "postgresql" else json.dumps(ids)
         return "scan" if limited and len(ids) * 20 >= rows[0][1] else "in"
 
     def usage(self) -> builtins.list[UsageRow]:
