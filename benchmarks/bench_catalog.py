@@ -5,6 +5,7 @@ hot replica each, plus one parent chain 1,000 deep across runs), then times the 
 training job, the CLI and the flows issue most, through the public :class:`Catalog` API:
 
 * ``latest(run)``, ``get("run@step")``, ``best(run, "loss")``, ``get(<uuid>)``;
+* ``list(run=..., limit=100)``: one run's checkpoints (a page of ``ckpt ls --run``);
 * ``list(tag=..., limit=100)`` for a rare tag (1% of checkpoints) and a common one (10%);
 * ``list(where="config....", limit=100)``: checkpoints of runs whose recorded config matches
   (half the runs, a tenth of them by a string value, and a single run);
@@ -227,6 +228,12 @@ def run_queries(
         ('best(run, "loss")', lambda: cat.best(pick_run(), "loss"), samples, POINT_TARGET_MS),
         ("get(<uuid>)", lambda: cat.get(rng.choice(data.ids)), samples, POINT_TARGET_MS),
         (
+            "list(run, limit=100)",
+            lambda: cat.list(run=pick_run(), limit=100),
+            samples,
+            POINT_TARGET_MS,
+        ),
+        (
             'list(tag="milestone", limit=100)',
             lambda: cat.list(tag="milestone", limit=100),
             samples,
@@ -267,6 +274,7 @@ def run_queries(
     depth = len(cat.lineage(data.chain_leaf))
     assert depth == data.chain_depth, f"chain depth {depth} != {data.chain_depth}"
     assert len(cat.list(tag="milestone", limit=100)) == 100
+    assert len(cat.list(run=data.runs[0], limit=100)) == min(100, len(data.steps_per_run))
     assert len(cat.list(where="config.lr<1e-3", limit=100)) == 100
     assert len(cat.list(where="config.seed==3", limit=100)) == len(data.steps_per_run)
     for name, fn, n, target in checks:

@@ -103,9 +103,17 @@ def _condition(path: tuple[str, ...], op: str, value: Any, dialect: str) -> Any:
     compare = CONFIG_OPS[op]
     element = RunRow.config[path]
     if dialect == "sqlite":
-        kind: Any = func.json_type(RunRow.config, "$" + "".join(f'."{p}"' for p in path))
+        json_path = "$" + "".join(f'."{p}"' for p in path)
+        kind: Any = func.json_type(RunRow.config, json_path)
         numeric, text, boolean = kind.in_(("integer", "real")), kind == "text", \
             kind.in_(("true", "false"))
+        # SQLite's AND stops at a false type check, and json_extract yields the SQL value
+        # itself (never an error), so no CASE guard: each run's config is then parsed at
+        # most twice per filter (its type, its value) instead of three times.
+        extracted: Any = func.json_extract(RunRow.config, json_path)
+        number: Any = extracted
+        string: Any = extracted
+        truth: Any = extracted == 1
     else:
         if op == "==" and value is not None:
             # Containment, which the GIN index on runs.config serves (models.py); jsonb
@@ -116,20 +124,26 @@ def _condition(path: tuple[str, ...], op: str, value: Any, dialect: str) -> Any:
             return type_coerce(RunRow.config, JSONB).contains(nested)
         kind = func.jsonb_typeof(element)
         numeric, text, boolean = kind == "number", kind == "string", kind == "boolean"
+        # PostgreSQL may evaluate the cast before the type check: the CASE keeps a string
+        # from ever reaching it.
+        number = case((numeric, element.as_float()), else_=None)
+        string = case((text, element.as_string()), else_=None)
+        truth = element.as_boolean()
     if isinstance(value, bool):
         if op not in ("==", "!="):
             raise InvalidNameError(f"config.{'.'.join(path)}: booleans compare with == or !=")
-        truth = element.as_boolean() if dialect != "sqlite" else \
-            func.json_extract(RunRow.config, "$" + "".join(f'."{p}"' for p in path)) == 1
         return boolean & (truth if (op == "==") == value else ~truth)
     if isinstance(value, int | float):
-        number = case((numeric, element.as_float()), else_=None)
-        return numeric & compare(number, float(value))
+        # On PostgreSQL the CASE alone is the guard (NULL never matches): checking the type
+        # again outside it would look the path up once more per run.
+        compared = compare(number, float(value))
+        return numeric & compared if dialect == "sqlite" else compared
     if isinstance(value, str):
         if op not in ("==", "!="):
             raise InvalidNameError(f"config.{'.'.join(path)}: strings compare with == or !=, "
                                    f"not {op}")
-        return text & compare(case((text, element.as_string()), else_=None), value)
+        compared = compare(string, value)
+        return text & compared if dialect == "sqlite" else compared
     if value is None and op in ("==", "!="):
         null = kind == "null"
         return null if op == "==" else ~null

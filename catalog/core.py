@@ -1,7 +1,9 @@
 """The catalog's plumbing: engine, one-transaction-per-call sessions, shared helpers.
 
 Every public :class:`~ckptstore.catalog.Catalog` method runs in exactly one short transaction,
-opened by :meth:`CatalogCore._read` or :meth:`CatalogCore._write`. Write transactions take the
+opened by :meth:`CatalogCore._read` or :meth:`CatalogCore._write`, or, for the reads whose
+answer is one statement (listings, resolving a reference), on a connection of its own
+outside any transaction on PostgreSQL (:meth:`CatalogCore._reading`). Write transactions take the
 SQLite write lock up front (``BEGIN IMMEDIATE``, see :mod:`ckptstore.catalog.engine`); on
 PostgreSQL the methods that read-then-write lock the rows they depend on explicitly.
 Nothing here ever holds a transaction open across I/O outside the database.
@@ -13,15 +15,16 @@ import getpass
 import logging
 import os
 import socket
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from sqlalchemy import Engine, func, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptstore.catalog import migrate
@@ -49,6 +52,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger("ckptstore.catalog")
+
+_T = TypeVar("_T")
 
 #: Most ids bound in one ``IN (...)`` list. Both backends cap the parameters of one statement
 #: (SQLite 32,766, PostgreSQL 65,535); methods taking id sets query in batches of this size,
@@ -92,7 +97,9 @@ def name_list(names: Sequence[object], *, limit: int = 20, total: int | None = N
     return shown
 
 
-def names_hint(session: Session, column: Any, what: str, *, limit: int = 20) -> str | None:
+def names_hint(
+    session: Session | Connection, column: Any, what: str, *, limit: int = 20
+) -> str | None:
     """``"<what>: a, b, ..."`` of the first names in a column, or None when there are none.
 
     Only ``limit + 1`` names are read; the total is counted only when there are more.
@@ -106,7 +113,7 @@ def names_hint(session: Session, column: Any, what: str, *, limit: int = 20) -> 
     return f"{what}: {name_list(names, limit=limit, total=total)}"
 
 
-def runs_hint(session: Session) -> str:
+def runs_hint(session: Session | Connection) -> str:
     """``"runs: a, b, ..."`` or ``"no runs exist yet"``, for not-found messages."""
     return names_hint(session, RunRow.name, "runs") or "no runs exist yet"
 
@@ -130,10 +137,16 @@ class CatalogCore:
         self._engine: Engine = create_catalog_engine(url)
         self._url = mask_url(self._engine.url)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False, autoflush=False)
+        # SQLite reads cost no round trips: one engine serves both paths there.
+        self._reader: Engine = (
+            create_catalog_engine(url, reads=True)
+            if self._engine.dialect.name == "postgresql"
+            else self._engine
+        )
         try:
             self._check_schema(upgrade)
         except BaseException:
-            self._engine.dispose()
+            self.close()
             raise
         logger.debug("opened catalog %s", self._url)
 
@@ -174,6 +187,8 @@ class CatalogCore:
     def close(self) -> None:
         """Close every pooled connection. The object must not be used afterwards."""
         self._engine.dispose()
+        if self._reader is not self._engine:
+            self._reader.dispose()
 
     def __enter__(self) -> CatalogCore:
         return self
@@ -209,6 +224,30 @@ class CatalogCore:
         """One read-only transaction (deferred ``BEGIN`` on SQLite: never waits for writers)."""
         with self._session(write=False) as session:
             yield session
+
+    def _reading(self, query: Callable[[Connection], _T]) -> _T:
+        """``query(connection)`` for a read whose answer is one statement (or a few
+        independent ones).
+
+        On PostgreSQL the connection is in autocommit mode and was not pinged: the read
+        costs one round trip per statement instead of four (ping, ``BEGIN``, the query,
+        ``COMMIT``), which was most of a listing's time. Each statement sees its own
+        snapshot, so ``query`` must not need two statements to agree. A connection the
+        server closed meanwhile (a restart, an idle timeout) fails its first statement and
+        invalidates the pool; the query is then run once more on a fresh connection.
+        """
+        for attempt in (1, 2):
+            try:
+                with self._reader.connect() as conn:
+                    return query(conn)
+            except DBAPIError as e:
+                if attempt == 1 and e.connection_invalidated:
+                    logger.debug("catalog %s: connection lost, reading again", self._url)
+                    continue
+                if isinstance(e, OperationalError | InterfaceError):
+                    raise StorageError(f"catalog {self._url} failed: {scrub(str(e.orig))}") from e
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     @contextmanager
     def _write(self) -> Iterator[Session]:

@@ -15,7 +15,12 @@ stale snapshot fails with "database is locked" the moment it writes, whatever
 * WAL, ``busy_timeout=30000``, ``foreign_keys=ON`` on every new connection.
 
 PostgreSQL uses psycopg 3; version allocation there locks the run row (``SELECT ... FOR
-UPDATE``) instead, see ``ckptstore.catalog.checkpoints``.
+UPDATE``) instead, see ``ckptstore.catalog.checkpoints``. Transactions there go through a
+pool that pings each connection before use; the single-statement reads (listings, reference
+lookups) go through a second, ``reads`` engine whose connections are in autocommit mode and
+are not pinged: a read then costs one round trip to the server instead of four (ping,
+``BEGIN``, the query, ``COMMIT``), and its caller retries once on a connection the server had
+closed (``CatalogCore._reading``).
 """
 
 from __future__ import annotations
@@ -145,7 +150,7 @@ def _sqlite_on_begin(conn: Connection) -> None:
         conn.exec_driver_sql("BEGIN")
 
 
-def create_catalog_engine(url: str | URL, *, echo: bool = False) -> Engine:
+def create_catalog_engine(url: str | URL, *, echo: bool = False, reads: bool = False) -> Engine:
     """Create the SQLAlchemy engine for a catalog URL.
 
     For SQLite the parent directory of the database file is created, and the pragmas and
@@ -156,6 +161,9 @@ def create_catalog_engine(url: str | URL, *, echo: bool = False) -> Engine:
     Args:
         url: The catalog URL (see :func:`parse_catalog_url`).
         echo: Log every SQL statement (debugging).
+        reads: PostgreSQL only: the engine of single-statement reads (autocommit, no ping;
+            its user retries a statement that met a closed connection). A small pool: one
+            connection per thread reading at the same moment.
 
     Returns:
         A thread-safe engine. Pass ``execution_options={WRITE_OPTION: True}`` when procuring
@@ -188,6 +196,15 @@ def create_catalog_engine(url: str | URL, *, echo: bool = False) -> Engine:
             )
         event.listen(engine, "connect", _sqlite_on_connect)
         event.listen(engine, "begin", _sqlite_on_begin)
+    elif reads:
+        engine = create_engine(
+            parsed,
+            echo=echo,
+            isolation_level="AUTOCOMMIT",
+            pool_size=2,
+            max_overflow=10,
+            connect_args={"connect_timeout": 10},
+        )
     else:
         engine = create_engine(
             parsed,

@@ -30,6 +30,7 @@ from ckptstore.catalog.checks import check_edge_kind, check_json
 from ckptstore.catalog.core import CatalogCore, checkpoint_id_batches
 from ckptstore.catalog.loading import (
     ROW_COLUMNS,
+    Reader,
     checkpoint_query,
     checkpoint_query_from,
     load_checkpoints,
@@ -181,8 +182,9 @@ class LineageMixin(CatalogCore):
             Parent, grandparent, ...; empty for a checkpoint trained from scratch.
         """
         parsed = self._ref(ref)
-        with self._read() as s:
-            return self._ancestors(s, resolve(s, parsed, attachments=False).id)
+        return self._reading(
+            lambda conn: self._ancestors(conn, resolve(conn, parsed, attachments=False).id)
+        )
 
     def descendants(self, ref: str | Ref) -> list[Checkpoint]:
         """Checkpoints resumed or fine-tuned from this one, transitively, nearest first.
@@ -423,7 +425,7 @@ class LineageMixin(CatalogCore):
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
-    def _ancestors(session: Session, start: str) -> list[Checkpoint]:
+    def _ancestors(session: Reader, start: str) -> list[Checkpoint]:
         return load_checkpoints(session, _ANCESTORS, {"start": start})
 
     @staticmethod

@@ -33,6 +33,7 @@ from sqlalchemy import (
     literal_column,
     select,
 )
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -50,6 +51,7 @@ from ckptstore.records import TIER_ORDER, Checkpoint, Replica, ReplicaState
 
 __all__ = [
     "ROW_COLUMNS",
+    "Reader",
     "checkpoint_query",
     "checkpoint_query_from",
     "load_by_id",
@@ -65,6 +67,10 @@ _TIER_RANK = {tier: rank for rank, tier in enumerate(TIER_ORDER)}
 _REPLICA_STATES = {state.value: state for state in ReplicaState}
 
 C = CheckpointRow
+
+#: What reads run on: a session (inside the caller's transaction), or a connection of the
+#: single-statement read path (:meth:`ckptstore.catalog.core.CatalogCore._reading`).
+Reader = Session | Connection
 
 # The checkpoint's own columns: what a recursive walk carries along (lineage.py), so that
 # the rows it reaches need no second lookup.
@@ -307,7 +313,7 @@ def load_rows(rows: Sequence[Row[Any]], *, attachments: bool = True) -> list[Che
 
 
 def load_checkpoints(
-    session: Session,
+    session: Reader,
     stmt: Select[Any],
     params: Mapping[str, Any] | None = None,
     *,
@@ -316,7 +322,7 @@ def load_checkpoints(
     """Run a :func:`checkpoint_query`-based statement and build full records, in row order.
 
     Args:
-        session: Open session (inside the caller's transaction).
+        session: Open session (inside the caller's transaction), or a connection.
         stmt: A statement built from :func:`checkpoint_query`.
         params: Values of the statement's bind parameters, if it has any.
         attachments: Fill in aliases and replicas; internal callers that only need the
@@ -327,20 +333,21 @@ def load_checkpoints(
     """
     # Through the Connection, not Session.execute: plain Core rows skip the ORM's per-row
     # result machinery, which dominated loading long lineages.
-    rows = session.connection().execute(stmt, params).all()
+    conn = session if isinstance(session, Connection) else session.connection()
+    rows = conn.execute(stmt, params).all()
     return load_rows(rows, attachments=attachments) if rows else []
 
 
 _BY_ID = checkpoint_query().where(C.id == bindparam("cid"))
 
 
-def load_by_id(session: Session, cid: str, *, attachments: bool = True) -> Checkpoint | None:
+def load_by_id(session: Reader, cid: str, *, attachments: bool = True) -> Checkpoint | None:
     """The checkpoint with this id in any state, or None."""
     return load_one(session, _BY_ID, {"cid": cid}, attachments=attachments)
 
 
 def load_one(
-    session: Session,
+    session: Reader,
     stmt: Select[Any],
     params: Mapping[str, Any] | None = None,
     *,

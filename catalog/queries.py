@@ -26,10 +26,12 @@ from sqlalchemy import (
     column,
     exists,
     func,
+    literal_column,
     select,
 )
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import aliased
 
 from ckptstore.catalog.checks import (
     check_checkpoint_state,
@@ -188,7 +190,11 @@ def _run_ids_clause(dialect: str, run_id: ColumnElement[Any]) -> ColumnElement[b
     compilation) is the same whatever the number of matching runs.
     """
     if dialect == "postgresql":
-        return run_id == any_(bindparam("run_ids", type_=postgresql.ARRAY(Integer)))
+        # A typed array parameter. Binding the array's text with a CAST in the statement
+        # instead (cheaper for psycopg to dump) measured slower: 10 ms instead of 6 for a
+        # config listing of 500 runs at 100,000 checkpoints.
+        ids = bindparam("run_ids", type_=postgresql.ARRAY(Integer))
+        return run_id == any_(ids)
     each = func.json_each(bindparam("run_ids", type_=String)).table_valued(
         column("value", Integer)
     )
@@ -246,7 +252,7 @@ def _listing(
     if runs is not None:
         # run_id + 0 keeps the planner off the run_id index (neither backend uses an index
         # under an expression).
-        run_id = C.run_id + 0 if runs == "scan" else C.run_id.expression
+        run_id = C.run_id + literal_column("0") if runs == "scan" else C.run_id.expression
         stmt = stmt.where(_run_ids_clause(dialect, run_id))
     if state:
         stmt = stmt.where(C.state == bindparam("state"))
@@ -262,6 +268,33 @@ def _listing(
     if limit:
         stmt = stmt.limit(bindparam("limit", type_=BigInteger))
     return stmt
+
+
+def _config_runs_query(dialect: str, where: object) -> Select[Any]:
+    """``SELECT id, <number of runs> FROM runs WHERE <the config filters>``.
+
+    Filters given as text (what ``--where`` passes) are built once per text (a bounded
+    cache): the construction cost more than scanning the runs. Mappings are built each
+    time: their values would share cache entries across types (``1 == 1.0 == True``).
+
+    Raises:
+        InvalidNameError: For a bad filter (:func:`config_clauses`).
+    """
+    if isinstance(where, str):
+        return _config_runs_cached(dialect, where)
+    if isinstance(where, Sequence) and all(isinstance(w, str) for w in where):
+        return _config_runs_cached(dialect, tuple(where))
+    return _config_runs_built(dialect, where)
+
+
+@functools.lru_cache(maxsize=256)
+def _config_runs_cached(dialect: str, where: str | tuple[str, ...]) -> Select[Any]:
+    return _config_runs_built(dialect, where)
+
+
+def _config_runs_built(dialect: str, where: object) -> Select[Any]:
+    total = select(func.count()).select_from(RunRow).scalar_subquery()
+    return select(RunRow.id, total).where(*config_clauses(where, dialect))
 
 
 class QueriesMixin(CatalogCore):
@@ -288,8 +321,7 @@ class QueriesMixin(CatalogCore):
             12000
         """
         parsed = self._ref(ref)
-        with self._read() as s:
-            return resolve(s, parsed)
+        return self._reading(lambda conn: resolve(conn, parsed))
 
     def latest(self, run: str) -> Checkpoint:
         """The run's COMMITTED checkpoint with the highest version (``run@latest``)."""
@@ -380,11 +412,12 @@ class QueriesMixin(CatalogCore):
         order = _order_shape(order_by, params)
         if limit is not None:
             params["limit"] = check_count(limit, "limit", 1)
-        clauses = config_clauses(where, self.dialect) if where else None
-        with self._read() as s:
+        matching = _config_runs_query(self.dialect, where) if where else None
+
+        def query(conn: Connection) -> builtins.list[Checkpoint]:
             runs = None
-            if clauses is not None:
-                runs = self._config_runs(s, clauses, params, limited=limit is not None)
+            if matching is not None:
+                runs = self._config_runs(conn, matching, params, limited=limit is not None)
                 if runs is None:
                     return []
             stmt = _listing(
@@ -392,21 +425,24 @@ class QueriesMixin(CatalogCore):
                 metric_ops, runs, state is not None, tier is not None, order,
                 limit is not None,
             )
-            return load_checkpoints(s, stmt, params)
+            return load_checkpoints(conn, stmt, params)
+
+        return self._reading(query)
 
     def _config_runs(
         self,
-        session: Session,
-        clauses: builtins.list[ColumnElement[bool]],
+        conn: Connection,
+        matching: Select[Any],
         params: dict[str, Any],
         *,
         limited: bool,
     ) -> str | None:
         """Find the runs whose config matches; bind their ids; say how to read their rows.
 
-        ONE query over the runs table (one row per run) returns the matching ids and the
-        number of runs. When few runs match, their checkpoints are read through the
-        ``run_id`` indexes (``"in"``). When many do (a twentieth of the runs or more) and
+        ONE query over the runs table (one row per run, ``matching``: see
+        :func:`_config_runs_query`) returns the matching ids and the number of runs. When
+        few runs match, their checkpoints are read through the ``run_id`` indexes
+        (``"in"``). When many do (a twentieth of the runs or more) and
         the listing has a limit, reading checkpoints through the listing's own order index
         and keeping those of matching runs stops after ``limit`` rows instead of gathering
         and sorting all of them (``"scan"``; with R runs of n checkpoints each, the
@@ -417,8 +453,7 @@ class QueriesMixin(CatalogCore):
             ``"in"`` or ``"scan"`` with ``params["run_ids"]`` set, or None when no run
             matches (nothing to list).
         """
-        total = select(func.count()).select_from(RunRow).scalar_subquery()
-        rows = session.connection().execute(select(RunRow.id, total).where(*clauses)).all()
+        rows = conn.execute(matching).all()
         if not rows:
             return None
         ids = [row[0] for row in rows]

@@ -15,11 +15,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import Select, bindparam, func, select
-from sqlalchemy.orm import Session
 
 from ckptstore.catalog.checks import check_step, check_version
 from ckptstore.catalog.core import name_list, names_hint, runs_hint
-from ckptstore.catalog.loading import checkpoint_query, load_by_id, load_one
+from ckptstore.catalog.loading import Reader, checkpoint_query, load_by_id, load_one
 from ckptstore.catalog.models import AliasRow, CheckpointMetricRow, CheckpointRow, RunRow
 from ckptstore.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from ckptstore.records import Checkpoint, CheckpointState
@@ -129,7 +128,7 @@ def ensure_committed(ck: Checkpoint, what: str | None = None) -> Checkpoint:
     )
 
 
-def resolve_any(session: Session, ckpt_id: str, *, attachments: bool = True) -> Checkpoint:
+def resolve_any(session: Reader, ckpt_id: str, *, attachments: bool = True) -> Checkpoint:
     """The checkpoint with this id in any state.
 
     Raises:
@@ -141,7 +140,7 @@ def resolve_any(session: Session, ckpt_id: str, *, attachments: bool = True) -> 
     return ck
 
 
-def resolve(session: Session, ref: Ref, *, attachments: bool = True) -> Checkpoint:
+def resolve(session: Reader, ref: Ref, *, attachments: bool = True) -> Checkpoint:
     """Resolve a parsed reference to a COMMITTED checkpoint.
 
     Raises:
@@ -170,7 +169,7 @@ def resolve(session: Session, ref: Ref, *, attachments: bool = True) -> Checkpoi
     return found
 
 
-def _resolve_alias(session: Session, ref: Ref, *, attachments: bool) -> Checkpoint:
+def _resolve_alias(session: Reader, ref: Ref, *, attachments: bool) -> Checkpoint:
     found = load_one(session, _BY_ALIAS, {"alias": ref.alias}, attachments=attachments)
     if found is None:
         known = names_hint(session, AliasRow.name, "aliases") or "no aliases are defined"
@@ -181,7 +180,7 @@ def _resolve_alias(session: Session, ref: Ref, *, attachments: bool) -> Checkpoi
     return ensure_committed(found, f"alias {ref.alias!r} -> {found.id}")
 
 
-def _explain_missing(session: Session, ref: Ref) -> str:
+def _explain_missing(session: Reader, ref: Ref) -> str:
     run_id = session.scalar(select(RunRow.id).where(RunRow.name == ref.run))
     if run_id is None:
         return f"run {ref.run!r} does not exist; {runs_hint(session)}"

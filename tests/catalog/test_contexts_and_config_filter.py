@@ -47,6 +47,16 @@ def test_config_filters(runs: Catalog, where: object, expected: set[str]) -> Non
     assert len(found) == 2 * len(expected)
 
 
+def test_cached_config_filters_keep_value_types_apart(runs: Catalog) -> None:
+    # Filter texts share one statement per text; 1 == True in Python, so the mappings
+    # (values of any type) must never share one: a boolean matches only a boolean.
+    for _ in range(2):
+        assert {c.run for c in runs.list(where="config.amp==true")} == {"a"}
+        assert {c.run for c in runs.list(where={"config.amp": ("==", True)})} == {"a"}
+        assert runs.list(where={"config.amp": ("==", 1)}) == []
+        assert {c.run for c in runs.list(where=("config.lr<1", "config.amp==false"))} == {"b"}
+
+
 @pytest.mark.parametrize("where", [
     "lr<1", "config.<1", "config.lr<", "config.lr~1", "config.a;drop table runs<1",
     "config.opt.name<adam", {"config.lr": ("like", 1)}, 42,

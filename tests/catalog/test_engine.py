@@ -125,3 +125,21 @@ def test_one_catalog_is_shared_by_threads(catalog: Catalog) -> None:
     with ThreadPoolExecutor(max_workers=6) as pool:
         versions = sorted(pool.map(work, range(24)))
     assert versions == list(range(1, 25))
+
+
+def test_reads_survive_connections_the_server_closed(catalog: Catalog, save) -> None:  # type: ignore[no-untyped-def]
+    # Single-statement reads use connections that are not pinged (PostgreSQL): one the
+    # server closed meanwhile (a restart, an idle timeout) fails once, and the read is run
+    # again on a fresh connection instead of surfacing the error.
+    ck = save("r", 1)
+    assert catalog.get("r@latest").id == ck.id and catalog.list(run="r")[0].id == ck.id
+    if catalog.dialect == "postgresql":
+        with catalog.engine.connect() as conn:
+            killed = conn.execute(text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )).scalar_one()
+        assert killed >= 1
+    assert [c.id for c in catalog.list(run="r")] == [ck.id]
+    assert catalog.get("r@latest").id == ck.id
+    assert [c.id for c in catalog.lineage(ck.id)] == []

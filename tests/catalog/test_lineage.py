@@ -7,7 +7,7 @@ import json
 import uuid
 
 import pytest
-from sqlalchemy import event
+from sqlalchemy import Engine, event
 
 from ckptstore.catalog import Catalog
 from ckptstore.errors import CheckpointNotFoundError, InvalidNameError
@@ -42,11 +42,12 @@ def test_lineage_is_one_query_whatever_the_depth(catalog: Catalog, save) -> None
         if statement.lstrip().upper().startswith(("SELECT", "WITH")):
             statements.append(statement)
 
-    event.listen(catalog.engine, "before_cursor_execute", count)
+    # Every engine: on PostgreSQL single-statement reads have an engine of their own.
+    event.listen(Engine, "before_cursor_execute", count)
     try:
         assert len(catalog.lineage(chain[-1].id)) == 11
     finally:
-        event.remove(catalog.engine, "before_cursor_execute", count)
+        event.remove(Engine, "before_cursor_execute", count)
     # Resolve the ref, then walk (one WITH RECURSIVE; aliases and replicas ride along in
     # each row): 2, not 11+.
     assert len(statements) == 2, statements
