@@ -464,3 +464,13 @@ def test_cli_restore_with_key(local_store: CheckpointStore, keys: dict[str, Path
     assert store.get(ck.id).replica("hot").state == ReplicaState.DELETED  # type: ignore[union-attr]
     assert main(["--config", str(config), "restore", ck.id, "--key", str(keys["key"])]) == 0
     assert _equal(store.load(ck.id), _state(1))
+    # verify: a flipped bit keeps every size, so only the full check (--key) finds it
+    warm = store.get(ck.id).replica("warm")
+    assert warm is not None and warm.sealed
+    victim = Path(warm.uri) / "o" / "2"
+    victim.chmod(0o644)
+    data = victim.read_bytes()
+    victim.write_bytes(data[:5] + bytes([data[5] ^ 1]) + data[6:])
+    verify = ["--config", str(config), "verify", ck.id, "--tier", "warm", "--no-repair"]
+    assert main(verify) == 0
+    assert main([*verify, "--key", str(keys["key"])]) == 1
