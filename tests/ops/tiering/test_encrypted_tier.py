@@ -436,6 +436,28 @@ def test_env_recipients_take_commas_and_pathsep(tmp_path: Path, keys: dict[str, 
         load_settings(root=tmp_path)
 
 
+def test_sealed_copy_is_not_demoted_to_an_archival_class(
+        tmp_path: Path, s3: MotoS3, keys: dict[str, Path]) -> None:
+    """encrypt_to removed and the cold class set to GLACIER afterwards: the sealed warm copy
+    stays where it is (a GLACIER copy of it could not be thawed)."""
+    prefix = uuid.uuid4().hex[:12]
+    common = {"warm": s3.url(f"{prefix}/warm"), "storage_options": s3.storage_options,
+              "chunk_bytes": 4096}
+    with CheckpointStore.open(tmp_path / "store", encrypt_to=[str(keys["pub"])],
+                              **common) as store:
+        ck = store.save("run-g", 1, _state(1))
+        archive_checkpoints(store, tier="warm")
+    with CheckpointStore.open(tmp_path / "store", cold=s3.url(f"{prefix}/cold"),
+                              cold_storage_class="GLACIER", **common) as store:
+        report = demote_checkpoints(store, older_than_days=0, raise_errors=False)
+        assert "GLACIER_IR" in report.failed[ck.id]
+        now = store.get(ck.id)
+        assert now.replica("warm").state == ReplicaState.PRESENT  # type: ignore[union-attr]
+        cold = now.replica("cold")
+        assert cold is None or cold.state != ReplicaState.PRESENT
+        assert not _tier_objects(store, "cold")
+
+
 def test_checkpoint_saved_across_hosts_is_refused(local_store: CheckpointStore) -> None:
     import dataclasses
 
