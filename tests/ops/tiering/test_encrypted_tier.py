@@ -391,6 +391,19 @@ def test_read_repair_of_a_damaged_hot_copy_from_a_sealed_one(
     assert ("restored", "warm") in kinds
 
 
+def test_a_plain_push_does_not_read_a_sealed_copy(local_store: CheckpointStore) -> None:
+    from ckptstore.errors import CheckpointNotFoundError
+    from ckptstore.ops.sharing.push import source_tier
+
+    store = local_store
+    ck = store.save("run-u", 1, _state(1))
+    archive_checkpoints(store, tier="warm")
+    assert source_tier(store, store.get(ck.id)).name == "hot"
+    _drop_hot(store, ck.id)
+    with pytest.raises(CheckpointNotFoundError, match="--key"):
+        source_tier(store, store.get(ck.id))
+
+
 # ---------------------------------------------------------------------- config refusals
 def test_signing_key_as_recipient_is_refused(tmp_path: Path, keys: dict[str, Path]) -> None:
     with pytest.raises(ConfigError, match=r"signer\.pub.*Ed25519 signing key.*keygen --encryption"):
