@@ -222,9 +222,18 @@ def verify_cmd(
     pubkey: Annotated[
         Path | None, typer.Option(help="Public key for --signature (PEM).")
     ] = None,
+    key: Annotated[
+        Path | None,
+        typer.Option(help="X25519 private key: check encrypted tier copies in full "
+                          "(default: $CKPT_DECRYPT_KEY, else decrypt_key)."),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Re-hash replicas; mark damaged ones DAMAGED and repair them from another replica.
+
+    A copy on an encrypted tier (tiers.encrypt_to) is checked in full with a key (--key,
+    $CKPT_DECRYPT_KEY or decrypt_key), else its envelope, objects and sizes; a damaged one
+    is sealed again from the hot copy.
 
     Exit status 1 when a damaged replica is left (not repaired, or --no-repair). Each
     array's zarr.json is checked against the manifest's digests too: a changed document
@@ -258,7 +267,7 @@ def verify_cmd(
     # same copies (for logs of scheduled runs) would repeat it: shown only with --verbose.
     with open_store(ctx) as store, spinner("verifying replicas", enabled=not as_json), \
             quiet_logger("ckptstore.ops.upkeep.verify", unless=ctx.obj.verbose):
-        report = verify_replicas(store, ref=ref, tier=tier, repair=repair)
+        report = verify_replicas(store, ref=ref, tier=tier, repair=repair, key=key)
     if as_json:
         print_json(_summary(report))
     else:

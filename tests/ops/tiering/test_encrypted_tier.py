@@ -391,6 +391,19 @@ def test_read_repair_of_a_damaged_hot_copy_from_a_sealed_one(
     assert ("restored", "warm") in kinds
 
 
+def test_a_plain_push_does_not_read_a_sealed_copy(local_store: CheckpointStore) -> None:
+    from ckptstore.errors import CheckpointNotFoundError
+    from ckptstore.ops.sharing.push import source_tier
+
+    store = local_store
+    ck = store.save("run-u", 1, _state(1))
+    archive_checkpoints(store, tier="warm")
+    assert source_tier(store, store.get(ck.id)).name == "hot"
+    _drop_hot(store, ck.id)
+    with pytest.raises(CheckpointNotFoundError, match="--key"):
+        source_tier(store, store.get(ck.id))
+
+
 # ---------------------------------------------------------------------- config refusals
 def test_signing_key_as_recipient_is_refused(tmp_path: Path, keys: dict[str, Path]) -> None:
     with pytest.raises(ConfigError, match=r"signer\.pub.*Ed25519 signing key.*keygen --encryption"):
@@ -436,6 +449,28 @@ def test_env_recipients_take_commas_and_pathsep(tmp_path: Path, keys: dict[str, 
         load_settings(root=tmp_path)
 
 
+def test_sealed_copy_is_not_demoted_to_an_archival_class(
+        tmp_path: Path, s3: MotoS3, keys: dict[str, Path]) -> None:
+    """encrypt_to removed and the cold class set to GLACIER afterwards: the sealed warm copy
+    stays where it is (a GLACIER copy of it could not be thawed)."""
+    prefix = uuid.uuid4().hex[:12]
+    common = {"warm": s3.url(f"{prefix}/warm"), "storage_options": s3.storage_options,
+              "chunk_bytes": 4096}
+    with CheckpointStore.open(tmp_path / "store", encrypt_to=[str(keys["pub"])],
+                              **common) as store:
+        ck = store.save("run-g", 1, _state(1))
+        archive_checkpoints(store, tier="warm")
+    with CheckpointStore.open(tmp_path / "store", cold=s3.url(f"{prefix}/cold"),
+                              cold_storage_class="GLACIER", **common) as store:
+        report = demote_checkpoints(store, older_than_days=0, raise_errors=False)
+        assert "GLACIER_IR" in report.failed[ck.id]
+        now = store.get(ck.id)
+        assert now.replica("warm").state == ReplicaState.PRESENT  # type: ignore[union-attr]
+        cold = now.replica("cold")
+        assert cold is None or cold.state != ReplicaState.PRESENT
+        assert not _tier_objects(store, "cold")
+
+
 def test_checkpoint_saved_across_hosts_is_refused(local_store: CheckpointStore) -> None:
     import dataclasses
 
@@ -464,3 +499,13 @@ def test_cli_restore_with_key(local_store: CheckpointStore, keys: dict[str, Path
     assert store.get(ck.id).replica("hot").state == ReplicaState.DELETED  # type: ignore[union-attr]
     assert main(["--config", str(config), "restore", ck.id, "--key", str(keys["key"])]) == 0
     assert _equal(store.load(ck.id), _state(1))
+    # verify: a flipped bit keeps every size, so only the full check (--key) finds it
+    warm = store.get(ck.id).replica("warm")
+    assert warm is not None and warm.sealed
+    victim = Path(warm.uri) / "o" / "2"
+    victim.chmod(0o644)
+    data = victim.read_bytes()
+    victim.write_bytes(data[:5] + bytes([data[5] ^ 1]) + data[6:])
+    verify = ["--config", str(config), "verify", ck.id, "--tier", "warm", "--no-repair"]
+    assert main(verify) == 0
+    assert main([*verify, "--key", str(keys["key"])]) == 1

@@ -186,6 +186,8 @@ def source_tier(store: StoreCore, ck: Checkpoint) -> Tier:
         replica = ck.replica(name)
         if replica is None or replica.state != ReplicaState.PRESENT:
             continue
+        if replica.sealed:
+            continue  # an encrypted tier's copy: plaintext only after a restore with a key
         if name == "hot" and ck.parted and store.settings.hot_remote is None:
             continue
         if name not in store.settings.tier_urls():
@@ -196,7 +198,8 @@ def source_tier(store: StoreCore, ck: Checkpoint) -> Tier:
     where = ", ".join(f"{r.tier}:{r.state}" for r in ck.replicas) or "nowhere"
     raise CheckpointNotFoundError(
         f"checkpoint {ck.ref} ({ck.id}) has no complete readable copy to push (replicas: "
-        f"{where}); restore or archive it first (`ckpt restore {ck.ref}`)"
+        f"{where}); restore or archive it first (`ckpt restore {ck.ref}`, with --key KEY "
+        "for a copy on an encrypted tier)"
     )
 
 

@@ -8,6 +8,7 @@ read without a restore request, so only their presence and sizes are checked.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -127,7 +128,8 @@ def _chunk_entries(manifest: Manifest) -> list[tuple[str, tuple[str, int]]]:
 
 
 def check_replica(store: StoreCore, ck: Checkpoint, tier: Tier, *,
-                  deep: bool = True, digest: str | None = None) -> list[str]:
+                  deep: bool = True, digest: str | None = None,
+                  key: str | os.PathLike[str] | None = None) -> list[str]:
     """Check one copy of a checkpoint; return its problems (``[]`` when intact).
 
     Args:
@@ -137,6 +139,9 @@ def check_replica(store: StoreCore, ck: Checkpoint, tier: Tier, *,
         deep: Re-hash every chunk (False: presence and sizes only).
         digest: The manifest digest the copy must have (default: what the catalog records
             for it, :func:`~ckptstore.records.expected_digest`).
+        key: Private key that opens a sealed copy (an encrypted tier) for a full check;
+            default ``$CKPT_DECRYPT_KEY``, else ``decrypt_key``; without one a sealed copy's
+            envelope, objects and sizes are checked.
 
     Raises:
         StorageError: If the tier cannot be reached (not a property of the copy).
@@ -145,7 +150,7 @@ def check_replica(store: StoreCore, ck: Checkpoint, tier: Tier, *,
     if replica is not None and replica.sealed:
         # Encrypted tier: in full with a key ($CKPT_DECRYPT_KEY, decrypt_key), else the
         # envelope, the objects it counts and their sizes (sealed_tier.verify_sealed).
-        return verify_sealed(store, ck, tier)[0]
+        return verify_sealed(store, ck, tier, key)[0]
     run_of = run_resolver(store, ck)
     try:
         # The manifest and marker objects are readable even in archival classes.
@@ -360,6 +365,7 @@ def verify_replicas(
     deep: bool = True,
     owner: str | None = None,
     threads: int = 4,
+    key: str | os.PathLike[str] | None = None,
 ) -> VerifyReport:
     """Re-hash replicas, mark damaged ones DAMAGED and (with ``repair``) fix them.
 
@@ -376,6 +382,9 @@ def verify_replicas(
         deep: Re-hash every chunk (False: presence and sizes only).
         owner: Lease owner for repairs (default: unique per call).
         threads: Parallel transfers during repair.
+        key: Private key that opens sealed copies (encrypted tiers) for a full check
+            (default ``$CKPT_DECRYPT_KEY``, else ``decrypt_key``; without one: envelopes,
+            objects and sizes only).
 
     Returns:
         The :class:`VerifyReport`.
@@ -409,7 +418,7 @@ def verify_replicas(
                 _verify_parts(store, ck, name, deep, owner, report)
                 continue
             try:
-                problems = check_replica(store, ck, target, deep=deep)
+                problems = check_replica(store, ck, target, deep=deep, key=key)
             except CkptError as exc:
                 report.skipped[name] = f"could not check: {exc}"
                 logger.warning("cannot verify %s: %s", name, exc)
