@@ -55,6 +55,7 @@ if __package__ in (None, ""):
 import torch
 from torch import nn
 
+from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.hooks.manager import CheckpointManager
 from ckptstore.ops.writing.snapshot_peer import SnapshotReplicaServer
 from ckptstore.store import CheckpointStore
@@ -209,6 +210,14 @@ def child_resume(store_dir: str, shm: str, result: str, mode: str) -> None:
                                         "durable_step": durable.step}))
 
 
+def _committed(store: CheckpointStore, run: str) -> bool:
+    try:
+        store.get(f"{run}@latest")
+    except CheckpointNotFoundError:
+        return False
+    return True
+
+
 def bench_resume(rounds: int, tmp: Path) -> dict[str, Any]:
     print(f"\n## 2. Resume after SIGKILL ({rounds} kills at random steps)")
     rng = random.Random(0)
@@ -230,7 +239,9 @@ def bench_resume(rounds: int, tmp: Path) -> dict[str, Any]:
         target = SAVE_INTERVAL + rng.randint(2, SAVE_INTERVAL - 2)
         while proc.poll() is None:
             done = log.read_text().split() if log.exists() else []
-            if done and int(done[-1]) >= target:
+            # Past the target step, and the durable save of step SAVE_INTERVAL (written in
+            # the background from its snapshot) committed: "hot" resumes from it.
+            if done and int(done[-1]) >= target and _committed(neighbour, "kill"):
                 break
             time.sleep(0.005)
         proc.send_signal(signal.SIGKILL)
