@@ -18,7 +18,7 @@ import torch
 import typer
 from cli_support import Ckpt, FilledStore, make_filled_store
 
-from ckptstore.cli.app import app
+from ckptstore.cli.app import app, main
 from ckptstore.store import CheckpointStore
 
 #: Commands that run until interrupted (servers): they print no result to put in JSON.
@@ -82,6 +82,32 @@ def _bundle(fs: FilledStore) -> None:
 def _other_store(fs: FilledStore) -> None:
     """A second store's config in the work directory (created when first opened)."""
     (fs.work / "other.toml").write_text(f'root = "{fs.work / "other"}"\n')
+
+
+def _warm_tier(fs: FilledStore) -> None:
+    """The warm tier's directory, which the first archive creates (``tiers`` exits 1 for a
+    tier that is not reachable)."""
+    (fs.config.parent / "warm").mkdir(exist_ok=True)
+
+
+def _remote(fs: FilledStore) -> None:
+    """The remote ``other`` registered, as the ``remote add`` case leaves it."""
+    from ckptstore.ops.sharing.remote import add_remote
+
+    _other_store(fs)
+    with CheckpointStore.open(config=fs.config) as store:
+        if "other" not in {r.name for r in store.catalog.remotes()}:
+            add_remote(store, "other", fs.work / "other.toml")
+
+
+def _pushed(ref: str) -> Callable[[FilledStore], None]:
+    """``ref`` on the remote ``other`` (a push of what is there already changes nothing)."""
+
+    def prepare(fs: FilledStore) -> None:
+        _remote(fs)
+        assert main(["--config", str(fs.config), "push", ref, "--to", "other"]) == 0
+
+    return prepare
 
 
 def _record(doc: Any) -> bool:
@@ -148,7 +174,8 @@ CASES = [
     Case("prefetch", ["base@10"], lambda d: d["to"] == "hot" and d["ref"].startswith("base@v")
          and d["lease_expires_at"]),
     Case("thaw", ["base@latest"], lambda d: d["ref"].startswith("base@v") and d["path"]),
-    Case("tiers", check=lambda d: {t["name"] for t in d} == {"hot", "warm"}),
+    Case("tiers", check=lambda d: {t["name"] for t in d} == {"hot", "warm"},
+         prepare=_warm_tier),
     Case("report", ["--html", f"{W}/report.html"], lambda d: d["bytes"] > 0),
     Case("doctor", check=lambda d: d["ok"] is True),
     Case("config", check=lambda d: d["settings"]["hot"]["value"].endswith("/hot")
@@ -156,14 +183,17 @@ CASES = [
     Case("remote add", ["other", "--config", f"{W}/other.toml"],
          lambda d: d["name"] == "other" and d["config"].endswith("other.toml"),
          prepare=_other_store),
-    Case("remote ls", check=lambda d: [r["name"] for r in d] == ["other"]),
+    Case("remote ls", check=lambda d: [r["name"] for r in d] == ["other"], prepare=_remote),
     Case("push", ["base@10", "--to", "other"],
-         lambda d: d["direction"] == "push" and len(d["pushed"]) == 1 and d["bytes_sent"] > 0),
+         lambda d: d["direction"] == "push" and len(d["pushed"]) == 1 and d["bytes_sent"] > 0,
+         prepare=_remote),
     Case("sync", ["base", "--to", "other"],
-         lambda d: len(d["pushed"]) >= 2 and len(d["present"]) == 1),
+         lambda d: len(d["pushed"]) >= 2 and len(d["present"]) == 1,
+         prepare=_pushed("base@10")),
     Case("pull", ["base@latest", "--from", "other"],
-         lambda d: d["direction"] == "pull" and len(d["present"]) == 1),
-    Case("remote rm", ["other"], lambda d: d == {"removed": "other"}),
+         lambda d: d["direction"] == "pull" and len(d["present"]) == 1,
+         prepare=_pushed("base@latest")),
+    Case("remote rm", ["other"], lambda d: d == {"removed": "other"}, prepare=_remote),
 ]
 
 
@@ -176,7 +206,9 @@ def test_every_command_that_prints_a_result_has_a_json_case() -> None:
 def placed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
            catalog_template: Path) -> tuple[str, FilledStore, FilledStore]:
     """Where the global options go (after the command name, before it, or both with
-    different values) and a store for that placement (the cases change it as they run)."""
+    different values) and a store for that placement. The cases change it as they run; each
+    case's ``prepare`` makes what the case needs, so a case passes alone as well as after the
+    others (``pytest -n 2`` without ``--dist loadfile`` spreads them over processes)."""
     base = tmp_path_factory.mktemp(f"json-{request.param}")
     decoy = make_filled_store(base / "decoy", catalog_template)
     return request.param, make_filled_store(base / "real", catalog_template), decoy
