@@ -53,10 +53,11 @@ import torch
 from benchmarks.harness import fmt_bytes, release_free_memory
 from benchmarks.state import build_state, state_bytes
 from ckptstore import CheckpointStore
+from ckptstore.format.sealed import SEALED_DIR
 from ckptstore.ops.sharing.bundle import export_bundle
 from ckptstore.ops.sharing.crypt import generate_encryption_keypair
 from ckptstore.ops.sharing.push import push_checkpoints
-from ckptstore.ops.sharing.sealed import SEALED_DIR, export_sealed
+from ckptstore.ops.sharing.sealed import export_sealed
 from ckptstore.ops.sharing.sealed_remote import push_sealed
 from ckptstore.ops.tiering.archive import archive_checkpoints
 from ckptstore.ops.tiering.replicas import delete_replica

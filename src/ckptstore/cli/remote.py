@@ -225,8 +225,8 @@ def pull_cmd(
 
     JSON: as push.
     """
+    from ckptstore.format.sealed import decryption_key_path
     from ckptstore.ops.sharing.push import push_checkpoints
-    from ckptstore.ops.sharing.sealed import decryption_key_path
     from ckptstore.ops.sharing.sealed_remote import pull_sealed, sealed_copies, sealed_for
 
     with _stores(ctx, source) as (store, other):

@@ -166,8 +166,9 @@ def import_bundle_cmd(
 
     JSON: the imported checkpoint's record (keys as in `ckpt ls --json`).
     """
+    from ckptstore.format.sealed import decryption_key_path
     from ckptstore.ops.sharing.bundle import import_bundle
-    from ckptstore.ops.sharing.sealed import decryption_key_path, import_sealed, is_sealed_bundle
+    from ckptstore.ops.sharing.sealed import import_sealed, is_sealed_bundle
     from ckptstore.records import checkpoint_dict
 
     with open_store(ctx, create=True) as store, progress_bar(f"importing {path.name}",
@@ -207,11 +208,8 @@ def keygen_cmd(
     JSON: {"private_key": path, "public_key": path, "fingerprint": sha256 hex, "kind"}.
     """
     if encryption:
-        from ckptstore.ops.sharing.crypt import (
-            encryption_fingerprint,
-            generate_encryption_keypair,
-            load_encryption_key,
-        )
+        from ckptstore.keyfiles import encryption_fingerprint, load_encryption_key
+        from ckptstore.ops.sharing.crypt import generate_encryption_keypair
 
         private, public = generate_encryption_keypair(out, name or "ckpt-encryption")
         fingerprint = encryption_fingerprint(load_encryption_key(public))

@@ -17,7 +17,7 @@ import torch
 
 from ckptstore.catalog.lineage import MERGED_FROM
 from ckptstore.cli.app import main
-from ckptstore.ops.sharing.sealed import SEALED_DIR
+from ckptstore.format.sealed import SEALED_DIR
 from ckptstore.store import CheckpointStore
 from ckptstore.testing.s3 import MotoS3
 

@@ -27,18 +27,11 @@ from ckptstore.errors import (
     DecryptionError,
     IntegrityError,
 )
-from ckptstore.ops.sharing.crypt import (
-    generate_encryption_keypair,
-    load_decryption_key,
-    load_encryption_key,
-)
+from ckptstore.format.sealed import SEALED_DIR
+from ckptstore.keyfiles import load_decryption_key, load_encryption_key
+from ckptstore.ops.sharing.crypt import generate_encryption_keypair
 from ckptstore.ops.sharing.remote import open_remote
-from ckptstore.ops.sharing.sealed import (
-    SEALED_DIR,
-    export_sealed,
-    import_sealed,
-    is_sealed_bundle,
-)
+from ckptstore.ops.sharing.sealed import export_sealed, import_sealed, is_sealed_bundle
 from ckptstore.ops.sharing.sealed_remote import pull_sealed, push_sealed
 from ckptstore.ops.sharing.signing import generate_keypair, load_public_key, sign_checkpoint
 from ckptstore.records import CheckpointState

@@ -3,8 +3,8 @@
 The key files are read and checked by :mod:`ckptstore.keyfiles` (below the configuration,
 which checks ``[tiers] encrypt_to`` with it) and the primitives (AES-256-GCM, the X25519 +
 HKDF key wrap) are :mod:`ckptstore.format.crypt`, shared with encrypted tiers; this module
-adds making a key pair (``ckpt keygen --encryption --out DIR``, beside the Ed25519 signing pairs of
-:mod:`ckptstore.ops.sharing.signing`) and keeps the names pushes and bundles import.
+makes a key pair (``ckpt keygen --encryption --out DIR``, beside the Ed25519 signing pairs
+of :mod:`ckptstore.ops.sharing.signing`).
 """
 
 from __future__ import annotations
@@ -14,46 +14,9 @@ import os
 from pathlib import Path
 
 from ckptstore.extras import require
-from ckptstore.format.crypt import (
-    DATA_KEY_BYTES,
-    NONCE_BYTES,
-    TAG_BYTES,
-    WrappedKey,
-    b64,
-    decrypt,
-    encrypt,
-    new_data_key,
-    new_nonce,
-    object_aad,
-    unb64,
-    unwrap_data_key,
-    wrap_data_key,
-)
-from ckptstore.keyfiles import (
-    encryption_fingerprint,
-    load_decryption_key,
-    load_encryption_key,
-)
+from ckptstore.keyfiles import encryption_fingerprint
 
-__all__ = [
-    "DATA_KEY_BYTES",
-    "NONCE_BYTES",
-    "TAG_BYTES",
-    "WrappedKey",
-    "b64",
-    "decrypt",
-    "encrypt",
-    "encryption_fingerprint",
-    "generate_encryption_keypair",
-    "load_decryption_key",
-    "load_encryption_key",
-    "new_data_key",
-    "new_nonce",
-    "object_aad",
-    "unb64",
-    "unwrap_data_key",
-    "wrap_data_key",
-]
+__all__ = ["generate_encryption_keypair"]
 
 logger = logging.getLogger(__name__)
 

@@ -49,12 +49,8 @@ from ckptstore.format.sealed import (
     DECRYPT_KEY_ENV,
     ENVELOPE_NAME,
     MAX_OBJECTS,
-    SEALED_DIR,
-    Envelope,
     Getter,
     OpenedCopy,
-    Putter,
-    decryption_key_path,
     open_copy,
     private_dir,
     recipient_keys,
@@ -67,22 +63,11 @@ from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint
 
 __all__ = [
-    "DECRYPT_KEY_ENV",
-    "ENVELOPE_NAME",
-    "SEALED_DIR",
     "SEALED_HEADER",
-    "Envelope",
-    "Getter",
-    "OpenedCopy",
-    "Putter",
-    "decryption_key_path",
     "export_sealed",
     "import_sealed",
     "is_sealed_bundle",
-    "open_copy",
     "private_workdir",
-    "recipient_keys",
-    "seal_objects",
     "unseal_import",
 ]
 

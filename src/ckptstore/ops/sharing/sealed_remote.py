@@ -33,20 +33,20 @@ from ckptstore.errors import (
     InvalidNameError,
     RemoteError,
 )
-from ckptstore.ops.sharing.bundle import bundle_contents
-from ckptstore.ops.sharing.crypt import TAG_BYTES, encryption_fingerprint, load_decryption_key
-from ckptstore.ops.sharing.sealed import (
+from ckptstore.format.crypt import TAG_BYTES
+from ckptstore.format.sealed import (
     ENVELOPE_NAME,
     SEALED_DIR,
     Envelope,
     Getter,
     OpenedCopy,
     open_copy,
-    private_workdir,
     recipient_keys,
     seal_objects,
-    unseal_import,
 )
+from ckptstore.keyfiles import encryption_fingerprint, load_decryption_key
+from ckptstore.ops.sharing.bundle import bundle_contents
+from ckptstore.ops.sharing.sealed import private_workdir, unseal_import
 from ckptstore.ops.sharing.signing import (
     SIGNATURE_NAME,
     SignatureDoc,
