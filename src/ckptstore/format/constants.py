@@ -11,6 +11,7 @@ writer below the format owns it.)
 from __future__ import annotations
 
 __all__ = [
+    "BUNDLE_FILES",
     "BUNDLE_HEADER",
     "CHUNK_DIR",
     "CHUNK_REF_CODEC",
@@ -132,6 +133,8 @@ MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 #: First member of a bundle and of every sealed copy: the header saying what it holds
 #: (ops/sharing/bundle.py writes it; format/sealed.py requires it first).
 BUNDLE_HEADER = "ckptstore-bundle.json"
+#: Directory of a bundle (or sealed copy) under which the checkpoint's own files are members.
+BUNDLE_FILES = "checkpoint/"
 #: JSON values (counted as ``,`` + ``{`` + ``[`` bytes) a manifest may hold, checked before
 #: parsing: json.loads costs ~75 bytes of Python objects per value, so a 30 MB manifest of
 #: 10^7 empty objects would otherwise take 750 MB and 10 s before any other check ran.

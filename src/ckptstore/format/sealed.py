@@ -27,6 +27,7 @@ encrypt_to``). On a tier a copy lives under ``.sealed/<copy id>/``.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -41,7 +42,12 @@ from typing import IO, Any, Protocol
 
 from ckptstore.errors import DecryptionError, IntegrityError, InvalidNameError
 from ckptstore.faultpoints import fault_point
-from ckptstore.format.constants import BUNDLE_HEADER, MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES
+from ckptstore.format.constants import (
+    BUNDLE_FILES,
+    BUNDLE_HEADER,
+    MAX_CHUNK_BYTES,
+    MAX_MANIFEST_BYTES,
+)
 from ckptstore.format.crypt import (
     DATA_KEY_BYTES,
     NONCE_BYTES,
@@ -69,6 +75,7 @@ __all__ = [
     "MAX_ENVELOPE",
     "MAX_OBJECTS",
     "SEALED_DIR",
+    "DirectoryContents",
     "Envelope",
     "Getter",
     "Member",
@@ -109,6 +116,35 @@ class SealContents(Protocol):
 
     def open_member(self, name: str) -> IO[bytes]:
         """A binary stream of member ``name``."""
+
+
+@dataclass(frozen=True)
+class DirectoryContents:
+    """A checkpoint directory as :class:`SealContents`: the header, then each file under
+    :data:`~ckptstore.format.constants.BUNDLE_FILES` (what a bundle and a sealed copy hold).
+
+    Attributes:
+        header: The header member's bytes (:data:`BUNDLE_HEADER`).
+        directory: The checkpoint's directory, where the files are read from.
+        files: The checkpoint's files (paths relative to ``directory``), in member order.
+        sizes: Each file's size.
+    """
+
+    header: bytes
+    directory: Path
+    files: list[str]
+    sizes: dict[str, int]
+
+    def members(self) -> list[tuple[str, int]]:
+        """Every member's name and size, header first."""
+        return [(BUNDLE_HEADER, len(self.header))] + [
+            (BUNDLE_FILES + rel, self.sizes[rel]) for rel in self.files]
+
+    def open_member(self, name: str) -> IO[bytes]:
+        """A binary stream of member ``name``."""
+        if name == BUNDLE_HEADER:
+            return io.BytesIO(self.header)
+        return open(self.directory / name[len(BUNDLE_FILES):], "rb")
 
 
 # ---------------------------------------------------------------------- format

@@ -62,6 +62,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import Manifest, read_manifest, verify_checkpoint
 from ckptstore.format.constants import (
+    BUNDLE_FILES,
     BUNDLE_HEADER,
     COMMIT_NAME,
     MANIFEST_NAME,
@@ -69,6 +70,7 @@ from ckptstore.format.constants import (
     ZARR_JSON,
 )
 from ckptstore.format.manifest import manifest_digest
+from ckptstore.format.sealed import DirectoryContents
 from ckptstore.format.tarball import (
     MAX_JSON_ITEMS,
     HostileTarFile,
@@ -101,7 +103,7 @@ __all__ = ["BUNDLE_HEADER", "BundleContents", "bundle_contents", "export_bundle"
 
 logger = logging.getLogger(__name__)
 
-_PREFIX = "checkpoint/"
+_PREFIX = BUNDLE_FILES
 _FORMAT = "ckptstore-bundle"
 _VERSION = 1
 _MAX_SMALL = 64 * 1024  # zarr.json, COMMITTED, SIGNATURE
@@ -128,33 +130,13 @@ def _tar_add(tar: tarfile.TarFile, name: str, data: IO[bytes], size: int, mtime:
 
 
 @dataclass(frozen=True)
-class BundleContents:
-    """What a bundle of one checkpoint holds, before it is written anywhere.
-
-    Attributes:
-        checkpoint: The checkpoint.
-        header: The header member's bytes (:data:`BUNDLE_HEADER`).
-        directory: Its hot copy, where the files are read from.
-        files: The checkpoint's files (paths relative to ``directory``), in bundle order.
-        sizes: Each file's size.
+class BundleContents(DirectoryContents):
+    """What a bundle of one checkpoint holds, before it is written anywhere: the members of
+    :class:`~ckptstore.format.sealed.DirectoryContents` (header, directory, files, sizes),
+    and the checkpoint they are.
     """
 
     checkpoint: Checkpoint
-    header: bytes
-    directory: Path
-    files: list[str]
-    sizes: dict[str, int]
-
-    def members(self) -> list[tuple[str, int]]:
-        """Every member's name and size, header first."""
-        return [(BUNDLE_HEADER, len(self.header))] + [
-            (_PREFIX + rel, self.sizes[rel]) for rel in self.files]
-
-    def open_member(self, name: str) -> IO[bytes]:
-        """A binary stream of member ``name``."""
-        if name == BUNDLE_HEADER:
-            return io.BytesIO(self.header)
-        return open(self.directory / name[len(_PREFIX):], "rb")
 
 
 def bundle_contents(store: StoreCore, ref: str, *,
@@ -220,7 +202,8 @@ def bundle_contents(store: StoreCore, ref: str, *,
         header["context"] = {"digest": digest, "document": doc, "blobs": {
             name: base64.b64encode(blob).decode("ascii") for name, blob in blobs.items()}}
     data = json.dumps(header, sort_keys=True, indent=1).encode()
-    return BundleContents(ck, data, directory, files, sizes)
+    return BundleContents(header=data, directory=directory, files=files, sizes=sizes,
+                          checkpoint=ck)
 
 
 def _self_contained(store: StoreCore, ck: Checkpoint, manifest: Manifest, workdir: Path,

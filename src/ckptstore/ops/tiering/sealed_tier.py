@@ -27,7 +27,6 @@ no copy format for that exists yet.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -36,7 +35,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import blake3
 
@@ -49,13 +48,14 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, verify_checkpoint
-from ckptstore.format.constants import BUNDLE_HEADER, SIGNATURE_NAME
+from ckptstore.format.constants import BUNDLE_FILES, SIGNATURE_NAME
 from ckptstore.format.crypt import TAG_BYTES
 from ckptstore.format.sealed import (
     ENVELOPE_NAME,
     INDEX_NAME,
     MAX_ENVELOPE,
     SEALED_DIR,
+    DirectoryContents,
     Envelope,
     Getter,
     OpenedCopy,
@@ -94,7 +94,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_PREFIX = "checkpoint/"
+_PREFIX = BUNDLE_FILES
 #: Codec of the self-contained copy a delta is sealed as (what bundles use).
 _SELF_CONTAINED_CODEC = "zstd-1"
 _HEADER_FORMAT = "ckptstore-bundle"
@@ -157,25 +157,6 @@ def check_sealable(ck: Checkpoint) -> None:
 
 
 # ---------------------------------------------------------------------- writing
-@dataclass(frozen=True)
-class _Contents:
-    """A checkpoint directory as the members of a sealed copy (header first)."""
-
-    header: bytes
-    directory: Path
-    files: list[str]
-    sizes: dict[str, int]
-
-    def members(self) -> list[tuple[str, int]]:
-        return [(BUNDLE_HEADER, len(self.header))] + [
-            (_PREFIX + rel, self.sizes[rel]) for rel in self.files]
-
-    def open_member(self, name: str) -> IO[bytes]:
-        if name == BUNDLE_HEADER:
-            return io.BytesIO(self.header)
-        return open(self.directory / name[len(_PREFIX):], "rb")
-
-
 def _plaintext(store: StoreCore, ck: Checkpoint, src: Tier, workdir: Path,
                reencode: str | None, deep: bool) -> tuple[Path, Manifest]:
     """A complete, self-contained plaintext copy of ``ck`` from ``src``: its directory and
@@ -266,7 +247,8 @@ def seal_copy(store: StoreCore, ck: Checkpoint, src: Tier, dst: Tier, *, copy_id
             if (directory / SIGNATURE_NAME).is_file():
                 files.append(SIGNATURE_NAME)
             sizes = {rel: (directory / rel).stat().st_size for rel in files}
-            contents = _Contents(_header(ck, manifest, files, sizes), directory, files, sizes)
+            contents = DirectoryContents(_header(ck, manifest, files, sizes), directory, files,
+                                         sizes)
             seal_objects(contents, recipients, put, copy_id, threads=threads,
                          progress=progress, put_in_workers=True)
         _check_written(dst, prefix, written, deep)
