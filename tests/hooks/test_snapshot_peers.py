@@ -138,3 +138,44 @@ def test_budgets_count_the_neighbours_part(tmp_path: Path, shm_root: Path) -> No
     finally:
         server.close()
         _close(node_b)
+
+
+def test_each_snapshot_waits_for_the_previous_replica_a_hung_neighbour_once(
+    tmp_path: Path, shm_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    node_a, node_b = _node(tmp_path, shm_root, "a"), _node(tmp_path, shm_root, "b")
+    server = SnapshotReplicaServer(node_b)
+    try:
+        # A neighbour that keeps up: when mgr.step(k) returns, it holds step k - 1.
+        w = torch.zeros(1024)
+        with CheckpointManager(node_a, "r", snapshot_interval=1, replicas=2,
+                               peer=f"127.0.0.1:{server.address[1]}", handle_sigterm=False,
+                               history=False) as mgr:
+            assert mgr.replicator is not None
+            for step in range(1, 6):
+                mgr.step(step, lambda: {"w": w})
+                if step > 1:
+                    assert (mgr.replicator.sent_step or 0) >= step - 1
+    finally:
+        server.close()
+        _close(node_b)
+    # A neighbour that accepts the connection and never reads: the send blocks once the
+    # socket buffers are full (32 MiB of state is more than they hold).
+    hung = socket.create_server(("127.0.0.1", 0))
+    try:
+        big = torch.zeros(8 * 1024**2)
+        mgr = CheckpointManager(node_a, "r2", snapshot_interval=1, replicas=2,
+                                peer=f"127.0.0.1:{hung.getsockname()[1]}",
+                                handle_sigterm=False, history=False)
+        assert mgr.replicator is not None
+        mgr.replicator.wait_s = 0.5
+        with caplog.at_level("WARNING", logger="ckptstore.ops.writing.snapshot_peer"):
+            for step in range(1, 5):
+                mgr.step(step, lambda: {"w": big})
+        waits = [r for r in caplog.records if "still being sent" in r.getMessage()]
+        assert len(waits) == 1  # waited once, then training went on without waiting
+        assert mgr.replicator.sent == 0
+    finally:
+        hung.close()  # resets the connection: the stuck send fails and close() returns
+    mgr.close()
+    _close(node_a)

@@ -243,6 +243,7 @@ class CheckpointManager:
             fields["data_version"] = str(data_version)
         self._config, self._data_version = config, data_version
         run_info = store.run(run, **fields)
+        self._run_token = run_info.created_at.isoformat()
         store.catalog.set_run_status(run, "active")  # again, for a resumed run
         self.resumed_step: int | None = None
         self.snapshots: SnapshotWriter | None = None
@@ -267,7 +268,7 @@ class CheckpointManager:
                 self.replicator = SnapshotReplicator(self._peer, run, rank)
             self.snapshots = SnapshotWriter(
                 store, run, slots=3 if durable else 2, budget_bytes=snapshot_budget_bytes,
-                rank=rank, run_token=run_info.created_at.isoformat(),
+                rank=rank, run_token=self._run_token,
                 peer_slots=2 if self._peer is not None else 0,
                 on_commit=self.replicator.offer if self.replicator is not None else None,
             )
@@ -349,12 +350,14 @@ class CheckpointManager:
             # A complete snapshot in this host's memory at or after the newest checkpoint
             # (a restart after a crash) is the newer state; a torn one is never read.
             durable_step = latest.step if latest is not None else None
-            hit = load_latest_snapshot(self.store, self.run, durable_step, into=into)
+            hit = load_latest_snapshot(self.store, self.run, durable_step, into=into,
+                                       run_token=self._run_token)
             if hit is None and self._peer is not None:
                 # A replacement node: the neighbour holds this rank's newest snapshot.
                 pulled = pull_replica(self.store, self.run, snapshot_rank(), self._peer)
                 if pulled is not None:
-                    hit = load_latest_snapshot(self.store, self.run, durable_step, into=into)
+                    hit = load_latest_snapshot(self.store, self.run, durable_step, into=into,
+                                               run_token=self._run_token)
             if hit is not None:
                 self._resumed_snapshot(hit[0], latest)
                 return hit[1]
@@ -521,6 +524,11 @@ class CheckpointManager:
         save_due = self.policy.should_save(step, now)
         if not (save_due or self._snapshot_policy.should_save(step, now)):
             return None
+        if self.replicator is not None:
+            # The neighbour acknowledges the previous snapshot before this one is taken: a
+            # node loss then costs at most one snapshot interval (docs/SNAPSHOTS.md).
+            self.snapshots.flush()
+            self.replicator.wait_sent()
         self.snapshots.take(step, as_flat(state_fn()), overlap=self._overlap and not save_due)
         self._snapshot_policy.saved(step, now)
         if not save_due:

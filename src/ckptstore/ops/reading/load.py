@@ -75,6 +75,7 @@ def load_latest_snapshot(
     *,
     keys: Sequence[str] | None = None,
     into: Any | None = None,
+    run_token: str | None = None,
 ) -> tuple[int, Any] | None:
     """The newest complete snapshot of ``run`` in this host's memory, if worth loading.
 
@@ -88,6 +89,8 @@ def load_latest_snapshot(
         durable_step: Step of the run's newest committed checkpoint (None: there is none).
         keys: fnmatch patterns, as :meth:`StoreCore.load`.
         into: A live state to fill in place.
+        run_token: The run's creation time (ISO format) when the caller knows it (the
+            manager does): a restart then reads its snapshot without a catalog query.
 
     Returns:
         ``(step, state)``, or None when the caller should load the durable checkpoint.
@@ -96,10 +99,12 @@ def load_latest_snapshot(
                   if durable_step is None or found.step >= durable_step]
     if not candidates:
         return None
-    try:
-        token = core.catalog.get_run(run).created_at.isoformat()
-    except CheckpointNotFoundError:
-        return None
+    token = run_token
+    if token is None:
+        try:
+            token = core.catalog.get_run(run).created_at.isoformat()
+        except CheckpointNotFoundError:
+            return None
     for found in candidates:  # newest first; a damaged one gives way to the one before
         started = time.perf_counter()
         try:

@@ -4,7 +4,10 @@ With ``replicas=2`` a training process sends every committed snapshot slot
 (:mod:`ckptstore.ops.writing.snapshot`) to a neighbour node over a TCP socket of the store's
 own (loopback in tests), asynchronously: a sender thread sends the newest committed snapshot
 and, when a newer one is committed meanwhile, the newer one next (intermediate ones are
-skipped, so a slow link costs freshness, never training time). The neighbour's
+skipped). Before the next snapshot is taken, the manager waits (:meth:`SnapshotReplicator.
+wait_sent`, bounded) until the neighbour acknowledged the previous one, so a node loss costs
+at most one snapshot interval; on a link that keeps up with the steps that wait is zero, and a
+neighbour that hangs costs one bounded wait, not one per step. The neighbour's
 :class:`SnapshotReplicaServer` keeps two replica slots per (run, rank), with the same
 complete-or-invisible rule as local slots: the received bytes land under an invalidated
 header, and the header is written only when the sender confirms that the slot did not change
@@ -54,6 +57,8 @@ _FRAME = struct.Struct("!4sI")
 _CHUNK = 8 * 1024**2
 _MAX_JSON = 1024**2
 _REPLICA_SLOTS = 2
+#: How long the next snapshot waits for the neighbour's acknowledgement of the previous one.
+_WAIT_S = 10.0
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -264,11 +269,13 @@ class SnapshotReplicator:
 
     :meth:`offer` (from the snapshot worker, after each commit) never blocks: the sender
     thread sends the newest offered slot, skipping older ones it did not get to.
+    :meth:`wait_sent` (from the training loop, before the next snapshot) waits for it.
 
     Attributes:
         address: The neighbour's ``(host, port)``.
         sent: Snapshots replicated so far (by the neighbour's acknowledgement).
         last_error: The last failure, or None.
+        wait_s: Most seconds :meth:`wait_sent` waits for one send.
     """
 
     def __init__(self, address: tuple[str, int], run: str, rank: int) -> None:
@@ -279,10 +286,13 @@ class SnapshotReplicator:
         self.sent = 0
         self.sent_step: int | None = None
         self.last_error: str | None = None
+        self.wait_s = _WAIT_S
         self._cond = threading.Condition()
         self._offer: tuple[Path, int, int] | None = None
         self._busy = False
         self._closed = False
+        self._attempts = 0  # sends finished (acknowledged or failed)
+        self._stuck_at: int | None = None  # _attempts when a wait_sent last timed out
         self._sock: socket.socket | None = None
         self._thread = threading.Thread(target=self._run, name="ckptstore-replicator",
                                         daemon=True)
@@ -299,6 +309,29 @@ class SnapshotReplicator:
         with self._cond:
             return self._cond.wait_for(lambda: self._offer is None and not self._busy,
                                        timeout=timeout)
+
+    def wait_sent(self) -> bool:
+        """Wait until the offered snapshot was sent (or its send failed); return whether so.
+
+        Bounds what a node loss costs: called before the next snapshot, it keeps the
+        neighbour at most one snapshot behind. A send still running after :attr:`wait_s` (a
+        hung neighbour) is logged once and not waited for again until it ends, so training
+        then goes on at its own pace with a staler replica.
+        """
+        timeout = self.wait_s
+        with self._cond:
+            if self._stuck_at is not None:
+                if self._attempts == self._stuck_at:
+                    return False
+                self._stuck_at = None
+            if self._cond.wait_for(lambda: self._offer is None and not self._busy,
+                                   timeout=timeout):
+                return True
+            self._stuck_at = self._attempts
+        logger.warning("the snapshot replica of %s to %s:%s is still being sent after %.0fs: "
+                       "training goes on without waiting for it", self.run, *self.address,
+                       timeout)
+        return False
 
     def close(self) -> None:
         """Send what is offered (bounded wait), then stop."""
@@ -330,6 +363,7 @@ class SnapshotReplicator:
             finally:
                 with self._cond:
                     self._busy = False
+                    self._attempts += 1
                     self._cond.notify_all()
 
     def _send(self, path: Path, seq: int, step: int) -> None:
