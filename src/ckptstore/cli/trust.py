@@ -18,6 +18,18 @@ from ckptstore.cli.output import console, human_bytes, print_json
 __all__ = ["register"]
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+EncryptToOpt = Annotated[
+    list[Path] | None,
+    typer.Option("--encrypt-to", metavar="PUBKEY",
+                 help="Encrypt for this X25519 public key (`ckpt keygen --encryption --out DIR`; "
+                      "repeatable): only its private key can read the copy."),
+]
+DecryptKeyOpt = Annotated[
+    Path | None,
+    typer.Option("--key", metavar="KEY",
+                 help="X25519 private key that opens encrypted copies (default: "
+                      "$CKPT_DECRYPT_KEY, else the config's decrypt_key)."),
+]
 
 
 def doctor_cmd(
@@ -33,10 +45,12 @@ def doctor_cmd(
         float, typer.Option(parser=ascii_float,
                             help="Leave unfinished files younger than this many seconds.")
     ] = 60.0,
+    key: DecryptKeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Reconcile the catalog with storage: rows without data, data without rows, damaged
-    copies, dead saves and dead leases. Exits 1 while problems remain.
+    copies, dead saves and dead leases. Exits 1 while problems remain. With --deep and a
+    decryption key, encrypted copies are decrypted and every chunk checked too.
 
     JSON: ok, fix, checked (what -> count), findings (kind, subject, detail, tier, fixable,
     fixed, error).
@@ -45,7 +59,8 @@ def doctor_cmd(
 
     with open_store(ctx) as store, progress_bar("checking copies", enabled=not as_json,
                                                 unit="items") as advance:
-        report = doctor(store, fix=fix, deep=deep, tiers=tier, grace_s=grace, progress=advance)
+        report = doctor(store, fix=fix, deep=deep, tiers=tier, grace_s=grace, progress=advance,
+                        key=key)
     if as_json:
         print_json(report.to_dict())
     else:
@@ -98,20 +113,6 @@ def verify_signature_cmd(
                     "deep": deep})
         return
     console.print(f"{ref}: signature OK", markup=False, highlight=False)
-
-
-EncryptToOpt = Annotated[
-    list[Path] | None,
-    typer.Option("--encrypt-to", metavar="PUBKEY",
-                 help="Encrypt for this X25519 public key (`ckpt keygen --encryption --out DIR`; "
-                      "repeatable): only its private key can read the copy."),
-]
-DecryptKeyOpt = Annotated[
-    Path | None,
-    typer.Option("--key", metavar="KEY",
-                 help="X25519 private key that opens encrypted copies (default: "
-                      "$CKPT_DECRYPT_KEY, else the config's decrypt_key)."),
-]
 
 
 def export_cmd(

@@ -508,4 +508,12 @@ def test_cli_restore_with_key(local_store: CheckpointStore, keys: dict[str, Path
     victim.write_bytes(data[:5] + bytes([data[5] ^ 1]) + data[6:])
     verify = ["--config", str(config), "verify", ck.id, "--tier", "warm", "--no-repair"]
     assert main(verify) == 0
+    # doctor the same way: with --deep and --key it decrypts and finds it; without a key, or
+    # with one that is not a recipient's (which says nothing of the copy), it cannot
+    doctor = ["--config", str(config), "doctor", "--deep", "--tier", "warm"]
+    assert main(doctor) == 0
+    assert main([*doctor, "--key", str(keys["other_key"])]) == 0
+    assert main([*doctor, "--key", str(tmp_path / "no-such.key")]) == 1
+    assert main([*doctor, "--key", str(keys["sign_key"])]) == 1  # a signing key: refused
+    assert main([*doctor, "--key", str(keys["key"])]) == 1
     assert main([*verify, "--key", str(keys["key"])]) == 1

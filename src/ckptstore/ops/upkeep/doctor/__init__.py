@@ -39,9 +39,11 @@ findings and applies repairs, :mod:`~ckptstore.ops.upkeep.doctor.report` is what
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 
 from ckptstore.core import StoreCore
+from ckptstore.keyfiles import load_decryption_key
 from ckptstore.ops.upkeep.doctor.hosts import check_hosts
 from ckptstore.ops.upkeep.doctor.orphans import check_hot_dirs, check_tier_keys
 from ckptstore.ops.upkeep.doctor.replicas import check_replicas
@@ -68,6 +70,7 @@ def doctor(
     tiers: Iterable[str] | None = None,
     grace_s: float = 60.0,
     progress: Progress | None = None,
+    key: str | os.PathLike[str] | None = None,
 ) -> DoctorReport:
     """Reconcile the catalog with storage; with ``fix``, apply the safe repairs.
 
@@ -81,14 +84,20 @@ def doctor(
             writer may still be working on them).
         progress: Called with 1 after each copy checked; one with ``set_total``
             (:mod:`ckptstore.progress`) is first told how many copies there are to check.
+        key: X25519 private key that opens encrypted copies, for ``deep`` (default:
+            ``$CKPT_DECRYPT_KEY``, else the config's ``decrypt_key``); without one, a sealed
+            copy's envelope, objects and sizes are checked.
 
     Returns:
         The :class:`DoctorReport`; ``report.ok`` is True when nothing is wrong any more.
 
     Raises:
         StorageError: If the catalog cannot be reached.
+        ConfigError: If ``key`` is not a readable X25519 private key (checked first).
     """
-    job = DoctorRun(store, fix=fix, deep=deep, grace_s=grace_s, tiers=tiers)
+    if key is not None:
+        load_decryption_key(key)  # a bad --key fails before anything is checked or fixed
+    job = DoctorRun(store, fix=fix, deep=deep, grace_s=grace_s, tiers=tiers, key=key)
     check_leases(job)
     everything = store.catalog.list(state=None)
     check_pending(job, everything)

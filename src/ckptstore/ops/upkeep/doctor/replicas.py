@@ -91,7 +91,8 @@ def _check_parts_here(job: DoctorRun, ck: Checkpoint) -> None:
 
 def _check_sealed(job: DoctorRun, ck: Checkpoint, tier: Tier, copy_id: str) -> None:
     """A sealed copy (an encrypted tier): its envelope, objects and sizes, and with a key
-    (``$CKPT_DECRYPT_KEY``, ``decrypt_key``) and ``--deep`` every chunk after decryption."""
+    (``--key``, ``$CKPT_DECRYPT_KEY``, ``decrypt_key``) and ``--deep`` every chunk after
+    decryption."""
     hint = ("`ckpt verify --repair` seals it again from the hot copy"
             if any(r.tier != tier.name and r.state == ReplicaState.PRESENT and not r.sealed
                    for r in ck.replicas)
@@ -104,7 +105,7 @@ def _check_sealed(job: DoctorRun, ck: Checkpoint, tier: Tier, copy_id: str) -> N
                      f"object of sealed copy {copy_id} is left on {tier.name} (lost); {hint}",
                      tier=tier.name, repair=job.mark_damaged(ck, tier.name))
             return
-        problems, _ = (verify_sealed(job.store, ck, tier) if job.deep else
+        problems, _ = (verify_sealed(job.store, ck, tier, job.key) if job.deep else
                        verify_sealed(job.store, ck, tier, key=None, full=False))
     except StorageError as exc:
         job.find("missing-replica", ck.id, f"{ck.ref}: cannot check the copy: {exc}",

@@ -9,6 +9,7 @@ with the repair that would fix it, and the run applies the repair only with ``fi
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import time
@@ -70,13 +71,17 @@ class DoctorRun:
         deep: Re-hash every chunk of every copy.
         grace_s: Unfinished files younger than this are left alone.
         tiers: Only these tiers (default: every configured tier).
+        key: The private key that opens encrypted copies (None: the environment's or the
+            config's).
     """
 
     def __init__(self, store: StoreCore, *, fix: bool, deep: bool, grace_s: float,
-                 tiers: Iterable[str] | None) -> None:
+                 tiers: Iterable[str] | None,
+                 key: str | os.PathLike[str] | None = None) -> None:
         self.store = store
         self.fix = fix
         self.deep = deep
+        self.key = key
         self.grace_s = grace_s
         self.report = DoctorReport(fix=fix)
         self.owner = "doctor:" + lease_owner()
