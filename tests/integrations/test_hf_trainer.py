@@ -1,10 +1,15 @@
 """CkptStoreTrainer with a real Trainer on CPU: each checkpoint goes to the store once (no
 ``checkpoint-N`` folder), and the Trainer's own resume works from a store reference,
-bit-exactly."""
+bit-exactly; with ``snapshot_interval`` it also resumes from a snapshot newer than the last
+checkpoint, after a SIGKILL too."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +19,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from ckptstore.errors import CheckpointNotFoundError  # noqa: E402
+from ckptstore.errors import CheckpointNotFoundError, ConfigError  # noqa: E402
 from ckptstore.integrations.hf import materialize_hf_checkpoint  # noqa: E402
 from ckptstore.integrations.hf_trainer import CkptStoreTrainer  # noqa: E402
+from ckptstore.ops.writing.snapshot import (  # noqa: E402
+    SnapshotWriter,
+    snapshot_dir,
+    snapshots_here,
+)
 from ckptstore.records import CheckpointState  # noqa: E402
 from ckptstore.store import CheckpointStore  # noqa: E402
 
@@ -63,11 +73,13 @@ def _args(out: Path, **extra: Any) -> Any:
 
 
 def _trainer(store: CheckpointStore, run: str, out: Path, *, callbacks: Any = None,
-             async_save: bool = False, **extra: Any) -> CkptStoreTrainer:
+             async_save: bool = False, snapshot_interval: Any = None,
+             snapshot_budget_bytes: Any = None, **extra: Any) -> CkptStoreTrainer:
     return CkptStoreTrainer(
         model=_model(), args=_args(out, **extra), train_dataset=_Data(),
         eval_dataset=_Data() if "eval_strategy" in extra else None,
         callbacks=callbacks, store=store, run=run, async_save=async_save,
+        snapshot_interval=snapshot_interval, snapshot_budget_bytes=snapshot_budget_bytes,
     )
 
 
@@ -225,3 +237,138 @@ def test_the_trainer_records_the_run_context(tmp_path: Path,
         doc = store.catalog.context_of(store.latest("ctx")).document
     assert_full_context(doc, repo)
     assert doc["config"]["max_steps"] == 2 and doc["config"]["save_steps"] == 2
+
+
+def test_snapshots_every_step_resume_past_the_last_checkpoint_bit_exact(
+    uninterrupted: tuple[Path, Any, Any], tmp_path: Path, shm_root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, losses, final = uninterrupted
+    taken: list[int] = []
+    take = SnapshotWriter.take
+
+    def recorded(writer: SnapshotWriter, step: int, flat: Any, **kwargs: Any) -> None:
+        taken.append(step)
+        take(writer, step, flat, **kwargs)
+
+    monkeypatch.setattr(SnapshotWriter, "take", recorded)
+    with CheckpointStore.open(tmp_path / "store", memory_tier_dir=str(shm_root)) as store:
+        # Stopped at step 5, one step after its last checkpoint (4): only a snapshot has it.
+        first = _trainer(store, "snap", tmp_path / "out", callbacks=[_StopAt(5)],
+                         snapshot_interval=1)
+        first.train()
+        assert taken == [1, 2, 3, 4, 5]
+        assert [ck.step for ck in first.saved] == [2, 4] and first.state.global_step == 5
+        # The writer is closed; only its two slot files stay, for the next process.
+        assert first._snapshots is None
+        slots = snapshot_dir(store, "snap")
+        assert sorted(p.name for p in slots.iterdir()) == ["slot0.snap", "slot1.snap"]
+        assert [f.step for f in snapshots_here(store, "snap")] == [5, 4]
+
+        resumed = _trainer(store, "snap", tmp_path / "out", snapshot_interval=1)
+        resumed.train(resume_from_checkpoint=True)
+        assert resumed.resumed_step == 5
+        assert resumed.resumed_from is not None and resumed.resumed_from.step == 4
+        assert taken[5:] == [6]  # the resumed step is not taken again
+        # The same losses at every step as the uninterrupted run, and the same final weights.
+        assert _losses(resumed) == losses
+        after = _weights(resumed)
+        assert all(torch.equal(after[k], final[k]) for k in final)
+        # Lineage: the next save continues the newest checkpoint's line.
+        last = store.get("snap@latest")
+        assert last.step == STEPS and last.parent_id == resumed.resumed_from.id
+        assert [f.step for f in snapshots_here(store, "snap")] == [6, 5]
+
+        # Without snapshot_interval the trainer resumes from the newest checkpoint, as before.
+        plain = _trainer(store, "snap", tmp_path / "out")
+        plain.train(resume_from_checkpoint=True)
+        assert plain.resumed_step == STEPS and plain.resumed_from is not None
+        assert plain.resumed_from.step == STEPS
+
+
+HF_CHILD = Path(__file__).with_name("hf_snapshot_trainer.py")
+#: Steps of the child's run (a checkpoint every 4) and the step it waits after to be killed.
+CHILD_STEPS, CHILD_HOLD = 12, 9
+
+
+def _child(tmp_path: Path, shm_root: Path, run: str, log: Path,
+           hold: int = 0) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, str(HF_CHILD), str(tmp_path / "store"), str(shm_root), run,
+         str(CHILD_STEPS), str(log), str(hold)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+
+
+def _log_lines(log: Path) -> list[list[str]]:
+    return [line.split() for line in log.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_a_sigkilled_trainer_resumes_from_its_snapshot_at_most_a_step_behind(
+    tmp_path: Path, shm_root: Path,
+) -> None:
+    # The uninterrupted run, in a child process too: the same thread count and start-up.
+    ref_log = tmp_path / "reference.log"
+    proc = _child(tmp_path / "ref", shm_root / "ref", "reference", ref_log)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()
+    ref = _log_lines(ref_log)
+    reference = {int(p[1]): p[2] for p in ref if p[0] == "done"}
+    assert sorted(reference) == list(range(1, CHILD_STEPS + 1)) and ref[-1][0] == "finished"
+
+    log = tmp_path / "killed.log"
+    proc = _child(tmp_path, shm_root / "node", "killed", log, hold=CHILD_HOLD)
+    deadline = time.monotonic() + 300
+    # Kill once three steps are logged: somewhere in steps 3 to CHILD_HOLD (the child waits
+    # there), between or during snapshots, checkpoints and steps.
+    while proc.poll() is None and time.monotonic() < deadline:
+        if log.exists() and sum(1 for p in _log_lines(log) if p[0] == "done") >= 3:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, proc.communicate()[1].decode()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    killed = _log_lines(log)
+    last_done = max(int(p[1]) for p in killed if p[0] == "done")
+    assert 3 <= last_done <= CHILD_HOLD
+
+    proc = _child(tmp_path, shm_root / "node", "killed", log)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()
+    restarted = _log_lines(log)[len(killed):]
+    assert restarted[0][0] == "start"
+    start = int(restarted[0][1])
+    # The snapshot of the last logged step, the one before (its commit was cut off) or the
+    # one after (snapshot taken, not yet logged); checkpoints are only every 4 steps.
+    assert last_done - 1 <= start <= last_done + 1, (start, last_done)
+    done = [(int(p[1]), p[2]) for p in restarted if p[0] == "done"]
+    assert [step for step, _ in done] == list(range(start, CHILD_STEPS + 1))
+    # Bit-exact: the restored state and every step after it are the uninterrupted run's.
+    assert all(reference[step] == digest for step, digest in done)
+    assert restarted[-1] == ref[-1]
+
+
+@pytest.mark.parametrize("interval", [0, -2, 1.5, "1", True])
+def test_a_bad_snapshot_interval_is_a_config_error(tmp_path: Path, interval: Any) -> None:
+    with CheckpointStore.open(tmp_path / "store") as store, \
+            pytest.raises(ConfigError, match="snapshot_interval"):
+        _trainer(store, "bad", tmp_path / "out", snapshot_interval=interval)
+
+
+def test_snapshot_budgets_are_checked(tmp_path: Path, shm_root: Path) -> None:
+    with CheckpointStore.open(tmp_path / "store", memory_tier_dir=str(shm_root)) as store:
+        with pytest.raises(ConfigError, match="snapshot_budget_bytes"):
+            _trainer(store, "bad", tmp_path / "out", snapshot_budget_bytes=2**20)
+        with pytest.raises(ConfigError, match="snapshot_budget_bytes must be a positive int"):
+            _trainer(store, "bad", tmp_path / "out", snapshot_interval=1,
+                     snapshot_budget_bytes=0)
+        # Too small for two slots of this state: refused at the first snapshot, with the
+        # bytes it needs, before a slot file is made; training stops there.
+        small = _trainer(store, "bad", tmp_path / "out", snapshot_interval=1,
+                         snapshot_budget_bytes=4096)
+        with pytest.raises(ConfigError, match=r"need \d+ bytes .* snapshot_budget_bytes=4096"):
+            small.train()
+        assert small.state.global_step == 1 and small._snapshots is None
+        slots = snapshot_dir(store, "bad")
+        assert not slots.exists() or not list(slots.iterdir())

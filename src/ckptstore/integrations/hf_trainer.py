@@ -67,6 +67,15 @@ Mapping of the ``Trainer``'s options:
   temporary directory holding nothing but that JSON (a few kB, removed after ``train``);
   everything else is loaded from the store in memory. The first save after a resume
   records the resumed checkpoint as its parent (lineage).
+* **snapshots** (``snapshot_interval=N``): every N optimizer steps the same state a save
+  holds is also copied into this host's shared memory (a
+  :class:`~ckptstore.ops.writing.snapshot.SnapshotWriter`: no catalog row, no disk I/O;
+  docs/SNAPSHOTS.md), after the step's logging, evaluation and save, where the ``Trainer``
+  would save. ``train(resume_from_checkpoint=True)`` (or ``"<run>@latest"``) then resumes
+  from the newest complete snapshot when its step is at least the newest checkpoint's, so a
+  killed process loses at most one snapshot interval; the ``save_steps`` saves go on as
+  before (staged on their own, not written from a snapshot). The writer is closed when
+  ``train`` returns or raises; its slot files stay for the next process.
 
 Limits: one process only (``world_size == 1``); DeepSpeed, FSDP and ``push_to_hub`` need
 the ``Trainer``'s own folders: use :class:`~ckptstore.integrations.hf.CkptStoreCallback`
@@ -100,6 +109,7 @@ from transformers.trainer_pt_utils import set_rng_state_for_device
 from transformers.trainer_utils import SaveStrategy
 
 from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError, StorageError
+from ckptstore.format import as_flat
 from ckptstore.integrations.hf import (
     _FORMAT,
     _PREFIX,
@@ -109,10 +119,12 @@ from ckptstore.integrations.hf import (
     python_rng_state,
 )
 from ckptstore.names import validate_name
+from ckptstore.ops.reading.load import load_latest_snapshot, snapshot_rank
 from ckptstore.ops.tiering.retention import apply_retention
 from ckptstore.ops.upkeep.history import MetricHistory
 from ckptstore.ops.writing.async_save import SaveHandle, save_async
 from ckptstore.ops.writing.save import save_checkpoint
+from ckptstore.ops.writing.snapshot import SnapshotWriter
 from ckptstore.retention import RetentionPolicy
 from ckptstore.save_options import SaveOptions
 
@@ -132,9 +144,10 @@ _WRITER = "CkptStoreTrainer"
 
 @dataclass
 class _Resume:
-    """A resume in progress: the checkpoint, its loaded state and the stand-in folder."""
+    """A resume in progress: what it resumes from (a checkpoint's reference, or a snapshot
+    named by its step), the loaded state and the stand-in folder."""
 
-    checkpoint: Checkpoint
+    label: str
     state: dict[str, Any]
     folder: str
     best_model_checkpoint: str | None
@@ -150,8 +163,11 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
         store: The store checkpoints go to (the caller closes it).
         run: The run the checkpoints are saved as.
         saved: The committed checkpoints of this trainer, in commit order.
-        resumed_from: The store checkpoint the last ``train`` resumed from, if any.
+        resumed_from: The store checkpoint the last ``train`` resumed from, if any (after a
+            resume from a snapshot: the run's newest checkpoint, the next save's parent).
+        resumed_step: The step the last ``train`` resumed at (None: it started fresh).
         best_alias: The alias that marks the best checkpoint.
+        snapshot_interval: Snapshot every this many optimizer steps (None: no snapshots).
     """
 
     def __init__(
@@ -165,6 +181,8 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
         best_alias: str | None = None,
         async_save: bool = False,
         record_history: bool = True,
+        snapshot_interval: int | None = None,
+        snapshot_budget_bytes: int | None = None,
         **kwargs: Any,
     ) -> None:
         """Create the trainer.
@@ -181,12 +199,34 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
                 write it on a background thread (the store's async saver); ``train``
                 waits for the last save before it returns.
             record_history: Record the logged training loss in the run's metric history.
+            snapshot_interval: Also snapshot the training state into this host's shared
+                memory every N optimizer steps (docs/SNAPSHOTS.md);
+                ``train(resume_from_checkpoint=True)`` then prefers a snapshot at least as
+                new as the newest checkpoint. None: no snapshots.
+            snapshot_budget_bytes: Most shared memory the two snapshot slots may take (each
+                the state's size); a state that does not fit is refused with a ConfigError
+                at the first snapshot. None: only the free space of the shared-memory file
+                system bounds them. Needs ``snapshot_interval``.
             **kwargs: Keyword ``Trainer`` arguments.
 
         Raises:
-            ConfigError: For more than one process, DeepSpeed, FSDP or ``push_to_hub``.
+            ConfigError: For more than one process, DeepSpeed, FSDP or ``push_to_hub``, a
+                ``snapshot_interval`` that is not a positive int, or a
+                ``snapshot_budget_bytes`` that is not a positive int or comes without it.
             InvalidNameError: For a bad run name, tag or alias.
         """
+        # Checked before the Trainer is built: a typo fails at once, not after the setup.
+        if snapshot_interval is not None and (
+            isinstance(snapshot_interval, bool) or not isinstance(snapshot_interval, int)
+            or snapshot_interval <= 0
+        ):
+            raise ConfigError(
+                f"snapshot_interval must be a positive int (optimizer steps) or None, got "
+                f"{snapshot_interval!r}")
+        if snapshot_budget_bytes is not None and snapshot_interval is None:
+            raise ConfigError(
+                "snapshot_budget_bytes bounds the snapshots, which need snapshot_interval; "
+                "pass snapshot_interval=N or leave the budget out")
         super().__init__(*args, **kwargs)
         if self.args.world_size > 1:
             raise ConfigError(
@@ -205,10 +245,15 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
                 "does not write; use CkptStoreCallback, or push the final model yourself"
             )
         self.store = store
-        self.run = store.run(run, **({"experiment": experiment} if experiment else {})).name
+        run_info = store.run(run, **({"experiment": experiment} if experiment else {}))
+        self.run = run_info.name
+        # A snapshot left by an earlier run of the same name (deleted and created again)
+        # carries another creation time and is never resumed from.
+        self._run_token = run_info.created_at.isoformat()
         self.best_alias = validate_name(best_alias or f"{self.run}.best", "alias")
         self.saved: list[Checkpoint] = []
         self.resumed_from: Checkpoint | None = None
+        self.resumed_step: int | None = None
         self._options = SaveOptions(tags=tuple(tags), codec=codec)
         self._async = async_save
         self._pending: list[SaveHandle] = []
@@ -219,6 +264,15 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._history = MetricHistory(store, self.run) if record_history else None
         self._history_seen = 0
+        self.snapshot_interval = snapshot_interval
+        self._snapshot_budget = snapshot_budget_bytes
+        self._snapshot_at = 0  # the step of the last snapshot taken (0: none yet)
+        self._save_calls = 0  # _save_checkpoint calls, to see whether a step saved
+        # Made here so that a bad budget fails at once (the writer checks it); slot files
+        # are only created by the first snapshot. Closed when train ends, made again by the
+        # next train.
+        self._snapshots: SnapshotWriter | None = (
+            self._snapshot_writer() if snapshot_interval is not None else None)
 
     # ------------------------------------------------------------------ training
     def train(
@@ -243,17 +297,24 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
 
         Raises:
             CheckpointNotFoundError: If the reference does not resolve, or True was passed
-                and the run has no checkpoint yet.
+                and the run has no checkpoint (nor, with ``snapshot_interval``, a snapshot)
+                yet.
             InvalidNameError: If the string is neither a directory nor a valid reference.
             CkptError: If the checkpoint was not saved from a ``Trainer``, or a background
                 save failed.
             StorageError: If the trainer state cannot be handed to the ``Trainer``.
+            ConfigError: If the snapshots would not fit ``snapshot_budget_bytes`` or the free
+                shared memory.
         """
-        ck = self._store_checkpoint(resume_from_checkpoint)
-        if ck is None:
-            return self._train_and_wait(resume_from_checkpoint, trial, ignore_keys_for_eval,
-                                        kwargs)
-        self._resume = self._open_resume(ck)
+        self._snapshot_at = 0
+        resume = self._open_snapshot_resume(resume_from_checkpoint)
+        if resume is None:
+            ck = self._store_checkpoint(resume_from_checkpoint)
+            if ck is None:
+                return self._train_and_wait(resume_from_checkpoint, trial, ignore_keys_for_eval,
+                                            kwargs)
+            resume = self._open_resume(ck)
+        self._resume = resume
         try:
             return self._train_and_wait(self._resume.folder, trial, ignore_keys_for_eval,
                                         kwargs)
@@ -263,6 +324,8 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
 
     def _train_and_wait(self, resume: Any, trial: Any, ignore: list[str] | None,
                         kwargs: dict[str, Any]) -> Any:
+        if self.snapshot_interval is not None and self._snapshots is None:
+            self._snapshots = self._snapshot_writer()  # the previous train closed its writer
         try:
             out = super().train(resume_from_checkpoint=resume, trial=trial,
                                 ignore_keys_for_eval=ignore, **kwargs)
@@ -272,11 +335,35 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
                 self.wait()
             except CkptError:
                 logger.exception("a pending save failed while training was failing")
+            try:
+                self._close_snapshots()
+            except CkptError:
+                logger.exception("the last snapshot failed while training was failing")
             raise
         finally:
             self._stop_chores()
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            self._close_snapshots()
         return out
+
+    def _snapshot_writer(self) -> SnapshotWriter:
+        # Two slots: the durable saves stage the state themselves, so no third slot is
+        # pinned by a save made from a snapshot.
+        return SnapshotWriter(self.store, self.run, slots=2, budget_bytes=self._snapshot_budget,
+                              rank=snapshot_rank(), run_token=self._run_token)
+
+    def _close_snapshots(self) -> None:
+        """Wait for the last snapshot's commit and stop the writer's thread (the slot files
+        stay: a later process resumes from them).
+
+        Raises:
+            CkptError: If the last snapshot failed.
+        """
+        writer, self._snapshots = self._snapshots, None
+        if writer is not None:
+            writer.close()
 
     def _stop_chores(self) -> None:
         """Let the housekeeping thread finish and end it (a later save starts a new one)."""
@@ -301,11 +388,37 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
             return None  # a checkpoint-N folder: the Trainer's own resume
         return self.store.get(str(value))
 
+    def _open_snapshot_resume(self, value: str | bool | None) -> _Resume | None:
+        """The resume from this host's newest snapshot, when ``value`` asks for the run's
+        newest state and a complete snapshot is at least as new as its newest checkpoint."""
+        if self.snapshot_interval is None or not (
+            value is True or (isinstance(value, str) and value == f"{self.run}@latest")
+        ):
+            return None
+        try:
+            durable: Checkpoint | None = self.store.latest(self.run)
+        except CheckpointNotFoundError:
+            durable = None
+        # A torn, damaged or other-incarnation snapshot is skipped there, never returned.
+        hit = load_latest_snapshot(self.store, self.run,
+                                   durable.step if durable is not None else None,
+                                   run_token=self._run_token)
+        if hit is None:
+            return None
+        step, state = hit
+        return self._prepare_resume(state, f"the snapshot of {self.run} at step {step}", step,
+                                    parent=durable)
+
     def _open_resume(self, ck: Checkpoint) -> _Resume:
-        state = self.store.load(ck.id)
+        return self._prepare_resume(self.store.load(ck.id), ck.ref, ck.step, parent=ck)
+
+    def _prepare_resume(self, state: Any, label: str, step: int,
+                        parent: Checkpoint | None) -> _Resume:
+        """Check a loaded state, write its ``TrainerState`` for the ``Trainer`` to read and
+        set the lineage (``parent``: the checkpoint the next save continues)."""
         if not isinstance(state, dict) or "model" not in state or "trainer_state" not in state:
             raise CkptError(
-                f"{ck.ref} was not saved by a Hugging Face Trainer (no 'model' and "
+                f"{label} was not saved by a Hugging Face Trainer (no 'model' and "
                 "'trainer_state' entries); load it with store.load and copy what you need"
             )
         trainer_state = dict(state["trainer_state"])
@@ -318,7 +431,7 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
             best = None
         folder = ""
         try:
-            folder = tempfile.mkdtemp(prefix=f"ckpt-resume-{ck.step}-")
+            folder = tempfile.mkdtemp(prefix=f"ckpt-resume-{step}-")
             Path(folder, _TRAINER_STATE).write_text(
                 json.dumps(trainer_state, indent=2, sort_keys=True) + "\n", encoding="utf-8"
             )
@@ -326,21 +439,25 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
             if folder:
                 shutil.rmtree(folder, ignore_errors=True)
             raise StorageError(
-                f"cannot write the trainer state of {ck.ref} for the Trainer to read: {exc}; "
+                f"cannot write the trainer state of {label} for the Trainer to read: {exc}; "
                 "check the temporary directory (TMPDIR) has space"
             ) from exc
-        self.resumed_from = ck
-        self._parent_pending = ck.id
+        self.resumed_from = parent
+        self.resumed_step = step
+        self._parent_pending = parent.id if parent is not None else None
         self._history_seen = len(trainer_state.get("log_history") or ())
-        if self._history is not None and ck.run == self.run:
+        # A snapshot (no parent, or the run's own newest checkpoint) is always of this run.
+        if self._history is not None and (parent is None or parent.run == self.run):
             try:
                 # The curve shows the path the run took: values logged after the resumed
                 # step belong to the abandoned attempt.
-                self._history.rewind(ck.step)
+                self._history.rewind(step)
             except CkptError:
                 logger.exception("could not rewind the loss history of %s", self.run)
-        logger.info("resuming %s from %s (step %s)", self.run, ck.ref, ck.step)
-        return _Resume(ck, state, folder, best)
+        # The resumed step's snapshot is the one just read: not taken again.
+        self._snapshot_at = step
+        logger.info("resuming %s from %s (step %s)", self.run, label, step)
+        return _Resume(label, state, folder, best)
 
     def _resuming(self, checkpoint: str | None) -> _Resume | None:
         resume = self._resume
@@ -403,8 +520,7 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
             return
         rng = (resume.state.get("rng_state") or {}).get(_RNG_FILE)
         if rng is None:
-            logger.info("%s holds no RNG state; the resume is not bit-exact",
-                        resume.checkpoint.ref)
+            logger.info("%s holds no RNG state; the resume is not bit-exact", resume.label)
             return
         random.setstate(python_rng_state(rng["python"]))
         np.random.set_state(rng["numpy"])
@@ -426,9 +542,45 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
         result = model.load_state_dict(weights, False)
         self._issue_warnings_after_load(result)
 
+    # ------------------------------------------------------------------ snapshots
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        """The ``Trainer``'s log / evaluate / save of a step, then the step's snapshot.
+
+        After them, so that a snapshot holds what a save at this step would (the step's
+        logged loss, evaluation, best metric). The call at the end of an epoch repeats the
+        step's; it snapshots again only if it logged or saved something.
+        """
+        logged, saves = len(self.state.log_history), self._save_calls
+        super()._maybe_log_save_evaluate(*args, **kwargs)
+        interval = self.snapshot_interval
+        step = int(self.state.global_step)
+        if self._snapshots is None or interval is None or step <= 0 or step % interval:
+            return
+        if step == self._snapshot_at and (
+            len(self.state.log_history) == logged and self._save_calls == saves
+        ):
+            return
+        self._take_snapshot(step)
+
+    def _take_snapshot(self, step: int) -> None:
+        """Copy the state a checkpoint at ``step`` would hold into the next snapshot slot.
+
+        Returns once the tensors are copied (the next optimizer step may change them); the
+        checksum and commit word follow on the writer's thread, so a crash loses at most
+        this step's snapshot (docs/SNAPSHOTS.md).
+        """
+        assert self._snapshots is not None
+        if self.hp_search_backend is None:
+            # As a save does: the FLOPs counted so far go into the state (the sum is the
+            # same however often this runs).
+            self.store_flos()
+        self._snapshots.take(step, as_flat(self._checkpoint_content(step)))
+        self._snapshot_at = step
+
     # ------------------------------------------------------------------ saving
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """Save this step's training state as one store checkpoint (no folder)."""
+        self._save_calls += 1
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         step = int(self.state.global_step)
