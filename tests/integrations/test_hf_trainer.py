@@ -23,7 +23,9 @@ from ckptstore.errors import CheckpointNotFoundError, ConfigError  # noqa: E402
 from ckptstore.integrations.hf import materialize_hf_checkpoint  # noqa: E402
 from ckptstore.integrations.hf_trainer import CkptStoreTrainer  # noqa: E402
 from ckptstore.ops.writing.snapshot import (  # noqa: E402
+    HEADER_BYTES,
     SnapshotWriter,
+    parse_header,
     snapshot_dir,
     snapshots_here,
 )
@@ -284,6 +286,38 @@ def test_snapshots_every_step_resume_past_the_last_checkpoint_bit_exact(
         plain.train(resume_from_checkpoint=True)
         assert plain.resumed_step == STEPS and plain.resumed_from is not None
         assert plain.resumed_from.step == STEPS
+
+
+def test_a_damaged_snapshot_gives_way_to_the_one_before(
+    uninterrupted: tuple[Path, Any, Any], tmp_path: Path, shm_root: Path,
+) -> None:
+    _, losses, final = uninterrupted
+    with CheckpointStore.open(tmp_path / "store", memory_tier_dir=str(shm_root)) as store:
+        # A checkpoint at step 3; snapshots of steps 4 and 5 in the two slots.
+        first = _trainer(store, "dmg", tmp_path / "out", callbacks=[_StopAt(5)],
+                         snapshot_interval=1, save_steps=3)
+        first.train()
+        assert [ck.step for ck in first.saved] == [3]
+        newest = snapshots_here(store, "dmg")[0]
+        assert newest.step == 5
+        # One bit of the first tensor of the step-5 snapshot flipped (as a bad page would).
+        with open(newest.path, "r+b") as fh:
+            parsed = parse_header(fh.read(HEADER_BYTES))
+            assert parsed is not None
+            fh.seek(parsed[3])
+            byte = fh.read(1)[0]
+            fh.seek(parsed[3])
+            fh.write(bytes([byte ^ 1]))
+
+        # "<run>@latest" asks for the newest state as True does: the intact snapshot of
+        # step 4 is used, never the damaged one.
+        resumed = _trainer(store, "dmg", tmp_path / "out", snapshot_interval=1, save_steps=3)
+        resumed.train(resume_from_checkpoint="dmg@latest")
+        assert resumed.resumed_step == 4
+        assert resumed.resumed_from is not None and resumed.resumed_from.step == 3
+        assert _losses(resumed) == losses
+        after = _weights(resumed)
+        assert all(torch.equal(after[k], final[k]) for k in final)
 
 
 HF_CHILD = Path(__file__).with_name("hf_snapshot_trainer.py")
