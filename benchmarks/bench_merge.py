@@ -10,7 +10,7 @@ first), the inputs in the page cache (hot) for both:
 * **read**: ``store.load(ref)`` of each of the three inputs, one after the other (each state
   dropped before the next is read), timed together: what any merge must at least do.
 * **merge**: ``store.merge(refs, run=..., step=...)`` (mean, default ``auto`` accumulation:
-  float64 for these fp32 tensors), which reads the same three inputs chunk by chunk and
+  float32 for these fp32 tensors), which reads the same three inputs chunk by chunk and
   writes and commits the merged checkpoint (fsync included). Its peak extra resident memory
   is the kernel's high-water mark (``benchmarks.harness.PeakMemory``).
 * **save**, for context: ``store.save`` of one input's loaded state in full (``delta=False``,

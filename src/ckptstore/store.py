@@ -246,8 +246,8 @@ class CheckpointStore(StoreCore):
                 ``samples``, for federated averaging).
             keys: fnmatch patterns selecting what is merged and kept (e.g. ``["model/*"]``);
                 the rest is left out of the result.
-            accumulate: ``auto`` (float64 for 32/64-bit floats, float32 for 16/8-bit ones),
-                ``float32`` or ``float64``.
+            accumulate: ``auto`` (float32 and float64 in their own dtype, float32 for 16/8-bit
+                ones), ``float32`` or ``float64``.
             metrics: Metrics to record with the merged checkpoint.
             tags: Tags to record.
             codec: Codec preset (default from the settings).

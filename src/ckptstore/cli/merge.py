@@ -70,8 +70,8 @@ def merge_cmd(
                           "'model/*'."),
     ] = None,
     accumulate: Annotated[
-        str, typer.Option(help="auto (float64 for 32/64-bit floats, float32 for 16/8-bit "
-                               "ones), float32 or float64.")
+        str, typer.Option(help="auto (32/64-bit floats in their own dtype, float32 for "
+                               "16/8-bit ones), float32 or float64.")
     ] = "auto",
     codec: Annotated[str | None, typer.Option(help="Codec preset (default from config).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,

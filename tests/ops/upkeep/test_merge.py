@@ -27,6 +27,11 @@ from ckptstore.format.constants import chunk_rel
 from ckptstore.records import CheckpointState
 
 RUNS = ("site-a", "site-b", "site-c")
+#: The summation error a float32 sum of up to three inputs may add (auto sums float32
+#: tensors in float32): about four float32 roundings of the terms' magnitudes.
+F32_SUM_EPS = 4 * 2.0**-24
+#: The same for a float64 sum (float64 accumulation, or float64 tensors).
+F64_SUM_EPS = 3 * 2.0**-53
 
 
 @pytest.fixture
@@ -120,8 +125,9 @@ def test_mean_and_weighted_match_a_float64_reference(
     mean = store.merge(refs, run="soup", step=1, accumulate=accumulate)
     weighted = store.merge(refs, run="soup", step=2, weights=[2.0, 1.0, 1.0],
                            accumulate=accumulate)
-    # float64 sums are exact up to float64 rounding; float32 sums carry ~3 float32 roundings.
-    eps = 3 * 2.0**-53 if accumulate != "float32" else 4 * 2.0**-24
+    # float64 sums are exact up to float64 rounding; float32 sums (auto's for these float32
+    # tensors) carry ~4 float32 roundings.
+    eps = F64_SUM_EPS if accumulate == "float64" else F32_SUM_EPS
     for ck, weights in ((mean, [1 / 3] * 3), (weighted, [0.5, 0.25, 0.25])):
         got = store.load(ck.ref)
         for key in ("float32.w", "float32.b"):
@@ -130,6 +136,45 @@ def test_mean_and_weighted_match_a_float64_reference(
             _assert_rounded_once(got["model"][key], expected, eps)
         expected = Reference([s["optimizer"]["state"][0]["exp_avg"] for s in states], weights)
         _assert_rounded_once(got["optimizer"]["state"][0]["exp_avg"], expected, eps)
+
+
+def test_float32_sums_stay_within_their_error_bound(store: CheckpointStore) -> None:
+    """auto sums float32 tensors in float32: within ``gamma(n + 1)`` of ``sum(w_i * |x_i|)``.
+
+    Each term ``w_i * x_i`` carries the weight's rounding to float32 and the product's, and
+    each of the ``n - 1`` additions one more: at most ``n + 1`` roundings of ``u = 2**-24``,
+    whose relative effect is bounded by ``gamma(k) = k*u / (1 - k*u)`` (Higham, Accuracy and
+    Stability of Numerical Algorithms, 3.1). The inputs are built to be hard: magnitudes
+    over 24 decades, and pairs of inputs that nearly cancel, so the sum is far smaller
+    than its terms and a float32 sum's relative error is large where float64's is not.
+    """
+    n = 5
+    g = torch.Generator().manual_seed(7)
+    size = 30_000  # two 64 KiB chunks and a part, in float32
+    magnitude = torch.pow(10.0, torch.empty(size).uniform_(-12, 12, generator=g))
+    base = torch.randn(size, generator=g, dtype=torch.float64) * magnitude
+    states = []
+    for i in range(n):
+        sign = 1.0 if i % 2 == 0 else -1.0
+        wobble = 1 + 1e-6 * torch.randn(size, generator=g, dtype=torch.float64)
+        states.append({"w": (sign * base * wobble).to(torch.float32)})
+    given = [2.0, 3.0, 1.5, 1.0, 0.5]  # odd inputs (negated) weigh what even ones do
+    refs = [store.save(f"in-{i}", 1, state).ref for i, state in enumerate(states)]
+    auto = store.load(store.merge(refs, run="soup", step=1, weights=given).ref)["w"]
+    forced = store.load(store.merge(refs, run="soup", step=2, weights=given,
+                                    accumulate="float32").ref)["w"]
+    assert auto.dtype == torch.float32
+    assert torch.equal(auto, forced)  # auto is float32 accumulation for float32 tensors
+
+    weights = [w / math.fsum(given) for w in given]
+    ref = Reference([s["w"] for s in states], weights)
+    k, u = n + 1, 2.0**-24
+    bound = k * u / (1 - k * u) * ref.scale
+    error = np.abs(auto.to(torch.float64).numpy() - ref.total)
+    assert np.all(error <= bound), f"worst {np.max(error / bound):.3g} of the bound"
+    # The cancellation is real: the sum is far below its terms' magnitudes somewhere, so
+    # the bound is relative to those terms, not to the result.
+    assert np.max(ref.scale / np.maximum(np.abs(ref.total), 1e-300)) > 1e3
 
 
 def test_every_floating_dtype_keeps_its_dtype_and_is_rounded_once(
@@ -150,10 +195,10 @@ def test_every_floating_dtype_keeps_its_dtype_and_is_rounded_once(
             if dtype.is_complex:
                 for part in ("real", "imag"):
                     _assert_rounded_once(getattr(got[key], part), expected.part(part),
-                                         3 * 2.0**-53)
+                                         F64_SUM_EPS)
                 continue
             # 16- and 8-bit floats are summed in float32 (auto): three float32 roundings.
-            eps = 3 * 2.0**-53 if dtype == torch.float64 else 4 * 2.0**-24
+            eps = F64_SUM_EPS if dtype == torch.float64 else F32_SUM_EPS
             _assert_rounded_once(got[key], expected, eps)
 
 
@@ -188,7 +233,7 @@ def test_keys_select_what_is_merged_and_kept(store: CheckpointStore) -> None:
     got = store.load(ck.ref)
     assert set(got) == {"model"} and set(got["model"]) == {"float32.w", "float32.b"}
     expected = Reference([s["model"]["float32.w"] for s in states], [1 / 3] * 3)
-    _assert_rounded_once(got["model"]["float32.w"], expected, 3 * 2.0**-53)
+    _assert_rounded_once(got["model"]["float32.w"], expected, F32_SUM_EPS)
     with pytest.raises(InvalidNameError, match="match nothing"):
         store.merge(refs, run="soup", step=2, keys=["encoder/*"])
 
@@ -205,7 +250,7 @@ def test_inputs_stored_as_deltas_merge_like_full_ones(store: CheckpointStore) ->
     got = store.load(store.merge([chain.ref, other.ref], run="soup", step=1).ref)
     expected = Reference([later["model"]["float32.b"], _state(1)["model"]["float32.b"]],
                           [0.5, 0.5])
-    _assert_rounded_once(got["model"]["float32.b"], expected, 3 * 2.0**-53)
+    _assert_rounded_once(got["model"]["float32.b"], expected, F32_SUM_EPS)
 
 
 # --------------------------------------------------------------------------- lineage
@@ -415,4 +460,4 @@ def test_merge_memory_is_bounded_by_the_largest_tensor_not_the_state(tmp_path: P
     with CheckpointStore.open(tmp_path / "store") as store:
         merged = store.load("soup@latest", keys=["big/t3"])["big"]["t3"]
         inputs = [store.load(r, keys=["big/t3"])["big"]["t3"] for r in refs]
-    _assert_rounded_once(merged, Reference(inputs, [1 / 3] * 3), 3 * 2.0**-53)
+    _assert_rounded_once(merged, Reference(inputs, [1 / 3] * 3), F32_SUM_EPS)
