@@ -18,7 +18,8 @@ first), the inputs in the page cache (hot) for both:
   read + save; ``merge / (read + save)`` below 1 is the overlap.
 
 The memory target is for GPT-2 small: a merge's buffers are fixed (writer threads x inputs x
-one chunk, ~100 MB with the defaults), so on the ``--quick`` state they are a larger share.
+one chunk, ~75 MB with the defaults on 2 cores), so on the ``--quick`` state they are a
+larger share.
 
 Targets (issue 36): merge peak extra memory <= 0.2x one state; merge time <= 1.3x read time.
 Both ratios are printed side by side per round and as the median over rounds; the order of

@@ -10,7 +10,7 @@ Memory: per writer thread, one chunk-sized buffer per input, reused for every ch
 result is written over the first input's, piece by piece, once every input's piece was
 added), plus an accumulator and a conversion buffer of :data:`_PIECE` elements
 (:data:`_NUMPY_PIECE` for the dtypes numpy sums); so a merge
-holds ``threads x inputs`` chunks of buffers (threads: 4 to 8,
+holds ``threads x inputs`` chunks of buffers (threads: 2 to 8,
 :func:`~ckptstore.ops.upkeep.merge.run.merge_threads`), whatever the size of the tensors or
 the state.
 """
