@@ -144,6 +144,39 @@ def test_damaged_snapshot_gives_way_to_the_one_before(snap_store: CheckpointStor
         snap_store.load("r@latest")  # no durable checkpoint and no good snapshot
 
 
+def test_large_snapshot_read_on_two_threads_is_exact_and_checked(
+    snap_store: CheckpointStore,
+) -> None:
+    # 12 MiB of state: read back as two halves on two threads, their crc32c joined.
+    gen = torch.Generator().manual_seed(3)
+    state = {"a": torch.randn(1_500_000, generator=gen), "b": torch.randn(1_500_001,
+                                                                           generator=gen)}
+    with CheckpointManager(snap_store, "big", snapshot_interval=1, handle_sigterm=False,
+                           history=False) as mgr:
+        mgr.step(1, lambda: state)
+    found = newest_snapshot(snap_store, "big")
+    assert found is not None
+    back = read_snapshot(found)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert read_snapshot(found, into=into)["b"] is into["b"]
+    assert all(torch.equal(into[k], state[k]) for k in state)
+    # A flipped byte in either half is caught.
+    size = found.path.stat().st_size
+    for where in (size // 3, size * 5 // 6):  # inside "a", then inside "b"
+        with open(found.path, "r+b") as fh:
+            fh.seek(where)
+            byte = fh.read(1)
+            fh.seek(where)
+            fh.write(bytes([byte[0] ^ 0x01]))
+        with pytest.raises(Exception, match="damaged"):
+            read_snapshot(found)
+        with open(found.path, "r+b") as fh:
+            fh.seek(where)
+            fh.write(byte)
+        assert torch.equal(read_snapshot(found)["a"], state["a"])
+
+
 def test_budget_refuses_what_does_not_fit(snap_store: CheckpointStore) -> None:
     w = torch.zeros(1024 * 1024)  # 4 MiB of state, 3 slots
     mgr = CheckpointManager(snap_store, "r", snapshot_interval=1, save_interval=10,

