@@ -3,7 +3,9 @@ resume from a store reference, and what Lightning puts in a checkpoint."""
 
 from __future__ import annotations
 
+import copy
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +17,20 @@ pl = pytest.importorskip("lightning.pytorch")
 from lightning.fabric.utilities.data import AttributeDict  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from ckptstore.errors import CheckpointNotFoundError, UnsafeObjectError  # noqa: E402
+from ckptstore.errors import CheckpointNotFoundError, ConfigError, UnsafeObjectError  # noqa: E402
 from ckptstore.integrations.lightning import (  # noqa: E402
     CkptStoreCallback,
     CkptStoreIO,
     alias_for_path,
     lightning_state,
     read_pointer,
+)
+from ckptstore.ops.writing.async_save import close_saver  # noqa: E402
+from ckptstore.ops.writing.snapshot import (  # noqa: E402
+    HEADER_BYTES,
+    SnapshotWriter,
+    parse_header,
+    snapshots_here,
 )
 from ckptstore.store import CheckpointStore  # noqa: E402
 
@@ -182,3 +191,148 @@ def test_hparams_and_the_run_context_are_recorded(tmp_path: Path,
         doc = store.catalog.context_of(store.latest("pl-ctx")).document
     assert_full_context(doc, repo)
     assert doc["config"]["lr"] == 0.01 and doc["config"]["hidden"] == 8
+
+
+# ---------------------------------------------------------------- snapshots
+
+
+class _Recorder(pl.Callback):  # type: ignore[misc]
+    """The weights and optimizer state after each step, and what a resumed fit starts from."""
+
+    def __init__(self) -> None:
+        self.after: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
+        self.start: tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None = None
+        self.first_step: int | None = None
+
+    @staticmethod
+    def _state(trainer: Any, module: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        return weights, copy.deepcopy(trainer.optimizers[0].state_dict())
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self.start = (trainer.global_step, *self._state(trainer, module))
+
+    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+        if self.first_step is None:
+            self.first_step = trainer.global_step
+        self.after[trainer.global_step] = self._state(trainer, module)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal nested states, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            _same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _assert_resumed_at(rec: _Recorder, before: _Recorder, step: int) -> None:
+    assert rec.start is not None
+    got_step, weights, optim = rec.start
+    want_weights, want_optim = before.after[step]
+    assert got_step == step
+    assert not _same(want_weights, before.after[step - 1][0])  # a step tells them apart
+    assert _same(weights, want_weights) and _same(optim, want_optim)
+    assert rec.first_step == step + 1  # training goes on from the snapshotted step
+
+
+@pytest.fixture
+def snap_store(tmp_path: Path, shm_root: Path) -> Iterator[CheckpointStore]:
+    """A store whose snapshots go to a private shared-memory directory."""
+    st = CheckpointStore.open(tmp_path / "store", memory_tier_dir=str(shm_root))
+    try:
+        yield st
+    finally:
+        try:
+            close_saver(st)
+        finally:
+            st.close()
+
+
+def _snapshot_fit(store: CheckpointStore, tmp_path: Path, run: str,
+                  monkeypatch: pytest.MonkeyPatch) -> tuple[_Recorder, list[int]]:
+    """Five steps with a snapshot after each and a durable checkpoint at step 3."""
+    taken: list[int] = []
+    take = SnapshotWriter.take
+
+    def recorded(writer: SnapshotWriter, step: int, flat: Any, **kwargs: Any) -> None:
+        taken.append(step)
+        take(writer, step, flat, **kwargs)
+
+    monkeypatch.setattr(SnapshotWriter, "take", recorded)
+    io = CkptStoreIO(store, run=run, snapshot_interval=1)
+    rec = _Recorder()
+    mc = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=3, save_top_k=-1)
+    _trainer(io, 5, [mc, rec, CkptStoreCallback()]).fit(TinyModule(), _loader())
+    assert io._snapshots is None  # closed when training ended; the slot files stay
+    return rec, taken
+
+
+def test_fit_resumes_from_a_snapshot_newer_than_the_last_checkpoint(
+    snap_store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before, taken = _snapshot_fit(snap_store, tmp_path, "pl-snap", monkeypatch)
+    # Every step; step 3 twice: the ModelCheckpoint save of that step refreshed it.
+    assert taken == [1, 2, 3, 3, 4, 5]
+    assert [ck.step for ck in snap_store.list(run="pl-snap")] == [3]
+    assert [f.step for f in snapshots_here(snap_store, "pl-snap")] == [5, 4]
+
+    io = CkptStoreIO(snap_store, run="pl-snap", snapshot_interval=1)
+    rec = _Recorder()
+    trainer = _trainer(io, 7, [rec, CkptStoreCallback()])
+    trainer.fit(TinyModule(), _loader(), ckpt_path="pl-snap@latest")
+    assert io.resumed_step == 5
+    assert io.resumed_from is not None and io.resumed_from.step == 3
+    _assert_resumed_at(rec, before, 5)
+    assert trainer.global_step == 7 and taken[6:] == [6, 7]  # step 5 not taken again
+    assert [f.step for f in snapshots_here(snap_store, "pl-snap")] == [7, 6]
+
+    # Without snapshot_interval "<run>@latest" is the newest checkpoint, as before.
+    plain, rec = CkptStoreIO(snap_store, run="pl-snap"), _Recorder()
+    _trainer(plain, 4, [rec, CkptStoreCallback()]).fit(TinyModule(), _loader(),
+                                                       ckpt_path="pl-snap@latest")
+    assert rec.start is not None and rec.start[0] == 3 and plain.resumed_step is None
+    assert _same(rec.start[1], before.after[3][0])
+
+
+def test_a_damaged_snapshot_gives_way_to_the_one_before(
+    snap_store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before, _ = _snapshot_fit(snap_store, tmp_path, "pl-dmg", monkeypatch)
+    newest = snapshots_here(snap_store, "pl-dmg")[0]
+    assert newest.step == 5
+    # One bit of the first tensor of the step-5 snapshot flipped (as a bad page would).
+    with open(newest.path, "r+b") as fh:
+        parsed = parse_header(fh.read(HEADER_BYTES))
+        assert parsed is not None
+        fh.seek(parsed[3])
+        byte = fh.read(1)[0]
+        fh.seek(parsed[3])
+        fh.write(bytes([byte ^ 1]))
+
+    io = CkptStoreIO(snap_store, run="pl-dmg", snapshot_interval=1)
+    rec = _Recorder()
+    _trainer(io, 6, [rec, CkptStoreCallback()]).fit(TinyModule(), _loader(),
+                                                    ckpt_path="pl-dmg@latest")
+    assert io.resumed_step == 4
+    _assert_resumed_at(rec, before, 4)
+
+
+@pytest.mark.parametrize("interval", [0, -2, 1.5, True, "3"])
+def test_a_bad_snapshot_interval_is_a_config_error(
+    snap_store: CheckpointStore, interval: Any
+) -> None:
+    with pytest.raises(ConfigError, match="snapshot_interval"):
+        CkptStoreIO(snap_store, run="pl-bad", snapshot_interval=interval)
+
+
+def test_a_snapshot_budget_needs_an_interval(snap_store: CheckpointStore) -> None:
+    with pytest.raises(ConfigError, match=r"snapshot_budget_bytes .*snapshot_interval"):
+        CkptStoreIO(snap_store, run="pl-bad", snapshot_budget_bytes=2**20)
+    with pytest.raises(ConfigError, match="snapshot_budget_bytes must be a positive int"):
+        CkptStoreIO(snap_store, run="pl-bad", snapshot_interval=1, snapshot_budget_bytes=0)
+    assert snap_store.list(run="pl-bad") == []

@@ -32,6 +32,41 @@ delete a checkpoint still being written): a removal of a path whose save has not
 yet runs right after that save's commit, on the save thread. Use ``async_save`` rather than
 wrapping this plugin in ``AsyncCheckpointIO``.
 
+Snapshots (``snapshot_interval=N``, docs/SNAPSHOTS.md)::
+
+    io = CkptStoreIO(store, run="mnist-a", snapshot_interval=1)
+    trainer = Trainer(plugins=[io], callbacks=[ModelCheckpoint(every_n_train_steps=500),
+                                               CkptStoreCallback()])
+    trainer.fit(model, ckpt_path="mnist-a@latest")   # after a crash: the newest snapshot wins
+
+The design splits the work as Lightning splits it: the plugin (the ``CheckpointIO``) owns
+the :class:`~ckptstore.ops.writing.snapshot.SnapshotWriter` and the resume, because
+Lightning hands every checkpoint load to it; the callback says *when*, because only a
+callback sees the training loop. :class:`CkptStoreCallback` (required for snapshots) opens
+the writer when training starts and, in ``on_train_batch_end`` (after the optimizer step,
+where ``ModelCheckpoint(every_n_train_steps=...)`` saves), builds the checkpoint dict
+Lightning itself would save (``trainer._checkpoint_connector.dump_checkpoint``: Lightning
+2.x has no public call that returns it without writing it) and hands it to the writer
+whenever ``trainer.global_step`` reached a new multiple of N (with gradient accumulation
+the hook runs once per batch; the step is taken once). A resume from a snapshot is
+therefore a resume from the checkpoint ``ModelCheckpoint`` would have saved at that step.
+Callbacks that save (``ModelCheckpoint``) run after ours at the same hook, and epoch-end
+saves come later still: when Lightning saves a full checkpoint at the step just snapshotted,
+the plugin takes the snapshot again from the dict it saves, so the snapshot of a step is
+never older than the checkpoint of the same step (a resume prefers the snapshot at an
+equal step). The writer is closed (last snapshot committed, thread stopped) when training
+ends or fails; its slot files stay for the next process.
+
+``fit(ckpt_path="<run>@latest")`` (this plugin's run) then loads the newest complete
+snapshot of the run on this host when its step is at least the newest durable checkpoint's
+(:func:`~ckptstore.ops.reading.load.load_latest_snapshot`: a torn, damaged or
+other-incarnation snapshot is never used); otherwise the checkpoint, as without snapshots.
+Any other reference, and every reference without ``snapshot_interval``, loads as before.
+Limits: one process per host and run directory per rank (``$RANK``), as the writer; the
+snapshot is a copy of Lightning's dict, so it resumes as exactly as Lightning resumes from
+its own mid-epoch checkpoints (weights, optimizer, schedulers, loops and global step are
+those of the step; a plain ``DataLoader`` does not resume its position).
+
 Checkpoint contents: ``AttributeDict`` (hyper-parameters) is stored as a plain ``dict``;
 anything else that would need pickle is refused with
 :class:`~ckptstore.errors.UnsafeObjectError` naming its key (e.g.
@@ -68,11 +103,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from ckptstore.durable import replace_file
-from ckptstore.errors import CheckpointNotFoundError, CkptError, UnsafeObjectError
-from ckptstore.format import flatten_state
+from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError, UnsafeObjectError
+from ckptstore.format import FlatState, flatten_state
 from ckptstore.names import MAX_NAME_BYTES, validate_metric_name
+from ckptstore.ops.reading.load import load_latest_snapshot, snapshot_rank
 from ckptstore.ops.writing.async_save import saver_for
 from ckptstore.ops.writing.save import save_checkpoint as save_to_store
+from ckptstore.ops.writing.snapshot import SnapshotWriter
 from ckptstore.save_options import SaveOptions
 
 if TYPE_CHECKING:
@@ -202,6 +239,9 @@ class CkptStoreIO(CheckpointIO):
         run: The run checkpoints are saved as.
         async_save: Stage and save in the background.
         stubs: Write JSON pointer files at Lightning's paths.
+        snapshot_interval: Snapshot every this many global steps (None: no snapshots).
+        resumed_step: The step the last snapshot resume loaded (None: none).
+        resumed_from: The run's newest checkpoint at that resume (None: there was none).
     """
 
     def __init__(
@@ -214,6 +254,8 @@ class CkptStoreIO(CheckpointIO):
         codec: str | None = None,
         experiment: str | None = None,
         stubs: bool = True,
+        snapshot_interval: int | None = None,
+        snapshot_budget_bytes: int | None = None,
     ) -> None:
         """Create the plugin.
 
@@ -226,13 +268,53 @@ class CkptStoreIO(CheckpointIO):
             codec: Codec preset (default: the store's).
             experiment: Experiment the run is filed under.
             stubs: Write a pointer file at each path Lightning saves to.
+            snapshot_interval: Also snapshot Lightning's checkpoint dict into this host's
+                shared memory every N global steps (needs :class:`CkptStoreCallback`;
+                docs/SNAPSHOTS.md); ``fit(ckpt_path="<run>@latest")`` then prefers a
+                snapshot at least as new as the newest checkpoint. None: no snapshots.
+            snapshot_budget_bytes: Most shared memory the two snapshot slots may take; a
+                state that does not fit is refused with a ConfigError at the first
+                snapshot. None: only the free shared memory bounds them. Needs
+                ``snapshot_interval``.
 
         Raises:
             InvalidNameError: For a bad run name or tag.
+            ConfigError: For a ``snapshot_interval`` that is not a positive int, or a
+                ``snapshot_budget_bytes`` that is not a positive int or comes without it.
         """
         super().__init__()
+        # Checked before the run is created: a typo fails at once and leaves nothing behind.
+        if snapshot_interval is not None and (
+            isinstance(snapshot_interval, bool) or not isinstance(snapshot_interval, int)
+            or snapshot_interval <= 0
+        ):
+            raise ConfigError(
+                f"snapshot_interval must be a positive int (global steps) or None, got "
+                f"{snapshot_interval!r}")
+        if snapshot_budget_bytes is not None and snapshot_interval is None:
+            raise ConfigError(
+                "snapshot_budget_bytes bounds the snapshots, which need snapshot_interval; "
+                "pass snapshot_interval=N or leave the budget out")
+        if snapshot_budget_bytes is not None and (
+            isinstance(snapshot_budget_bytes, bool) or not isinstance(snapshot_budget_bytes, int)
+            or snapshot_budget_bytes <= 0
+        ):
+            raise ConfigError(
+                f"snapshot_budget_bytes must be a positive int or None, got "
+                f"{snapshot_budget_bytes!r}")
         self.store = store
-        self.run = store.run(run, **({"experiment": experiment} if experiment else {})).name
+        run_info = store.run(run, **({"experiment": experiment} if experiment else {}))
+        self.run = run_info.name
+        # A snapshot left by an earlier run of the same name (deleted and created again)
+        # carries another creation time and is never resumed from.
+        self._run_token = run_info.created_at.isoformat()
+        self.snapshot_interval = snapshot_interval
+        self._snapshot_budget = snapshot_budget_bytes
+        self._snapshots: SnapshotWriter | None = None
+        self._snapshot_at = 0  # step of the last snapshot taken or resumed (0: none)
+        self._snapshot_opened = False  # a CkptStoreCallback opened the writer, or we warned
+        self.resumed_step: int | None = None
+        self.resumed_from: Checkpoint | None = None
         self.async_save = async_save
         self.stubs = stubs
         self._options = SaveOptions(tags=tuple(tags), codec=codec)
@@ -270,6 +352,13 @@ class CkptStoreIO(CheckpointIO):
                 "callback or datamodule state return plain containers from state_dict()"
             ) from exc
         step = int(checkpoint.get("global_step", 0))
+        self._refresh_snapshot(checkpoint, step, flat)
+        if self.snapshot_interval is not None and not self._snapshot_opened:
+            # A save before any writer was opened: no callback is there to open one.
+            self._snapshot_opened = True
+            logger.warning("CkptStoreIO(snapshot_interval=%s) takes no snapshots without "
+                           "CkptStoreCallback() in the Trainer's callbacks",
+                           self.snapshot_interval)
         hint = checkpoint.get(HINT_KEY)
         extra = hint.get("tags", ()) if isinstance(hint, Mapping) else ()
         tags = tuple(dict.fromkeys((*self._options.tags, *extra)))
@@ -398,6 +487,9 @@ class CkptStoreIO(CheckpointIO):
             UnsafeObjectError: If a plain ``.ckpt`` file needs arbitrary unpickling.
         """
         text = os.fspath(path)
+        snapshot = self._load_snapshot(text)
+        if snapshot is not None:
+            return snapshot
         if os.path.isfile(text) and read_pointer(text) is None:
             from ckptstore.convert.readers import load_pt
 
@@ -430,8 +522,111 @@ class CkptStoreIO(CheckpointIO):
                 self._settle(key, pending)
 
     def teardown(self) -> None:
-        """Called by Lightning at the end of ``fit``: wait for pending saves."""
-        self.wait()
+        """Called by Lightning at the end of ``fit``: wait for pending saves and close the
+        snapshot writer.
+
+        Raises:
+            CkptError: A background save's failure, or the last snapshot's.
+        """
+        try:
+            self.wait()
+        finally:
+            self.close_snapshots()
+
+    # ------------------------------------------------------------------ snapshots
+    def open_snapshots(self) -> None:
+        """Make the snapshot writer, if snapshots are on and none is open (training starts).
+
+        The slot files are created at the first snapshot, not here.
+
+        Raises:
+            ConfigError: For a bad budget.
+        """
+        if self.snapshot_interval is None or self._snapshots is not None:
+            return
+        self._snapshot_opened = True
+        # Two slots: the durable saves stage the state themselves, so no third slot is
+        # pinned by a save made from a snapshot.
+        self._snapshots = SnapshotWriter(self.store, self.run, slots=2,
+                                         budget_bytes=self._snapshot_budget,
+                                         rank=snapshot_rank(), run_token=self._run_token)
+
+    def close_snapshots(self) -> None:
+        """Wait for the last snapshot's commit and stop the writer's thread (the slot files
+        stay: a later process resumes from them).
+
+        Raises:
+            CkptError: If the last snapshot failed.
+        """
+        writer, self._snapshots = self._snapshots, None
+        self._snapshot_at = 0  # the next fit may start over from step 0
+        if writer is not None:
+            writer.close()
+
+    def maybe_snapshot(self, trainer: pl.Trainer) -> bool:
+        """Snapshot the trainer's checkpoint dict if its global step is a new multiple of
+        ``snapshot_interval`` (called by :class:`CkptStoreCallback` after each batch).
+
+        Returns:
+            Whether a snapshot was taken.
+
+        Raises:
+            ConfigError: If the slots would not fit the budget or the free shared memory.
+            UnsafeObjectError: If the checkpoint holds an object that would need pickle.
+            CkptError: The previous snapshot's failure.
+        """
+        interval, writer = self.snapshot_interval, self._snapshots
+        step = int(trainer.global_step)
+        if interval is None or writer is None or step <= 0 or step % interval:
+            return False
+        if step == self._snapshot_at:
+            return False  # gradient accumulation: later batches of the same step
+        # The dict ModelCheckpoint would save now (Lightning has no public equivalent).
+        connector: Any = trainer._checkpoint_connector
+        checkpoint = connector.dump_checkpoint(weights_only=False)
+        writer.take(step, flatten_state(lightning_state(checkpoint)))
+        self._snapshot_at = step
+        return True
+
+    def _refresh_snapshot(self, checkpoint: Mapping[str, Any], step: int,
+                          flat: FlatState) -> None:
+        """Take the snapshot of ``step`` again from a full checkpoint Lightning saves at it.
+
+        Savers run after the snapshot of their step (later callbacks, epoch end), and a
+        resume prefers a snapshot at the checkpoint's step: so that snapshot must hold at
+        least what the checkpoint holds. A weights-only save is not a resumable state and
+        leaves the snapshot as it is.
+        """
+        writer = self._snapshots
+        if writer is None or step <= 0 or step != self._snapshot_at:
+            return
+        if "optimizer_states" not in checkpoint or "loops" not in checkpoint:
+            return
+        writer.take(step, flat)
+
+    def _load_snapshot(self, text: str) -> dict[str, Any] | None:
+        """The newest snapshot's checkpoint dict, when ``text`` asks for this run's newest
+        state and a complete snapshot is at least as new as the newest checkpoint."""
+        if self.snapshot_interval is None or text != f"{self.run}@latest":
+            return None
+        self.wait()  # a checkpoint saved a moment ago counts as the newest
+        try:
+            durable: Checkpoint | None = self.store.latest(self.run)
+        except CheckpointNotFoundError:
+            durable = None
+        # A torn, damaged or other-incarnation snapshot is skipped there, never returned.
+        hit = load_latest_snapshot(self.store, self.run,
+                                   durable.step if durable is not None else None,
+                                   run_token=self._run_token)
+        if hit is None:
+            return None
+        step, state = hit
+        if not isinstance(state, dict):
+            return None
+        self.resumed_step, self.resumed_from = step, durable
+        self._snapshot_at = step  # the resumed step is not snapshotted again
+        logger.info("resuming %s from its snapshot at step %s", self.run, step)
+        return state
 
 
 def _scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -445,7 +640,8 @@ def _scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 class CkptStoreCallback(Callback):
     """Records ``trainer.callback_metrics`` with every checkpoint :class:`CkptStoreIO` saves,
-    and waits for its background saves when training ends or fails.
+    takes the plugin's snapshots (``snapshot_interval``), and waits for its background saves
+    and snapshots when training ends or fails.
 
     Add it next to ``ModelCheckpoint``; it does nothing when the trainer's ``CheckpointIO``
     is not a :class:`CkptStoreIO`.
@@ -473,11 +669,28 @@ class CkptStoreCallback(Callback):
             checkpoint[HINT_KEY] = {"metrics": _scalar_metrics(trainer.callback_metrics),
                                     "tags": list(self.tags)}
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Wait for pending saves so ``fit`` returns with every checkpoint committed."""
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Open the plugin's snapshot writer (after the resume: a fit made again reopens it)."""
         io = self._io(trainer)
         if io is not None:
-            io.wait()
+            io.open_snapshots()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After the optimizer step: the plugin snapshots every ``snapshot_interval`` steps."""
+        io = self._io(trainer)
+        if io is not None:
+            io.maybe_snapshot(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Wait for pending saves so ``fit`` returns with every checkpoint committed, and
+        for the last snapshot."""
+        io = self._io(trainer)
+        if io is not None:
+            try:
+                io.wait()
+            finally:
+                io.close_snapshots()
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
@@ -490,3 +703,7 @@ class CkptStoreCallback(Callback):
                 io.wait()
             except CkptError:
                 logger.exception("a pending checkpoint save failed while training was failing")
+            try:
+                io.close_snapshots()
+            except CkptError:
+                logger.exception("the last snapshot failed while training was failing")
