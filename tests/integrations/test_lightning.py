@@ -336,3 +336,27 @@ def test_a_snapshot_budget_needs_an_interval(snap_store: CheckpointStore) -> Non
     with pytest.raises(ConfigError, match="snapshot_budget_bytes must be a positive int"):
         CkptStoreIO(snap_store, run="pl-bad", snapshot_interval=1, snapshot_budget_bytes=0)
     assert snap_store.list(run="pl-bad") == []
+
+
+def test_snapshots_without_any_checkpoint_and_without_the_callback(
+    snap_store: CheckpointStore, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # No ModelCheckpoint: the run has snapshots only; "<run>@latest" still resumes.
+    io, before = CkptStoreIO(snap_store, run="pl-only", snapshot_interval=2), _Recorder()
+    _trainer(io, 4, [before, CkptStoreCallback()]).fit(TinyModule(), _loader())
+    assert snap_store.list(run="pl-only") == []
+    assert [f.step for f in snapshots_here(snap_store, "pl-only")] == [4, 2]
+    rec = _Recorder()
+    _trainer(io, 5, [rec, CkptStoreCallback()]).fit(TinyModule(), _loader(),
+                                                    ckpt_path="pl-only@latest")
+    assert io.resumed_step == 4 and io.resumed_from is None
+    _assert_resumed_at(rec, before, 4)
+
+    # Without the callback nothing takes snapshots: said once, at the first save.
+    bare = CkptStoreIO(snap_store, run="pl-bare", snapshot_interval=1)
+    with caplog.at_level("WARNING", logger="ckptstore.integrations.lightning"):
+        mc = ModelCheckpoint(dirpath=tmp_path / "bare", every_n_train_steps=1, save_top_k=-1)
+        _trainer(bare, 2, [mc]).fit(
+            TinyModule(), _loader())
+    assert snapshots_here(snap_store, "pl-bare") == []
+    assert sum("CkptStoreCallback" in r.getMessage() for r in caplog.records) == 1
