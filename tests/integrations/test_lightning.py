@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -360,3 +364,66 @@ def test_snapshots_without_any_checkpoint_and_without_the_callback(
             TinyModule(), _loader())
     assert snapshots_here(snap_store, "pl-bare") == []
     assert sum("CkptStoreCallback" in r.getMessage() for r in caplog.records) == 1
+
+
+PL_CHILD = Path(__file__).with_name("pl_snapshot_trainer.py")
+#: Steps of the child's run (a checkpoint every 4) and the step it waits after to be killed.
+CHILD_STEPS, CHILD_HOLD = 12, 9
+
+
+def _child(tmp_path: Path, shm_root: Path, run: str, log: Path,
+           hold: int = 0) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, str(PL_CHILD), str(tmp_path / "store"), str(shm_root), run,
+         str(CHILD_STEPS), str(log), str(hold)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+
+
+def _log_lines(log: Path) -> list[list[str]]:
+    return [line.split() for line in log.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_a_sigkilled_fit_resumes_from_its_snapshot_at_most_a_step_behind(
+    tmp_path: Path, shm_root: Path,
+) -> None:
+    # The uninterrupted run, in a child process too: the same thread count and start-up.
+    ref_log = tmp_path / "reference.log"
+    proc = _child(tmp_path / "ref", shm_root / "ref", "reference", ref_log)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()
+    ref = _log_lines(ref_log)
+    reference = {int(p[1]): p[2] for p in ref if p[0] in ("start", "done")}
+    assert sorted(reference) == list(range(CHILD_STEPS + 1)) and ref[-1] == ["finished"]
+
+    log = tmp_path / "killed.log"
+    proc = _child(tmp_path, shm_root / "node", "killed", log, hold=CHILD_HOLD)
+    deadline = time.monotonic() + 300
+    # Kill once three steps are logged: somewhere in steps 3 to CHILD_HOLD (the child waits
+    # there), between or during snapshots, checkpoints and steps.
+    while proc.poll() is None and time.monotonic() < deadline:
+        if log.exists() and sum(1 for p in _log_lines(log) if p[0] == "done") >= 3:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, proc.communicate()[1].decode()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    killed = _log_lines(log)
+    last_done = max(int(p[1]) for p in killed if p[0] == "done")
+    assert 3 <= last_done <= CHILD_HOLD
+
+    proc = _child(tmp_path, shm_root / "node", "killed", log)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()
+    restarted = _log_lines(log)[len(killed):]
+    assert restarted[0][0] == "start"
+    start = int(restarted[0][1])
+    # The snapshot of the last logged step, the one before (its commit was cut off) or the
+    # one after (taken, not yet logged); checkpoints are only every 4 steps.
+    assert last_done - 1 <= start <= last_done + 1, (start, last_done)
+    # The restored weights and optimizer state are those of that step in the uninterrupted
+    # run (the steps after it need not be: a plain DataLoader restarts its epoch).
+    assert restarted[0][2] == reference[start]
+    done = [int(p[1]) for p in restarted if p[0] == "done"]
+    assert done == list(range(start + 1, CHILD_STEPS + 1)) and restarted[-1] == ["finished"]
