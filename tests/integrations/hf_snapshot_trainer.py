@@ -19,20 +19,11 @@ from typing import Any
 
 import torch
 import transformers
+from hf_data import TinyData
 
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.integrations.hf_trainer import CkptStoreTrainer
 from ckptstore.store import CheckpointStore
-
-
-class _Data(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    def __len__(self) -> int:
-        return 32
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        gen = torch.Generator().manual_seed(index)
-        return {"input_ids": torch.randint(0, 100, (8,), generator=gen),
-                "labels": torch.tensor(index % 2)}
 
 
 def digest(model: Any, optimizer: Any) -> str:
@@ -93,7 +84,7 @@ def main() -> None:
         logging_steps=1, disable_tqdm=True)
     trainer = CkptStoreTrainer(
         model=transformers.BertForSequenceClassification(config), args=args,
-        train_dataset=_Data(), callbacks=[callback], store=store, run=run,
+        train_dataset=TinyData(), callbacks=[callback], store=store, run=run,
         snapshot_interval=1)
     callback.trainer = trainer
     try:

@@ -13,6 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from integrations.hf_data import TinyData  # noqa: E402
+
 from ckptstore.errors import ConflictError, UnsafeObjectError  # noqa: E402
 from ckptstore.integrations.hf import (  # noqa: E402
     CkptStoreCallback,
@@ -21,16 +23,6 @@ from ckptstore.integrations.hf import (  # noqa: E402
     read_trainer_folder,
 )
 from ckptstore.store import CheckpointStore  # noqa: E402
-
-
-class _Data(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    def __len__(self) -> int:
-        return 32
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        gen = torch.Generator().manual_seed(index)
-        return {"input_ids": torch.randint(0, 100, (8,), generator=gen),
-                "labels": torch.tensor(index % 2)}
 
 
 def _trainer(out: Path, steps: int = 4) -> Any:
@@ -42,7 +34,7 @@ def _trainer(out: Path, steps: int = 4) -> Any:
         output_dir=str(out), max_steps=steps, save_steps=2, report_to=[], use_cpu=True,
         per_device_train_batch_size=4, logging_steps=1, disable_tqdm=True,
     )
-    return transformers.Trainer(model=model, args=args, train_dataset=_Data())
+    return transformers.Trainer(model=model, args=args, train_dataset=TinyData())
 
 
 @pytest.fixture(scope="module")

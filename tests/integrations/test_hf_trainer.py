@@ -19,6 +19,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from integrations.hf_data import TinyData  # noqa: E402
+
 from ckptstore.errors import CheckpointNotFoundError, ConfigError  # noqa: E402
 from ckptstore.integrations.hf import materialize_hf_checkpoint  # noqa: E402
 from ckptstore.integrations.hf_trainer import CkptStoreTrainer  # noqa: E402
@@ -33,16 +35,6 @@ from ckptstore.records import CheckpointState  # noqa: E402
 from ckptstore.store import CheckpointStore  # noqa: E402
 
 STEPS = 6
-
-
-class _Data(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    def __len__(self) -> int:
-        return 32
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        gen = torch.Generator().manual_seed(index)
-        return {"input_ids": torch.randint(0, 100, (8,), generator=gen),
-                "labels": torch.tensor(index % 2)}
 
 
 class _StopAt(transformers.TrainerCallback):  # type: ignore[misc]
@@ -78,8 +70,8 @@ def _trainer(store: CheckpointStore, run: str, out: Path, *, callbacks: Any = No
              async_save: bool = False, snapshot_interval: Any = None,
              snapshot_budget_bytes: Any = None, **extra: Any) -> CkptStoreTrainer:
     return CkptStoreTrainer(
-        model=_model(), args=_args(out, **extra), train_dataset=_Data(),
-        eval_dataset=_Data() if "eval_strategy" in extra else None,
+        model=_model(), args=_args(out, **extra), train_dataset=TinyData(),
+        eval_dataset=TinyData() if "eval_strategy" in extra else None,
         callbacks=callbacks, store=store, run=run, async_save=async_save,
         snapshot_interval=snapshot_interval, snapshot_budget_bytes=snapshot_budget_bytes,
     )
@@ -180,7 +172,7 @@ def test_a_store_checkpoint_materializes_for_the_plain_trainer(
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth",
             "trainer_state.json", "config.json"} <= set(os.listdir(folder))
     plain = transformers.Trainer(model=_model(), args=_args(tmp_path / "out"),
-                                 train_dataset=_Data())
+                                 train_dataset=TinyData())
     plain.train(resume_from_checkpoint=folder)
     assert _losses(plain) == losses
     after = _weights(plain)
