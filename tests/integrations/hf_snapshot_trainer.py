@@ -11,7 +11,6 @@ optimizer's tensors. After logging step ``hold`` (> 0) it waits, at most 120 s, 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import time
@@ -19,25 +18,11 @@ from typing import Any
 
 import torch
 import transformers
-from hf_data import TinyData
+from trainer_support import TinyData, state_digest
 
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.integrations.hf_trainer import CkptStoreTrainer
 from ckptstore.store import CheckpointStore
-
-
-def digest(model: Any, optimizer: Any) -> str:
-    """sha256 of the weights and the optimizer state's tensors, in a fixed order."""
-    h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    for index, entry in sorted(optimizer.state_dict()["state"].items()):
-        for name, t in sorted(entry.items()):
-            if isinstance(t, torch.Tensor):
-                h.update(f"{index}.{name}".encode())
-                h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 class _Log(transformers.TrainerCallback):  # type: ignore[misc]
@@ -61,7 +46,7 @@ class _Log(transformers.TrainerCallback):  # type: ignore[misc]
         self._done(state.global_step, kwargs)
 
     def _done(self, step: int, kwargs: dict[str, Any]) -> None:
-        self.out.write(f"done {step} {digest(kwargs['model'], kwargs['optimizer'])}\n")
+        self.out.write(f"done {step} {state_digest(kwargs['model'], kwargs['optimizer'])}\n")
         if step == self.hold:
             time.sleep(120)  # the parent kills it here at the latest; never hangs for good
             os._exit(3)
@@ -91,7 +76,7 @@ def main() -> None:
         trainer.train(resume_from_checkpoint=True)
     except CheckpointNotFoundError:  # nothing to resume from: the first start
         trainer.train()
-    out.write(f"finished {digest(trainer.model, trainer.optimizer)}\n")
+    out.write(f"finished {state_digest(trainer.model, trainer.optimizer)}\n")
     store.close()
 
 

@@ -12,7 +12,6 @@ tensors. After logging step ``hold`` (> 0) it waits, at most 120 s, to be killed
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from trainer_support import state_digest
 
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.integrations.lightning import CkptStoreCallback, CkptStoreIO
@@ -42,20 +42,6 @@ class _Module(pl.LightningModule):  # type: ignore[misc]
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
 
-def digest(module: Any, optimizer: Any) -> str:
-    """sha256 of the weights and the optimizer state's tensors, in a fixed order."""
-    h = hashlib.sha256()
-    for name, p in sorted(module.state_dict().items()):
-        h.update(name.encode())
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    for index, entry in sorted(optimizer.state_dict()["state"].items()):
-        for name, t in sorted(entry.items()):
-            if isinstance(t, torch.Tensor):
-                h.update(f"{index}.{name}".encode())
-                h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 class _Log(pl.Callback):  # type: ignore[misc]
     """Writes the log lines of the module docstring (listed after CkptStoreCallback, so a
     step is logged after its snapshot was taken)."""
@@ -66,11 +52,11 @@ class _Log(pl.Callback):  # type: ignore[misc]
 
     def on_train_start(self, trainer: Any, module: Any) -> None:
         self.out.write(f"start {trainer.global_step} "
-                       f"{digest(module, trainer.optimizers[0])}\n")
+                       f"{state_digest(module, trainer.optimizers[0])}\n")
 
     def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
         step = trainer.global_step
-        self.out.write(f"done {step} {digest(module, trainer.optimizers[0])}\n")
+        self.out.write(f"done {step} {state_digest(module, trainer.optimizers[0])}\n")
         if step == self.hold:
             time.sleep(120)  # the parent kills it here at the latest; never hangs for good
             os._exit(3)

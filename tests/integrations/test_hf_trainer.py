@@ -19,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from integrations.hf_data import TinyData  # noqa: E402
+from integrations.trainer_support import TinyData  # noqa: E402
 
 from ckptstore.errors import CheckpointNotFoundError, ConfigError  # noqa: E402
 from ckptstore.integrations.hf import materialize_hf_checkpoint  # noqa: E402

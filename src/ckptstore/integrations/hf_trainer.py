@@ -119,12 +119,12 @@ from ckptstore.integrations.hf import (
     python_rng_state,
 )
 from ckptstore.names import validate_name
-from ckptstore.ops.reading.load import load_latest_snapshot, snapshot_rank
+from ckptstore.ops.reading.load import resume_from_snapshot, snapshot_rank
 from ckptstore.ops.tiering.retention import apply_retention
 from ckptstore.ops.upkeep.history import MetricHistory
 from ckptstore.ops.writing.async_save import SaveHandle, save_async
 from ckptstore.ops.writing.save import save_checkpoint
-from ckptstore.ops.writing.snapshot import SnapshotWriter
+from ckptstore.ops.writing.snapshot import SnapshotWriter, check_snapshot_options
 from ckptstore.retention import RetentionPolicy
 from ckptstore.save_options import SaveOptions
 
@@ -216,17 +216,7 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
             InvalidNameError: For a bad run name, tag or alias.
         """
         # Checked before the Trainer is built: a typo fails at once, not after the setup.
-        if snapshot_interval is not None and (
-            isinstance(snapshot_interval, bool) or not isinstance(snapshot_interval, int)
-            or snapshot_interval <= 0
-        ):
-            raise ConfigError(
-                f"snapshot_interval must be a positive int (optimizer steps) or None, got "
-                f"{snapshot_interval!r}")
-        if snapshot_budget_bytes is not None and snapshot_interval is None:
-            raise ConfigError(
-                "snapshot_budget_bytes bounds the snapshots, which need snapshot_interval; "
-                "pass snapshot_interval=N or leave the budget out")
+        check_snapshot_options(snapshot_interval, snapshot_budget_bytes, "optimizer steps")
         super().__init__(*args, **kwargs)
         if self.args.world_size > 1:
             raise ConfigError(
@@ -395,17 +385,10 @@ class CkptStoreTrainer(Trainer):  # type: ignore[misc]
             value is True or (isinstance(value, str) and value == f"{self.run}@latest")
         ):
             return None
-        try:
-            durable: Checkpoint | None = self.store.latest(self.run)
-        except CheckpointNotFoundError:
-            durable = None
-        # A torn, damaged or other-incarnation snapshot is skipped there, never returned.
-        hit = load_latest_snapshot(self.store, self.run,
-                                   durable.step if durable is not None else None,
-                                   run_token=self._run_token)
+        hit = resume_from_snapshot(self.store, self.run, self._run_token)
         if hit is None:
             return None
-        step, state = hit
+        step, state, durable = hit
         return self._prepare_resume(state, f"the snapshot of {self.run} at step {step}", step,
                                     parent=durable)
 

@@ -103,13 +103,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from ckptstore.durable import replace_file
-from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError, UnsafeObjectError
+from ckptstore.errors import CheckpointNotFoundError, CkptError, UnsafeObjectError
 from ckptstore.format import FlatState, flatten_state
 from ckptstore.names import MAX_NAME_BYTES, validate_metric_name
-from ckptstore.ops.reading.load import load_latest_snapshot, snapshot_rank
+from ckptstore.ops.reading.load import resume_from_snapshot, snapshot_rank
 from ckptstore.ops.writing.async_save import saver_for
 from ckptstore.ops.writing.save import save_checkpoint as save_to_store
-from ckptstore.ops.writing.snapshot import SnapshotWriter
+from ckptstore.ops.writing.snapshot import SnapshotWriter, check_snapshot_options
 from ckptstore.save_options import SaveOptions
 
 if TYPE_CHECKING:
@@ -284,24 +284,7 @@ class CkptStoreIO(CheckpointIO):
         """
         super().__init__()
         # Checked before the run is created: a typo fails at once and leaves nothing behind.
-        if snapshot_interval is not None and (
-            isinstance(snapshot_interval, bool) or not isinstance(snapshot_interval, int)
-            or snapshot_interval <= 0
-        ):
-            raise ConfigError(
-                f"snapshot_interval must be a positive int (global steps) or None, got "
-                f"{snapshot_interval!r}")
-        if snapshot_budget_bytes is not None and snapshot_interval is None:
-            raise ConfigError(
-                "snapshot_budget_bytes bounds the snapshots, which need snapshot_interval; "
-                "pass snapshot_interval=N or leave the budget out")
-        if snapshot_budget_bytes is not None and (
-            isinstance(snapshot_budget_bytes, bool) or not isinstance(snapshot_budget_bytes, int)
-            or snapshot_budget_bytes <= 0
-        ):
-            raise ConfigError(
-                f"snapshot_budget_bytes must be a positive int or None, got "
-                f"{snapshot_budget_bytes!r}")
+        check_snapshot_options(snapshot_interval, snapshot_budget_bytes, "global steps")
         self.store = store
         run_info = store.run(run, **({"experiment": experiment} if experiment else {}))
         self.run = run_info.name
@@ -610,17 +593,10 @@ class CkptStoreIO(CheckpointIO):
         if self.snapshot_interval is None or text != f"{self.run}@latest":
             return None
         self.wait()  # a checkpoint saved a moment ago counts as the newest
-        try:
-            durable: Checkpoint | None = self.store.latest(self.run)
-        except CheckpointNotFoundError:
-            durable = None
-        # A torn, damaged or other-incarnation snapshot is skipped there, never returned.
-        hit = load_latest_snapshot(self.store, self.run,
-                                   durable.step if durable is not None else None,
-                                   run_token=self._run_token)
+        hit = resume_from_snapshot(self.store, self.run, self._run_token)
         if hit is None:
             return None
-        step, state = hit
+        step, state, durable = hit
         if not isinstance(state, dict):
             return None
         self.resumed_step, self.resumed_from = step, durable

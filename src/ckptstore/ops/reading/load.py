@@ -49,6 +49,7 @@ from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expecte
 __all__ = [
     "load_checkpoint",
     "load_latest_snapshot",
+    "resume_from_snapshot",
     "read_any_manifest",
     "restore_latest",
     "snapshot_rank",
@@ -116,6 +117,34 @@ def load_latest_snapshot(
                     run, found.step, time.perf_counter() - started)
         return found.step, state
     return None
+
+
+def resume_from_snapshot(
+    core: StoreCore, run: str, run_token: str
+) -> tuple[int, Any, Checkpoint | None] | None:
+    """The run's newest snapshot on this host, when it is at least as new as the run's newest
+    checkpoint: what an integration resumes "``<run>@latest``" from.
+
+    Args:
+        core: The open store.
+        run: Run name.
+        run_token: The run's creation time (ISO format): another incarnation's snapshot is
+            never taken.
+
+    Returns:
+        ``(step, state, newest checkpoint or None)``: the checkpoint is what the next save
+        continues (its parent), or None when no snapshot is worth loading.
+    """
+    try:
+        durable: Checkpoint | None = core.catalog.latest(run)
+    except CheckpointNotFoundError:
+        durable = None
+    # A torn, damaged or other-incarnation snapshot is skipped there, never returned.
+    hit = load_latest_snapshot(core, run, durable.step if durable is not None else None,
+                               run_token=run_token)
+    if hit is None:
+        return None
+    return hit[0], hit[1], durable
 
 
 def load_checkpoint(

@@ -76,6 +76,7 @@ __all__ = [
     "SnapshotFound",
     "SnapshotView",
     "SnapshotWriter",
+    "check_snapshot_options",
     "newest_snapshot",
     "parse_header",
     "read_snapshot",
@@ -248,6 +249,35 @@ class SnapshotView:
     step: int
     flat: FlatState
     release: Callable[[], None]
+
+
+def check_snapshot_options(interval: int | None, budget_bytes: int | None, unit: str) -> None:
+    """Check an integration's ``snapshot_interval`` and ``snapshot_budget_bytes`` before
+    anything is created (the Hugging Face and Lightning adapters take both).
+
+    Args:
+        interval: Snapshot every this many steps, or None (no snapshots).
+        budget_bytes: Most shared memory for the slots, or None.
+        unit: What a step is, for the message (``"optimizer steps"``, ``"global steps"``).
+
+    Raises:
+        ConfigError: For an interval that is not a positive int, a budget that is not a
+            positive int, or a budget without an interval.
+    """
+    if interval is not None and (
+        isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0
+    ):
+        raise ConfigError(
+            f"snapshot_interval must be a positive int ({unit}) or None, got {interval!r}")
+    if budget_bytes is not None and interval is None:
+        raise ConfigError(
+            "snapshot_budget_bytes bounds the snapshots, which need snapshot_interval; "
+            "pass snapshot_interval=N or leave the budget out")
+    if budget_bytes is not None and (
+        isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0
+    ):
+        raise ConfigError(
+            f"snapshot_budget_bytes must be a positive int or None, got {budget_bytes!r}")
 
 
 class SnapshotWriter:
