@@ -124,3 +124,19 @@ def shm_root(tmp_path: Path) -> Iterator[Path]:
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def snap_store(tmp_path: Path, shm_root: Path) -> Iterator[Any]:
+    """An embedded store whose snapshots (and memory tier) go to ``shm_root``."""
+    from ckptstore.ops.writing.async_save import close_saver
+    from ckptstore.store import CheckpointStore
+
+    st = CheckpointStore.open(tmp_path / "store", memory_tier_dir=str(shm_root))
+    try:
+        yield st
+    finally:
+        try:
+            close_saver(st)
+        finally:
+            st.close()

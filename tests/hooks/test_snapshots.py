@@ -20,7 +20,6 @@ import torch
 
 from ckptstore.errors import CheckpointNotFoundError, ConfigError
 from ckptstore.hooks.manager import CheckpointManager
-from ckptstore.ops.writing.async_save import close_saver
 from ckptstore.ops.writing.snapshot import (
     newest_snapshot,
     read_snapshot,
@@ -31,19 +30,6 @@ from ckptstore.store import CheckpointStore
 
 TRAINER = Path(__file__).with_name("snapshot_trainer.py")
 
-
-
-@pytest.fixture
-def snap_store(tmp_path: Path, shm_root: Path) -> Iterator[CheckpointStore]:
-    """An embedded store whose snapshots go to ``shm_root``."""
-    st = CheckpointStore.open(tmp_path / "store", memory_tier_dir=str(shm_root))
-    try:
-        yield st
-    finally:
-        try:
-            close_saver(st)
-        finally:
-            st.close()
 
 
 def _state(w: torch.Tensor, step: int) -> dict[str, Any]:

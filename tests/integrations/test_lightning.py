@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,6 @@ from ckptstore.integrations.lightning import (  # noqa: E402
     lightning_state,
     read_pointer,
 )
-from ckptstore.ops.writing.async_save import close_saver  # noqa: E402
 from ckptstore.ops.writing.snapshot import (  # noqa: E402
     HEADER_BYTES,
     SnapshotWriter,
@@ -242,19 +240,6 @@ def _assert_resumed_at(rec: _Recorder, before: _Recorder, step: int) -> None:
     assert not _same(want_weights, before.after[step - 1][0])  # a step tells them apart
     assert _same(weights, want_weights) and _same(optim, want_optim)
     assert rec.first_step == step + 1  # training goes on from the snapshotted step
-
-
-@pytest.fixture
-def snap_store(tmp_path: Path, shm_root: Path) -> Iterator[CheckpointStore]:
-    """A store whose snapshots go to a private shared-memory directory."""
-    st = CheckpointStore.open(tmp_path / "store", memory_tier_dir=str(shm_root))
-    try:
-        yield st
-    finally:
-        try:
-            close_saver(st)
-        finally:
-            st.close()
 
 
 def _snapshot_fit(store: CheckpointStore, tmp_path: Path, run: str,
