@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,17 +37,40 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from ckptstore.capture import safe_config
-from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError
+from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError, StorageError
 from ckptstore.format import as_flat
 from ckptstore.hooks.policies import AnyOf, EveryNSeconds, EveryNSteps, OnDemand, SavePolicy
+from ckptstore.identity import host
 from ckptstore.ops.reading.load import load_latest_snapshot, snapshot_rank
 from ckptstore.ops.reading.reproduce import RESUME_ENV
 from ckptstore.ops.tiering.retention import apply_retention
 from ckptstore.ops.upkeep.history import DEFAULT_HISTORY_POINTS, MetricHistory
 from ckptstore.ops.writing.async_save import SaveHandle, saver_for
 from ckptstore.ops.writing.save import save_checkpoint
-from ckptstore.ops.writing.snapshot import SnapshotWriter
-from ckptstore.ops.writing.snapshot_peer import SnapshotReplicator, parse_address, pull_replica
+from ckptstore.ops.writing.snapshot import (
+    SnapshotFound,
+    SnapshotWriter,
+    read_snapshot,
+    snapshot_dir,
+)
+from ckptstore.ops.writing.snapshot_peer import (
+    SnapshotReplicaServer,
+    SnapshotReplicator,
+    parse_address,
+    pull_replica,
+    pulled_slot,
+)
+from ckptstore.ops.writing.snapshot_world import (
+    HostInventory,
+    World,
+    agree_step,
+    current_world,
+    gather,
+    host_inventory,
+    locate,
+    ring_assignment,
+    slot_path,
+)
 from ckptstore.retention import RetentionPolicy
 from ckptstore.save_options import SaveOptions
 
@@ -65,6 +89,9 @@ logger = logging.getLogger(__name__)
 StateFn = Callable[[], Any]
 #: Applies the manager's retention to one run's hot tier: ``prune_fn(store, run)``.
 PruneFn = Callable[["CheckpointStore", str], None]
+
+#: Steps the ranks try in turn when a read of the agreed one fails somewhere.
+_AGREE_ROUNDS = 3
 
 #: Exit status after a preemption save, as if SIGTERM had killed the process (128 + 15).
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
@@ -133,6 +160,7 @@ class CheckpointManager:
         snapshot_budget_bytes: int | None = None,
         replicas: int = 1,
         peer: str | None = None,
+        replica_host: str | None = None,
     ) -> None:
         """Attach a manager to ``run`` of ``store``.
 
@@ -183,14 +211,22 @@ class CheckpointManager:
             replicas: 2 also sends every snapshot to a neighbour node's memory
                 (asynchronously; :mod:`ckptstore.ops.writing.snapshot_peer`), and
                 :meth:`restore_latest` pulls it back when this host has none.
-            peer: The neighbour's replica server, ``"host:port"`` (needed with
-                ``replicas=2``; it runs a
+            peer: The neighbour's replica server, ``"host:port"`` (it runs a
                 :class:`~ckptstore.ops.writing.snapshot_peer.SnapshotReplicaServer`).
+                Without it, ``replicas=2`` needs a ``torch.distributed`` job of at least
+                two nodes: local rank 0 of every node runs its node's server, the ranks
+                exchange the addresses through the process group (every rank must create
+                its manager, a collective), and node ``k`` sends to node
+                ``(k + 1) % nnodes`` (:mod:`ckptstore.ops.writing.snapshot_world`).
+            replica_host: The address this node's replica server binds and is reached at
+                (without ``peer``; default this machine's host name).
 
         Raises:
-            ConfigError: For a non-positive interval or count, a bad ``keep_best``, or a
-                metrics endpoint / TensorBoard directory whose extra is not installed.
-            StorageError: If ``metrics_port`` is already in use.
+            ConfigError: For a non-positive interval or count, a bad ``keep_best``, a
+                metrics endpoint / TensorBoard directory whose extra is not installed, or
+                ``replicas=2`` without ``peer`` outside a job of several nodes.
+            StorageError: If ``metrics_port`` is already in use, or (on every rank) a
+                node's replica server cannot listen.
             InvalidNameError: For a bad run name.
         """
         settings = store.settings
@@ -250,20 +286,27 @@ class CheckpointManager:
         self._snapshot_policy: EveryNSteps | None = None
         self._overlap = False
         self.replicator: SnapshotReplicator | None = None
+        #: This node's replica server, when this rank runs it (``replicas=2`` without peer).
+        self.replica_server: SnapshotReplicaServer | None = None
         self._peer: tuple[str, int] | None = None
+        self._world: World | None = None
+        self._node_server: tuple[str, int] | None = None  # this node's, when in a world
+        self._failing = False
         if replicas not in (1, 2) or isinstance(replicas, bool):
             raise ConfigError(f"replicas must be 1 or 2, got {replicas!r}")
         if replicas == 2:
-            if snapshot_interval is None or peer is None:
+            if snapshot_interval is None:
                 raise ConfigError(
-                    "replicas=2 needs snapshot_interval and peer='host:port' (the neighbour's "
-                    "snapshot replica server)")
-            self._peer = parse_address(peer)
+                    "replicas=2 needs snapshot_interval: the replicas are of the snapshots")
+            if peer is not None:
+                self._peer = parse_address(peer)
+            else:
+                self._join_ring(replica_host)
         if snapshot_interval is not None:
             self._snapshot_policy = EveryNSteps(snapshot_interval)
             durable = (save_interval is not None or save_every_seconds is not None
                        or policy is not None)
-            rank = snapshot_rank()
+            rank = self._world.rank if self._world is not None else snapshot_rank()
             if self._peer is not None:
                 self.replicator = SnapshotReplicator(self._peer, run, rank)
             self.snapshots = SnapshotWriter(
@@ -280,6 +323,116 @@ class CheckpointManager:
         self._start_observability(metrics_port, metrics_addr, tensorboard_dir)
         if handle_sigterm:
             self._install_sigterm()
+
+    # ------------------------------------------------------------------ peers
+    def _join_ring(self, replica_host: str | None) -> None:
+        """Find this rank's neighbour in the job: a ring over nodes, the servers' addresses
+        exchanged through the process group (ops/writing/snapshot_world.py)."""
+        world = current_world()
+        if world is None:
+            raise ConfigError(
+                "replicas=2 needs peer='host:port' (a neighbour's snapshot replica server) or "
+                "a torch.distributed job of several nodes (an initialised process group), "
+                "whose neighbours are found by themselves")
+        mine = ring_assignment(world.nnodes, world.nproc_per_node)[world.rank]
+        error: str | None = None
+        if mine.serves:
+            try:
+                self.replica_server = SnapshotReplicaServer(
+                    self.store, host=replica_host or socket.gethostname())
+            except StorageError as exc:
+                error = str(exc)
+        address = self.replica_server.address if self.replica_server is not None else None
+        # Every rank takes part even when its server failed: no rank is left waiting.
+        reports = gather((world.node, address, error))
+        failed = [f"node {node}: {err}" for node, _, err in reports if err]
+        servers = {node: tuple(addr) for node, addr, _ in reports if addr is not None}
+        if failed or set(servers) != set(range(world.nnodes)):
+            if self.replica_server is not None:
+                self.replica_server.close()
+                self.replica_server = None
+            raise StorageError("snapshot replica servers did not start: "
+                               + ("; ".join(failed) or f"only nodes {sorted(servers)}"))
+        self._world = world
+        self._node_server = servers[world.node]
+        self._peer = servers[mine.sends_to]
+        logger.info("rank %s (node %s) replicates its snapshots to node %s at %s:%s",
+                    world.rank, world.node, mine.sends_to, *self._peer)
+
+    def _distributed(self) -> bool:
+        """Whether the ranks of a process group must agree on the step to resume."""
+        if self._world is not None:
+            return True
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def _restore_agreed(
+        self, durable_step: int | None, into: Any | None
+    ) -> tuple[int, Any] | None:
+        """The newest step every rank holds a snapshot of, agreed through the process
+        group, and this rank's state at it; None when the ranks resume from checkpoints.
+
+        Every rank lists what its host holds, the lists are gathered, and the same pure
+        choice is made on every rank (``agree_step``); each rank then reads its own state of
+        that step from this host or fetches it from the host that holds it. If any rank's
+        read fails, all of them try the next newest common step: never a mix of steps.
+        """
+        import torch.distributed as dist
+
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        here = f"{host()}|{self._snapshot_root()}"
+        mine = HostInventory(here, self._node_server,
+                             tuple(host_inventory(self.store, self.run)), durable_step)
+        inventories: list[HostInventory] = gather(mine)
+        if self.snapshots is not None:
+            # Later snapshots are numbered after every copy of this rank's, wherever it is.
+            self.snapshots.continue_after(max(
+                (h.seq for inv in inventories for h in inv.held if h.rank == rank),
+                default=0))
+        durable = max((inv.durable_step for inv in inventories
+                       if inv.durable_step is not None), default=None)
+        excluded: list[int] = []
+        for _ in range(_AGREE_ROUNDS):
+            step = agree_step(inventories, world_size, exclude=excluded)
+            if step is None or (durable is not None and step < durable):
+                return None
+            state, error = self._read_agreed(inventories, rank, step, here, into)
+            errors = gather(error)
+            if not any(errors):
+                logger.info("rank %s resumes %s at step %s, agreed by %s ranks", rank,
+                            self.run, step, world_size)
+                return step, state
+            logger.warning("not resuming %s at step %s: %s", self.run, step,
+                           "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+            excluded.append(step)
+        return None
+
+    def _snapshot_root(self) -> str:
+        return str(snapshot_dir(self.store, self.run, 0).parent)
+
+    def _read_agreed(self, inventories: list[HostInventory], rank: int, step: int,
+                     here: str, into: Any | None) -> tuple[Any, str | None]:
+        """This rank's state at ``step`` (and None), or (None, why not)."""
+        found = locate(inventories, rank, step, here)
+        if found is None:
+            return None, f"no reachable copy of rank {rank} at step {step}"
+        inv, held = found
+        if inv.host == here:
+            path = slot_path(self.store, self.run, held)
+        else:
+            assert inv.address is not None  # locate() skips other hosts without a server
+            pulled = pull_replica(self.store, self.run, rank, inv.address, seq=held.seq,
+                                  replica=held.replica)
+            if pulled != step:
+                return None, f"could not fetch rank {rank}'s step {step} from {inv.host}"
+            path = pulled_slot(self.store, self.run, rank)
+        try:
+            state = read_snapshot(SnapshotFound(path, held.seq, held.step),
+                                  run_token=self._run_token, into=into)
+        except (CkptError, OSError) as exc:
+            return None, str(exc)
+        return state, None
 
     # ------------------------------------------------------------------ observability
     def _start_observability(
@@ -350,9 +503,13 @@ class CheckpointManager:
             # A complete snapshot in this host's memory at or after the newest checkpoint
             # (a restart after a crash) is the newer state; a torn one is never read.
             durable_step = latest.step if latest is not None else None
-            hit = load_latest_snapshot(self.store, self.run, durable_step, into=into,
-                                       run_token=self._run_token)
-            if hit is None and self._peer is not None:
+            if self._distributed():
+                # Several ranks: all resume at one step or none does (from a snapshot).
+                hit = self._restore_agreed(durable_step, into)
+            else:
+                hit = load_latest_snapshot(self.store, self.run, durable_step, into=into,
+                                           run_token=self._run_token)
+            if hit is None and self._peer is not None and not self._distributed():
                 # A replacement node: the neighbour holds this rank's newest snapshot.
                 pulled = pull_replica(self.store, self.run, snapshot_rank(), self._peer)
                 if pulled is not None:
@@ -694,6 +851,8 @@ class CheckpointManager:
                 self.snapshots.close()
             if self.replicator is not None:
                 self.replicator.close()
+            if self.replica_server is not None or self._world is not None:
+                self._close_ring()
             self._uninstall_sigterm()
             # After the wait: the last saves' timings still reach the endpoint and the file.
             self._stop_observability()
@@ -704,6 +863,21 @@ class CheckpointManager:
             except CkptError as exc:
                 logger.warning("could not mark run %s closed: %s", self.run, exc)
 
+    def _close_ring(self) -> None:
+        """Stop this node's replica server once every rank has sent its last snapshot."""
+        if not self._failing and self._world is not None:
+            import torch.distributed as dist
+
+            # The neighbours' last sends end before the server that receives them stops.
+            try:
+                if dist.is_initialized():
+                    dist.barrier()
+            except Exception:  # a rank gone: its neighbours' replicas are what they are
+                logger.warning("ranks did not meet before the replica servers stopped",
+                               exc_info=True)
+        if self.replica_server is not None:
+            self.replica_server.close()
+
     def __enter__(self) -> CheckpointManager:
         return self
 
@@ -712,6 +886,7 @@ class CheckpointManager:
             self.close()
             return
         # Do not hide the loop's own exception behind a save failure.
+        self._failing = True  # the other ranks may never reach close(): no barrier
         try:
             self.close()
         except CkptError:

@@ -428,6 +428,18 @@ class SnapshotWriter:
                 free = [s for s in self._slots if s is not newest and not s.pins]
         return min(free, key=lambda s: s.seq)
 
+    def continue_after(self, seq: int) -> None:
+        """Number the next snapshots after ``seq``: the highest sequence number of this
+        rank anywhere (other hosts' slots and replicas included) at a restart.
+
+        Keeps "a higher sequence number is newer" true across the hosts a rank moves
+        between, so a snapshot of a timeline a restart abandoned is recognised as such
+        (:func:`ckptstore.ops.writing.snapshot_world.current_snapshots`) and a replica
+        server replaces the older of its two slots, not the newer.
+        """
+        with self._lock:
+            self._seq = max(self._seq, seq + seq % 2)
+
     # ------------------------------------------------------------------ snapshots
     def take(self, step: int, flat: FlatState, *, overlap: bool = False) -> None:
         """Snapshot ``flat`` (the state at ``step``) into the next slot.

@@ -47,6 +47,7 @@ __all__ = [
     "SnapshotReplicator",
     "parse_address",
     "pull_replica",
+    "pulled_slot",
     "replica_dir",
 ]
 
@@ -119,17 +120,22 @@ def _recv_json(sock: socket.socket) -> dict[str, Any]:
     return obj
 
 
-def _newest_slot(directory: Path) -> tuple[Path, int] | None:
-    best: tuple[Path, int] | None = None
+def _slots_by_seq(directory: Path) -> list[tuple[Path, int]]:
+    """The committed slot files in ``directory`` and their sequence numbers."""
+    found: list[tuple[Path, int]] = []
     for path in sorted(directory.glob("slot*.snap")):
         try:
             with open(path, "rb") as fh:
                 parsed = parse_header(fh.read(HEADER_BYTES))
         except OSError:
             continue
-        if parsed is not None and (best is None or parsed[0] > best[1]):
-            best = (path, parsed[0])
-    return best
+        if parsed is not None:
+            found.append((path, parsed[0]))
+    return found
+
+
+def _newest_slot(directory: Path) -> tuple[Path, int] | None:
+    return max(_slots_by_seq(directory), key=lambda found: found[1], default=None)
 
 
 class SnapshotReplicaServer:
@@ -207,7 +213,9 @@ class SnapshotReplicaServer:
                         if request.get("op") == "put":
                             self._put(conn, run, rank, int(request["size"]))
                         elif request.get("op") == "get":
-                            self._get(conn, run, rank)
+                            seq = request.get("seq")
+                            self._get(conn, run, rank, None if seq is None else int(seq),
+                                      bool(request.get("replica", True)))
                         else:
                             raise CkptError(f"unknown replica operation {request.get('op')!r}")
                 except (ConnectionError, OSError) as exc:
@@ -254,10 +262,19 @@ class SnapshotReplicaServer:
                 os.close(fd)
         _send_json(conn, {"ok": True})
 
-    def _get(self, conn: socket.socket, run: str, rank: int) -> None:
-        newest = _newest_slot(replica_dir(self.store, run, rank))
+    def _get(self, conn: socket.socket, run: str, rank: int, seq: int | None,
+             replica: bool) -> None:
+        directory = (replica_dir(self.store, run, rank) if replica
+                     else snapshot_dir(self.store, run, rank))
+        if seq is None:
+            newest = _newest_slot(directory)
+        else:  # one snapshot the ranks agreed on (ops/writing/snapshot_world.py)
+            newest = next((found for found in _slots_by_seq(directory) if found[1] == seq),
+                          None)
         if newest is None:
-            raise CkptError(f"this node holds no replica of {run} rank {rank}")
+            kind = "replica" if replica else "snapshot"
+            wanted = "" if seq is None else f" with sequence number {seq}"
+            raise CkptError(f"this node holds no {kind} of {run} rank {rank}{wanted}")
         with open(newest[0], "rb", buffering=0) as fh:
             size = os.fstat(fh.fileno()).st_size
             _send_json(conn, {"ok": True, "size": size})
@@ -396,21 +413,41 @@ class SnapshotReplicator:
             self.sent_step = step
 
 
-def pull_replica(store: StoreCore, run: str, rank: int, address: tuple[str, int]) -> int | None:
+def pulled_slot(store: StoreCore, run: str, rank: int) -> Path:
+    """The slot file :func:`pull_replica` writes (the rank's next snapshot removes it)."""
+    return snapshot_dir(store, run, rank) / "slot-replica.snap"
+
+
+def pull_replica(store: StoreCore, run: str, rank: int, address: tuple[str, int], *,
+                 seq: int | None = None, replica: bool = True) -> int | None:
     """Fetch the neighbour's newest replica of ``run``'s rank into this host's slots.
 
-    The bytes are written to a new slot file under an invalid header and the header last, so
-    the normal restart path (:func:`~ckptstore.ops.reading.load.load_latest_snapshot`) then
-    finds and checks it like a local snapshot.
+    The bytes are written to a new slot file (:func:`pulled_slot`) under an invalid header
+    and the header last, so the normal restart path
+    (:func:`~ckptstore.ops.reading.load.load_latest_snapshot`) then finds and checks it like
+    a local snapshot.
+
+    Args:
+        store: The open store.
+        run: Run name.
+        rank: The rank whose state is fetched.
+        address: The server holding it.
+        seq: Fetch the slot with this sequence number instead of the newest.
+        replica: From the server's replicas (True) or its host's own slots of ``rank``
+            (False: the rank ran there before the rendezvous placed it elsewhere).
 
     Returns:
         The replica's step, or None when the neighbour holds none (or cannot be reached).
     """
-    directory = snapshot_dir(store, run, rank)
-    target = directory / "slot-replica.snap"
+    target = pulled_slot(store, run, rank)
+    directory = target.parent
     try:
         with socket.create_connection(address, timeout=60) as sock:
-            _send_json(sock, {"op": "get", "run": run, "rank": rank})
+            request: dict[str, Any] = {"op": "get", "run": run, "rank": rank,
+                                       "replica": replica}
+            if seq is not None:
+                request["seq"] = seq
+            _send_json(sock, request)
             reply = _recv_json(sock)
             if not reply.get("ok"):
                 logger.info("no replica of %s rank %s at %s:%s: %s", run, rank, *address,

@@ -1,0 +1,203 @@
+"""Snapshots of a multi-rank job: neighbours assigned from the world (a ring over nodes), and
+one step agreed by every rank at a restart (gloo on CPU, real processes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from ckptstore.errors import ConfigError
+from ckptstore.hooks.manager import CheckpointManager
+from ckptstore.ops.writing.snapshot import HEADER_BYTES, parse_header, snapshot_dir
+from ckptstore.ops.writing.snapshot_world import (
+    Held,
+    HostInventory,
+    agree_step,
+    current_snapshots,
+    current_world,
+    locate,
+    ring_assignment,
+)
+from ckptstore.store import CheckpointStore
+from ckptstore.testing.ports import free_port
+
+TRAINER = Path(__file__).with_name("world_trainer.py")
+TIMEOUT_S = 60
+
+
+# ---------------------------------------------------------------- the assignment (pure)
+@pytest.mark.parametrize(("nnodes", "nproc"), [(2, 1), (2, 4), (3, 2), (5, 3), (8, 8)])
+def test_ring_over_nodes(nnodes: int, nproc: int) -> None:
+    ranks = ring_assignment(nnodes, nproc)
+    assert [a.rank for a in ranks] == list(range(nnodes * nproc))
+    for a in ranks:
+        assert a.node == a.rank // nproc  # torchrun's placement
+        assert a.sends_to == (a.node + 1) % nnodes and a.sends_to != a.node
+        assert a.serves == (a.rank % nproc == 0)
+    # Every node receives from exactly one node, and runs exactly one server.
+    assert sorted({(a.node, a.sends_to) for a in ranks}, key=lambda e: e[1]) == [
+        ((k - 1) % nnodes, k) for k in range(nnodes)]
+    assert sum(a.serves for a in ranks) == nnodes
+
+
+def test_one_node_or_bad_sizes_are_refused() -> None:
+    with pytest.raises(ConfigError, match="at least 2 nodes"):
+        ring_assignment(1, 4)
+    for nnodes, nproc in ((0, 1), (2, 0), (True, 1), (2, 1.5)):
+        with pytest.raises(ConfigError, match="must be an int"):
+            ring_assignment(nnodes, nproc)  # type: ignore[arg-type]
+
+
+def test_world_from_the_environment_needs_a_process_group() -> None:
+    assert not dist.is_initialized()
+    assert current_world({}) is None  # one process on its own
+    with pytest.raises(ConfigError, match="init_process_group"):
+        current_world({"WORLD_SIZE": "4", "RANK": "1"})
+    with pytest.raises(ConfigError, match="non-negative integer"):
+        current_world({"WORLD_SIZE": "x"})
+
+
+@pytest.fixture
+def solo_group(tmp_path: Path) -> Iterator[None]:
+    """A process group of this process alone: one node."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_job_on_one_node_is_refused_with_replicas_2(
+    snap_store: CheckpointStore, solo_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for var, value in {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0"}.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match="at least 2 nodes"):
+        CheckpointManager(snap_store, "r", snapshot_interval=1, replicas=2,
+                          handle_sigterm=False, history=False)
+    monkeypatch.setenv("GROUP_RANK", "3")  # rank 0 cannot be on node 3 of 1-rank nodes
+    with pytest.raises(ConfigError, match="not placed on nodes as torchrun"):
+        current_world()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # a world of 1 cannot hold 2 per node
+    with pytest.raises(ConfigError, match="same number of ranks"):
+        current_world()
+
+
+# ---------------------------------------------------------------- the agreement (pure)
+def _held(rank: int, seq: int, step: int, replica: bool = False) -> Held:
+    return Held(rank=rank, seq=seq, step=step, replica=replica, name=f"slot{seq}.snap")
+
+
+def test_a_snapshot_of_an_abandoned_timeline_is_not_current() -> None:
+    # Steps 9 and 10, then a restart went back to 8 and took 9 again (seq 22): the old 10
+    # (seq 20) and the old 9 (seq 18) belong to the abandoned run.
+    held = [_held(0, 16, 8), _held(0, 18, 9), _held(0, 20, 10), _held(0, 22, 9),
+            _held(0, 22, 9, replica=True)]
+    assert sorted((h.seq, h.replica) for h in current_snapshots(held)) == [
+        (16, False), (22, False), (22, True)]
+
+
+def test_the_newest_step_every_rank_holds_wins() -> None:
+    node_a = HostInventory("a", ("127.0.0.1", 1), (
+        _held(0, 10, 5), _held(0, 12, 6),        # rank 0's own slots
+        _held(1, 8, 4, True), _held(1, 10, 5, True)), None)  # rank 1's replicas
+    node_b = HostInventory("b", ("127.0.0.1", 2), (_held(1, 12, 6),), None)
+    assert agree_step([node_a, node_b], 2) == 6
+    assert agree_step([node_a, node_b], 2, exclude=[6]) == 5
+    assert agree_step([node_a], 2) == 5  # node b lost: rank 1 from its replica on a
+    assert agree_step([node_a], 3) is None  # rank 2 has nothing anywhere
+    # Two ranks on one host report it twice: counted once.
+    assert agree_step([node_a, node_a, node_b], 2) == 6
+    # Rank 1 reads its own host's copy first, else the replica on a.
+    assert locate([node_a, node_b], 1, 6, "b") == (node_b, _held(1, 12, 6))
+    assert locate([node_a, node_b], 1, 5, "b") == (node_a, _held(1, 10, 5, True))
+    # A host without a replica server is readable only from itself.
+    lone = HostInventory("a", None, node_a.held, None)
+    assert locate([lone, node_b], 1, 5, "b") is None
+    assert locate([lone, node_b], 1, 5, "a") == (lone, _held(1, 10, 5, True))
+
+
+# ---------------------------------------------------------------- real ranks (gloo)
+def _launch_ranks(tmp_path: Path, shm_root: Path, steps: str, out: Path,
+                  **extra: str) -> list[int]:
+    """Two ranks, each a node of its own with its own shared memory; wait (bounded)."""
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ)
+        for var in ("CKPT_CONFIG", "CKPT_FAULT_POINT", "CKPT_REPLICAS"):
+            env.pop(var, None)
+        env.update(
+            OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), CKPT_HOST=f"node{rank}",
+            CKPT_ROOT=str(tmp_path / "store"), CKPT_MEMORY_TIER_DIR=str(shm_root / f"n{rank}"),
+            **extra)
+        log = (out / f"proc{rank}.out").open("a")
+        procs.append(subprocess.Popen([sys.executable, str(TRAINER), "r", steps, str(out)],
+                                      env=env, stdout=log, stderr=subprocess.STDOUT))
+        log.close()
+    try:
+        return [p.wait(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _log(out: Path, rank: int) -> list[list[str]]:
+    return [line.split() for line in (out / f"rank{rank}.log").read_text().splitlines()]
+
+
+def _digests(out: Path, rank: int) -> dict[int, str]:
+    return {int(w[1]): w[2] for w in _log(out, rank) if w[0] == "done"}
+
+
+def _resumed(out: Path, rank: int) -> list[tuple[int, str]]:
+    return [(int(w[1]), w[2]) for w in _log(out, rank) if w[0] == "resumed"]
+
+
+@pytest.mark.slow
+def test_ranks_resume_at_the_newest_step_all_of_them_hold(tmp_path: Path,
+                                                          shm_root: Path) -> None:
+    with CheckpointStore.open(tmp_path / "store") as store:
+        store.run("r")  # made once, before two processes look for it
+    out = tmp_path / "out"
+    out.mkdir()
+    # Rank 0 gets to step 6, rank 1 to step 5: with two slots each, rank 0 holds 5 and 6,
+    # rank 1 holds 4 and 5.
+    assert _launch_ranks(tmp_path, shm_root, "6,5", out) == [0, 0], \
+        (out / "proc0.out").read_text()[-3000:] + (out / "proc1.out").read_text()[-3000:]
+    reference = [_digests(out, 0), _digests(out, 1)]
+    assert reference[0] != reference[1]  # each rank's state is its own
+    # Both resume at 5, each with its own state of step 5, and go on to 7.
+    assert _launch_ranks(tmp_path, shm_root, "7", out) == [0, 0]
+    assert _resumed(out, 0)[-1] == (5, reference[0][5])
+    assert _resumed(out, 1)[-1] == (5, reference[1][5])
+    assert _digests(out, 0)[6] == reference[0][6]  # the same step again, bit for bit
+    # Damage rank 1's newest snapshot (step 7): its read fails, so both ranks go back to 6,
+    # the newest step whose reads succeed everywhere; never one at 7 and one at 6.
+    with CheckpointStore.open(tmp_path / "store", memory_tier_dir=str(shm_root / "n1")) as st:
+        slots = {p: parse_header(p.read_bytes()[:HEADER_BYTES])
+                 for p in snapshot_dir(st, "r", 1).glob("slot*.snap")}
+    newest = max((p for p in slots if slots[p]), key=lambda p: slots[p][0])  # type: ignore[index]
+    header = slots[newest]
+    assert header is not None and header[1] == 7
+    with open(newest, "r+b") as fh:  # the first byte of the first tensor
+        fh.seek(header[3])
+        first = fh.read(1)
+        fh.seek(header[3])
+        fh.write(bytes([first[0] ^ 0xFF]))
+    assert _launch_ranks(tmp_path, shm_root, "8", out) == [0, 0]
+    after = [_digests(out, 0), _digests(out, 1)]
+    assert _resumed(out, 0)[-1] == (6, after[0][6])
+    assert _resumed(out, 1)[-1] == (6, after[1][6])
+
