@@ -3,10 +3,16 @@ one step agreed by every rank at a restart (gloo on CPU, real processes)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,6 +27,7 @@ from ckptstore.ops.writing.snapshot_world import (
     agree_step,
     current_snapshots,
     current_world,
+    host_inventory,
     locate,
     ring_assignment,
 )
@@ -201,3 +208,125 @@ def test_ranks_resume_at_the_newest_step_all_of_them_hold(tmp_path: Path,
     assert _resumed(out, 0)[-1] == (6, after[0][6])
     assert _resumed(out, 1)[-1] == (6, after[1][6])
 
+
+# ---------------------------------------------------------------- two torchrun launches
+@dataclass
+class Nodes:
+    """Two simulated nodes: one shared catalog; each its own host name, hot directory,
+    store root and shared memory."""
+
+    tmp: Path
+    shm: Path
+    out: Path
+
+    def env(self, node: int, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        for var in ("CKPT_CONFIG", "CKPT_FAULT_POINT", "CKPT_REPLICAS", "WORLD_HANG_AFTER"):
+            env.pop(var, None)
+        env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", CKPT_HOST=f"node-{node}",
+                   CKPT_CATALOG_URL=f"sqlite:///{self.tmp / 'catalog.db'}",
+                   CKPT_ROOT=str(self.tmp / f"root-{node}"), CKPT_HOT=str(self.tmp / f"hot-{node}"),
+                   CKPT_MEMORY_TIER_DIR=str(self.shm / f"node-{node}"), WORLD_SYNC="1",
+                   WORLD_REPLICAS="2", **extra)
+        return env
+
+    def launch(self, last: int, extra: dict[int, dict[str, str]] | None = None
+               ) -> list[subprocess.Popen[bytes]]:
+        """One ``torchrun --nnodes 2 --node-rank K`` per node, rendezvous on loopback."""
+        torchrun = Path(sys.executable).with_name("torchrun")
+        port, rdzv = free_port(), f"snapworld-{uuid.uuid4().hex[:8]}"
+        procs = []
+        for node in range(2):
+            log = (self.out / f"node-{node}.out").open("a")
+            cmd = [str(torchrun), "--nnodes", "2", "--node-rank", str(node),
+                   "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                   f"127.0.0.1:{port}", "--rdzv-id", rdzv, "--max-restarts", "0",
+                   str(TRAINER), "r", str(last), str(self.out)]
+            procs.append(subprocess.Popen(
+                cmd, env=self.env(node, **(extra or {}).get(node, {})), stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True))
+            log.close()
+        return procs
+
+    def tails(self) -> str:
+        return "\n".join(f"--- node-{n}\n" + (self.out / f"node-{n}.out").read_text()[-3000:]
+                         for n in range(2))
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the whole launch (torchrun and its workers: one session)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=TIMEOUT_S)
+
+
+def _rank_of(out: Path, host: str) -> int:
+    ranks = [int(p.stem.removeprefix("rank")) for p in out.glob("rank*.log")
+             if ["host", host] in _log(out, int(p.stem.removeprefix("rank")))]
+    assert len(ranks) == 1, ranks
+    return ranks[0]
+
+
+@pytest.mark.slow
+def test_a_lost_node_resumes_from_its_replica_on_the_other_node(tmp_path: Path,
+                                                               shm_root: Path) -> None:
+    nodes = Nodes(tmp_path, shm_root, tmp_path / "out")
+    nodes.out.mkdir()
+    with CheckpointStore.open(tmp_path / "root-0", catalog_url=nodes.env(0)["CKPT_CATALOG_URL"],
+                              hot=str(tmp_path / "hot-0")) as store:
+        store.run("r")  # made once, before two processes look for it
+    kill_after = 6
+    # Node 1's rank stops after step 6 (the others then wait for it in the next step's
+    # all-reduce), and its whole launch is SIGKILLed there: a node lost at a known step.
+    procs = nodes.launch(40, {1: {"WORLD_HANG_AFTER": str(kill_after)}})
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        lost = -1
+        while lost < 0:  # bounded: the node's log says it reached the step
+            assert time.monotonic() < deadline, nodes.tails()
+            assert procs[1].poll() is None, nodes.tails()
+            with contextlib.suppress(AssertionError, FileNotFoundError):
+                lost = _rank_of(nodes.out, "node-1")
+                if ["hanging"] not in _log(nodes.out, lost):
+                    lost = -1
+            if lost < 0:
+                # Waits on node 1's launch: returns early (and fails above) if it ended.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    procs[1].wait(timeout=0.2)
+        _kill(procs[1])
+        # Node 0's rank fails in the all-reduce its neighbour never joins; its launch ends.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            procs[0].wait(timeout=TIMEOUT_S)
+    finally:
+        for proc in procs:
+            _kill(proc)
+    survivor = 1 - lost
+    reference = {r: _digests(nodes.out, r) for r in (0, 1)}
+    assert max(reference[lost]) == kill_after
+    # The replacement of node 1: the same host name, an empty memory.
+    shutil.rmtree(shm_root / "node-1")
+    procs = nodes.launch(kill_after + 3)
+    try:
+        codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for proc in procs:
+            _kill(proc)
+    assert codes == [0, 0], nodes.tails()
+    resumed = {r: _resumed(nodes.out, r)[-1] for r in (0, 1)}
+    step = resumed[0][0]
+    # One step on both ranks, at most snapshot_interval (1) behind the lost node's last
+    # step, and each rank's state is exactly the one it had at that step.
+    assert resumed[1][0] == step and kill_after - 1 <= step <= kill_after, resumed
+    for r in (0, 1):
+        assert resumed[r][1] == reference[r][step], (r, resumed, reference)
+    # The lost rank's state came from the survivor's memory: its replica there.
+    with CheckpointStore.open(tmp_path / "root-0", catalog_url=nodes.env(0)["CKPT_CATALOG_URL"],
+                              hot=str(tmp_path / "hot-0"),
+                              memory_tier_dir=str(shm_root / "node-0")) as store:
+        assert any(h.replica and h.rank == lost for h in host_inventory(store, "r"))
+    # Training went on from there bit for bit: the steps both runs took agree.
+    after = {r: _digests(nodes.out, r) for r in (0, 1)}
+    assert after[survivor][kill_after + 3]
+    for r in (0, 1):
+        assert after[r][kill_after] == reference[r][kill_after]
