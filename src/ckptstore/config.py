@@ -164,8 +164,9 @@ class Settings:
             ``CKPT_ENCRYPT_TO`` separated by commas or ``os.pathsep``). When set, archive and
             demote write the warm and cold tiers as sealed (encrypted) copies only
             (:mod:`ckptstore.ops.tiering.sealed_tier`, docs/SHARING.md). Each file is checked
-            when the settings load; an archival cold storage class (GLACIER, DEEP_ARCHIVE)
-            on an S3 cold tier is refused with it.
+            when the settings load. A cold tier in an archival class (GLACIER,
+            DEEP_ARCHIVE) holds sealed copies too: they are thawed object by object
+            before a restore (:mod:`ckptstore.ops.tiering.thaw`).
         capture: Record each run's context (git commit and uncommitted change, command,
             environment, config) on its first save and when it changes
             (:mod:`ckptstore.capture`); ``false`` (``CKPT_CAPTURE=0``) records none.
@@ -346,8 +347,6 @@ _STORAGE_CLASSES = ("STANDARD", "REDUCED_REDUNDANCY", "STANDARD_IA", "ONEZONE_IA
                     "INTELLIGENT_TIERING", "GLACIER", "GLACIER_IR", "DEEP_ARCHIVE")
 _TIER_KEYS = ("hot", "warm", "cold", "cold_storage_class", "cold_restore_tier",
               "cold_restore_days", "encrypt_to")
-# Storage classes whose objects cannot be read without an S3 restore request (a thaw).
-_ARCHIVAL_CLASSES = ("GLACIER", "DEEP_ARCHIVE")
 _RETENTION_KEYS = ("keep_last", "keep_every", "keep_best", "max_age_days")
 
 
@@ -684,11 +683,9 @@ def _check_encryption(values: dict[str, Any], origins: dict[str, Origin]) -> Non
     """Refuse an ``encrypt_to`` that cannot work, before anything is written with it.
 
     Each file must be an X25519 public key (an Ed25519 signing key, a private key or a
-    missing file is a ConfigError naming it, from :mod:`ckptstore.keyfiles`). An S3 cold
-    tier in an archival class (GLACIER, DEEP_ARCHIVE) is refused with it: such objects
-    must be thawed object by object before they can be read, and the thaw of a copy
-    (ops/tiering/thaw.py) follows the plain layout's manifest, which a sealed copy keeps
-    encrypted; GLACIER_IR or STANDARD_IA are as cheap to keep and read without a thaw.
+    missing file is a ConfigError naming it, from :mod:`ckptstore.keyfiles`). Any cold
+    storage class goes with it: a sealed copy in GLACIER or DEEP_ARCHIVE is thawed by the
+    objects under its prefix, which are known without decrypting (ops/tiering/thaw.py).
     """
     paths = values.get("encrypt_to") or ()
     if not paths:
@@ -703,14 +700,6 @@ def _check_encryption(values: dict[str, Any], origins: dict[str, Origin]) -> Non
             load_encryption_key(path)
         except ConfigError as exc:
             raise ConfigError(f"{where}: {label}: {exc}") from None
-    cold = values.get("cold")
-    storage_class = values.get("cold_storage_class", _FIELDS["cold_storage_class"].default)
-    if cold and str(cold).startswith("s3://") and storage_class in _ARCHIVAL_CLASSES:
-        raise ConfigError(
-            f"{where}: {label} with an S3 cold tier in storage class {storage_class}: sealed "
-            "(encrypted) copies cannot be thawed from an archival class. Set "
-            'tiers.cold_storage_class = "GLACIER_IR" (or "STANDARD_IA"), which read without '
-            "a thaw, or drop encrypt_to (docs/SHARING.md, \"Encrypted tiers\")")
 
 
 def _sync_value(value: Any) -> dict[str, Any]:

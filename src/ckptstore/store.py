@@ -402,11 +402,12 @@ class CheckpointStore(StoreCore):
         """
         return CheckpointSweep(self, run, prefetch=prefetch, keys=keys, preload=preload)
 
-    def thaw(self, ref: str, *, poll_s: float = 300.0,
-             timeout_s: float | None = None) -> Path:
+    def thaw(self, ref: str, *, poll_s: float = 300.0, timeout_s: float | None = None,
+             key: str | os.PathLike[str] | None = None) -> Path:
         """Wait until a checkpoint's archival (GLACIER) copy has thawed, then restore it to
-        the hot tier; see :func:`ckptstore.ops.tiering.thaw_poll.complete_thaw`."""
-        return complete_thaw(self, ref, poll_s=poll_s, timeout_s=timeout_s)
+        the hot tier (a sealed copy decrypted with ``key``, default ``$CKPT_DECRYPT_KEY``,
+        else ``decrypt_key``); see :func:`ckptstore.ops.tiering.thaw_poll.complete_thaw`."""
+        return complete_thaw(self, ref, poll_s=poll_s, timeout_s=timeout_s, key=key)
 
     def restore_latest(self, run: str, *, into: Any | None = None) -> Any | None:
         """Load the newest committed checkpoint of ``run``, or None if it has none."""

@@ -101,3 +101,28 @@ def test_bad_inputs(ckpt: Ckpt, config: Path, monkeypatch: pytest.MonkeyPatch) -
     assert result.code == 1 and "PREFECT_API_URL" in result.err
     result = ckpt("--config", config, "thaw", ckpt_id, "--wait", "--poll", "0")
     assert result.code == 1 and "poll_s" in result.err
+
+
+def test_thaw_of_an_encrypted_copy_takes_the_key(ckpt: Ckpt, config: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptstore.ops.sharing.crypt import generate_encryption_keypair
+
+    monkeypatch.delenv("CKPT_DECRYPT_KEY", raising=False)
+    key, pub = generate_encryption_keypair(tmp_path / "keys", "ops")
+    text = config.read_text(encoding="utf-8")
+    config.write_text(text.replace("[tiers]\n", f'[tiers]\nencrypt_to = ["{pub}"]\n'),
+                      encoding="utf-8")
+    ckpt_id = _save(config, 5, tier="cold")
+    # No key: refused before S3 is asked for anything (exit 1, not 75).
+    result = ckpt("--config", config, "thaw", ckpt_id, "--wait", "--poll", "0.01")
+    assert result.code == 1 and "--key" in result.err
+    with CheckpointStore.open(config=config) as store:
+        assert not store.catalog.thaws(checkpoint_ids=[ckpt_id])
+    result = ckpt("--config", config, "restore", ckpt_id, "--key", key)
+    assert result.code == EXIT_THAW_PENDING, result.err
+    assert "thawing, expected ready in ~5 h" in result.err
+    result = ckpt("--config", config, "thaw", ckpt_id, "--wait", "--poll", "0.01",
+                  "--key", key, "--json")
+    assert result.code == 0, result.err
+    with CheckpointStore.open(config=config) as store:
+        assert torch.equal(store.load(ckpt_id)["w"], torch.arange(16.0) * 5)

@@ -16,6 +16,7 @@ import typer
 
 from ckptstore.cli.common import ascii_float, open_store, spinner
 from ckptstore.cli.output import console, human_bytes, print_json
+from ckptstore.cli.trust import DecryptKeyOpt
 from ckptstore.errors import ConfigError
 from ckptstore.identity import host
 
@@ -100,6 +101,7 @@ def thaw_cmd(
         float | None, typer.Option(parser=ascii_float, metavar="SECONDS",
                                    help="With --wait: give up after this long.")
     ] = None,
+    key: DecryptKeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Thaw a checkpoint whose only copy is in GLACIER, and restore it once readable.
@@ -107,7 +109,9 @@ def thaw_cmd(
     Without --wait: asks S3 to restore every object of the copy (if not asked yet) and
     exits 75 while they are not all readable; once they are, restores the checkpoint to the
     hot tier. With --wait: polls every --poll seconds until then. The retrieval speed is
-    the cold_restore_tier setting (Expedited, Standard, Bulk).
+    the cold_restore_tier setting (Expedited, Standard, Bulk). An encrypted copy
+    (tiers.encrypt_to) is decrypted with --key (or $CKPT_DECRYPT_KEY, or decrypt_key),
+    which is checked against the copy before S3 is asked for anything.
 
     JSON: {"ref": ..., "path": the restored hot directory}.
     """
@@ -116,7 +120,7 @@ def thaw_cmd(
     with open_store(ctx) as store:
         with spinner(f"thawing {ref}", enabled=not as_json and wait):
             path = complete_thaw(store, ref, poll_s=poll,
-                                 timeout_s=timeout if wait else 0.0)
+                                 timeout_s=timeout if wait else 0.0, key=key)
         ck = store.get(ref)
     if as_json:
         print_json({"ref": ck.ref, "checkpoint_id": ck.id, "path": str(path)})

@@ -35,6 +35,8 @@ from typing import Any, ClassVar, TypeVar
 from ckptstore.durable import TEMP_PREFIX
 from ckptstore.errors import ConfigError, ConflictError, InvalidNameError, StorageError
 from ckptstore.extras import require
+from ckptstore.format.sealed import ENVELOPE_NAME
+from ckptstore.records import SEALED_DIR
 from ckptstore.redact import mask_url, split_userinfo
 from ckptstore.storage.base import (
     COMMIT_NAME,
@@ -231,8 +233,8 @@ class S3Tier(Tier):
             storage_options: Options for ``s3fs.S3FileSystem`` (``endpoint_url``,
                 ``client_kwargs``, ``config_kwargs``, ...); never credentials.
             storage_class: S3 storage class for new objects (``STANDARD_IA``, ``GLACIER``...);
-                ``manifest.json`` and ``COMMITTED`` always use the default class so they can
-                be read without a restore request.
+                ``manifest.json``, ``COMMITTED`` and a sealed copy's ``envelope.json``
+                always use the default class so they can be read without a restore request.
             name: The tier's name in the catalog.
 
         Raises:
@@ -384,7 +386,12 @@ class S3Tier(Tier):
     def _put_kwargs(self, key: str) -> dict[str, Any]:
         # The manifest and the marker stay in the default class: they are tiny, and tools
         # (verify, retention's reference scan) must read them without a restore request.
-        if not self.storage_class or key.rsplit("/", 1)[-1] in _ALWAYS_STANDARD:
+        # So does a sealed copy's cleartext envelope (format/sealed.py), for the same
+        # reason: its recipients and object count are read (a key is checked against it
+        # before a thaw is asked for, verify counts the objects) without a restore.
+        name = key.rsplit("/", 1)[-1]
+        if not self.storage_class or name in _ALWAYS_STANDARD or (
+                name == ENVELOPE_NAME and key.startswith(f"{SEALED_DIR}/")):
             return {}
         return {"StorageClass": self.storage_class}
 

@@ -18,13 +18,15 @@ import pytest
 import torch
 
 from ckptstore import CheckpointStore, ReplicaState
-from ckptstore.errors import ConfigError, DecryptionError
+from ckptstore.errors import ConfigError, DecryptionError, ThawPendingError
 from ckptstore.ops.sharing.crypt import generate_encryption_keypair
 from ckptstore.ops.sharing.signing import generate_keypair
 from ckptstore.ops.tiering.archive import archive_checkpoints, demote_checkpoints
 from ckptstore.ops.tiering.replicas import delete_replica, store_tiers
 from ckptstore.ops.tiering.restore import restore_checkpoint
-from ckptstore.records import SEALED_DIR
+from ckptstore.ops.tiering.thaw_poll import complete_thaw
+from ckptstore.records import SEALED_DIR, ThawState
+from ckptstore.storage.s3 import RestoreState, S3Tier
 from ckptstore.testing.s3 import MotoS3
 
 # A run of float32 values no random tensor contains: its bytes are searched for on the tier.
@@ -419,23 +421,18 @@ def test_private_or_missing_recipient_is_refused(tmp_path: Path, keys: dict[str,
         CheckpointStore.open(tmp_path / "s", warm=str(tmp_path / "w"), encrypt_to=[str(path)])
 
 
-@pytest.mark.parametrize("storage_class", ["GLACIER", "DEEP_ARCHIVE"])
-def test_archival_cold_class_is_refused(tmp_path: Path, keys: dict[str, Path],
-                                        storage_class: str) -> None:
+@pytest.mark.parametrize("storage_class", ["GLACIER", "DEEP_ARCHIVE", None])
+def test_archival_cold_class_is_accepted(tmp_path: Path, keys: dict[str, Path],
+                                         storage_class: str | None) -> None:
+    """Sealed copies in an archival class are thawed (test_thaw_*): no refusal, the
+    default class (GLACIER) included."""
     from ckptstore.config import load_settings
 
-    with pytest.raises(ConfigError, match="GLACIER_IR"):
-        load_settings(root=tmp_path, cold="s3://b/cold", cold_storage_class=storage_class,
-                      encrypt_to=[str(keys["pub"])])
-    # the default class is GLACIER: refused too, unless the cold tier is not on S3
-    with pytest.raises(ConfigError, match="cannot be thawed"):
-        load_settings(root=tmp_path, cold="s3://b/cold", encrypt_to=[str(keys["pub"])])
-    ok = load_settings(root=tmp_path, cold=str(tmp_path / "cold"),
-                       encrypt_to=[str(keys["pub"])])
-    assert ok.encrypt_to == (str(keys["pub"]),)
-    ok = load_settings(root=tmp_path, cold="s3://b/cold", cold_storage_class="GLACIER_IR",
-                       encrypt_to=[str(keys["pub"])])
-    assert ok.encrypt_to
+    extra = {} if storage_class is None else {"cold_storage_class": storage_class}
+    settings = load_settings(root=tmp_path, cold="s3://b/cold", encrypt_to=[str(keys["pub"])],
+                             **extra)
+    assert settings.encrypt_to == (str(keys["pub"]),)
+    assert settings.cold_storage_class == (storage_class or "GLACIER")
 
 
 def test_env_recipients_take_commas_and_pathsep(tmp_path: Path, keys: dict[str, Path],
@@ -449,10 +446,10 @@ def test_env_recipients_take_commas_and_pathsep(tmp_path: Path, keys: dict[str, 
         load_settings(root=tmp_path)
 
 
-def test_sealed_copy_is_not_demoted_to_an_archival_class(
+def test_sealed_warm_copy_demoted_to_glacier_thaws_and_restores(
         tmp_path: Path, s3: MotoS3, keys: dict[str, Path]) -> None:
     """encrypt_to removed and the cold class set to GLACIER afterwards: the sealed warm copy
-    stays where it is (a GLACIER copy of it could not be thawed)."""
+    is demoted as it is (ciphertext) and thawed from there like any GLACIER copy."""
     prefix = uuid.uuid4().hex[:12]
     common = {"warm": s3.url(f"{prefix}/warm"), "storage_options": s3.storage_options,
               "chunk_bytes": 4096}
@@ -460,15 +457,166 @@ def test_sealed_copy_is_not_demoted_to_an_archival_class(
                               **common) as store:
         ck = store.save("run-g", 1, _state(1))
         archive_checkpoints(store, tier="warm")
+        copy_id = store.get(ck.id).replica("warm").sealed  # type: ignore[union-attr]
     with CheckpointStore.open(tmp_path / "store", cold=s3.url(f"{prefix}/cold"),
                               cold_storage_class="GLACIER", **common) as store:
-        report = demote_checkpoints(store, older_than_days=0, raise_errors=False)
-        assert "GLACIER_IR" in report.failed[ck.id]
-        now = store.get(ck.id)
-        assert now.replica("warm").state == ReplicaState.PRESENT  # type: ignore[union-attr]
-        cold = now.replica("cold")
-        assert cold is None or cold.state != ReplicaState.PRESENT
-        assert not _tier_objects(store, "cold")
+        report = demote_checkpoints(store, older_than_days=0, deep=True)
+        assert report.archived == [ck.id] and report.ok
+        cold = store.get(ck.id).replica("cold")
+        assert cold is not None and cold.state == ReplicaState.PRESENT
+        assert cold.sealed == copy_id
+        states = _restore_states(store, "cold")
+        assert states.pop(f"{SEALED_DIR}/{copy_id}/envelope.json") == RestoreState.READABLE
+        assert states and set(states.values()) == {RestoreState.ARCHIVED}
+        _drop_hot(store, ck.id)
+        assert _equal_path(store.thaw(ck.id, poll_s=0.01, timeout_s=30, key=keys["key"]),
+                           store.checkpoint_dir("run-g", ck.id))
+        assert _equal(store.load(ck.id), _state(1))
+
+
+# ---------------------------------------------------------------------- archival classes
+@pytest.fixture
+def glacier_store(tmp_path: Path, s3: MotoS3,
+                  keys: dict[str, Path]) -> Iterator[CheckpointStore]:
+    """Cold tier on moto S3 in GLACIER, encrypted to ops and other."""
+    prefix = uuid.uuid4().hex[:12]
+    store = CheckpointStore.open(tmp_path / "store", cold=s3.url(f"{prefix}/cold"),
+                                 cold_storage_class="GLACIER",
+                                 storage_options=s3.storage_options, chunk_bytes=4096,
+                                 encrypt_to=[str(keys["pub"]), str(keys["other_pub"])])
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def _restore_states(store: CheckpointStore, tier: str) -> dict[str, RestoreState]:
+    t = store_tiers(store)[tier]
+    assert isinstance(t, S3Tier)
+    return {k: t.restore_state(k) for k in t.list_prefix("")}
+
+
+def _equal_path(a: Path, b: Path) -> bool:
+    return a.resolve() == b.resolve()
+
+
+def test_thaw_of_a_sealed_glacier_copy_restores_bit_exact(
+        glacier_store: CheckpointStore, keys: dict[str, Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    store = glacier_store
+    first = store.save("run-z", 1, _state(1))
+    second = store.save("run-z", 2, _state(2))  # a delta of the first: sealed self-contained
+    report = archive_checkpoints(store, tier="cold", deep=True)
+    assert sorted(report.archived) == sorted([first.id, second.id]) and report.ok
+    copies = {ck.id: store.get(ck.id).replica("cold").sealed  # type: ignore[union-attr]
+              for ck in (first, second)}
+    # Every object in GLACIER but the cleartext envelope, which stays readable.
+    states = _restore_states(store, "cold")
+    assert all(k.startswith(f"{SEALED_DIR}/") for k in states)
+    envelopes = {f"{SEALED_DIR}/{c}/envelope.json" for c in copies.values()}
+    assert {k for k, v in states.items() if v == RestoreState.READABLE} == envelopes
+    assert {v for k, v in states.items() if k not in envelopes} == {RestoreState.ARCHIVED}
+    # Before any thaw: verify checks what it can without one (envelope, objects, sizes).
+    from ckptstore.ops.upkeep.verify import check_replica
+
+    tier = store_tiers(store)["cold"]
+    assert check_replica(store, store.get(second.id), tier, key=keys["key"]) == []
+    for ck in (second, first):
+        _drop_hot(store, ck.id)
+
+    # A restore asks S3 for the copy's archived objects and says when they will be ready,
+    # in the words a plain copy's thaw uses.
+    with pytest.raises(ThawPendingError, match=(
+            rf"\({second.id}\) is thawing, expected ready in ~5 h: its only copy is in an "
+            rf"archival storage class on the cold tier .*`ckpt thaw {second.id} --wait`")):
+        restore_checkpoint(store, second.id, key=keys["key"])
+    (thaw,) = store.catalog.thaws(checkpoint_ids=[second.id])
+    own = [k for k in states if k.startswith(f"{SEALED_DIR}/{copies[second.id]}/")]
+    assert thaw.state == ThawState.PENDING and thaw.objects == len(own) - 1  # not the envelope
+    # Only that copy was asked for (moto restores at once): the other stays archived.
+    after = _restore_states(store, "cold")
+    assert {after[k] for k in own} == {RestoreState.READABLE, RestoreState.RESTORED}
+    other = [k for k in states if k.startswith(f"{SEALED_DIR}/{copies[first.id]}/")
+             and k not in envelopes]
+    assert {after[k] for k in other} == {RestoreState.ARCHIVED}
+    # Before the expected ready time a restore (and a load) says the same, asking nothing.
+    with pytest.raises(ThawPendingError, match="is thawing, expected ready in ~5 h"):
+        restore_checkpoint(store, second.id, key=keys["key"])
+    monkeypatch.setenv("CKPT_DECRYPT_KEY", str(keys["other_key"]))
+    with pytest.raises(ThawPendingError, match="is thawing"):
+        store.load(second.id)
+    assert store.catalog.get_thaw(second.id, "cold") == thaw
+    assert store.get(second.id).replica("hot").state == ReplicaState.DELETED  # type: ignore[union-attr]
+
+    # The poll finds every object readable and restores with the key, checked in full.
+    path = complete_thaw(store, second.id, poll_s=0.01, timeout_s=30, key=keys["key"])
+    assert _equal_path(path, store.checkpoint_dir("run-z", second.id))
+    hot = store.get(second.id).replica("hot")
+    assert hot is not None and hot.state == ReplicaState.PRESENT and hot.verified_at
+    done = store.catalog.get_thaw(second.id, "cold")
+    assert done is not None and done.state == ThawState.DONE
+    assert _equal(store.load(second.id), _state(2))
+    assert not list(store.hot.glob(".sealed-work-*"))
+    # The other one through the store method, the key from the environment (other's).
+    store.thaw(first.id, poll_s=0.01, timeout_s=30)
+    assert _equal(store.load(first.id), _state(1))
+    # Thawed, every object reads: ciphertext only.
+    for data in _tier_objects(store, "cold").values():
+        assert _MARK_BYTES not in data
+
+
+@pytest.mark.parametrize("key_name", [None, "other", "sign"])
+def test_thaw_of_a_sealed_copy_checks_the_key_before_asking_s3(
+        tmp_path: Path, s3: MotoS3, keys: dict[str, Path], key_name: str | None) -> None:
+    prefix = uuid.uuid4().hex[:12]
+    # Encrypted to ops only: "other" is a key it was not encrypted to.
+    with CheckpointStore.open(tmp_path / "store", cold=s3.url(f"{prefix}/cold"),
+                              cold_storage_class="DEEP_ARCHIVE",
+                              storage_options=s3.storage_options, chunk_bytes=4096,
+                              encrypt_to=[str(keys["pub"])]) as store:
+        ck = store.save("run-d", 1, _state(1))
+        archive_checkpoints(store, tier="cold")
+        _drop_hot(store, ck.id)
+        key = {None: None, "other": keys["other_key"], "sign": keys["sign_key"]}[key_name]
+        error = ConfigError if key_name == "sign" else DecryptionError
+        with pytest.raises(error, match=r"--key|not encrypted to|Ed25519"):
+            restore_checkpoint(store, ck.id, key=key)
+        with pytest.raises(error):
+            complete_thaw(store, ck.id, poll_s=0.01, timeout_s=0, key=key)
+        # Nothing was asked of S3, nothing recorded, the hot tier untouched.
+        assert not store.catalog.thaws(checkpoint_ids=[ck.id])
+        states = _restore_states(store, "cold")
+        assert RestoreState.ARCHIVED in states.values()
+        assert RestoreState.RESTORED not in states.values()
+        # The right key: DEEP_ARCHIVE's Standard retrieval (Expedited is not offered).
+        with pytest.raises(ThawPendingError, match="expected ready in ~12 h"):
+            restore_checkpoint(store, ck.id, key=keys["key"])
+        complete_thaw(store, ck.id, poll_s=0.01, timeout_s=30, key=keys["key"])
+        assert _equal(store.load(ck.id), _state(1))
+
+
+def test_a_damaged_object_of_a_thawed_sealed_copy_is_refused(
+        glacier_store: CheckpointStore, keys: dict[str, Path], s3: MotoS3) -> None:
+    store = glacier_store
+    ck = store.save("run-x", 1, _state(1))
+    archive_checkpoints(store, tier="cold")
+    _drop_hot(store, ck.id)
+    copy_id = store.get(ck.id).replica("cold").sealed  # type: ignore[union-attr]
+    with pytest.raises(ThawPendingError):
+        restore_checkpoint(store, ck.id, key=keys["key"])
+    # A flipped bit in a thawed object: written back in GLACIER, thawed again by the poll.
+    tier = store_tiers(store)["cold"]
+    assert isinstance(tier, S3Tier)
+    bucket_key = f"{tier.prefix}/{SEALED_DIR}/{copy_id}/o/3"
+    client = s3.client()
+    data = client.get_object(Bucket=s3.bucket, Key=bucket_key)["Body"].read()
+    client.put_object(Bucket=s3.bucket, Key=bucket_key, StorageClass="GLACIER",
+                      Body=data[:10] + bytes([data[10] ^ 1]) + data[11:])
+    before = _hot_snapshot(store)
+    with pytest.raises(DecryptionError, match="o/3"):
+        complete_thaw(store, ck.id, poll_s=0.01, timeout_s=30, key=keys["key"])
+    assert _hot_snapshot(store) == before
+    assert not list(store.hot.glob(".sealed-work-*"))
 
 
 def test_checkpoint_saved_across_hosts_is_refused(local_store: CheckpointStore) -> None:

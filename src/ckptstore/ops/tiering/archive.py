@@ -275,14 +275,6 @@ def _copy_sealed(
     plaintext manifest's digest; the ``archived`` / ``demoted`` event says ``encrypted``.
     """
     check_sealable(ck)
-    if not dst.readable:
-        # An archival class (GLACIER): a sealed copy there could not be thawed (thaw.py
-        # follows the plain layout). The config refuses this with encrypt_to; a sealed
-        # warm copy demoted after encrypt_to was removed lands here.
-        raise ConfigError(
-            f"cannot demote the encrypted {src.name} copy of {ck.ref} to {dst.name}: its "
-            "storage class needs a thaw to read, which sealed copies do not support; set "
-            'tiers.cold_storage_class = "GLACIER_IR" (or "STANDARD_IA")')
     drop_unfinished(store, ck, dst)
     source = ck.replica(src.name)
     copy_id = source.sealed if source is not None and source.sealed else new_copy_id()

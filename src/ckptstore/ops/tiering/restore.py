@@ -265,7 +265,7 @@ def _restore_into(
     if not sources:
         # Only an archival (GLACIER) copy, if any: thawed_source asks S3 to restore it and
         # raises ThawPendingError until every object is readable.
-        thawed = thawed_source(store, ck)
+        thawed = thawed_source(store, ck, key=key)
         if thawed is None:
             where = ", ".join(f"{r.tier}:{r.state}" for r in ck.replicas) or "none"
             raise CheckpointNotFoundError(
@@ -304,7 +304,7 @@ def _restore_into(
     if not from_thaw:
         # Every readable copy failed; an archival copy may still be good once thawed.
         try:
-            thawed = thawed_source(store, ck)
+            thawed = thawed_source(store, ck, key=key)
         except ThawPendingError as exc:
             exc.add_note("tried: " + tried)
             raise

@@ -19,6 +19,12 @@ plaintext blake3; only then are its files copied into the hot tier. A missing or
 key, or an altered, truncated or swapped object, is a :class:`~ckptstore.errors.DecryptionError`
 and the hot tier is left as it was.
 
+In an archival S3 class (GLACIER, DEEP_ARCHIVE) a sealed copy is thawed like a plain one
+(:mod:`ckptstore.ops.tiering.thaw`): the objects to restore are those under its prefix,
+known without a key; its envelope stays in the default class (``storage/s3.py``), so
+:func:`check_recipient` tells a missing or wrong key before a thaw is asked for, and
+``verify`` checks the envelope, objects and sizes without one.
+
 Demoting a sealed warm copy copies its ciphertext objects as they are (no key needed):
 the cold copy is encrypted to the recipients the warm one was. Checkpoints saved across
 hosts (parts on several hosts' disks) are refused: each host would seal its own part, and
@@ -49,7 +55,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import Manifest, verify_checkpoint
 from ckptstore.format.constants import BUNDLE_FILES, SIGNATURE_NAME
-from ckptstore.format.crypt import TAG_BYTES
+from ckptstore.format.crypt import TAG_BYTES, unwrap_data_key
 from ckptstore.format.sealed import (
     ENVELOPE_NAME,
     INDEX_NAME,
@@ -76,6 +82,7 @@ from ckptstore.storage.transfer import owned_files
 
 __all__ = [
     "SealedCopy",
+    "check_recipient",
     "check_sealable",
     "copy_sealed",
     "drop_unfinished",
@@ -268,7 +275,9 @@ def _check_written(dst: Tier, prefix: str, written: dict[str, tuple[int, str | N
     """Every object of a copy just written is on ``dst`` as written (copy → verify)."""
     for name, (size, digest) in written.items():
         key = prefix + name
-        if deep:
+        # An archival class (GLACIER) cannot be read back without a thaw: S3 checked the
+        # upload, the size is what can be checked here (as storage/transfer.py does).
+        if deep and dst.readable:
             data = dst.get_bytes(key)
             ok = len(data) == size and blake3.blake3(data).hexdigest() == digest
         else:
@@ -370,6 +379,36 @@ def open_sealed(store: StoreCore, ck: Checkpoint, tier: Tier,
     return opened
 
 
+def check_recipient(store: StoreCore, ck: Checkpoint, tier: Tier,
+                    key: str | os.PathLike[str] | None = None) -> None:
+    """Check that ``key`` opens the sealed copy of ``ck`` on ``tier``, reading only its
+    envelope (which stays readable in an archival class): what a thaw checks before asking
+    S3 for hours of work that only a recipient's key could use.
+
+    Raises:
+        DecryptionError: Without a key, with a key the copy was not encrypted to, or if the
+            envelope is missing, malformed or names another copy.
+        ConfigError: If the key file is not an X25519 private key.
+    """
+    replica = ck.replica(tier.name)
+    copy_id = replica.sealed if replica is not None else None
+    what = _what(ck, tier)
+    if copy_id is None:
+        raise DecryptionError(f"{what} is not a sealed copy")
+    path = decryption_key_path(key, store.settings.decrypt_key)
+    if path is None:
+        raise DecryptionError(
+            f"{what} is encrypted (tiers.encrypt_to): give the private key of one of its "
+            "recipients with --key, $CKPT_DECRYPT_KEY or `decrypt_key` in the config")
+    private = load_decryption_key(path)
+    get = _getter(tier, sealed_prefix(copy_id), what)
+    envelope = Envelope.parse(get(ENVELOPE_NAME, MAX_ENVELOPE), what)
+    if envelope.copy_id != copy_id:
+        raise DecryptionError(f"{what}: its envelope names copy {envelope.copy_id}, "
+                              f"not {copy_id}: the copy was swapped")
+    unwrap_data_key(envelope.recipients, private, copy_id, what)
+
+
 def _safe_rel(path: str, what: str) -> str:
     """The checkpoint-relative path of member ``path``, refused unless it is a plain
     relative path inside the checkpoint (anyone with a public key can make a copy)."""
@@ -461,7 +500,10 @@ def verify_sealed(store: StoreCore, ck: Checkpoint, tier: Tier,
     copy_id = replica.sealed if replica is not None else None
     if copy_id is None:
         return [f"{tier.name} copy is not a sealed copy"], False
-    if not full or decryption_key_path(key, store.settings.decrypt_key) is None:
+    if not full or not tier.readable or decryption_key_path(key, store.settings.decrypt_key) \
+            is None:
+        # Without a key, or in an archival class (GLACIER: its objects need a thaw first),
+        # what can be checked without reading the content.
         return _verify_envelope(tier, copy_id, replica.bytes if replica else 0), False
     try:
         opened = open_sealed(store, ck, tier, key)

@@ -9,6 +9,15 @@ when it should be ready. Once every object is readable the same call returns a r
 of the tier, and the restore copies and verifies from it as from any other tier.
 :func:`ckptstore.ops.tiering.thaw_poll.complete_thaw` polls until then and restores.
 
+A sealed copy (an encrypted tier, ``[tiers] encrypt_to``) is thawed the same way: its
+manifest is encrypted, but the objects to restore are known without a key, every object
+under its ``.sealed/<copy id>/`` prefix (the envelope, which stays in the default class,
+is readable already). Before anything is asked of S3, the key that will decrypt it
+(``key``, ``$CKPT_DECRYPT_KEY``, ``decrypt_key``) is checked against the envelope
+(:func:`~ckptstore.ops.tiering.sealed_tier.check_recipient`): a missing or wrong key is a
+``DecryptionError`` now, not after hours of thawing. Once thawed, the restore decrypts and
+checks the copy as it does any sealed copy.
+
 Retention keeps every copy of a checkpoint whose thaw is PENDING
 (``ops/tiering/retention/plan.py``, ``ops/tiering/retention/apply.py``).
 """
@@ -16,6 +25,7 @@ Retention keeps every copy of a checkpoint whose thaw is PENDING
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
@@ -23,6 +33,7 @@ from datetime import UTC, datetime, timedelta
 from ckptstore.core import StoreCore
 from ckptstore.errors import ThawPendingError
 from ckptstore.ops.tiering.replicas import manifest_on, run_resolver, store_tiers
+from ckptstore.ops.tiering.sealed_tier import check_recipient, sealed_prefix
 from ckptstore.records import Checkpoint, ReplicaState, Thaw, ThawState
 from ckptstore.storage import foreign_chunks
 from ckptstore.storage.s3 import RestoreState, S3Tier
@@ -67,7 +78,11 @@ def archival_copy(core: StoreCore, ck: Checkpoint) -> S3Tier | None:
 
 def thaw_keys(core: StoreCore, ck: Checkpoint, tier: S3Tier) -> list[str]:
     """Every object a restore of ``ck`` reads from ``tier``: its own files and the chunks it
-    reads from other checkpoints (dedup, delta bases)."""
+    reads from other checkpoints (dedup, delta bases); for a sealed copy, every object under
+    its prefix (self-contained: it reads nothing else, and its manifest is encrypted)."""
+    replica = ck.replica(tier.name)
+    if replica is not None and replica.sealed:
+        return sorted(tier.list_prefix(sealed_prefix(replica.sealed)))
     # The manifest is always in the default class (storage/s3.py), so it can be read now.
     manifest = manifest_on(tier, ck)
     run_of = run_resolver(core, ck)
@@ -140,25 +155,34 @@ def thaw_error(ck: Checkpoint, thaw: Thaw) -> ThawPendingError:
     )
 
 
-def thawed_source(core: StoreCore, ck: Checkpoint, *, check: bool = False) -> S3Tier | None:
+def thawed_source(core: StoreCore, ck: Checkpoint, *, check: bool = False,
+                  key: str | os.PathLike[str] | None = None) -> S3Tier | None:
     """A readable view of ``ck``'s archival copy once it has thawed; None without one.
 
     The first call asks S3 to restore the copy and raises. Later calls before the expected
     ready time raise again without asking S3 anything (unless ``check``); after it, they
-    look at every object and return the view once all are readable.
+    look at every object and return the view once all are readable. A sealed copy is first
+    checked to open with ``key`` (default ``$CKPT_DECRYPT_KEY``, else ``decrypt_key``).
 
     Args:
         core: The open store.
         ck: The checkpoint.
         check: Look at the objects even before the expected ready time (the poll does).
+        key: Private key that will decrypt a sealed copy.
 
     Raises:
         ThawPendingError: While the objects are not all readable.
+        DecryptionError: If the copy is sealed and no key, or a key it was not encrypted
+            to, was given (nothing is asked of S3).
+        ConfigError: If that key file is not an X25519 private key.
         StorageError: If S3 fails.
     """
     tier = archival_copy(core, ck)
     if tier is None:
         return None
+    replica = ck.replica(tier.name)
+    if replica is not None and replica.sealed:
+        check_recipient(core, ck, tier, key)
     thaw = core.catalog.get_thaw(ck.id, tier.name)
     now = datetime.now(UTC)
     if thaw is not None and thaw.state == ThawState.PENDING and not check \
