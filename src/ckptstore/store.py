@@ -348,18 +348,22 @@ class CheckpointStore(StoreCore):
         *,
         into: Any | None = None,
         strict: bool = True,
+        key: str | os.PathLike[str] | None = None,
     ) -> ProgressiveLoad:
         """Start loading a checkpoint in priority groups; return once the manifest is read.
 
         Groups complete in ``order`` (fnmatch patterns; everything else last), so training
         or evaluation can start on the first group while the rest streams in. From the
-        memory tier, the hot tier, or straight from S3 chunk by chunk.
+        memory tier, the hot tier, or straight from S3 chunk by chunk (from an encrypted
+        tier too, decrypted and checked object by object, given a key).
 
         Args:
             ref: A checkpoint reference.
             order: Groups in load order, each a pattern or a list of patterns.
             into: A live state whose matching tensors are filled in place.
             strict: Raise if a pattern matches no tensor.
+            key: Private key that opens a sealed copy (an encrypted tier); default
+                ``$CKPT_DECRYPT_KEY``, else ``decrypt_key``.
 
         Returns:
             A :class:`~ckptstore.ops.reading.progressive.ProgressiveLoad`: ``wait(i)`` or
@@ -368,8 +372,10 @@ class CheckpointStore(StoreCore):
         Raises:
             CheckpointNotFoundError: If the reference does not resolve.
             InvalidNameError: If ``order`` is malformed or a pattern matches nothing.
+            DecryptionError: If the only copies are sealed and no key, or a key they were
+                not encrypted to, was given.
         """
-        return load_progressive(self, ref, order, into=into, strict=strict)
+        return load_progressive(self, ref, order, into=into, strict=strict, key=key)
 
     def prefetch(self, ref: str, *, to: str = "hot",
                  hold_s: float = DEFAULT_HOLD_S) -> PrefetchResult:

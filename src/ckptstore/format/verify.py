@@ -19,7 +19,7 @@ from ckptstore.format.manifest import ArrayEntry, Manifest
 from ckptstore.format.zarrcheck import check_zarr_metadata
 from ckptstore.numeric import counted
 
-__all__ = ["chunk_files", "verify_checkpoint"]
+__all__ = ["check_chunk", "chunk_files", "verify_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +110,20 @@ def verify_checkpoint(
         logger.info("checkpoint %s at %s has %s: %s", manifest.id, directory,
                        counted(len(problems), "problem"), _problem_summary(problems))
     return problems
+
+
+def check_chunk(reader: ChunkReader, array: ArrayEntry, index: int) -> str | None:
+    """Deep-check one chunk as :func:`verify_checkpoint` (``deep``) does every chunk: read,
+    crc32c, decode, blake3 against the manifest. For a caller that checks chunks one by one
+    as they arrive (a progressive load from an encrypted tier).
+
+    Returns:
+        The problem, or None when the chunk is intact.
+    """
+    try:
+        return _check_chunk(reader, array, index, True)
+    except (IntegrityError, StorageError) as exc:
+        return f"{_label(reader.manifest, array, index)}: {exc}"
 
 
 def _problem_summary(problems: list[str], limit: int = 3) -> str:

@@ -235,3 +235,176 @@ def test_store_and_manager_entry_points(store: CheckpointStore) -> None:
     assert progressive is not None
     assert _equal(progressive.result(timeout=60), state)
     mgr.close()
+
+
+# ---------------------------------------------------------------------- encrypted tiers
+@pytest.fixture
+def keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    from ckptstore.ops.sharing.crypt import generate_encryption_keypair
+
+    monkeypatch.delenv("CKPT_DECRYPT_KEY", raising=False)
+    monkeypatch.delenv("CKPT_ENCRYPT_TO", raising=False)
+    key, pub = generate_encryption_keypair(tmp_path / "keys", "ops")
+    other_key, _ = generate_encryption_keypair(tmp_path / "keys", "other")
+    return {"key": key, "pub": pub, "other_key": other_key}
+
+
+@pytest.fixture
+def sealed(tmp_path: Path, s3: MotoS3, keys: dict[str, Path]) -> Iterator[CheckpointStore]:
+    """Warm on moto S3 and cold in a local directory, both encrypted (encrypt_to)."""
+    prefix = uuid.uuid4().hex[:12]
+    opened = CheckpointStore.open(tmp_path / "store", warm=s3.url(f"{prefix}/warm"),
+                                  cold=str(tmp_path / "cold"),
+                                  storage_options=s3.storage_options, chunk_bytes=2**16,
+                                  encrypt_to=[str(keys["pub"])])
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+def _no_plaintext_left(store: CheckpointStore, ck: Any) -> None:
+    """No private staging directory, no hot copy, no lease: as before the load."""
+    assert not list(store.hot.glob(".sealed-work-*"))
+    assert store.get(ck.id).replica("hot").state == ReplicaState.DELETED  # type: ignore[union-attr]
+    assert not store.checkpoint_dir(ck.run, ck.id).exists()
+    assert store.catalog.lease_holder(ck.id, "restore:hot") is None
+
+
+def _sealed_object(store: CheckpointStore, ck: Any, key: Path, tensor: str) -> tuple[str, int]:
+    """The tier key of the object holding the first chunk of ``tensor``, and its number."""
+    from ckptstore.ops.tiering.sealed_tier import member_files, open_sealed, sealed_prefix
+
+    warm = store.tiers["warm"]
+    opened = open_sealed(store, ck, warm, key)
+    manifest = store.manifest(ck.id)
+    entry = manifest.tensors[tensor]
+    # Tensors of one dtype share chunks: this one must hold no other tensor.
+    assert manifest.tensors_in_chunk(entry.array, entry.chunk_start) == [tensor]
+    rel = manifest.arrays[entry.array].chunk_path(entry.chunk_start)
+    index = member_files(opened, "test")[rel]
+    copy_id = ck.replica("warm").sealed
+    return f"{warm.prefix}/{sealed_prefix(copy_id)}o/{index}", index
+
+
+@pytest.mark.s3
+def test_streams_from_an_encrypted_warm_tier_bit_exact(
+        sealed: CheckpointStore, keys: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    import stat
+
+    store = sealed
+    state = _state()
+    ck = _archived_only(store, state)
+    assert ck.replica("warm").sealed  # type: ignore[union-attr]
+    with load_progressive(store, ck.ref, ["model/blocks.0*", "optimizer"],
+                          key=keys["key"]) as pl:
+        assert pl.source == "warm"  # streamed, not restored first
+        # Plaintext is staged only in private directories of the hot tier.
+        staged = list(store.hot.glob(".sealed-work-*"))
+        assert all(stat.S_IMODE(p.stat().st_mode) == 0o700 for p in staged)
+        part = pl.wait(0, timeout=60)
+        assert _equal(part["model"]["blocks.0.w"], state["model"]["blocks.0.w"])
+        full = pl.result(timeout=60)
+    assert _equal(full, state)
+    hot = store.get(ck.id).replica("hot")
+    assert hot is not None and hot.state == ReplicaState.PRESENT and hot.verified_at
+    events = [e for e in store.events(ck.id) if e.kind == "restored"]
+    assert events and events[-1].detail.get("progressive") is True
+    assert events[-1].detail.get("encrypted") is True
+    assert store.verify(ck.id) == []
+    assert store.catalog.lease_holder(ck.id, "restore:hot") is None
+    assert not list(store.hot.glob(".sealed-work-*"))
+    assert _equal(store.load(ck.id), state)
+    # The key from the environment works the same (a second checkpoint).
+    other = _state(3)
+    ck2 = store.save("run-s3", 6, other)
+    archive_checkpoints(store, ref=ck2.id, tier="warm")
+    delete_replica(store, store.get(ck2.id), "hot")
+    monkeypatch.setenv("CKPT_DECRYPT_KEY", str(keys["key"]))
+    with store.load_progressive(ck2.ref, ["model"]) as pl:
+        assert pl.source == "warm"
+        assert _equal(pl.result(timeout=60), other)
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("which", [None, "other_key"])
+def test_encrypted_tier_without_the_right_key_is_refused(
+        sealed: CheckpointStore, keys: dict[str, Path], which: str | None) -> None:
+    from ckptstore.errors import DecryptionError
+
+    store = sealed
+    ck = _archived_only(store, _state())
+    key = keys[which] if which else None
+    # No key: as before (the restore that a sealed copy needs asks for one); a key it was
+    # not encrypted to: the same error the restore gives.
+    with pytest.raises(DecryptionError, match="--key" if which is None else "not encrypted to"):
+        load_progressive(store, ck.ref, ["model"], key=key)
+    _no_plaintext_left(store, ck)
+    assert store.get(ck.id).replica("warm").state == ReplicaState.PRESENT  # type: ignore[union-attr]
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("how", ["ciphertext", "plaintext"])
+def test_a_tampered_object_of_an_encrypted_tier_is_an_error_not_a_tensor(
+        sealed: CheckpointStore, keys: dict[str, Path], s3: MotoS3, how: str) -> None:
+    """A flipped ciphertext bit fails its tag; a chunk altered and sealed again with the
+    copy's own data key (what a holder of that key could do) decrypts, and fails the
+    manifest's blake3. Either way the group that reads it fails, nothing lands in hot."""
+    from ckptstore.errors import DecryptionError, IntegrityError
+    from ckptstore.format.crypt import encrypt, object_aad
+    from ckptstore.ops.tiering.sealed_tier import open_sealed
+
+    store = sealed
+    state = _state()
+    ck = _archived_only(store, state)
+    bucket_key, index = _sealed_object(store, ck, keys["key"], "half")
+    client = s3.client()
+    data = client.get_object(Bucket=s3.bucket, Key=bucket_key)["Body"].read()
+    if how == "ciphertext":
+        forged = data[:10] + bytes([data[10] ^ 1]) + data[11:]
+    else:
+        opened = open_sealed(store, ck, store.tiers["warm"], keys["key"])
+        member = opened.members[index]
+        plain = bytearray(opened.member(index))
+        plain[0] ^= 1
+        forged = encrypt(opened.data_key, member.nonce, bytes(plain),
+                         object_aad(opened.envelope.copy_id, "object", member.path))
+    client.put_object(Bucket=s3.bucket, Key=bucket_key, Body=forged)
+    pl = load_progressive(store, ck.ref, ["model", "optimizer"], key=keys["key"])
+    assert pl.source == "warm"
+    assert len(pl.groups) == 3 and "half" in pl.groups[2].keys  # the rest, last
+    # The groups before the damaged one arrive whole and right.
+    assert _equal(pl.wait(0, timeout=60)["model"], state["model"])
+    assert _equal(pl.wait(1, timeout=60)["optimizer"]["state"], state["optimizer"]["state"])
+    error = DecryptionError if how == "ciphertext" else IntegrityError
+    with pytest.raises(error, match="o/" if how == "ciphertext" else "fails verification"):
+        pl.wait(2, timeout=60)
+    with pytest.raises(error):
+        pl.result(timeout=60)
+    pl.close()
+    _no_plaintext_left(store, ck)
+    assert store.get(ck.id).replica("warm").state == ReplicaState.PRESENT  # type: ignore[union-attr]
+
+
+@pytest.mark.s3
+def test_a_tampered_encrypted_stream_falls_back_to_the_next_copy(
+        sealed: CheckpointStore, keys: dict[str, Path], s3: MotoS3) -> None:
+    store = sealed
+    state = _state()
+    ck = store.save("run-f", 1, state)
+    archive_checkpoints(store, ref=ck.id, tier="warm")
+    archive_checkpoints(store, ref=ck.id, tier="cold")  # a second sealed copy
+    delete_replica(store, store.get(ck.id), "hot")
+    ck = store.get(ck.id)
+    bucket_key, _ = _sealed_object(store, ck, keys["key"], "half")
+    client = s3.client()
+    data = client.get_object(Bucket=s3.bucket, Key=bucket_key)["Body"].read()
+    client.put_object(Bucket=s3.bucket, Key=bucket_key, Body=data[:-1])  # truncated
+    with load_progressive(store, ck.ref, ["model", "optimizer"], key=keys["key"]) as pl:
+        assert pl.source == "warm"
+        assert _equal(pl.result(timeout=60), state)
+        assert pl.source == "hot"  # the rest came from the copy restored from cold
+    hot = store.get(ck.id).replica("hot")
+    assert hot is not None and hot.state == ReplicaState.PRESENT
+    assert [e.detail["from"] for e in store.events(ck.id) if e.kind == "restored"] == ["cold"]
+    assert not list(store.hot.glob(".sealed-work-*"))

@@ -18,6 +18,15 @@ Where the bytes come from, fastest first:
   A delta streams its own chunks when every checkpoint it reads from is on the hot tier;
   otherwise (and when the hot replica is in transition) it is first restored whole with
   :func:`~ckptstore.ops.tiering.restore.ensure_hot`.
+* a sealed copy on an encrypted tier (``[tiers] encrypt_to``), when a key is given
+  (``key=``, else ``$CKPT_DECRYPT_KEY``, else ``decrypt_key``; without one the checkpoint is
+  restored first, which asks for the key): the copy is opened and its manifest decrypted and
+  checked against the catalog's digest as a restore checks it, then each group's objects are
+  decrypted, by priority, into a private (0700) directory of the hot tier, every chunk checked
+  against the manifest's plaintext blake3 before its group is read. At the end the copy is
+  checked whole (every file the manifest lists, its sizes) and copied into the hot tier as a
+  restore of a sealed copy does (:mod:`ckptstore.ops.tiering.sealed_tier`); the private
+  directory is removed, whatever happens.
 
 Each group is read with :func:`ckptstore.format.read_checkpoint` into tensors allocated up
 front (or the caller's ``into`` tensors), so a completed group's tensors are final and the
@@ -27,7 +36,8 @@ A group that meets a damaged copy (a chunk failing its crc32c, a truncated or mi
 is read again from the hot copy restored from the next verified copy (read repair,
 :mod:`ckptstore.ops.tiering.readrepair`): a damaged hot copy is marked DAMAGED and restored
 over, a stream from a remote tier is dropped (that copy marked DAMAGED when its bytes were
-wrong) and the checkpoint restored from the tier after it. The groups already completed were
+wrong; a sealed copy is left to ``ckpt verify``, as a restore leaves it) and the checkpoint
+restored from the tier after it. The groups already completed were
 read whole and verified, and stay as they are.
 
 Example:
@@ -41,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import threading
 import time
@@ -54,16 +65,26 @@ import numpy as np
 import torch
 
 from ckptstore.core import StoreCore
-from ckptstore.errors import CkptError, IntegrityError
+from ckptstore.errors import CkptError, IntegrityError, StorageError
 from ckptstore.format import Manifest, read_checkpoint, read_manifest, verify_checkpoint
-from ckptstore.format.chunkio import Locate
-from ckptstore.format.constants import COMMIT_NAME
+from ckptstore.format.chunkio import ChunkReader, Locate
+from ckptstore.format.constants import COMMIT_NAME, MANIFEST_NAME, ORIGINAL_MANIFEST_NAME
 from ckptstore.format.dtypes import dtype_by_name
+from ckptstore.format.filecheck import check_file
 from ckptstore.format.flatten import rebuild_state
 from ckptstore.format.fsio import advise_hugepages
+from ckptstore.format.sealed import OpenedCopy, decryption_key_path, private_dir
 from ckptstore.format.tree import match_into
+from ckptstore.format.verify import check_chunk
 from ckptstore.ops.reading.progressive_plan import GroupPlan, Order, plan_groups
 from ckptstore.ops.tiering.readrepair import is_repairable, read_repair
+from ckptstore.ops.tiering.sealed_tier import (
+    install_unsealed,
+    member_files,
+    open_sealed,
+    read_unsealed_manifest,
+    unseal_file,
+)
 from ckptstore.ops.writing.memory import memory_copy
 from ckptstore.records import Checkpoint, ReplicaState, expected_digest
 from ckptstore.storage import is_not_found
@@ -264,6 +285,199 @@ class _RemoteSource(_Source):
                                exc_info=True)
 
 
+class _SealedSource(_Source):
+    """Decrypts a sealed copy (an encrypted tier) into a private directory, by priority.
+
+    Made by :func:`_open_sealed` once the copy is open and its manifest decrypted and
+    checked; it then holds the ``restore:hot`` lease and the private directory, and gives
+    both back in :meth:`finish` or :meth:`abort`.
+    """
+
+    def __init__(self, store: StoreCore, ck: Checkpoint, tier: Tier, opened: OpenedCopy,
+                 files: dict[str, int], workdir: Path, stack: contextlib.ExitStack,
+                 owner: str, threads: int) -> None:
+        super().__init__(tier.name, workdir / ck.run / ck.id, None)
+        self.store = store
+        self.ck = ck
+        self.tier = tier
+        self.opened = opened
+        self.files = files
+        self.workdir = workdir
+        self.stack = stack
+        self.owner = owner
+        self.threads = threads
+        self.manifest: Manifest | None = None
+        self.reader: ChunkReader | None = None
+        self.chunks: dict[str, tuple[str, int]] = {}
+        self.fetched: dict[str, Future[int]] = {}
+        self.groups: list[list[Future[int]]] = []
+        self.pool: ThreadPoolExecutor | None = None
+        self.hot_dir = store.checkpoint_dir(ck.run, ck.id)
+        self.preexisting: set[str] = set()
+        self.installing = False
+        self.released = False
+
+    def _unseal(self, rel: str) -> int:
+        """Decrypt one file; a chunk is checked against the manifest before it counts."""
+        size = unseal_file(self.opened, self.files[rel], self.directory / rel)
+        chunk = self.chunks.get(rel)
+        if chunk is not None:
+            assert self.reader is not None and self.manifest is not None
+            problem = check_chunk(self.reader, self.manifest.arrays[chunk[0]], chunk[1])
+            if problem is not None:
+                raise IntegrityError(
+                    f"the encrypted {self.tier.name} copy of {self.ck.ref} ({self.ck.id}) "
+                    f"decrypts, but fails verification: {problem}; run `ckpt verify "
+                    f"{self.ck.ref} --tier {self.tier.name}` to repair it")
+        return size
+
+    def _fetch(self, rel: str) -> Future[int]:
+        future = self.fetched.get(rel)
+        if future is None:
+            assert self.pool is not None
+            future = self.pool.submit(self._unseal, rel)
+            self.fetched[rel] = future
+        return future
+
+    def start(self, manifest: Manifest, groups: Sequence[Sequence[str]]) -> None:
+        self.manifest = manifest
+        self.reader = ChunkReader(self.directory, manifest, None)
+        self.chunks = {array.chunk_path(chunk.i): (array.name, chunk.i)
+                       for array in manifest.arrays.values() for chunk in array.chunks}
+        # What the hot directory holds already (chunks kept for deltas that read them):
+        # an abort during the final copy removes only what it added.
+        self.preexisting = (
+            {p.relative_to(self.hot_dir).as_posix()
+             for p in self.hot_dir.rglob("*") if p.is_file()}
+            if self.hot_dir.is_dir() else set()
+        )
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-unseal")
+        # In priority order, as _RemoteSource: group n+1 decrypts while group n is read.
+        for keys in groups:
+            futures = []
+            for key in keys:
+                entry = manifest.tensors[key]
+                array = manifest.arrays[entry.array]
+                for index in range(entry.chunk_start, entry.chunk_stop):
+                    futures.append(self._fetch(array.chunk_path(index)))
+            self.groups.append(futures)
+
+    def ready(self, index: int) -> None:
+        for future in self.groups[index]:
+            future.result()
+
+    def finish(self) -> None:
+        assert self.manifest is not None
+        # The files no group needed (Zarr documents, chunks of no tensor, the signature);
+        # the manifest, its original and the marker were decrypted when the copy was opened.
+        rest = [self._fetch(rel) for rel in self.files
+                if rel in self.fetched or not (self.directory / rel).exists()]
+        for future in rest:
+            future.result()
+        # Every chunk was checked as it landed: the rest of what a restore checks (the
+        # files the manifest lists, their sizes, the Zarr documents, other files' digests).
+        problems = verify_checkpoint(self.directory, self.manifest, deep=False)
+        problems += [p for p in (check_file(self.directory, True, entry)
+                                 for entry in self.manifest.files) if p is not None]
+        if problems:
+            raise IntegrityError(
+                f"the encrypted {self.tier.name} copy of {self.ck.ref} ({self.ck.id}) "
+                "decrypts, but fails verification: " + "; ".join(problems[:5])
+                + f"; run `ckpt verify {self.ck.ref} --tier {self.tier.name}` to repair it")
+        from ckptstore.ops.tiering.replicas import store_tiers
+
+        self.installing = True
+        directory, total = install_unsealed(self.ck, self.workdir, self.manifest,
+                                            store_tiers(self.store)["hot"],
+                                            threads=self.threads)
+        digest = self.manifest.digest
+        catalog = self.store.catalog
+        catalog.set_replica(self.ck.id, "hot", uri=str(directory), state=ReplicaState.PRESENT,
+                            bytes=total, verified=True,
+                            manifest_digest=None if digest == self.ck.manifest_digest
+                            else digest)
+        catalog.record_event(
+            "restored", checkpoint_id=self.ck.id, actor=self.owner,
+            detail={"from": self.tier.name, "tier": "hot", "path": str(directory),
+                    "bytes": total, "progressive": True, "encrypted": True},
+        )
+        self.installing = False
+        self._close()
+
+    def abort(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.installing:
+            # The final copy into the hot tier failed half way: only what it added goes.
+            with contextlib.suppress(FileNotFoundError):
+                (self.hot_dir / COMMIT_NAME).unlink()
+            for rel in self.files:
+                if rel not in self.preexisting:
+                    with contextlib.suppress(FileNotFoundError):
+                        (self.hot_dir / rel).unlink()
+            if self.hot_dir.is_dir() and not any(
+                    p.is_file() for p in self.hot_dir.rglob("*")):
+                shutil.rmtree(self.hot_dir, ignore_errors=True)
+        self._close()
+
+    def _close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        self.stack.close()  # the private directory, plaintext and all
+        if not self.released:
+            self.released = True
+            try:
+                self.store.catalog.release_lease(self.ck.id, _LEASE, self.owner)
+            except CkptError:
+                logger.warning("could not release the restore lease of %s", self.ck.ref,
+                               exc_info=True)
+
+
+def _open_sealed(store: StoreCore, ck: Checkpoint, tier: Tier,
+                 key: str | os.PathLike[str] | None,
+                 threads: int) -> tuple[_SealedSource, Manifest] | None:
+    """Open the sealed copy of ``ck`` on ``tier`` for streaming: its manifest decrypted
+    into a private directory and checked, the ``restore:hot`` lease taken. None when
+    another restore holds the lease or the hot replica is no longer DELETED.
+
+    Raises:
+        DecryptionError: As :func:`~ckptstore.ops.tiering.sealed_tier.open_sealed`.
+        IntegrityError: If the manifest fails its checks.
+    """
+    from ckptstore.ops.leases import lease_owner
+
+    opened = open_sealed(store, ck, tier, key)
+    files = member_files(opened, f"the encrypted {tier.name} copy of {ck.ref} ({ck.id})")
+    stack = contextlib.ExitStack()
+    try:
+        workdir = stack.enter_context(private_dir(store.hot))
+        directory = workdir / ck.run / ck.id
+        directory.mkdir(parents=True)
+        for rel in (MANIFEST_NAME, COMMIT_NAME, ORIGINAL_MANIFEST_NAME):
+            if rel in files:
+                unseal_file(opened, files[rel], directory / rel)
+        manifest = read_unsealed_manifest(ck, tier, directory, set(files))
+        if manifest.referenced_checkpoints():
+            # Sealed copies are self-contained by construction; one that is not cannot be
+            # read from its private directory: let the restore say what is wrong.
+            stack.close()
+            return None
+        owner = lease_owner()
+        if not store.catalog.acquire_lease(ck.id, _LEASE, owner, _LEASE_TTL_S):
+            stack.close()
+            return None
+        current = store.catalog.get_any(ck.id).replica("hot")
+        if current is not None and current.state != ReplicaState.DELETED:
+            store.catalog.release_lease(ck.id, _LEASE, owner)
+            stack.close()
+            return None
+    except BaseException:
+        stack.close()
+        raise
+    return _SealedSource(store, ck, tier, opened, files, workdir, stack, owner,
+                         threads), manifest
+
+
 # ---------------------------------------------------------------------- the handle
 @dataclass
 class _Progress:
@@ -301,6 +515,7 @@ class ProgressiveLoad:
         time_to_manifest_s: float,
         time_to_plan_s: float,
         store: StoreCore | None = None,
+        key: str | os.PathLike[str] | None = None,
     ) -> None:
         self.checkpoint = checkpoint
         self.manifest = manifest
@@ -309,6 +524,7 @@ class ProgressiveLoad:
         self.time_to_manifest_s = time_to_manifest_s
         self.time_to_plan_s = time_to_plan_s
         self._store = store
+        self._key = key
         # The catalog's view of the copies as reading starts (after any restore the source
         # needed): what read repair compares against when a group meets damage.
         self._seen = store.catalog.get_any(checkpoint.id) if store is not None else checkpoint
@@ -366,7 +582,7 @@ class ProgressiveLoad:
                     into=self._state, locate=self._src.locate, threads=self._threads,
                 )
             except CkptError as exc:
-                remote = isinstance(self._src, _RemoteSource)
+                remote = isinstance(self._src, _RemoteSource | _SealedSource)
                 if self._store is None or repaired or not (
                         is_repairable(exc) or (remote and is_not_found(exc))):
                     raise
@@ -385,8 +601,9 @@ class ProgressiveLoad:
             directory = read_repair(store, self._seen, exc, found_by="progressive load")
         else:
             # A copy streamed from a remote tier (or this host's memory copy) failed: drop
-            # what was fetched, mark a damaged remote copy, read the hot copy restored from
-            # the next verified one.
+            # what was fetched, mark a damaged remote copy (a sealed one is left to `ckpt
+            # verify`, as a restore leaves it), read the hot copy restored from the next
+            # verified one.
             failed.abort()
             if not other_copies(store, store.catalog.get_any(self.checkpoint.id), failed.name):
                 raise exc
@@ -394,7 +611,8 @@ class ProgressiveLoad:
                 mark_damaged(store, self._seen, failed.name, [str(exc)],
                              found_by="progressive load", seen=self._seen.replica(failed.name))
             try:
-                directory = ensure_hot(store, store.catalog.get_any(self.checkpoint.id))
+                directory = ensure_hot(store, store.catalog.get_any(self.checkpoint.id),
+                                       key=self._key)
             except CkptError as failure:
                 exc.add_note(f"reading another copy of {self.checkpoint.ref} failed too "
                              f"({failure})")
@@ -479,7 +697,8 @@ class ProgressiveLoad:
 
 # ---------------------------------------------------------------------- entry point
 def _pick_source(
-    store: StoreCore, ck: Checkpoint, prefer_memory: bool, threads: int
+    store: StoreCore, ck: Checkpoint, prefer_memory: bool, threads: int,
+    key: str | os.PathLike[str] | None = None,
 ) -> tuple[_Source, Manifest]:
     from ckptstore.ops.leases import lease_owner
     from ckptstore.ops.tiering.replicas import manifest_on, store_tiers, tier_rank
@@ -491,7 +710,7 @@ def _pick_source(
             return _Source("memory", found[0], None), found[1]
 
     def hot() -> tuple[_Source, Manifest]:
-        directory = ensure_hot(store, ck)
+        directory = ensure_hot(store, ck, key=key)
         return (_Source("hot", directory, store.locate),
                 read_manifest(directory, expected_digest=hot_digest(store, ck)))
 
@@ -499,14 +718,27 @@ def _pick_source(
     if replica is not None and replica.state == ReplicaState.PRESENT:
         return hot()
     tiers = store_tiers(store)
+    # Sealed copies only with a key to open them; without one the restore (hot()) asks.
+    unseal = decryption_key_path(key, store.settings.decrypt_key) is not None
     remote = sorted(
         (tiers[r.tier] for r in ck.replicas
          if r.state == ReplicaState.PRESENT and r.tier in tiers and r.tier != "hot"
-         and tiers[r.tier].readable and not r.sealed),
+         and tiers[r.tier].readable and (unseal or not r.sealed)),
         key=lambda t: tier_rank(t.name),
     )
     if not remote or (replica is not None and replica.state != ReplicaState.DELETED):
         return hot()  # nothing to stream from, or the hot copy is in transition
+    first = ck.replica(remote[0].name)
+    if first is not None and first.sealed:
+        try:
+            sealed = _open_sealed(store, ck, remote[0], key, max(threads, _PREFETCH_THREADS))
+        except (IntegrityError, StorageError) as exc:
+            # A key it was not encrypted to, a damaged copy, an outage: the restore tries
+            # every copy in turn and says what is wrong with each (DecryptionError included).
+            logger.warning("cannot stream %s from the encrypted %s copy (%s); restoring it "
+                           "first", ck.ref, remote[0].name, exc)
+            return hot()
+        return hot() if sealed is None else sealed
     manifest = manifest_on(remote[0], ck)
     for base_id in manifest.referenced_checkpoints():
         base = store.catalog.get_any(base_id).replica("hot")
@@ -531,6 +763,7 @@ def load_progressive(
     strict: bool = True,
     prefer_memory: bool = True,
     threads: int | None = None,
+    key: str | os.PathLike[str] | None = None,
 ) -> ProgressiveLoad:
     """Start loading a checkpoint group by group in priority order; return at once.
 
@@ -543,6 +776,9 @@ def load_progressive(
         strict: Raise if a pattern matches no tensor.
         prefer_memory: Use this host's memory copy when there is one.
         threads: Reader threads per group (default the store's ``threads``).
+        key: Private key that opens a sealed copy (an encrypted tier), which is then
+            streamed; default ``$CKPT_DECRYPT_KEY``, else ``decrypt_key``. Without one a
+            sealed copy is restored first (which raises DecryptionError).
 
     Returns:
         A :class:`ProgressiveLoad`; ``wait(i)``/iteration give groups as they complete,
@@ -552,11 +788,13 @@ def load_progressive(
         CheckpointNotFoundError: If the reference does not resolve or no tier has a copy.
         InvalidNameError: If ``order`` is malformed or (``strict``) a pattern matches nothing.
         IntegrityError: If the manifest is damaged.
+        DecryptionError: If the only copies are sealed and no key, or a key they were not
+            encrypted to, was given, or they are altered.
     """
     started = time.perf_counter()
     threads = threads or store.settings.threads
     ck = store.catalog.get(ref)
-    source, manifest = _pick_source(store, ck, prefer_memory, threads)
+    source, manifest = _pick_source(store, ck, prefer_memory, threads, key)
     manifest_s = time.perf_counter() - started
     try:
         groups = plan_groups(manifest, order, strict=strict)
@@ -571,4 +809,4 @@ def load_progressive(
     )
     return ProgressiveLoad(ck, manifest, groups, source, destination, threads=threads,
                            started=started, time_to_manifest_s=manifest_s,
-                           time_to_plan_s=plan_s, store=store)
+                           time_to_plan_s=plan_s, store=store, key=key)

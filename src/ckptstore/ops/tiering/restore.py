@@ -528,10 +528,12 @@ def hot_digest(store: StoreCore, ck: Checkpoint) -> str | None:
     return expected_digest(ck, "hot")
 
 
-def ensure_hot(store: StoreCore, ck: Checkpoint) -> Path:
+def ensure_hot(store: StoreCore, ck: Checkpoint, *,
+               key: str | os.PathLike[str] | None = None) -> Path:
     """The checkpoint's hot directory, restoring it first when only other tiers hold it.
 
-    This is what makes ``store.load`` of an archived checkpoint transparent.
+    This is what makes ``store.load`` of an archived checkpoint transparent. ``key`` opens a
+    sealed copy (default ``$CKPT_DECRYPT_KEY``, else ``decrypt_key``).
 
     Raises:
         As :func:`restore_checkpoint`.
@@ -547,4 +549,4 @@ def ensure_hot(store: StoreCore, ck: Checkpoint) -> Path:
     replica = ck.replica("hot")
     if replica is not None and replica.state == ReplicaState.PRESENT:
         return store.checkpoint_dir(ck.run, ck.id)
-    return restore_checkpoint(store, ck.id)
+    return restore_checkpoint(store, ck.id, key=key)

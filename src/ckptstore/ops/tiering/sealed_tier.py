@@ -10,14 +10,18 @@ The replica row's URI names that prefix (:attr:`~ckptstore.records.Replica.seale
 checkpoint's files, so :mod:`ckptstore.ops.tiering.replicas` counts no chunk references for
 it). The tier learns sizes and counts, nothing else (docs/SHARING.md, "Encrypted tiers").
 
-Reading one back (restore, a load that restores, ``verify`` with a key) takes a
-recipient's private key: ``--key``, else ``$CKPT_DECRYPT_KEY``, else ``decrypt_key``
+Reading one back (restore, a load that restores, a progressive load that streams it,
+``verify`` with a key) takes a recipient's private key: ``--key``, else
+``$CKPT_DECRYPT_KEY``, else ``decrypt_key``
 (:func:`~ckptstore.format.sealed.decryption_key_path`). The copy is decrypted object by
 object into a private (0700) directory of the hot tier, its manifest checked against the
 catalog's digest and its marker, every chunk decoded and checked against the manifest's
 plaintext blake3; only then are its files copied into the hot tier. A missing or wrong
 key, or an altered, truncated or swapped object, is a :class:`~ckptstore.errors.DecryptionError`
-and the hot tier is left as it was.
+and the hot tier is left as it was. A progressive load
+(:mod:`ckptstore.ops.reading.progressive`) uses the same steps one object at a time
+(:func:`member_files`, :func:`unseal_file`, :func:`read_unsealed_manifest`,
+:func:`install_unsealed`), checking each chunk before its group is read.
 
 In an archival S3 class (GLACIER, DEEP_ARCHIVE) a sealed copy is thawed like a plain one
 (:mod:`ckptstore.ops.tiering.thaw`): the objects to restore are those under its prefix,
@@ -87,15 +91,19 @@ __all__ = [
     "copy_sealed",
     "drop_unfinished",
     "gc_sealed",
+    "install_unsealed",
     "is_sealed_on",
+    "member_files",
     "new_copy_id",
     "open_sealed",
+    "read_unsealed_manifest",
     "recipients_of",
     "restore_sealed",
     "seal_copy",
     "sealed_prefix",
     "sealed_uri",
     "seals_tier",
+    "unseal_file",
     "verify_sealed",
 ]
 
@@ -419,6 +427,56 @@ def _safe_rel(path: str, what: str) -> str:
     return rel
 
 
+def member_files(opened: OpenedCopy, what: str) -> dict[str, int]:
+    """Each checkpoint file an opened sealed copy holds (its path relative to the
+    checkpoint) and the number of the object holding it.
+
+    Raises:
+        DecryptionError: If a member is not a plain relative path inside the checkpoint or
+            appears twice (anyone with a recipient's public key can make a copy).
+    """
+    files: dict[str, int] = {}
+    for i, member in enumerate(opened.members[1:], start=1):
+        rel = _safe_rel(member.path, what)
+        if rel in files:
+            raise DecryptionError(f"{what}: member {member.path!r} appears twice")
+        files[rel] = i
+    return files
+
+
+def unseal_file(opened: OpenedCopy, index: int, target: Path) -> int:
+    """Decrypt object ``index`` into the new file ``target``; return its size.
+
+    Raises:
+        DecryptionError: If the object is missing, truncated or altered.
+    """
+    data = opened.member(index)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target, "xb") as fh:
+        fh.write(data)
+    return len(data)
+
+
+def read_unsealed_manifest(ck: Checkpoint, tier: Tier, directory: Path,
+                           names: set[str]) -> Manifest:
+    """The manifest decrypted into ``directory``, checked as a restore checks any copy's
+    (against the catalog's digest and the marker; a re-encoded copy's original too), and
+    ``names`` (the copy's files) against the files it lists.
+
+    Raises:
+        IntegrityError: If a check fails.
+    """
+    if ck.manifest_digest is None:
+        raise IntegrityError(f"checkpoint {ck.ref} has no manifest digest in the catalog")
+    manifest = read_copy_manifest(directory, ck.manifest_digest, expected_digest(ck, tier.name))
+    expected = set(owned_files(manifest)) | ({SIGNATURE_NAME} & names)
+    if names != expected:
+        extra, missing = sorted(names - expected), sorted(expected - names)
+        raise IntegrityError(f"{_what(ck, tier)} does not hold what its manifest lists "
+                             f"(extra: {extra[:3]}, missing: {missing[:3]}); run `ckpt verify`")
+    return manifest
+
+
 def _unseal_into(store: StoreCore, ck: Checkpoint, tier: Tier, opened: OpenedCopy,
                  workdir: Path) -> tuple[Path, Manifest]:
     """Decrypt every object into ``workdir/<run>/<id>/`` and check it as a restore checks
@@ -426,24 +484,10 @@ def _unseal_into(store: StoreCore, ck: Checkpoint, tier: Tier, opened: OpenedCop
     what = _what(ck, tier)
     directory = workdir / ck.run / ck.id
     directory.mkdir(parents=True)
-    names: set[str] = set()
-    for i, member in enumerate(opened.members[1:], start=1):
-        rel = _safe_rel(member.path, what)
-        if rel in names:
-            raise DecryptionError(f"{what}: member {member.path!r} appears twice")
-        names.add(rel)
-        target = directory / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "xb") as fh:
-            fh.write(opened.member(i))
-    if ck.manifest_digest is None:
-        raise IntegrityError(f"checkpoint {ck.ref} has no manifest digest in the catalog")
-    manifest = read_copy_manifest(directory, ck.manifest_digest, expected_digest(ck, tier.name))
-    expected = set(owned_files(manifest)) | ({SIGNATURE_NAME} & names)
-    if names != expected:
-        extra, missing = sorted(names - expected), sorted(expected - names)
-        raise IntegrityError(f"{what} does not hold what its manifest lists (extra: "
-                             f"{extra[:3]}, missing: {missing[:3]}); run `ckpt verify`")
+    files = member_files(opened, what)
+    for rel, i in files.items():
+        unseal_file(opened, i, directory / rel)
+    manifest = read_unsealed_manifest(ck, tier, directory, set(files))
     problems = verify_checkpoint(directory, manifest, deep=True)
     if problems:
         raise IntegrityError(f"{what} decrypts, but fails verification: "
@@ -470,15 +514,28 @@ def restore_sealed(store: StoreCore, ck: Checkpoint, src: Tier, target: Tier, *,
     """
     opened = open_sealed(store, ck, src, key)
     with private_dir(store.hot) as workdir:
-        staged, manifest = _unseal_into(store, ck, src, opened, workdir)
-        nbytes = copy_checkpoint(LocalTier(workdir, name="unsealed"), target, ck.run, ck.id,
-                                 manifest, threads=threads, progress=progress)
-        directory = target.local_dir(ck.run, ck.id)
-        assert directory is not None  # restore targets are local
-        signature = staged / SIGNATURE_NAME
-        if signature.is_file() and not (directory / SIGNATURE_NAME).exists():
-            shutil.copyfile(signature, directory / SIGNATURE_NAME)
+        _, manifest = _unseal_into(store, ck, src, opened, workdir)
+        directory, nbytes = install_unsealed(ck, workdir, manifest, target, threads=threads,
+                                             progress=progress)
     return directory, nbytes, manifest
+
+
+def install_unsealed(ck: Checkpoint, workdir: Path, manifest: Manifest, target: Tier, *,
+                     threads: int = 4, progress: Progress | None = None) -> tuple[Path, int]:
+    """Copy a decrypted and checked copy (``workdir/<run>/<id>/``) into ``target`` through
+    the ordinary verified copy, marker last, its signature along.
+
+    Returns:
+        ``(directory on target, bytes written)``.
+    """
+    nbytes = copy_checkpoint(LocalTier(workdir, name="unsealed"), target, ck.run, ck.id,
+                             manifest, threads=threads, progress=progress)
+    directory = target.local_dir(ck.run, ck.id)
+    assert directory is not None  # restore targets are local
+    signature = workdir / ck.run / ck.id / SIGNATURE_NAME
+    if signature.is_file() and not (directory / SIGNATURE_NAME).exists():
+        shutil.copyfile(signature, directory / SIGNATURE_NAME)
+    return directory, nbytes
 
 
 # ---------------------------------------------------------------------- verify
