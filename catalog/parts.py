@@ -224,7 +224,8 @@ class PartsMixin(CheckpointsMixin):
             bytes: Its size (None keeps the stored value, 0 on creation).
             files: Its file count (likewise).
             verified: Set ``verified_at`` to now.
-            uri: Recorded on the aggregate replica when this creates it.
+            uri: Recorded on the aggregate replica when this begins a new copy (there is
+                none, or it is DELETED); a copy under way keeps the URI it began with.
 
         Returns:
             The tier's aggregate replica after the change (None if there is none).
@@ -468,7 +469,10 @@ class PartsMixin(CheckpointsMixin):
                                   "state": new, "bytes": size, "updated_at": now}
         stmt = self._insert(ReplicaRow).values(**values)
         changes = {k: stmt.excluded[k] for k in ("state", "bytes", "updated_at")}
-        if uri is not None:
+        if uri is not None and current in (None, ReplicaState.DELETED):
+            # Only a new copy takes the URI: the hosts uploading parts of one copy agree on
+            # where it lives through this row (a sealed copy's random prefix is chosen by
+            # whichever host begins it, and the others read it back from here).
             changes["uri"] = stmt.excluded.uri
         s.execute(stmt.on_conflict_do_update(index_elements=["checkpoint_id", "tier"],
                                              set_=changes))

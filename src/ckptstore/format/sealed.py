@@ -293,7 +293,11 @@ Getter = Callable[[str, int], bytes]
 
 @dataclass
 class OpenedCopy:
-    """A sealed copy whose data key this reader holds."""
+    """A sealed copy whose data key this reader holds.
+
+    ``parts``: for a tier copy of a checkpoint saved across hosts, the part sub-copies its
+    header names, opened too (:mod:`ckptstore.ops.tiering.sealed_tier`); empty otherwise.
+    """
 
     what: str
     get: Getter
@@ -301,6 +305,7 @@ class OpenedCopy:
     data_key: bytes
     members: list[Member]
     header: dict[str, Any] = field(default_factory=dict)
+    parts: list[OpenedCopy] = field(default_factory=list)
 
     def member(self, i: int) -> bytes:
         m = self.members[i]

@@ -18,6 +18,9 @@ own hot directory), ``CKPT_ROOT``, ``CKPT_CATALOG_URL`` (PostgreSQL), ``CKPT_WAR
   only (node A's share of the downloads fails; node B fetches it), into Shard(0) DTensors,
   bit-exact.
 * ``tiny`` (2 nodes x 1 rank): one small parted checkpoint ``agents@1``.
+* ``marked`` (2 nodes x 1 rank): parted checkpoints ``enc-a@1``, ``enc-b@1``, ``enc-c@1``
+  (a run each) whose ``mark`` tensor holds a run of values no random tensor does, half on
+  each node (the encrypted-tier tests search the tier's bytes for it).
 * ``s3hot`` (2 nodes x 1 rank, ``CKPT_HOT=s3://...``): every rank uploads its own shards
   straight to object storage; the checkpoint loads back at Shard(0) and Shard(1).
 * ``kill`` (2 nodes x 1 rank): ``kill@1`` commits (``dcp.save`` with ``store.dcp_writer``
@@ -242,6 +245,27 @@ def scenario_tiny(out: Path, rank: int, ws: int) -> dict[str, Any]:
     return {"host": os.environ["CKPT_HOST"], "id": ck.id, "hosts": list(ck.hosts)}
 
 
+def marker() -> torch.Tensor:
+    """The values ``marked`` saves as ``mark`` (Shard(0): the first half on rank 0)."""
+    return torch.arange(8192, dtype=torch.float32) * 0.5 + 12345.0
+
+
+def scenario_marked(out: Path, rank: int, ws: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (ws,))
+    ids = []
+    fulls = {}
+    with CheckpointStore.open() as store:
+        for seed, run in enumerate(("enc-a", "enc-b", "enc-c")):
+            state = _state(mesh, Shard(0), seed=10 + seed)
+            state["mark"] = distribute_tensor(marker(), mesh, [Shard(0)])
+            ck = save_distributed(store, run, 1, state, pack_below=PACK_BELOW)
+            ids.append(ck.id)
+            fulls[ck.id] = _full(state)
+    if rank == 0:
+        torch.save(fulls, out / "marked.pt")
+    return {"host": os.environ["CKPT_HOST"], "ids": ids, "hosts": list(ck.hosts)}
+
+
 def scenario_kill(out: Path, rank: int, ws: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (ws,))
     state = _state(mesh, Shard(0), seed=1)
@@ -289,7 +313,7 @@ def scenario_s3hot(out: Path, rank: int, ws: int) -> dict[str, Any]:
 
 
 SCENARIOS = {"save": scenario_save, "load": scenario_load, "replace": scenario_replace,
-             "tiny": scenario_tiny,
+             "tiny": scenario_tiny, "marked": scenario_marked,
              "kill": scenario_kill, "s3hot": scenario_s3hot}
 
 

@@ -619,14 +619,18 @@ def test_a_damaged_object_of_a_thawed_sealed_copy_is_refused(
     assert not list(store.hot.glob(".sealed-work-*"))
 
 
-def test_checkpoint_saved_across_hosts_is_refused(local_store: CheckpointStore) -> None:
+def test_a_plain_copy_of_a_checkpoint_saved_across_hosts_is_not_sealed_whole(
+        local_store: CheckpointStore) -> None:
+    """Such a checkpoint is sealed part by part as each host archives its part
+    (tests/ops/tiering/test_encrypted_parts.py); a plain copy of it (archived before
+    encrypt_to was set) is not sealed into one object of another layout on demote."""
     import dataclasses
 
     from ckptstore.ops.tiering.sealed_tier import check_sealable
 
     ck = local_store.save("run-h", 1, _state(1))
     check_sealable(ck)  # one host: fine
-    with pytest.raises(ConfigError, match="saved across hosts"):
+    with pytest.raises(ConfigError, match="sealed part by part"):
         check_sealable(dataclasses.replace(ck, hosts=("node-a", "node-b")))
 
 

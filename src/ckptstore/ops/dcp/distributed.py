@@ -360,7 +360,10 @@ def load_parted(
         IncompleteCheckpointError: If a part needed has no copy this host can read.
         IntegrityError: If every copy of a needed chunk is damaged.
     """
-    manifest, source = parts_source(store, ck, thaw=thawed_source)
+    from ckptstore.ops.tiering.restore import unseal_parts_here
+
+    # A part readable nowhere in the clear is decrypted from a sealed copy first.
+    manifest, source = parts_source(store, ck, thaw=thawed_source, unseal=unseal_parts_here)
     if into is None:
         missing = source.missing()
         if missing:

@@ -246,7 +246,10 @@ def dcp_reader(store: StoreCore, ref: str) -> ZarrStorageReader:
 
     ck = store.catalog.get(ref)
     if ck.parted:
-        manifest, source = parts_source(store, ck, thaw=thawed_source)
+        from ckptstore.ops.tiering.restore import unseal_parts_here
+
+        manifest, source = parts_source(store, ck, thaw=thawed_source,
+                                        unseal=unseal_parts_here)
         threads = store.settings.threads
         return ZarrStorageReader(source.directory, manifest, source=source,
                                  threads=max(threads, REMOTE_READ_THREADS) if source.remote

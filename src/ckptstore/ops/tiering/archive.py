@@ -8,8 +8,9 @@ verified copies: the source copy is deleted (demote only) after the destination 
 verified and recorded.
 
 A checkpoint saved across hosts (:mod:`ckptstore.ops.dcp.parts`) is archived part by part,
-each host uploading its own parts (:mod:`ckptstore.ops.tiering.parts_archive`); the copy
-becomes PRESENT only when the last part is in.
+each host uploading its own parts (:mod:`ckptstore.ops.tiering.parts_archive`; to an
+encrypted tier, each host sealing its own part); the copy becomes PRESENT only when the last
+part is in.
 
 Archive may re-encode (``reencode`` / the ``archive_codec`` setting): the copy is then written
 by :mod:`ckptstore.ops.tiering.reencode` as a self-contained copy whose chunks use the archive
@@ -49,7 +50,6 @@ from ckptstore.ops.tiering.replicas import (
     tier_of,
 )
 from ckptstore.ops.tiering.sealed_tier import (
-    check_sealable,
     copy_sealed,
     drop_unfinished,
     is_sealed_on,
@@ -270,11 +270,11 @@ def _copy_sealed(
     """Write the ``dst`` copy of ``ck`` as a sealed copy (``encrypt_to``) and record it.
 
     A sealed source copy (a demote) is copied as it is, ciphertext to ciphertext, under the
-    same copy id; a plain one is sealed (:func:`~ckptstore.ops.tiering.sealed_tier.seal_copy`)
-    for the configured recipients. The replica row names the sealed prefix and records the
+    same copy id (a copy sealed part by part too: its parts' sub-copies come along); a plain
+    one is sealed (:func:`~ckptstore.ops.tiering.sealed_tier.seal_copy`) for the configured
+    recipients. The replica row names the sealed prefix and records the
     plaintext manifest's digest; the ``archived`` / ``demoted`` event says ``encrypted``.
     """
-    check_sealable(ck)
     drop_unfinished(store, ck, dst)
     source = ck.replica(src.name)
     copy_id = source.sealed if source is not None and source.sealed else new_copy_id()
@@ -349,13 +349,7 @@ def _run(
         visited.add(ckpt_id)
         listed = store.catalog.get_any(ckpt_id)
         if not remove_source and by_parts(store, listed, src.name):
-            if seals_tier(store, dst.name):
-                exc = ConfigError(
-                    f"{listed.ref} ({ckpt_id}) was saved across hosts: encrypted tiers "
-                    "(tiers.encrypt_to) cannot hold checkpoints saved across hosts yet; "
-                    "archive it without encrypt_to")
-                report.failed.setdefault(ckpt_id, str(exc))
-                raise exc
+            # With encrypt_to, each host seals its own part (parts_archive, sealed_tier).
             if reencode is not None:
                 report.not_reencoded[ckpt_id] = (
                     "saved across hosts: each host's part is copied as it is")

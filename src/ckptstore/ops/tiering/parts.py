@@ -63,6 +63,7 @@ __all__ = [
     "parted_manifest",
     "parts_source",
     "rank_hosts",
+    "record_gathered",
     "remove_local_parts",
     "verify_parts_here",
 ]
@@ -407,6 +408,10 @@ def _part_copies(store: StoreCore, ck: Checkpoint, hosts: Iterable[str]) -> dict
             found.append(_Copy(f"hot on {me}", directory=local))
         for tier in shared:
             aggregate = ck.replica(tier.name)
+            if aggregate is not None and aggregate.sealed:
+                # Sealed (an encrypted tier): ciphertext objects, not the part's files;
+                # read only whole, with a key (parts_source's ``unseal``).
+                continue
             whole = aggregate is not None and aggregate.state == ReplicaState.PRESENT
             row = any(r.tier == tier.name and r.part == part and r.stored_on is None
                       and r.state == ReplicaState.PRESENT for r in rows)
@@ -423,14 +428,23 @@ def _part_copies(store: StoreCore, ck: Checkpoint, hosts: Iterable[str]) -> dict
 ThawHook = Callable[[StoreCore, Checkpoint], Tier | None]
 
 
-def parts_source(store: StoreCore, ck: Checkpoint, *, thaw: ThawHook | None = None
-                 ) -> tuple[Manifest, PartsSource]:
+#: ``unseal(store, ck)``: decrypt a sealed (encrypted tier) copy of ``ck`` onto this host's
+#: disk, recording every part as kept here; False when there is none
+#: (:func:`ckptstore.ops.tiering.restore.unseal_parts_here`, passed in by callers: it sits
+#: above this module).
+UnsealHook = Callable[[StoreCore, Checkpoint], bool]
+
+
+def parts_source(store: StoreCore, ck: Checkpoint, *, thaw: ThawHook | None = None,
+                 unseal: UnsealHook | None = None) -> tuple[Manifest, PartsSource]:
     """The manifest of a parted checkpoint and a source reading each part from its best copy.
 
     Args:
         store: The open store.
         ck: The checkpoint.
         thaw: Called when some part is readable nowhere, for the archival copy.
+        unseal: Called first when some part is readable nowhere: a sealed copy restored
+            onto this host's disk makes every part readable here.
 
     Raises:
         CheckpointNotFoundError: If the catalog holds no manifest for it.
@@ -444,6 +458,10 @@ def parts_source(store: StoreCore, ck: Checkpoint, *, thaw: ThawHook | None = No
     ranks = rank_hosts(store.catalog.part_ranks(ck.id))
     copies = _part_copies(store, ck, sorted(set(ranks.values())))
     lacking = [h for h, found in copies.items() if not found]
+    if lacking and unseal is not None and unseal(store, ck):
+        ck = store.catalog.get_any(ck.id)
+        copies = _part_copies(store, ck, sorted(set(ranks.values())))
+        lacking = [h for h, found in copies.items() if not found]
     if lacking:
         # Some part is readable nowhere, but the archival (GLACIER) copy holds every part:
         # asks S3 to restore it and raises ThawPendingError until all objects are readable.
@@ -574,6 +592,7 @@ def gather_parts(store: StoreCore, ck: Checkpoint, directory: Path, *,
             f"{', '.join(missing)} exist on no tier this host can read; bring those hosts back "
             "or archive their parts from them first"
         )
+    directory.mkdir(parents=True, exist_ok=True)  # only now: nothing is made for a refusal
     me = host()
     local = store.checkpoint_dir(ck.run, ck.id)
     kept = {p.part for p in store.catalog.parts(ck.id, "hot")
@@ -616,14 +635,23 @@ def gather_parts(store: StoreCore, ck: Checkpoint, directory: Path, *,
             + "; ".join(problems[:5])
         )
     if record:
-        sizes = {p.host: p for p in part_specs(manifest, _hosts_by_rank(ranks))}
-        for part in ranks:
-            spec = sizes[part]
-            store.catalog.set_part(ck.id, "hot", part, stored_on=me, state=ReplicaState.PRESENT,
-                                   bytes=spec.bytes, files=spec.files, verified=True)
-        # Every part is on this host's disk now: the hot copy is whole again.
-        store.catalog.complete_parts(ck.id, "hot", uri=str(directory))
+        record_gathered(store, ck, manifest, directory)
     return total
+
+
+def record_gathered(store: StoreCore, ck: Checkpoint, manifest: Manifest,
+                    directory: Path) -> None:
+    """Record every part of ``ck`` as kept on this host, whose hot ``directory`` now holds
+    all of them (verified), and the hot copy as whole again."""
+    me = host()
+    ranks = store.catalog.part_ranks(ck.id)
+    sizes = {p.host: p for p in part_specs(manifest, _hosts_by_rank(ranks))}
+    for part in ranks:
+        spec = sizes[part]
+        store.catalog.set_part(ck.id, "hot", part, stored_on=me, state=ReplicaState.PRESENT,
+                               bytes=spec.bytes, files=spec.files, verified=True)
+    # Every part is on this host's disk now: the hot copy is whole again.
+    store.catalog.complete_parts(ck.id, "hot", uri=str(directory))
 
 
 def _hosts_by_rank(ranks: Mapping[str, Iterable[int]]) -> tuple[str, ...]:

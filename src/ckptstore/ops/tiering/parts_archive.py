@@ -10,6 +10,12 @@ last part is in and the copy's shared documents, manifest and marker are written
 whichever host comes last: until then it is never used as a complete copy, and retention
 keeps the hot parts.
 
+To an encrypted tier (``[tiers] encrypt_to``) the same steps write a copy sealed part by
+part (:mod:`ckptstore.ops.tiering.sealed_tier`): the hosts agree on one copy id through the
+catalog, each host seals its part as a sub-copy of it, and the last one seals the shared
+documents, manifest and marker, envelope last. Every host must archive with the same
+``encrypt_to``: a plain part is never added to a sealed copy, nor the reverse.
+
 The rules around it (which checkpoints, the order, the report, leases renewed while copying)
 are archive's (:mod:`ckptstore.ops.tiering.archive`), which calls in here with its lease
 owner and length and the report it fills (:class:`PartsReport`); each lease is a
@@ -25,6 +31,7 @@ import blake3
 import crc32c as _crc32c
 
 from ckptstore.core import StoreCore
+from ckptstore.errors import ConfigError
 from ckptstore.format import Manifest
 from ckptstore.format.codecs import TRAILER
 from ckptstore.format.constants import MANIFEST_NAME
@@ -32,6 +39,14 @@ from ckptstore.format.dcp.commit import shared_docs
 from ckptstore.identity import host
 from ckptstore.ops.leases import RenewingLease
 from ckptstore.ops.tiering.parts import materialize, part_files, parted_manifest
+from ckptstore.ops.tiering.sealed_tier import (
+    new_copy_id,
+    recipients_of,
+    seal_part,
+    seal_shared,
+    sealed_uri,
+    seals_tier,
+)
 from ckptstore.progress import Progress
 from ckptstore.records import Checkpoint, ReplicaState
 from ckptstore.storage import COMMIT_NAME, Tier
@@ -139,12 +154,13 @@ def archive_parts(
             and p.state == ReplicaState.PRESENT}
     todo = [part for part in here if part not in done]
     total = 0
+    sealing = seals_tier(store, dst.name)
     if todo:
-        materialize(store, ck)
+        directory = materialize(store, ck)
         manifest, _ = parted_manifest(store, ck)
         ranks = store.catalog.part_ranks(ck.id)
         uri = dst.uri_for(ck.run, ck.id)
-        existing = set(dst.list_prefix(dst.prefix_for(ck.run, ck.id)))
+        existing = set() if sealing else set(dst.list_prefix(dst.prefix_for(ck.run, ck.id)))
         for part in todo:
             lease = RenewingLease(store, ck.id, _part_purpose(dst.name, part), owner, lease_ttl_s)
             if not lease.acquire():
@@ -161,8 +177,18 @@ def archive_parts(
                 files = part_files(manifest, ranks.get(part, []))
                 pairs = [(src.key_for(ck.run, ck.id, rel), dst.key_for(ck.run, ck.id, rel))
                          for rel, _ in files]
-                store.catalog.set_part(ck.id, dst.name, part, stored_on=None,
-                                       state=ReplicaState.COPYING, uri=uri)
+                copy_id = None
+                if sealing:
+                    copy_id = _begin_sealed(store, ck, dst, part)
+                else:
+                    _check_plain(store, ck, dst)
+                    began = store.catalog.set_part(ck.id, dst.name, part, stored_on=None,
+                                                   state=ReplicaState.COPYING, uri=uri)
+                    if began is not None and began.sealed:
+                        # A sealed copy began between our look and our row.
+                        store.catalog.set_part(ck.id, dst.name, part, stored_on=None,
+                                               state=ReplicaState.DELETED, bytes=0, files=0)
+                        raise _mixed(ck, dst, sealed=False)
 
                 def tick(nbytes: int, lease: RenewingLease = lease) -> None:
                     lease.touch()
@@ -170,12 +196,19 @@ def archive_parts(
                         progress(nbytes)
 
                 try:
-                    nbytes = copy_keys(
-                        src, dst, pairs, threads=threads, progress=tick, deep=deep,
-                        existing=existing,
-                        check_source=_dcp_checker(manifest, {rel: k for (rel, _), (k, _) in
-                                                             zip(files, pairs, strict=True)}),
-                    )
+                    if copy_id is not None:
+                        assert directory is not None  # this host holds a part (``here``)
+                        nbytes, _ = seal_part(store, ck, dst, copy_id=copy_id, part=part,
+                                              directory=directory, manifest=manifest,
+                                              ranks=ranks.get(part, []), threads=threads,
+                                              deep=deep, progress=tick)
+                    else:
+                        nbytes = copy_keys(
+                            src, dst, pairs, threads=threads, progress=tick, deep=deep,
+                            existing=existing,
+                            check_source=_dcp_checker(manifest, {
+                                rel: k for (rel, _), (k, _) in zip(files, pairs, strict=True)}),
+                        )
                 except BaseException:
                     # Files already uploaded and read back stay: a rerun keeps those.
                     store.catalog.set_part(ck.id, dst.name, part, stored_on=None,
@@ -184,11 +217,12 @@ def archive_parts(
                 store.catalog.set_part(ck.id, dst.name, part, stored_on=None,
                                        state=ReplicaState.PRESENT, bytes=nbytes,
                                        files=len(files), verified=True)
-                store.catalog.record_event(
-                    "part_archived", checkpoint_id=ck.id, actor=owner,
-                    detail={"part": part, "host": me, "tier": dst.name, "bytes": nbytes,
-                            "files": len(files)},
-                )
+                detail: dict[str, object] = {"part": part, "host": me, "tier": dst.name,
+                                             "bytes": nbytes, "files": len(files)}
+                if copy_id is not None:
+                    detail.update(encrypted=True, copy=copy_id)
+                store.catalog.record_event("part_archived", checkpoint_id=ck.id, actor=owner,
+                                           detail=detail)
                 report.parts.setdefault(ck.id, []).append(part)
                 total += nbytes
                 logger.info("uploaded the part of %s of %s (%s) to %s: %d files, %d bytes",
@@ -200,6 +234,51 @@ def archive_parts(
     total += _complete_parts(store, ck, dst, owner=owner, lease_ttl_s=lease_ttl_s, deep=deep,
                              report=report)
     return total
+
+
+def _begin_sealed(store: StoreCore, ck: Checkpoint, dst: Tier, part: str) -> str:
+    """Record ``part`` COPYING to ``dst`` as a sealed copy; return the copy's id.
+
+    The hosts agree on one copy id through the tier's aggregate replica row: a host that
+    finds no copy under way proposes a fresh one, and the row keeps the id of whichever
+    host recorded its part first (:meth:`~ckptstore.catalog.Catalog.set_part` records the
+    URI of a new copy only), which every host then uses.
+
+    Raises:
+        ConfigError: If a plain copy of the checkpoint is under way on ``dst`` (another host
+            archived its part without ``encrypt_to``).
+    """
+    current = store.catalog.get_any(ck.id).replica(dst.name)
+    proposed = new_copy_id()
+    if current is not None and current.state != ReplicaState.DELETED:
+        if current.sealed is None:
+            raise _mixed(ck, dst, sealed=True)
+        proposed = current.sealed
+    agreed = store.catalog.set_part(ck.id, dst.name, part, stored_on=None,
+                                    state=ReplicaState.COPYING,
+                                    uri=sealed_uri(dst, proposed))
+    copy_id = agreed.sealed if agreed is not None else None
+    if copy_id is None:
+        # A plain copy began between our look and our row: undo ours, say why.
+        store.catalog.set_part(ck.id, dst.name, part, stored_on=None,
+                               state=ReplicaState.DELETED, bytes=0, files=0)
+        raise _mixed(ck, dst, sealed=True)
+    return copy_id
+
+
+def _check_plain(store: StoreCore, ck: Checkpoint, dst: Tier) -> None:
+    """Refuse a plain part into a sealed copy under way (another host has ``encrypt_to``)."""
+    current = store.catalog.get_any(ck.id).replica(dst.name)
+    if current is not None and current.state != ReplicaState.DELETED and current.sealed:
+        raise _mixed(ck, dst, sealed=False)
+
+
+def _mixed(ck: Checkpoint, dst: Tier, *, sealed: bool) -> ConfigError:
+    this, other = ("encrypted", "plain") if sealed else ("plain", "encrypted")
+    return ConfigError(
+        f"cannot add an {this} part of {ck.ref} ({ck.id}) to the {other} {dst.name} copy "
+        f"other hosts are assembling: every host of a checkpoint saved across hosts must "
+        "archive with the same [tiers] encrypt_to (use one config file on every node)")
 
 
 def _part_present(store: StoreCore, ckpt_id: str, tier: str, part: str) -> bool:
@@ -231,6 +310,9 @@ def _complete_parts(store: StoreCore, ck: Checkpoint, dst: Tier, *,
         return 0
     try:
         manifest, data = parted_manifest(store, current)
+        if copy is not None and copy.sealed:
+            return _complete_sealed(store, current, dst, copy.sealed, manifest, data,
+                                    sorted(have), owner=owner, deep=deep, report=report)
         total = 0
         for rel, doc in shared_docs(manifest).items():
             total += put_verified(dst, dst.key_for(ck.run, ck.id, rel), doc, deep=deep)
@@ -251,3 +333,31 @@ def _complete_parts(store: StoreCore, ck: Checkpoint, dst: Tier, *,
         return total
     finally:
         lease.release()
+
+
+def _complete_sealed(store: StoreCore, ck: Checkpoint, dst: Tier, copy_id: str,
+                     manifest: Manifest, data: bytes, have: list[str], *, owner: str,
+                     deep: bool, report: PartsReport) -> int:
+    """Complete a copy sealed part by part: seal the shared documents, manifest and marker
+    as its top-level object (:func:`~ckptstore.ops.tiering.sealed_tier.seal_shared`, its
+    envelope last), then record the copy PRESENT (verified) with every object's bytes."""
+    total = seal_shared(store, ck, dst, copy_id=copy_id, manifest=manifest, data=data,
+                        deep=deep)
+    uri = sealed_uri(dst, copy_id)
+    store.catalog.complete_parts(ck.id, dst.name, uri=uri)
+    rows = store.catalog.parts(ck.id, dst.name)
+    size = sum(p.bytes for p in rows if p.stored_on is None
+               and p.state == ReplicaState.PRESENT) + total
+    # The copy's bytes are its parts' and the top-level object's (what `ckpt verify`
+    # compares the tier's objects with, without a key).
+    store.catalog.set_replica(ck.id, dst.name, uri=uri, state=ReplicaState.PRESENT,
+                              bytes=size, verified=True)
+    store.catalog.record_event(
+        "archived", checkpoint_id=ck.id, actor=owner,
+        detail={"from": "hot", "tier": dst.name, "bytes": size, "uri": uri, "parts": have,
+                "encrypted": True, "copy": copy_id, "recipients": recipients_of(dst, copy_id)},
+    )
+    report.archived.append(ck.id)
+    logger.info("archived %s (%s) to %s, encrypted: all %d parts in", ck.ref, ck.id, dst.name,
+                len(have))
+    return total

@@ -414,13 +414,8 @@ def delete_replica(
     else:
         deleted += target.delete_prefix(prefix)
     target.abort_multipart_uploads(prefix)
+    _parts_gone(store, ck, tier)  # while DELETING: the aggregate stays so until all are
     store.catalog.set_replica(ck.id, tier, state=ReplicaState.DELETED, bytes=0)
-    if ck.parted:
-        # The parts of a copy on a shared tier went with its prefix.
-        for part in store.catalog.parts(ck.id, tier):
-            if part.state != ReplicaState.DELETED:
-                store.catalog.set_part(ck.id, tier, part.part, stored_on=part.stored_on,
-                                       state=ReplicaState.DELETED, bytes=0, files=0)
     freed = release_chunks(store, tier, readers_of) if readers_of else 0
     store.catalog.record_event(
         "replica_deleted",
@@ -444,6 +439,7 @@ def _delete_sealed(store: StoreCore, ck: Checkpoint, tier: str, target: Tier, co
     deleted = 1 if target.delete(prefix + ENVELOPE_NAME) else 0
     deleted += target.delete_prefix(prefix)
     target.abort_multipart_uploads(prefix)
+    _parts_gone(store, ck, tier)  # while DELETING: the aggregate stays so until all are
     store.catalog.set_replica(ck.id, tier, state=ReplicaState.DELETED, bytes=0)
     store.catalog.record_event(
         "replica_deleted", checkpoint_id=ck.id, actor=actor,
@@ -453,6 +449,17 @@ def _delete_sealed(store: StoreCore, ck: Checkpoint, tier: str, target: Tier, co
     return deleted
 
 
+def _parts_gone(store: StoreCore, ck: Checkpoint, tier: str) -> None:
+    """Record the parts of a copy on a shared tier DELETED: they went with its prefix (and
+    a later archive uploads them again instead of taking them for done)."""
+    if not ck.parted:
+        return
+    for part in store.catalog.parts(ck.id, tier):
+        if part.state != ReplicaState.DELETED:
+            store.catalog.set_part(ck.id, tier, part.part, stored_on=part.stored_on,
+                                   state=ReplicaState.DELETED, bytes=0, files=0)
+
+
 def _record_gone(store: StoreCore, ck: Checkpoint, tier: str, target: Tier, prefix: str,
                  actor: str | None) -> int:
     """Finish deleting a copy that has no file left: record it DELETED, say so in the log."""
@@ -460,6 +467,7 @@ def _record_gone(store: StoreCore, ck: Checkpoint, tier: str, target: Tier, pref
     target.abort_multipart_uploads(prefix)
     if replica is not None and replica.state != ReplicaState.DELETED:
         store.catalog.set_replica(ck.id, tier, state=ReplicaState.DELETED, bytes=0)
+    _parts_gone(store, ck, tier)
     logger.info("the %s copy of %s (%s) was already gone (no file under %s); recorded it as "
                 "deleted", tier, ck.ref, ck.id, prefix)
     store.catalog.record_event(

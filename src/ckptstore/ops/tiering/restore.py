@@ -40,7 +40,7 @@ from ckptstore.identity import host
 from ckptstore.names import validate_name
 from ckptstore.ops.leases import acquire_lease, lease_owner
 from ckptstore.ops.tiering.damage import mark_damaged
-from ckptstore.ops.tiering.parts import gather_parts
+from ckptstore.ops.tiering.parts import gather_parts, parts_source, record_gathered
 from ckptstore.ops.tiering.replicas import (
     delete_replica,
     manifest_on,
@@ -48,7 +48,7 @@ from ckptstore.ops.tiering.replicas import (
     store_tiers,
     tier_rank,
 )
-from ckptstore.ops.tiering.sealed_tier import restore_sealed
+from ckptstore.ops.tiering.sealed_tier import restore_sealed, unseal_parts
 from ckptstore.ops.tiering.thaw import thawed_source
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.storage import (
@@ -62,7 +62,8 @@ from ckptstore.storage import (
 )
 from ckptstore.storage.transfer import source_checker
 
-__all__ = ["delete_replica", "ensure_hot", "hot_digest", "restore_checkpoint"]
+__all__ = ["delete_replica", "ensure_hot", "hot_digest", "restore_checkpoint",
+           "unseal_parts_here"]
 
 logger = logging.getLogger(__name__)
 
@@ -394,7 +395,7 @@ def restore_checkpoint(
     ck = store.catalog.get(ref)
     actor = lease_owner(owner)
     if ck.parted:
-        return _restore_parts(store, ck, to, actor)
+        return _restore_parts(store, ck, to, actor, key=key)
     if to is not None:
         target = LocalTier(to, name="restore-target")
         # Reads the source tiers like a hot restore: retention must not delete under it.
@@ -410,9 +411,13 @@ def restore_checkpoint(
 
 
 def _restore_parts(store: StoreCore, ck: Checkpoint, to: str | os.PathLike[str] | None,
-                   actor: str) -> Path:
+                   actor: str, *, key: str | os.PathLike[str] | None = None) -> Path:
     """Gather every part of a checkpoint saved across hosts into one directory: this host's
-    hot directory (each part then recorded as kept here too) or ``<to>/<run>/<id>``."""
+    hot directory (each part then recorded as kept here too) or ``<to>/<run>/<id>``.
+
+    Parts are read where they are in the clear (this host's disk, plain shared copies);
+    when some part is in none of them but a sealed copy (an encrypted tier) is PRESENT, the
+    whole checkpoint is decrypted from that copy with ``key`` instead."""
     if to is None and store.settings.hot_remote is not None:
         raise ConfigError(
             f"{ck.ref} lives in the hot tier in object storage ({store.settings.hot_remote}); "
@@ -422,17 +427,82 @@ def _restore_parts(store: StoreCore, ck: Checkpoint, to: str | os.PathLike[str] 
                  else Path(to) / validate_name(ck.run) / ck.id)
     _lease_against_retention(store, ck, "restore", actor, 600.0)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        nbytes = gather_parts(store, store.catalog.get_any(ck.id), directory,
-                              record=to is None, thaw=thawed_source)
+        current = store.catalog.get_any(ck.id)
+        sealed = _sealed_for_parts(store, current)
+        if sealed is not None:
+            nbytes = _unseal_parts(store, current, sealed, directory, record=to is None,
+                                   key=key)
+            source = sealed.name
+        else:
+            nbytes = gather_parts(store, current, directory, record=to is None,
+                                  thaw=thawed_source)
+            source = "parts"
     finally:
         store.catalog.release_lease(ck.id, "restore", actor)
     store.catalog.record_event(
         "restored", checkpoint_id=ck.id, actor=actor,
-        detail={"from": "parts", "tier": "hot" if to is None else None, "path": str(directory),
+        detail={"from": source, "tier": "hot" if to is None else None, "path": str(directory),
                 "bytes": nbytes, "host": host()},
     )
     return directory
+
+
+def _sealed_for_parts(store: StoreCore, ck: Checkpoint) -> Tier | None:
+    """The tier of the sealed copy to restore ``ck`` (saved across hosts) from: the fastest
+    readable one with a PRESENT sealed copy, when some part is readable nowhere in the
+    clear from this host; else None (the parts are gathered where they are)."""
+    tiers = store_tiers(store)
+    sealed = sorted((tiers[r.tier] for r in ck.replicas
+                     if r.sealed and r.state == ReplicaState.PRESENT and r.tier in tiers
+                     and tiers[r.tier].readable), key=lambda t: tier_rank(t.name))
+    if not sealed:
+        return None
+    _, source = parts_source(store, ck)
+    return sealed[0] if source.missing() else None
+
+
+def _unseal_parts(store: StoreCore, ck: Checkpoint, src: Tier, directory: Path, *,
+                  record: bool, key: str | os.PathLike[str] | None) -> int:
+    """Decrypt the sealed copy of ``ck`` on ``src`` into ``directory``; with ``record`` (this
+    host's hot directory) every part is recorded as kept here. Nothing is written, to the
+    directory or the catalog, unless the whole copy decrypts and verifies."""
+    me = host()
+    kept = {p.part for p in store.catalog.parts(ck.id, "hot")
+            if p.stored_on == me and p.state == ReplicaState.PRESENT}
+
+    def copying(manifest: Manifest) -> None:
+        if record:
+            for part in ck.hosts:
+                if part not in kept:
+                    store.catalog.set_part(ck.id, "hot", part, stored_on=me,
+                                           state=ReplicaState.COPYING)
+
+    nbytes, manifest = unseal_parts(store, ck, src, directory, key=key, before_write=copying)
+    if record:
+        record_gathered(store, ck, manifest, directory)
+    return nbytes
+
+
+def unseal_parts_here(store: StoreCore, ck: Checkpoint) -> bool:
+    """Restore ``ck`` (saved across hosts) onto this host's disk from a sealed copy, when
+    some part is readable nowhere in the clear and a sealed copy is PRESENT: what a load
+    does (:func:`~ckptstore.ops.tiering.parts.parts_source`'s ``unseal``), with the key
+    from ``$CKPT_DECRYPT_KEY`` or ``decrypt_key``. Ranks of this host loading at once wait
+    for each other (the ``restore`` lease); the later ones find the parts here.
+
+    Returns:
+        True when every part is on this host's disk now; False without a sealed copy.
+
+    Raises:
+        DecryptionError: Without a key, with a key the copy was not encrypted to, or if the
+            copy is damaged (nothing is written).
+    """
+    if store.settings.hot_remote is not None or not any(
+            r.sealed and r.state == ReplicaState.PRESENT for r in ck.replicas):
+        return False
+    actor = lease_owner(None)
+    _restore_parts(store, ck, None, actor)
+    return True
 
 
 def _restore_hot(

@@ -30,22 +30,36 @@ known without a key; its envelope stays in the default class (``storage/s3.py``)
 ``verify`` checks the envelope, objects and sizes without one.
 
 Demoting a sealed warm copy copies its ciphertext objects as they are (no key needed):
-the cold copy is encrypted to the recipients the warm one was. Checkpoints saved across
-hosts (parts on several hosts' disks) are refused: each host would seal its own part, and
-no copy format for that exists yet.
+the cold copy is encrypted to the recipients the warm one was.
+
+A checkpoint saved across hosts (parts on several hosts' disks,
+:mod:`ckptstore.ops.tiering.parts`) is sealed part by part, like the plain part-by-part
+archive (:mod:`ckptstore.ops.tiering.parts_archive`): one copy id for the whole copy, chosen
+by whichever host begins it (the others read it from the catalog's replica row); each host
+seals the part its disk holds as a sealed sub-copy of its own under ``p/<k>/`` (``k`` the
+part's place among the checkpoint's hosts, so the tier learns how many parts there are and
+nothing of their hosts), with its own data key wrapped for the same recipients
+(:func:`seal_part`); whichever host comes last seals the shared documents, manifest and
+marker as the copy's top-level sealed object, whose header names every part's sub-copy
+(:func:`seal_shared`); its envelope, written last, is the whole copy's commit point. A
+reader opens the top object, then every part it names, and checks the result as a whole
+(:func:`_unseal_into`). A plain copy of such a checkpoint is never sealed whole
+(:func:`check_sealable`).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import blake3
 
@@ -58,8 +72,15 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import Manifest, verify_checkpoint
-from ckptstore.format.constants import BUNDLE_FILES, SIGNATURE_NAME
+from ckptstore.format.constants import (
+    BUNDLE_FILES,
+    BUNDLE_HEADER,
+    COMMIT_NAME,
+    MANIFEST_NAME,
+    SIGNATURE_NAME,
+)
 from ckptstore.format.crypt import TAG_BYTES, unwrap_data_key
+from ckptstore.format.dcp.verify import verify_dcp
 from ckptstore.format.sealed import (
     ENVELOPE_NAME,
     INDEX_NAME,
@@ -77,6 +98,7 @@ from ckptstore.format.sealed import (
 )
 from ckptstore.keyfiles import encryption_fingerprint, load_decryption_key
 from ckptstore.ops.leases import acquire_lease
+from ckptstore.ops.tiering.parts import of_ranks, part_files
 from ckptstore.ops.tiering.reencode import read_copy_manifest, reencode_copy, why_not_reencode
 from ckptstore.ops.tiering.replicas import manifest_on, run_resolver
 from ckptstore.progress import Progress
@@ -96,14 +118,18 @@ __all__ = [
     "member_files",
     "new_copy_id",
     "open_sealed",
+    "part_prefix",
     "read_unsealed_manifest",
     "recipients_of",
     "restore_sealed",
     "seal_copy",
+    "seal_part",
+    "seal_shared",
     "sealed_prefix",
     "sealed_uri",
     "seals_tier",
     "unseal_file",
+    "unseal_parts",
     "verify_sealed",
 ]
 
@@ -114,6 +140,9 @@ _PREFIX = BUNDLE_FILES
 _SELF_CONTAINED_CODEC = "zstd-1"
 _HEADER_FORMAT = "ckptstore-bundle"
 _HEADER_VERSION = 1
+#: Where the parts of a copy sealed part by part live, under the copy's prefix.
+PARTS_DIR = "p"
+_PART_FORMAT = "ckptstore-sealed-part"
 
 
 @dataclass(frozen=True)
@@ -156,19 +185,30 @@ def sealed_uri(tier: Tier, copy_id: str) -> str:
     return f"{base.rstrip('/')}/{SEALED_DIR}/{copy_id}"
 
 
+def part_prefix(copy_id: str, index: int) -> str:
+    """The tier prefix of the ``index``-th part of sealed copy ``copy_id`` (a checkpoint
+    saved across hosts: ``index`` is the part's place among :attr:`Checkpoint.hosts`)."""
+    return f"{sealed_prefix(copy_id)}{PARTS_DIR}/{index}/"
+
+
 def check_sealable(ck: Checkpoint) -> None:
-    """Refuse what a sealed copy cannot hold.
+    """Refuse sealing a whole plain copy of ``ck`` when it was saved across hosts.
+
+    Such a checkpoint is sealed part by part as each host archives its own part
+    (:func:`seal_part`, :func:`seal_shared`); a plain copy of it already on a shared tier
+    (archived before ``encrypt_to`` was set) would become one sealed object of another
+    layout than the one its readers expect.
 
     Raises:
-        ConfigError: For a checkpoint saved across hosts (its parts live on several hosts'
-            disks; there is no sealed format for a copy assembled part by part).
+        ConfigError: For a checkpoint saved across hosts.
     """
     if ck.parted:
         raise ConfigError(
-            f"{ck.ref} ({ck.id}) was saved across hosts ({', '.join(ck.hosts)}): encrypted "
-            "tiers (tiers.encrypt_to) cannot hold checkpoints saved across hosts yet. Archive "
-            "it without encrypt_to, or gather it (`ckpt restore REF --to DIR`) and save it "
-            "again from one host")
+            f"{ck.ref} ({ck.id}) was saved across hosts ({', '.join(ck.hosts)}): its encrypted "
+            "copies are sealed part by part, each host sealing its own part when it archives "
+            "from its node-local hot tier; a copy of it on a shared tier (a plain warm copy, "
+            "or a hot tier in object storage) is not sealed whole. Archive or demote it "
+            "without encrypt_to")
 
 
 # ---------------------------------------------------------------------- writing
@@ -214,7 +254,7 @@ def _plaintext(store: StoreCore, ck: Checkpoint, src: Tier, workdir: Path,
 
 
 def _header(ck: Checkpoint, manifest: Manifest, files: list[str],
-            sizes: dict[str, int]) -> bytes:
+            sizes: dict[str, int], parts: list[dict[str, Any]] | None = None) -> bytes:
     """The bundle header of a tier copy (``ops/sharing/bundle.py``'s, without the run
     context: the catalog that reads it back has that already)."""
     header: dict[str, Any] = {
@@ -226,6 +266,8 @@ def _header(ck: Checkpoint, manifest: Manifest, files: list[str],
     }
     if manifest.digest != ck.manifest_digest:
         header["copy_digest"] = manifest.digest
+    if parts is not None:
+        header["parts"] = parts
     return json.dumps(header, sort_keys=True, indent=1).encode()
 
 
@@ -331,6 +373,162 @@ def copy_sealed(src: Tier, dst: Tier, copy_id: str, *, deep: bool = False,
     return sum(size for size, _ in written.values())
 
 
+# ---------------------------------------------------------------------- parts
+@dataclass(frozen=True)
+class _MemoryContents:
+    """Members held in memory (:class:`~ckptstore.format.sealed.SealContents`): the shared
+    documents, manifest and marker of a copy sealed part by part."""
+
+    header: bytes
+    files: dict[str, bytes]
+
+    def members(self) -> list[tuple[str, int]]:
+        return [(BUNDLE_HEADER, len(self.header))] + [
+            (BUNDLE_FILES + rel, len(data)) for rel, data in self.files.items()]
+
+    def open_member(self, name: str) -> IO[bytes]:
+        if name == BUNDLE_HEADER:
+            return io.BytesIO(self.header)
+        return io.BytesIO(self.files[name[len(BUNDLE_FILES):]])
+
+
+def _recipients(store: StoreCore) -> list[Any]:
+    if not store.settings.encrypt_to:
+        raise ConfigError("no recipients: set [tiers] encrypt_to to seal tier copies (on "
+                          "every host that archives parts of a checkpoint saved across hosts)")
+    return recipient_keys(store.settings.encrypt_to)
+
+
+def _remove(dst: Tier, keys: list[str], what: str) -> None:
+    """Best-effort removal of what a failed write left (a rerun rewrites it anyway)."""
+    try:
+        dst.delete_keys(keys)
+    except CkptError:
+        logger.warning("could not remove the unfinished %s on %s", what, dst.name,
+                       exc_info=True)
+
+
+def seal_part(store: StoreCore, ck: Checkpoint, dst: Tier, *, copy_id: str, part: str,
+              directory: Path, manifest: Manifest, ranks: list[int], threads: int = 4,
+              deep: bool = False, progress: Progress | None = None) -> tuple[int, int]:
+    """Seal the part of host ``part`` of ``ck``, read from ``directory`` (this host's hot
+    directory), as part sub-copy ``p/<k>/`` of sealed copy ``copy_id`` on ``dst``.
+
+    The part's files are checked against the manifest first (sizes and every chunk's
+    crc32c). The sub-copy has its own random copy id and data key, wrapped for the store's
+    ``encrypt_to`` recipients; its bundle header names the checkpoint, the part and the
+    whole copy. What an earlier, killed attempt left under the part's prefix is removed
+    first, and what this one wrote is removed if it fails.
+
+    Returns:
+        ``(ciphertext bytes written, files of the part)``.
+
+    Raises:
+        ConfigError: If ``encrypt_to`` is empty or not X25519 public keys.
+        IntegrityError: If a file of the part is damaged or an object does not read back.
+        StorageError: If the tier fails.
+    """
+    recipients = _recipients(store)
+    index = list(ck.hosts).index(part)
+    prefix = part_prefix(copy_id, index)
+    files = part_files(manifest, ranks)
+    problems = verify_dcp(directory, manifest, deep=True, include=of_ranks(set(ranks)))
+    if problems:
+        raise IntegrityError(f"cannot seal the part of {part} of {ck.ref}: its hot copy is "
+                             "damaged: " + "; ".join(problems[:3]) + "; run `ckpt verify` "
+                             "on this host")
+    sizes = dict(files)
+    rels = [rel for rel, _ in files]
+    header = json.dumps({
+        "format": _PART_FORMAT, "version": _HEADER_VERSION, "checkpoint_id": ck.id,
+        "run": ck.run, "part": part, "index": index, "copy": copy_id,
+        "files": [{"path": rel, "size": sizes[rel]} for rel in rels],
+    }, sort_keys=True, indent=1).encode()
+    written: dict[str, tuple[int, str | None]] = {}
+
+    def put(name: str, data: bytes) -> None:
+        dst.put_bytes(prefix + name, data)
+        written[name] = (len(data), blake3.blake3(data).hexdigest() if deep else None)
+
+    dst.delete_prefix(prefix)  # a killed attempt's objects: this part is rewritten whole
+    try:
+        seal_objects(DirectoryContents(header, directory, rels, sizes), recipients, put,
+                     new_copy_id(), threads=threads, progress=progress, put_in_workers=True)
+        _check_written(dst, prefix, written, deep)
+    except BaseException:
+        _remove(dst, [prefix + name for name in written], f"part {prefix}")
+        raise
+    return sum(size for size, _ in written.values()), len(rels)
+
+
+def seal_shared(store: StoreCore, ck: Checkpoint, dst: Tier, *, copy_id: str,
+                manifest: Manifest, data: bytes, deep: bool = False) -> int:
+    """Complete sealed copy ``copy_id`` of ``ck`` once every part is sealed on ``dst``: seal
+    the shared documents, ``manifest.json`` (``data``) and the marker as the copy's top-level
+    object, whose header lists every part's sub-copy id and object count (read from their
+    cleartext envelopes); its envelope, written last, makes the copy complete.
+
+    Returns:
+        Ciphertext bytes written.
+
+    Raises:
+        ConfigError: If ``encrypt_to`` is empty.
+        IntegrityError: If a part's envelope is missing or malformed, the parts do not
+            cover the manifest, or an object does not read back.
+        StorageError: If the tier fails.
+    """
+    # Here: the commit module pulls in torch.distributed.checkpoint, which the processes
+    # that import this module to list, prune or gc copies never need.
+    from ckptstore.format.dcp.commit import shared_docs
+
+    recipients = _recipients(store)
+    ranks = store.catalog.part_ranks(ck.id)
+    parts: list[dict[str, Any]] = []
+    covered: set[str] = set()
+    for index, part in enumerate(ck.hosts):
+        where = f"the sealed part {part_prefix(copy_id, index)} on {dst.name}"
+        try:
+            raw = dst.get_bytes(part_prefix(copy_id, index) + ENVELOPE_NAME)
+            if len(raw) > MAX_ENVELOPE:
+                raise DecryptionError(f"{where}: its envelope is too large")
+            envelope = Envelope.parse(raw, where)
+        except (DecryptionError, StorageError) as exc:
+            raise IntegrityError(f"cannot complete the {dst.name} copy of {ck.ref}: {exc}; "
+                                 f"archive the part of {part} again on that host") from exc
+        parts.append({"index": index, "part": part, "copy": envelope.copy_id,
+                      "objects": envelope.objects, "ranks": sorted(ranks.get(part, []))})
+        covered |= {rel for rel, _ in part_files(manifest, ranks.get(part, []))}
+    shared = dict(shared_docs(manifest))
+    shared[MANIFEST_NAME] = data
+    shared[COMMIT_NAME] = (manifest.digest + "\n").encode("ascii")
+    owned = owned_files(manifest)
+    if set(owned) != covered | set(shared):
+        odd = sorted(set(owned) ^ (covered | set(shared)))
+        raise IntegrityError(f"the parts of {ck.ref} do not make up its manifest's files "
+                             f"({', '.join(odd[:3])}); the catalog's part ranks are damaged")
+    files = {rel: shared[rel] for rel in owned if rel in shared}  # the marker last
+    header = _header(ck, manifest, list(files), {k: len(v) for k, v in files.items()}, parts)
+    top = sealed_prefix(copy_id)
+    below = top + PARTS_DIR + "/"
+    # An interrupted completion's objects (never the parts'): this one rewrites them all.
+    dst.delete_keys([k for k in dst.list_prefix(top) if not k.startswith(below)])
+    written: dict[str, tuple[int, str | None]] = {}
+
+    def put(name: str, blob: bytes) -> None:
+        dst.put_bytes(top + name, blob)
+        written[name] = (len(blob), blake3.blake3(blob).hexdigest() if deep else None)
+
+    try:
+        seal_objects(_MemoryContents(header, files), recipients, put, copy_id, threads=1,
+                     progress=None, put_in_workers=False)
+        _check_written(dst, top, written, deep)
+    except BaseException:
+        names = [top + n for n in written if n != ENVELOPE_NAME]
+        _remove(dst, [top + ENVELOPE_NAME, *names], f"sealed copy {top}")
+        raise
+    return sum(size for size, _ in written.values())
+
+
 # ---------------------------------------------------------------------- reading
 def _getter(tier: Tier, prefix: str, what: str) -> Getter:
     def get(name: str, limit: int) -> bytes:
@@ -376,14 +574,43 @@ def open_sealed(store: StoreCore, ck: Checkpoint, tier: Tier,
         raise DecryptionError(
             f"{what} is encrypted (tiers.encrypt_to): give the private key of one of its "
             "recipients with --key, $CKPT_DECRYPT_KEY or `decrypt_key` in the config")
-    opened = open_copy(_getter(tier, sealed_prefix(copy_id), what), load_decryption_key(path),
-                       what)
+    private = load_decryption_key(path)
+    opened = open_copy(_getter(tier, sealed_prefix(copy_id), what), private, what)
     if opened.envelope.copy_id != copy_id:
         raise DecryptionError(f"{what}: its envelope names copy {opened.envelope.copy_id}, "
                               f"not {copy_id}: the copy was swapped")
     if opened.header.get("checkpoint_id") != ck.id or opened.header.get("run") != ck.run:
         raise DecryptionError(f"{what} holds another checkpoint "
                               f"({opened.header.get('checkpoint_id')}): the copy was swapped")
+    if ck.parted:
+        opened.parts = _open_parts(ck, tier, copy_id, opened, private)
+    return opened
+
+
+def _open_parts(ck: Checkpoint, tier: Tier, copy_id: str, top: OpenedCopy,
+                private: Any) -> list[OpenedCopy]:
+    """Open every part sub-copy the top-level header of a copy sealed part by part names,
+    each checked to be that part of this checkpoint in this copy."""
+    what = _what(ck, tier)
+    entries = top.header.get("parts")
+    if not isinstance(entries, list) or len(entries) != len(ck.hosts):
+        raise DecryptionError(f"{what} does not list the {len(ck.hosts)} parts of a "
+                              "checkpoint saved across hosts: the copy is damaged or swapped")
+    opened: list[OpenedCopy] = []
+    for index, (entry, part) in enumerate(zip(entries, ck.hosts, strict=True)):
+        if not isinstance(entry, dict) or entry.get("index") != index or \
+                entry.get("part") != part or not isinstance(entry.get("copy"), str):
+            raise DecryptionError(f"{what}: its entry of part {index} is malformed")
+        where = f"{what}, part {index} ({part})"
+        sub = open_copy(_getter(tier, part_prefix(copy_id, index), where), private, where)
+        header = sub.header
+        if sub.envelope.copy_id != entry["copy"] or header.get("copy") != copy_id or \
+                header.get("format") != _PART_FORMAT or header.get("part") != part or \
+                header.get("index") != index or header.get("checkpoint_id") != ck.id or \
+                header.get("run") != ck.run:
+            raise DecryptionError(f"{where} is not the part the copy names (sub-copy "
+                                  f"{sub.envelope.copy_id}): the part was swapped")
+        opened.append(sub)
     return opened
 
 
@@ -484,11 +711,29 @@ def _unseal_into(store: StoreCore, ck: Checkpoint, tier: Tier, opened: OpenedCop
     what = _what(ck, tier)
     directory = workdir / ck.run / ck.id
     directory.mkdir(parents=True)
-    files = member_files(opened, what)
-    for rel, i in files.items():
-        unseal_file(opened, i, directory / rel)
-    manifest = read_unsealed_manifest(ck, tier, directory, set(files))
-    problems = verify_checkpoint(directory, manifest, deep=True)
+    names: set[str] = set()
+    by_part: list[set[str]] = []
+    for copy in [opened, *opened.parts]:  # a copy sealed part by part: every part's files
+        files = member_files(copy, what)
+        twice = names & files.keys()
+        if twice:
+            raise DecryptionError(f"{what}: member {sorted(twice)[0]!r} appears twice")
+        for rel, i in files.items():
+            unseal_file(copy, i, directory / rel)
+        names.update(files)
+        by_part.append(set(files))
+    manifest = read_unsealed_manifest(ck, tier, directory, names)
+    if ck.parted:
+        # Each part holds exactly the files its ranks wrote (the catalog says which).
+        ranks = store.catalog.part_ranks(ck.id)
+        for part, these in zip(ck.hosts, by_part[1:], strict=True):
+            wanted = {rel for rel, _ in part_files(manifest, ranks.get(part, []))}
+            if these != wanted:
+                raise IntegrityError(f"{what}: its part of {part} does not hold the files "
+                                     "that host's ranks wrote; run `ckpt verify`")
+        problems = verify_dcp(directory, manifest, deep=True)
+    else:
+        problems = verify_checkpoint(directory, manifest, deep=True)
     if problems:
         raise IntegrityError(f"{what} decrypts, but fails verification: "
                              + "; ".join(problems[:5]) + "; run `ckpt verify` to repair it")
@@ -538,6 +783,48 @@ def install_unsealed(ck: Checkpoint, workdir: Path, manifest: Manifest, target: 
     return directory, nbytes
 
 
+def unseal_parts(store: StoreCore, ck: Checkpoint, src: Tier, directory: Path, *,
+                 key: str | os.PathLike[str] | None = None,
+                 before_write: Callable[[Manifest], None] | None = None) -> tuple[int, Manifest]:
+    """Decrypt the sealed copy on ``src`` of ``ck``, a checkpoint saved across hosts, into
+    ``directory`` (this host's hot directory of it, or a directory of one's choosing).
+
+    Everything is decrypted and checked whole in a private directory first
+    (:func:`_unseal_into`); only then is ``before_write`` called and the files written,
+    marker last. Files already in ``directory`` with the same bytes (this host's own part)
+    are kept.
+
+    Returns:
+        ``(bytes written, the manifest)``.
+
+    Raises:
+        DecryptionError: As :func:`open_sealed`, or for an altered, missing or swapped
+            object or part (nothing is written).
+        IntegrityError: If the decrypted content does not match its manifest.
+    """
+    opened = open_sealed(store, ck, src, key)
+    with private_dir(store.hot) as workdir:
+        staged, manifest = _unseal_into(store, ck, src, opened, workdir)
+        if before_write is not None:
+            before_write(manifest)
+        total = 0
+        for rel in owned_files(manifest):  # the marker last
+            data = (staged / rel).read_bytes()
+            target = directory / rel
+            if target.is_file() and target.stat().st_size == len(data) and \
+                    target.read_bytes() == data:
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.unlink(missing_ok=True)
+            shutil.copyfile(staged / rel, target)
+            total += len(data)
+    problems = verify_dcp(directory, manifest, deep=True)
+    if problems:
+        raise IntegrityError(f"the copy of {ck.ref} decrypted into {directory} fails "
+                             "verification: " + "; ".join(problems[:5]))
+    return total, manifest
+
+
 # ---------------------------------------------------------------------- verify
 def verify_sealed(store: StoreCore, ck: Checkpoint, tier: Tier,
                   key: str | os.PathLike[str] | None = None, *,
@@ -557,11 +844,12 @@ def verify_sealed(store: StoreCore, ck: Checkpoint, tier: Tier,
     copy_id = replica.sealed if replica is not None else None
     if copy_id is None:
         return [f"{tier.name} copy is not a sealed copy"], False
+    parts = len(ck.hosts) if ck.parted else 0
     if not full or not tier.readable or decryption_key_path(key, store.settings.decrypt_key) \
             is None:
         # Without a key, or in an archival class (GLACIER: its objects need a thaw first),
         # what can be checked without reading the content.
-        return _verify_envelope(tier, copy_id, replica.bytes if replica else 0), False
+        return _verify_envelope(tier, copy_id, replica.bytes if replica else 0, parts), False
     try:
         opened = open_sealed(store, ck, tier, key)
         with private_dir(store.hot) as workdir:
@@ -571,34 +859,39 @@ def verify_sealed(store: StoreCore, ck: Checkpoint, tier: Tier,
             # The key is not a recipient's: that says nothing of the copy; check what can
             # be checked without one.
             logger.warning("%s", exc)
-            return _verify_envelope(tier, copy_id, replica.bytes if replica else 0), False
+            return _verify_envelope(tier, copy_id, replica.bytes if replica else 0,
+                                    parts), False
         return [str(exc)], True
     except IntegrityError as exc:
         return [str(exc)], True
     return [], True
 
 
-def _verify_envelope(tier: Tier, copy_id: str, recorded: int) -> list[str]:
-    """The checks a sealed copy allows without a key."""
+def _verify_envelope(tier: Tier, copy_id: str, recorded: int, parts: int = 0) -> list[str]:
+    """The checks a sealed copy allows without a key (``parts``: the number of part
+    sub-copies of a copy sealed part by part, each checked the same way)."""
     prefix = sealed_prefix(copy_id)
     where = f"sealed copy {prefix} on {tier.name}"
+    wanted: set[str] = set()
+    problems = []
     try:
         keys = set(tier.list_prefix(prefix))
-        if prefix + ENVELOPE_NAME not in keys:
-            return [f"{where} has no envelope (lost or unfinished)"]
-        data = tier.get_bytes(prefix + ENVELOPE_NAME)
-        if len(data) > MAX_ENVELOPE:
-            return [f"{where}: its envelope is too large"]
-        envelope = Envelope.parse(data, where)
+        for sub in [prefix] + [part_prefix(copy_id, i) for i in range(parts)]:
+            what = where if sub == prefix else f"{where}, part {sub[len(prefix):]}"
+            if sub + ENVELOPE_NAME not in keys:
+                return [f"{what} has no envelope (lost or unfinished)"]
+            data = tier.get_bytes(sub + ENVELOPE_NAME)
+            if len(data) > MAX_ENVELOPE:
+                return [f"{what}: its envelope is too large"]
+            envelope = Envelope.parse(data, what)
+            if sub == prefix and envelope.copy_id != copy_id:
+                problems.append(f"{where}: its envelope names copy {envelope.copy_id}")
+            wanted |= {sub + ENVELOPE_NAME, sub + INDEX_NAME} | {
+                f"{sub}o/{i}" for i in range(envelope.objects)}
     except DecryptionError as exc:
         return [str(exc)]
     except StorageError as exc:
         return [f"{where}: {exc}"]
-    problems = []
-    if envelope.copy_id != copy_id:
-        problems.append(f"{where}: its envelope names copy {envelope.copy_id}")
-    wanted = {prefix + ENVELOPE_NAME, prefix + INDEX_NAME} | {
-        f"{prefix}o/{i}" for i in range(envelope.objects)}
     missing = sorted(wanted - keys)
     if missing:
         problems.append(f"{where}: {len(missing)} objects missing ({', '.join(missing[:3])})")
@@ -609,7 +902,8 @@ def _verify_envelope(tier: Tier, copy_id: str, recorded: int) -> list[str]:
         total = sum(tier.size(k) for k in wanted)
         if total != recorded:
             problems.append(f"{where} holds {total} bytes, the catalog recorded {recorded}")
-        small = [k for k in wanted - {prefix + ENVELOPE_NAME} if tier.size(k) < TAG_BYTES]
+        small = [k for k in wanted if not k.endswith(ENVELOPE_NAME)
+                 and tier.size(k) < TAG_BYTES]
         if small:
             problems.append(f"{where}: {len(small)} objects are truncated")
     return problems
@@ -659,6 +953,11 @@ def gc_sealed(store: StoreCore, *, dry_run: bool = False) -> list[str]:
             tier = tiers.get(replica.tier)
             if tier is None or not replica.sealed or replica.state == ReplicaState.PRESENT \
                     or replica.state == ReplicaState.DAMAGED:
+                continue
+            if ck.parted and replica.state == ReplicaState.COPYING:
+                # Assembled part by part: hosts upload their parts hours apart, under
+                # leases of their own; a part whose upload died is rewritten whole by
+                # that host's next archive (seal_part).
                 continue
             prefix = sealed_prefix(replica.sealed)
             if not tier.list_prefix(prefix):

@@ -300,6 +300,14 @@ def _reseal(store: StoreCore, ck: Checkpoint, dst: Tier, old_copy: str, *, deep:
     Raises:
         CkptError: If no plain copy is intact, the lease is held, or sealing fails.
     """
+    if ck.parted:
+        # No host holds every part in the clear to seal a copy from, and sealing is done
+        # part by part by each host: the damaged copy goes, then each host archives again.
+        raise IntegrityError(
+            f"the encrypted {dst.name} copy of {ck.ref} ({ck.id}), saved across hosts, is "
+            "damaged; it is repaired by sealing it again part by part: remove it "
+            f"(ckptstore.ops.tiering.replicas.delete_replica) and run `ckpt archive` on each "
+            f"of its hosts ({', '.join(ck.hosts)})")
     tiers = store_tiers(store)
     donors = sorted((tiers[r.tier] for r in ck.replicas
                      if r.tier != dst.name and r.state == ReplicaState.PRESENT
