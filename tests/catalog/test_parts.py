@@ -69,6 +69,25 @@ def test_warm_copy_is_complete_only_with_every_part(catalog: Catalog) -> None:
     assert all(p.stored_on is None for p in warm)
 
 
+def test_the_first_part_names_the_copy_and_later_parts_read_it_back(catalog: Catalog) -> None:
+    """How the hosts sealing their parts of one encrypted copy agree on its random prefix:
+    a copy under way keeps the URI its first part gave; a new copy takes a new one."""
+    cid = _commit(catalog)
+    first = "/w/.sealed/" + "a" * 32
+    agg = catalog.set_part(cid, "warm", "node-a", stored_on=None, state="COPYING", uri=first)
+    assert agg is not None and agg.uri == first and agg.sealed == "a" * 32
+    # node B proposed its own id at the same time: the row answers with node A's.
+    agg = catalog.set_part(cid, "warm", "node-b", stored_on=None, state="COPYING",
+                           uri="/w/.sealed/" + "b" * 32)
+    assert agg is not None and agg.uri == first
+    for part in ("node-a", "node-b"):
+        catalog.set_part(cid, "warm", part, stored_on=None, state="DELETED")
+    assert catalog.get_any(cid).replica("warm").state == ReplicaState.DELETED  # type: ignore[union-attr]
+    agg = catalog.set_part(cid, "warm", "node-b", stored_on=None, state="COPYING",
+                           uri="/w/.sealed/" + "c" * 32)
+    assert agg is not None and agg.sealed == "c" * 32  # a new copy: a new prefix
+
+
 def test_losing_a_part_damages_the_copy_and_a_peer_copy_keeps_it(catalog: Catalog) -> None:
     cid = _commit(catalog)
     # node-a keeps a copy of node-b's part (replicas = 2).

@@ -366,12 +366,20 @@ def test_a_tampered_or_missing_part_is_refused_and_nothing_is_written(
             assert _hot_snapshot(cluster.hot(node)) == before
             assert not list(cluster.hot(node).glob(".sealed-work-*"))
             assert not [p for p in store.catalog.parts(ckpt_id, "hot") if p.stored_on == node]
+            # doctor --deep with the key finds it, and says how to repair it
+            from ckptstore.ops.upkeep.doctor import doctor
+
+            seen = [f for f in doctor(store, deep=True, tiers=["warm"]).findings
+                    if f.subject == ckpt_id]
+            assert [f.kind for f in seen] == ["damaged-replica"], seen
+            assert "archive` on each of its hosts" in seen[0].detail
             # verify finds it with the key (a flipped bit keeps every size) and without one
             # (a missing part); a copy sealed part by part is not resealed from one host.
             from ckptstore.ops.upkeep.verify import verify_replicas
 
-            found = verify_replicas(store, ref=ckpt_id, tier="warm", repair=False)
+            found = verify_replicas(store, ref=ckpt_id, tier="warm")
             assert f"{ckpt_id}@warm" in found.damaged, found
+            assert "archive` on each of its hosts" in found.unrepaired[f"{ckpt_id}@warm"]
             monkeypatch.delenv("CKPT_DECRYPT_KEY")
             plain = verify_replicas(store, ref=ckpt_id, tier="warm", repair=False)
             assert (f"{ckpt_id}@warm" in plain.damaged) == (damage == "drop-part")

@@ -93,11 +93,16 @@ def _check_sealed(job: DoctorRun, ck: Checkpoint, tier: Tier, copy_id: str) -> N
     """A sealed copy (an encrypted tier): its envelope, objects and sizes, and with a key
     (``--key``, ``$CKPT_DECRYPT_KEY``, ``decrypt_key``) and ``--deep`` every chunk after
     decryption."""
-    hint = ("`ckpt verify --repair` seals it again from the hot copy"
-            if any(r.tier != tier.name and r.state == ReplicaState.PRESENT and not r.sealed
-                   for r in ck.replicas)
-            else "no plain copy exists to reseal it from: `ckpt restore REF --key KEY` "
-                 "another copy first")
+    if ck.parted:
+        # Sealed part by part: no host holds every part in the clear to reseal it from.
+        hint = ("remove it and run `ckpt archive` on each of its hosts "
+                f"({', '.join(ck.hosts)}): each seals its part again")
+    elif any(r.tier != tier.name and r.state == ReplicaState.PRESENT and not r.sealed
+             for r in ck.replicas):
+        hint = "`ckpt verify --repair` seals it again from the hot copy"
+    else:
+        hint = ("no plain copy exists to reseal it from: `ckpt restore REF --key KEY` "
+                "another copy first")
     try:
         if not tier.list_prefix(sealed_prefix(copy_id)):
             job.find("missing-replica", ck.id,
