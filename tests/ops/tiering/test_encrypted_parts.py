@@ -447,3 +447,47 @@ def test_a_host_without_encrypt_to_cannot_add_a_plain_part(cluster: Cluster) -> 
             archive_checkpoints(store, ref=ckpt_id)
         warm = store.get(ckpt_id).replica("warm")
         assert warm is not None and warm.state == ReplicaState.COPYING and warm.sealed
+
+
+def test_gc_and_a_part_lost_before_the_copy_completes(cluster: Cluster) -> None:
+    ckpt_id = cluster.ids[2]
+    warm_tier = cluster.tmp / "warm"
+
+    def archive(*nodes: str) -> Any:
+        for node in nodes:
+            with cluster.node(node) as store:
+                last = archive_checkpoints(store, ref=ckpt_id)
+        return last
+
+    def parts_states(store: CheckpointStore) -> set[ReplicaState]:
+        return {p.state for p in store.catalog.parts(ckpt_id, "warm")}
+
+    # A delete that stopped half way (the row DELETING, the objects there): gc finishes it,
+    # parts and all, and each host's next archive seals its part again.
+    archive(*NODES)
+    with cluster.node("node-a") as store:
+        warm = store.get(ckpt_id).replica("warm")
+        assert warm is not None and warm.state == ReplicaState.PRESENT and warm.sealed
+        store.catalog.set_replica(ckpt_id, "warm", state=ReplicaState.DELETING)
+        assert store.gc().sealed_removed == [f"warm:{SEALED_DIR}/{warm.sealed}"]
+        assert not [k for k in _objects(warm_tier) if warm.sealed in k]
+        assert store.get(ckpt_id).replica("warm").state == ReplicaState.DELETED  # type: ignore[union-attr]
+        assert parts_states(store) == {ReplicaState.DELETED}
+    # Node A's sealed part is lost from the tier before node B completes the copy: node B
+    # records it gone instead of sealing a copy without it; node A seals it again.
+    archive("node-a")
+    with cluster.node("node-b") as store:
+        copy = _warm_copy(store, ckpt_id)
+    for path in sorted((copy / "p" / "0").rglob("*"), reverse=True):
+        if path.is_file():
+            path.unlink()
+    report = archive("node-b")
+    assert report.archived == [] and "node-a are gone" in report.skipped[ckpt_id]
+    with cluster.node("node-a") as store:
+        assert store.get(ckpt_id).replica("warm").state == ReplicaState.COPYING  # type: ignore[union-attr]
+        assert {(p.part, p.state) for p in store.catalog.parts(ckpt_id, "warm")} == {
+            ("node-a", ReplicaState.DELETED), ("node-b", ReplicaState.PRESENT)}
+    assert archive("node-a").archived == [ckpt_id]
+    with cluster.node("node-f", decrypt_key=str(cluster.keys["key"])) as store:
+        assert _warm_copy(store, ckpt_id) == copy  # the same copy, completed
+        assert _same(store.load(ckpt_id), cluster.refs[ckpt_id]) == []

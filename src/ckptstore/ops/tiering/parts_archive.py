@@ -41,6 +41,7 @@ from ckptstore.ops.leases import RenewingLease
 from ckptstore.ops.tiering.parts import materialize, part_files, parted_manifest
 from ckptstore.ops.tiering.sealed_tier import (
     new_copy_id,
+    parts_missing,
     recipients_of,
     seal_part,
     seal_shared,
@@ -340,7 +341,22 @@ def _complete_sealed(store: StoreCore, ck: Checkpoint, dst: Tier, copy_id: str,
                      deep: bool, report: PartsReport) -> int:
     """Complete a copy sealed part by part: seal the shared documents, manifest and marker
     as its top-level object (:func:`~ckptstore.ops.tiering.sealed_tier.seal_shared`, its
-    envelope last), then record the copy PRESENT (verified) with every object's bytes."""
+    envelope last), then record the copy PRESENT (verified) with every object's bytes.
+
+    A part recorded as sealed whose objects are gone from the tier is recorded DELETED
+    instead, so that its host seals it again on its next archive."""
+    lost = parts_missing(ck, dst, copy_id)
+    if lost:
+        for part in lost:
+            store.catalog.set_part(ck.id, dst.name, part, stored_on=None,
+                                   state=ReplicaState.DELETED, bytes=0, files=0)
+        logger.warning("the sealed parts of %s of %s (%s) are gone from %s; their hosts seal "
+                       "them again on their next archive", ", ".join(lost), ck.ref, ck.id,
+                       dst.name)
+        report.skipped.setdefault(
+            ck.id, f"{dst.name} copy incomplete: the parts of {', '.join(lost)} are gone "
+            "from the tier; archive again on those hosts")
+        return 0
     total = seal_shared(store, ck, dst, copy_id=copy_id, manifest=manifest, data=data,
                         deep=deep)
     uri = sealed_uri(dst, copy_id)

@@ -60,6 +60,7 @@ __all__ = [
     "dependents",
     "manifest_of",
     "manifest_on",
+    "record_parts_deleted",
     "referenced_chunks",
     "release_chunks",
     "run_resolver",
@@ -414,7 +415,7 @@ def delete_replica(
     else:
         deleted += target.delete_prefix(prefix)
     target.abort_multipart_uploads(prefix)
-    _parts_gone(store, ck, tier)  # while DELETING: the aggregate stays so until all are
+    record_parts_deleted(store, ck, tier)  # while DELETING: the aggregate stays so until all are
     store.catalog.set_replica(ck.id, tier, state=ReplicaState.DELETED, bytes=0)
     freed = release_chunks(store, tier, readers_of) if readers_of else 0
     store.catalog.record_event(
@@ -439,7 +440,7 @@ def _delete_sealed(store: StoreCore, ck: Checkpoint, tier: str, target: Tier, co
     deleted = 1 if target.delete(prefix + ENVELOPE_NAME) else 0
     deleted += target.delete_prefix(prefix)
     target.abort_multipart_uploads(prefix)
-    _parts_gone(store, ck, tier)  # while DELETING: the aggregate stays so until all are
+    record_parts_deleted(store, ck, tier)  # while DELETING: the aggregate stays so until all are
     store.catalog.set_replica(ck.id, tier, state=ReplicaState.DELETED, bytes=0)
     store.catalog.record_event(
         "replica_deleted", checkpoint_id=ck.id, actor=actor,
@@ -449,9 +450,10 @@ def _delete_sealed(store: StoreCore, ck: Checkpoint, tier: str, target: Tier, co
     return deleted
 
 
-def _parts_gone(store: StoreCore, ck: Checkpoint, tier: str) -> None:
-    """Record the parts of a copy on a shared tier DELETED: they went with its prefix (and
-    a later archive uploads them again instead of taking them for done)."""
+def record_parts_deleted(store: StoreCore, ck: Checkpoint, tier: str) -> None:
+    """Record the parts of ``ck``'s copy on shared tier ``tier`` DELETED, its files or
+    objects being gone (a checkpoint saved across hosts; nothing otherwise): a later archive
+    then uploads them again instead of taking them for done."""
     if not ck.parted:
         return
     for part in store.catalog.parts(ck.id, tier):
@@ -467,7 +469,7 @@ def _record_gone(store: StoreCore, ck: Checkpoint, tier: str, target: Tier, pref
     target.abort_multipart_uploads(prefix)
     if replica is not None and replica.state != ReplicaState.DELETED:
         store.catalog.set_replica(ck.id, tier, state=ReplicaState.DELETED, bytes=0)
-    _parts_gone(store, ck, tier)
+    record_parts_deleted(store, ck, tier)
     logger.info("the %s copy of %s (%s) was already gone (no file under %s); recorded it as "
                 "deleted", tier, ck.ref, ck.id, prefix)
     store.catalog.record_event(

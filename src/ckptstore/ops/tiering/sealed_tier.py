@@ -100,7 +100,7 @@ from ckptstore.keyfiles import encryption_fingerprint, load_decryption_key
 from ckptstore.ops.leases import acquire_lease
 from ckptstore.ops.tiering.parts import of_ranks, part_files
 from ckptstore.ops.tiering.reencode import read_copy_manifest, reencode_copy, why_not_reencode
-from ckptstore.ops.tiering.replicas import manifest_on, run_resolver
+from ckptstore.ops.tiering.replicas import manifest_on, record_parts_deleted, run_resolver
 from ckptstore.progress import Progress
 from ckptstore.records import Checkpoint, ReplicaState, expected_digest
 from ckptstore.storage import LocalTier, Tier, copy_checkpoint
@@ -120,6 +120,7 @@ __all__ = [
     "open_sealed",
     "part_prefix",
     "read_unsealed_manifest",
+    "parts_missing",
     "recipients_of",
     "restore_sealed",
     "seal_copy",
@@ -459,6 +460,13 @@ def seal_part(store: StoreCore, ck: Checkpoint, dst: Tier, *, copy_id: str, part
         _remove(dst, [prefix + name for name in written], f"part {prefix}")
         raise
     return sum(size for size, _ in written.values()), len(rels)
+
+
+def parts_missing(ck: Checkpoint, dst: Tier, copy_id: str) -> list[str]:
+    """The hosts whose sealed part of copy ``copy_id`` has no envelope on ``dst`` (lost, or
+    removed by hand since it was recorded): those parts must be sealed again."""
+    return [part for index, part in enumerate(ck.hosts)
+            if not dst.exists(part_prefix(copy_id, index) + ENVELOPE_NAME)]
 
 
 def seal_shared(store: StoreCore, ck: Checkpoint, dst: Tier, *, copy_id: str,
@@ -972,6 +980,7 @@ def gc_sealed(store: StoreCore, *, dry_run: bool = False) -> list[str]:
                 if not dry_run:
                     tier.delete_prefix(prefix)
                     tier.abort_multipart_uploads(prefix)
+                    record_parts_deleted(store, ck, tier.name)
                     store.catalog.set_replica(ck.id, tier.name, state=ReplicaState.DELETED,
                                               bytes=0)
             finally:
