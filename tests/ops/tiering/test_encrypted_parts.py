@@ -2,12 +2,13 @@
 
 Two simulated nodes (one plain process each, their own ``CKPT_HOST`` and ``CKPT_HOT``, a
 PostgreSQL catalog; tests/ops/dcp/multinode_worker.py's ``marked`` scenario) save three
-parted checkpoints whose ``mark`` tensor holds a run of values no random tensor does, half on
-each node. The warm and cold tiers are directories both nodes reach (a shared mount) and
-are encrypted (``encrypt_to``). Then, acting as each node in this process: each node
-archives its own part, the copy is not PRESENT until the last part is in, the tier holds no
-plaintext, and a third node restores (or loads) it bit-exact with the key only; without the
-key, or with a tampered part, nothing is written to the hot tier.
+parted checkpoints (a run each) whose ``mark`` tensor holds a run of values no random tensor
+does, half on each node. The warm and cold tiers are directories both nodes reach (a shared
+mount) and are encrypted (``encrypt_to``). Then, acting as each node in this process: each
+node archives its own part, the copy is not PRESENT until the last part is in, the tier holds
+no plaintext, and a third node restores (or loads) it bit-exact with the key only; without
+the key, or with a tampered or missing part, nothing is written to the hot tier. Demote,
+delete, gc, verify and doctor handle such a copy too.
 """
 
 from __future__ import annotations
@@ -152,11 +153,6 @@ def _same(a: Any, b: Any) -> list[str]:
 def _objects(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
             if p.is_file()}
-
-
-def _files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()
-                  and not p.name.startswith(".ckptstore"))
 
 
 def _hot_snapshot(root: Path) -> list[str]:
