@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -122,6 +123,12 @@ def test_the_newest_step_every_rank_holds_wins() -> None:
     assert agree_step([node_a], 3) is None  # rank 2 has nothing anywhere
     # Two ranks on one host report it twice: counted once.
     assert agree_step([node_a, node_a, node_b], 2) == 6
+    # A replicated state: one snapshot of a step, of any rank, is every rank's (a world of 3
+    # resumes from a world of 2); rank 2 reads rank 1's copy on b, or rank 0's on a.
+    assert agree_step([node_a, node_b], 3) is None
+    assert agree_step([node_a, node_b], 3, replicated=True) == 6
+    assert locate([node_a, node_b], 2, 6, "b", replicated=True) == (node_b, _held(1, 12, 6))
+    assert locate([node_a, node_b], 2, 6, "c", replicated=True) == (node_a, _held(0, 12, 6))
     # Rank 1 reads its own host's copy first, else the replica on a.
     assert locate([node_a, node_b], 1, 6, "b") == (node_b, _held(1, 12, 6))
     assert locate([node_a, node_b], 1, 5, "b") == (node_a, _held(1, 10, 5, True))
@@ -132,18 +139,18 @@ def test_the_newest_step_every_rank_holds_wins() -> None:
 
 
 # ---------------------------------------------------------------- real ranks (gloo)
-def _launch_ranks(tmp_path: Path, shm_root: Path, steps: str, out: Path,
+def _launch_ranks(tmp_path: Path, shm_root: Path, steps: str, out: Path, nranks: int = 2,
                   **extra: str) -> list[int]:
-    """Two ranks, each a node of its own with its own shared memory; wait (bounded)."""
+    """``nranks`` ranks, each a node of its own with its own shared memory; wait (bounded)."""
     port = free_port()
     procs = []
-    for rank in range(2):
+    for rank in range(nranks):
         env = dict(os.environ)
         for var in ("CKPT_CONFIG", "CKPT_FAULT_POINT", "CKPT_REPLICAS"):
             env.pop(var, None)
         env.update(
             OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0",
+            MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nranks), LOCAL_RANK="0",
             LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), CKPT_HOST=f"node{rank}",
             CKPT_ROOT=str(tmp_path / "store"), CKPT_MEMORY_TIER_DIR=str(shm_root / f"n{rank}"),
             **extra)
@@ -209,6 +216,25 @@ def test_ranks_resume_at_the_newest_step_all_of_them_hold(tmp_path: Path,
     assert _resumed(out, 1)[-1] == (6, after[1][6])
 
 
+@pytest.mark.slow
+def test_a_replicated_state_resumes_at_another_world_size(tmp_path: Path,
+                                                          shm_root: Path) -> None:
+    with CheckpointStore.open(tmp_path / "store") as store:
+        store.run("r")
+    out = tmp_path / "out"
+    out.mkdir()
+    replicated = {"WORLD_SYNC": "1", "WORLD_REPLICATED": "1", "WORLD_REPLICAS": "2"}
+    assert _launch_ranks(tmp_path, shm_root, "5", out, 2, **replicated) == [0, 0], \
+        (out / "proc0.out").read_text()[-3000:]
+    reference = _digests(out, 0)
+    assert _digests(out, 1) == reference  # the same state on every rank
+    # Three ranks now, the third on a new node with an empty memory: all resume at step 5
+    # from the two earlier ranks' snapshots (the new rank fetches one from a server).
+    assert _launch_ranks(tmp_path, shm_root, "6", out, 3, **replicated) == [0, 0, 0], \
+        (out / "proc2.out").read_text()[-3000:]
+    assert [_resumed(out, r)[-1] for r in range(3)] == [(5, reference[5])] * 3
+
+
 # ---------------------------------------------------------------- two torchrun launches
 @dataclass
 class Nodes:
@@ -253,8 +279,31 @@ class Nodes:
                          for n in range(2))
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the whole launch (torchrun and its workers: one session)."""
+def _workers(out: Path, host: str | None = None) -> list[int]:
+    """The pids of the training processes that logged (on ``host``)."""
+    return [int(w[2]) for p in out.glob("rank*.log")
+            for w in _log(out, int(p.stem.removeprefix("rank")))
+            if w[0] == "host" and host in (None, w[1])]
+
+
+def _kill(proc: subprocess.Popen[bytes], workers: list[int]) -> None:
+    """SIGKILL a whole launch: torchrun's process group and its workers, which torchrun
+    starts in sessions of their own (so they outlive a killed torchrun unless killed too);
+    wait (bounded) until every one is gone."""
+    for pid in workers:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            # A pid of this test's trainer, not a reused one (checked while the pidfd pins it).
+            if str(TRAINER) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                os.kill(pid, signal.SIGKILL)
+                assert select.select([fd], [], [], TIMEOUT_S)[0], f"worker {pid} survived"
+        except (ProcessLookupError, FileNotFoundError):
+            pass
+        finally:
+            os.close(fd)
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -263,7 +312,7 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
 
 def _rank_of(out: Path, host: str) -> int:
     ranks = [int(p.stem.removeprefix("rank")) for p in out.glob("rank*.log")
-             if ["host", host] in _log(out, int(p.stem.removeprefix("rank")))]
+             if any(w[:2] == ["host", host] for w in _log(out, int(p.stem.removeprefix("rank"))))]
     assert len(ranks) == 1, ranks
     return ranks[0]
 
@@ -294,13 +343,13 @@ def test_a_lost_node_resumes_from_its_replica_on_the_other_node(tmp_path: Path,
                 # Waits on node 1's launch: returns early (and fails above) if it ended.
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     procs[1].wait(timeout=0.2)
-        _kill(procs[1])
-        # Node 0's rank fails in the all-reduce its neighbour never joins; its launch ends.
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            procs[0].wait(timeout=TIMEOUT_S)
+        _kill(procs[1], _workers(nodes.out, "node-1"))
+        # The job is torn down, as a scheduler does when a node is lost (node 0's rank
+        # would only fail in the all-reduce its neighbour never joins, after a timeout).
+        _kill(procs[0], _workers(nodes.out, "node-0"))
     finally:
         for proc in procs:
-            _kill(proc)
+            _kill(proc, _workers(nodes.out))
     survivor = 1 - lost
     reference = {r: _digests(nodes.out, r) for r in (0, 1)}
     assert max(reference[lost]) == kill_after
@@ -311,7 +360,7 @@ def test_a_lost_node_resumes_from_its_replica_on_the_other_node(tmp_path: Path,
         codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
     finally:
         for proc in procs:
-            _kill(proc)
+            _kill(proc, _workers(nodes.out))
     assert codes == [0, 0], nodes.tails()
     resumed = {r: _resumed(nodes.out, r)[-1] for r in (0, 1)}
     step = resumed[0][0]

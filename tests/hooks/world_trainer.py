@@ -8,12 +8,14 @@ from the environment (``CKPT_ROOT``, ``CKPT_HOT``, ``CKPT_CATALOG_URL``, and eac
 (``"6,5"``). ``WORLD_REPLICAS=2`` replicates to the next node (neighbours found through the
 process group); ``WORLD_SYNC=1`` averages the gradients across ranks every step (as DDP
 does: every rank then needs every other at every step); ``WORLD_PAUSE`` paces the steps;
+``WORLD_REPLICATED=1`` makes the rank's own buffer the same on every rank (the whole state is
+then replicated, as with DDP; needs ``WORLD_SYNC=1``) and tells the manager so;
 ``WORLD_HANG_AFTER=K`` stops this rank after step ``K`` (logged) until it is killed (at most
 ``WORLD_HANG_S`` seconds, then it exits 3): a node lost at a known step.
 
 The state of each rank is a tiny model, its AdamW state and a buffer of its own (different
 on every rank, so a rank resuming another's state is caught). Appends to
-``<out>/rank<RANK>.log``: ``host <CKPT_HOST>``, ``resumed <step> <digest>`` (``resumed -1 -``
+``<out>/rank<RANK>.log``: ``host <CKPT_HOST> <pid>``, ``resumed <step> <digest>`` (``resumed -1 -``
 when fresh), then ``done <step> <digest>`` after every ``mgr.step``, and ``finished``; the
 digest is a sha256 of every tensor of the state, so the same inputs give the same digests bit
 for bit.
@@ -21,6 +23,7 @@ for bit.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import os
 import sys
@@ -53,13 +56,15 @@ def digest(state: dict[str, Any]) -> str:
 def main() -> None:
     """Train to the last step, resuming from the ranks' agreed snapshot when there is one."""
     run, steps_arg, out_dir = sys.argv[1:4]
-    dist.init_process_group("gloo")
+    # Bounded: a rank whose peer is gone fails its collective after this, not after 30 min.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     steps = [int(s) for s in steps_arg.split(",")]
     last = steps[rank] if len(steps) > 1 else steps[0]
     sync = os.environ.get("WORLD_SYNC") == "1"
     replicas = int(os.environ.get("WORLD_REPLICAS", "1"))
     pause = float(os.environ.get("WORLD_PAUSE", "0"))
+    replicated = os.environ.get("WORLD_REPLICATED") == "1"
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)
@@ -68,7 +73,7 @@ def main() -> None:
     store = CheckpointStore.open()
     # Line-buffered, open for the whole life of the process (it may be killed, never closed).
     out = open(Path(out_dir) / f"rank{rank}.log", "a", buffering=1)  # noqa: SIM115
-    out.write(f"host {os.environ.get('CKPT_HOST', '-')}\n")
+    out.write(f"host {os.environ.get('CKPT_HOST', '-')} {os.getpid()}\n")
     hang_after = int(os.environ.get("WORLD_HANG_AFTER", "-1"))
     step = -1
 
@@ -77,7 +82,8 @@ def main() -> None:
                 "step": step}
 
     mgr = CheckpointManager(store, run, snapshot_interval=1, handle_sigterm=False,
-                            history=False, replicas=replicas, replica_host="127.0.0.1")
+                            history=False, replicas=replicas, replica_host="127.0.0.1",
+                            replicated=replicated)
     restored = mgr.restore_latest()
     first = -1
     if restored is not None:
@@ -90,6 +96,7 @@ def main() -> None:
         out.write("resumed -1 -\n")
     for step in range(first + 1, last + 1):  # state_fn reads step
         gen = torch.Generator().manual_seed(1000 * step + rank)
+        same = torch.Generator().manual_seed(1000 * step)
         x = torch.randn(8, 16, generator=gen)
         opt.zero_grad()
         model(x).square().mean().backward()
@@ -99,7 +106,7 @@ def main() -> None:
                 dist.all_reduce(p.grad)
                 p.grad /= world
         opt.step()
-        own.add_(torch.randn(8, generator=gen))
+        own.add_(torch.randn(8, generator=same if replicated else gen))
         mgr.step(step, state_fn)
         out.write(f"done {step} {digest(state_fn())}\n")
         if step == hang_after:

@@ -161,6 +161,7 @@ class CheckpointManager:
         replicas: int = 1,
         peer: str | None = None,
         replica_host: str | None = None,
+        replicated: bool = False,
     ) -> None:
         """Attach a manager to ``run`` of ``store``.
 
@@ -220,6 +221,10 @@ class CheckpointManager:
                 ``(k + 1) % nnodes`` (:mod:`ckptstore.ops.writing.snapshot_world`).
             replica_host: The address this node's replica server binds and is reached at
                 (without ``peer``; default this machine's host name).
+            replicated: Every rank's state is the same (data parallel, as DDP keeps it): a
+                restart of a multi-rank job, at this world size or another, resumes every
+                rank from the newest snapshot of any rank. Without it each rank resumes its
+                own rank's state, so every rank of the new world must have one.
 
         Raises:
             ConfigError: For a non-positive interval or count, a bad ``keep_best``, a
@@ -292,6 +297,9 @@ class CheckpointManager:
         self._world: World | None = None
         self._node_server: tuple[str, int] | None = None  # this node's, when in a world
         self._failing = False
+        if not isinstance(replicated, bool):
+            raise ConfigError(f"replicated must be True or False, got {replicated!r}")
+        self._replicated = replicated
         if replicas not in (1, 2) or isinstance(replicas, bool):
             raise ConfigError(f"replicas must be 1 or 2, got {replicas!r}")
         if replicas == 2:
@@ -386,15 +394,24 @@ class CheckpointManager:
                              tuple(host_inventory(self.store, self.run)), durable_step)
         inventories: list[HostInventory] = gather(mine)
         if self.snapshots is not None:
-            # Later snapshots are numbered after every copy of this rank's, wherever it is.
+            # Later snapshots are numbered after every copy of this rank's (of every rank's,
+            # replicated), wherever it is: their order then tells the newer timeline.
             self.snapshots.continue_after(max(
-                (h.seq for inv in inventories for h in inv.held if h.rank == rank),
-                default=0))
+                (h.seq for inv in inventories for h in inv.held
+                 if h.rank == rank or self._replicated), default=0))
         durable = max((inv.durable_step for inv in inventories
                        if inv.durable_step is not None), default=None)
         excluded: list[int] = []
         for _ in range(_AGREE_ROUNDS):
-            step = agree_step(inventories, world_size, exclude=excluded)
+            step = agree_step(inventories, world_size, exclude=excluded,
+                              replicated=self._replicated)
+            if step is None and not excluded and any(inv.held for inv in inventories):
+                held = sorted({h.rank for inv in inventories for h in inv.held})
+                logger.warning(
+                    "snapshots of %s are held for ranks %s, but no step for every one of the "
+                    "%s ranks of this world: not resuming from snapshots (a state that is "
+                    "the same on every rank can resume at another world size: "
+                    "replicated=True)", self.run, held, world_size)
             if step is None or (durable is not None and step < durable):
                 return None
             state, error = self._read_agreed(inventories, rank, step, here, into)
@@ -414,7 +431,7 @@ class CheckpointManager:
     def _read_agreed(self, inventories: list[HostInventory], rank: int, step: int,
                      here: str, into: Any | None) -> tuple[Any, str | None]:
         """This rank's state at ``step`` (and None), or (None, why not)."""
-        found = locate(inventories, rank, step, here)
+        found = locate(inventories, rank, step, here, replicated=self._replicated)
         if found is None:
             return None, f"no reachable copy of rank {rank} at step {step}"
         inv, held = found
@@ -422,11 +439,14 @@ class CheckpointManager:
             path = slot_path(self.store, self.run, held)
         else:
             assert inv.address is not None  # locate() skips other hosts without a server
-            pulled = pull_replica(self.store, self.run, rank, inv.address, seq=held.seq,
-                                  replica=held.replica)
-            if pulled != step:
-                return None, f"could not fetch rank {rank}'s step {step} from {inv.host}"
+            # Into this rank's own directory (replicated: it may be another rank's state);
+            # its first snapshot removes it.
             path = pulled_slot(self.store, self.run, rank)
+            pulled = pull_replica(self.store, self.run, held.rank, inv.address,
+                                  seq=held.seq, replica=held.replica, target=path)
+            if pulled != step:
+                return None, (f"could not fetch rank {held.rank}'s step {step} from "
+                              f"{inv.host}")
         try:
             state = read_snapshot(SnapshotFound(path, held.seq, held.step),
                                   run_token=self._run_token, into=into)

@@ -23,8 +23,18 @@ JSON object; ``put`` and ``get`` replies are followed by raw slot bytes.
 * ``{"op": "get", "run", "rank"}``; the server answers ``{"ok": true, "size": n}`` + the slot
   (header included), or ``{"ok": false, "error": ...}``.
 
-Not built: the process-group transport, and resuming at another world size (the replica is
-the rank's own state; resharding it needs the DCP layout).
+* ``get`` may name a ``"seq"`` (the snapshot the ranks agreed on) and ``"replica": false``
+  (the host's own slots of that rank: after a relaunch the rank may run on another node).
+
+Who sends to whom in a ``torch.distributed`` job (a ring over nodes, one server per node,
+addresses exchanged through the process group) and the step every rank resumes at are
+:mod:`ckptstore.ops.writing.snapshot_world`'s; with ``peer=`` the caller names the server.
+
+Not built: sending the bytes over the process group itself (it carries only addresses and
+inventories), more than one neighbour, and resuming a sharded state at another world size
+(a replica is the rank's own shards as flat tensors; resharding them needs each shard's place
+in its global tensor, which the DCP layout records and a snapshot does not). A replicated
+state resumes at any world size (``CheckpointManager(..., replicated=True)``).
 """
 
 from __future__ import annotations
@@ -419,7 +429,8 @@ def pulled_slot(store: StoreCore, run: str, rank: int) -> Path:
 
 
 def pull_replica(store: StoreCore, run: str, rank: int, address: tuple[str, int], *,
-                 seq: int | None = None, replica: bool = True) -> int | None:
+                 seq: int | None = None, replica: bool = True,
+                 target: Path | None = None) -> int | None:
     """Fetch the neighbour's newest replica of ``run``'s rank into this host's slots.
 
     The bytes are written to a new slot file (:func:`pulled_slot`) under an invalid header
@@ -435,11 +446,12 @@ def pull_replica(store: StoreCore, run: str, rank: int, address: tuple[str, int]
         seq: Fetch the slot with this sequence number instead of the newest.
         replica: From the server's replicas (True) or its host's own slots of ``rank``
             (False: the rank ran there before the rendezvous placed it elsewhere).
+            target: The slot file to write (default :func:`pulled_slot` of ``rank``).
 
     Returns:
         The replica's step, or None when the neighbour holds none (or cannot be reached).
     """
-    target = pulled_slot(store, run, rank)
+    target = target or pulled_slot(store, run, rank)
     directory = target.parent
     try:
         with socket.create_connection(address, timeout=60) as sock:

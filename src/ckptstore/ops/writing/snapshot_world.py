@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -292,20 +292,31 @@ def _unique_hosts(inventories: Sequence[HostInventory]) -> list[HostInventory]:
     return list(seen.values())
 
 
+def _as_one(held: Iterable[Held]) -> dict[Held, Held]:
+    """Every snapshot as one of rank 0 (keys) and where it is (values): a replicated state,
+    where any rank's snapshot is every rank's."""
+    return {replace(h, rank=0): h for h in held}
+
+
 def agree_step(inventories: Sequence[HostInventory], world_size: int, *,
-               exclude: Iterable[int] = ()) -> int | None:
+               exclude: Iterable[int] = (), replicated: bool = False) -> int | None:
     """The newest step for which every rank ``0 .. world_size - 1`` has a current snapshot.
 
     Args:
         inventories: Every rank's report (ranks on one host report the same host).
         world_size: The ranks that must all resume.
         exclude: Steps not to choose (a read of one failed).
+        replicated: Every rank's state is the same (data parallel): one snapshot of a step,
+            of whichever rank (of this world or of an earlier one of another size), is
+            enough for all.
 
     Returns:
         The step, or None when no step is held for every rank.
     """
     skip = set(exclude)
     reachable = [h for inv in _unique_hosts(inventories) for h in inv.held]
+    if replicated:
+        reachable, world_size = list(_as_one(reachable)), 1
     steps: dict[int, set[int]] = {rank: set() for rank in range(world_size)}
     for h in current_snapshots(reachable):
         if h.rank in steps and h.step not in skip:
@@ -314,17 +325,20 @@ def agree_step(inventories: Sequence[HostInventory], world_size: int, *,
     return max(common) if common else None
 
 
-def locate(inventories: Sequence[HostInventory], rank: int, step: int,
-           here: str) -> tuple[HostInventory, Held] | None:
+def locate(inventories: Sequence[HostInventory], rank: int, step: int, here: str, *,
+           replicated: bool = False) -> tuple[HostInventory, Held] | None:
     """Where ``rank`` reads its snapshot of ``step``: this host (``here``) first, then a
-    host with a replica server; the newest copy (highest sequence number) on each."""
-    current = set(current_snapshots(
-        [h for inv in _unique_hosts(inventories) for h in inv.held]))
+    host with a replica server; the newest copy (highest sequence number) on each. With
+    ``replicated``, a snapshot of any rank will do (the returned one says whose it is)."""
+    reachable = [h for inv in _unique_hosts(inventories) for h in inv.held]
+    current = set(current_snapshots(_as_one(reachable) if replicated else reachable))
     hosts = sorted(_unique_hosts(inventories), key=lambda inv: inv.host != here)
     for inv in hosts:
         if inv.host != here and inv.address is None:
             continue
-        mine = [h for h in inv.held if h.rank == rank and h.step == step and h in current]
+        where = _as_one(inv.held) if replicated else {h: h for h in inv.held}
+        mine = [h for h in where if h.rank == (0 if replicated else rank) and h.step == step
+                and h in current]
         if mine:
-            return inv, max(mine, key=lambda h: (h.seq, not h.replica))
+            return inv, where[max(mine, key=lambda h: (h.seq, not h.replica))]
     return None
