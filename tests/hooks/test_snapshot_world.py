@@ -62,8 +62,16 @@ def test_one_node_or_bad_sizes_are_refused() -> None:
             ring_assignment(nnodes, nproc)  # type: ignore[arg-type]
 
 
-def test_world_from_the_environment_needs_a_process_group() -> None:
+def test_world_from_the_environment_needs_a_process_group(
+    snap_store: CheckpointStore,
+) -> None:
     assert not dist.is_initialized()
+    with pytest.raises(ConfigError, match="needs an initialised torch"):
+        CheckpointManager(snap_store, "r", snapshot_interval=1, distributed=True,
+                          handle_sigterm=False, history=False)
+    with pytest.raises(ConfigError, match="replicated must be"):
+        CheckpointManager(snap_store, "r", snapshot_interval=1, replicated=1,  # type: ignore[arg-type]
+                          handle_sigterm=False, history=False)
     assert current_world({}) is None  # one process on its own
     with pytest.raises(ConfigError, match="init_process_group"):
         current_world({"WORLD_SIZE": "4", "RANK": "1"})
@@ -87,8 +95,16 @@ def test_a_job_on_one_node_is_refused_with_replicas_2(
 ) -> None:
     for var, value in {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0"}.items():
         monkeypatch.setenv(var, value)
+    # A world of one rank has no neighbour to find; a rank on its own none to agree with.
+    for distributed in (None, False):
+        with pytest.raises(ConfigError, match="several nodes"):
+            CheckpointManager(snap_store, "r", snapshot_interval=1, replicas=2,
+                              distributed=distributed, handle_sigterm=False, history=False)
     with pytest.raises(ConfigError, match="at least 2 nodes"):
-        CheckpointManager(snap_store, "r", snapshot_interval=1, replicas=2,
+        CheckpointManager(snap_store, "r", snapshot_interval=1, replicas=2, distributed=True,
+                          handle_sigterm=False, history=False)
+    with pytest.raises(ConfigError, match="distributed must be"):
+        CheckpointManager(snap_store, "r", snapshot_interval=1, distributed="yes",  # type: ignore[arg-type]
                           handle_sigterm=False, history=False)
     monkeypatch.setenv("GROUP_RANK", "3")  # rank 0 cannot be on node 3 of 1-rank nodes
     with pytest.raises(ConfigError, match="not placed on nodes as torchrun"):

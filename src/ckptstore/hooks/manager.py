@@ -162,6 +162,7 @@ class CheckpointManager:
         peer: str | None = None,
         replica_host: str | None = None,
         replicated: bool = False,
+        distributed: bool | None = None,
     ) -> None:
         """Attach a manager to ``run`` of ``store``.
 
@@ -225,6 +226,12 @@ class CheckpointManager:
                 restart of a multi-rank job, at this world size or another, resumes every
                 rank from the newest snapshot of any rank. Without it each rank resumes its
                 own rank's state, so every rank of the new world must have one.
+            distributed: Whether every rank of the process group runs a manager of this
+                run and calls :meth:`restore_latest` (collectives: the step to resume is
+                agreed by all of them). None: when a process group of more than one rank
+                is initialised. False: this rank on its own (a job that snapshots from one
+                rank only; ``replicas=2`` then needs ``peer``). True: a process group is
+                required.
 
         Raises:
             ConfigError: For a non-positive interval or count, a bad ``keep_best``, a
@@ -300,6 +307,17 @@ class CheckpointManager:
         if not isinstance(replicated, bool):
             raise ConfigError(f"replicated must be True or False, got {replicated!r}")
         self._replicated = replicated
+        if distributed not in (None, True, False):
+            raise ConfigError(f"distributed must be None, True or False, got {distributed!r}")
+        if distributed is None:
+            import torch.distributed as dist
+
+            distributed = (dist.is_available() and dist.is_initialized()
+                           and dist.get_world_size() > 1)
+        elif distributed and current_world() is None:
+            raise ConfigError("distributed=True needs an initialised torch.distributed "
+                              "process group (init_process_group() before the manager)")
+        self._collective = distributed
         if replicas not in (1, 2) or isinstance(replicas, bool):
             raise ConfigError(f"replicas must be 1 or 2, got {replicas!r}")
         if replicas == 2:
@@ -308,6 +326,12 @@ class CheckpointManager:
                     "replicas=2 needs snapshot_interval: the replicas are of the snapshots")
             if peer is not None:
                 self._peer = parse_address(peer)
+            elif not self._collective:
+                current_world()  # under torchrun without a process group: it says so
+                raise ConfigError(
+                    "replicas=2 needs peer='host:port' (a neighbour's snapshot replica server) "
+                    "or a torch.distributed job of several nodes (an initialised process "
+                    "group, distributed not False), whose neighbours are found by themselves")
             else:
                 self._join_ring(replica_host)
         if snapshot_interval is not None:
@@ -369,11 +393,7 @@ class CheckpointManager:
 
     def _distributed(self) -> bool:
         """Whether the ranks of a process group must agree on the step to resume."""
-        if self._world is not None:
-            return True
-        import torch.distributed as dist
-
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        return self._collective
 
     def _restore_agreed(
         self, durable_step: int | None, into: Any | None
