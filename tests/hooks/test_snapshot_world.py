@@ -128,28 +128,30 @@ def test_a_snapshot_of_an_abandoned_timeline_is_not_current() -> None:
         (16, False), (22, False), (22, True)]
 
 
-def test_the_newest_step_every_rank_holds_wins() -> None:
+def test_the_newest_step_every_rank_can_read_wins() -> None:
     node_a = HostInventory("a", ("127.0.0.1", 1), (
         _held(0, 10, 5), _held(0, 12, 6),        # rank 0's own slots
         _held(1, 8, 4, True), _held(1, 10, 5, True)), None)  # rank 1's replicas
     node_b = HostInventory("b", ("127.0.0.1", 2), (_held(1, 12, 6),), None)
-    assert agree_step([node_a, node_b], 2) == 6
-    assert agree_step([node_a, node_b], 2, exclude=[6]) == 5
-    assert agree_step([node_a], 2) == 5  # node b lost: rank 1 from its replica on a
-    assert agree_step([node_a], 3) is None  # rank 2 has nothing anywhere
-    # Two ranks on one host report it twice: counted once.
-    assert agree_step([node_a, node_a, node_b], 2) == 6
+    empty = HostInventory("c", ("127.0.0.1", 3), (), None)  # a replacement node
+    # Inventories in rank order: rank 0 on a, rank 1 on b.
+    assert agree_step([node_a, node_b]) == 6
+    assert agree_step([node_a, node_b], exclude=[6]) == 5
+    assert agree_step([node_a, empty]) == 5  # node b lost: rank 1 from its replica on a
+    assert agree_step([node_a, node_a]) == 5  # both ranks on a now: reported twice, once
+    assert agree_step([node_a, node_b, empty]) is None  # rank 2 has nothing anywhere
+    # A copy on another host without a replica server is out of reach.
+    lone = HostInventory("a", None, node_a.held, None)
+    assert agree_step([lone, HostInventory("c", None, (), None)]) is None
+    assert agree_step([lone, node_b]) == 6  # rank 1's own host has step 6
     # A replicated state: one snapshot of a step, of any rank, is every rank's (a world of 3
     # resumes from a world of 2); rank 2 reads rank 1's copy on b, or rank 0's on a.
-    assert agree_step([node_a, node_b], 3) is None
-    assert agree_step([node_a, node_b], 3, replicated=True) == 6
+    assert agree_step([node_a, node_b, empty], replicated=True) == 6
     assert locate([node_a, node_b], 2, 6, "b", replicated=True) == (node_b, _held(1, 12, 6))
     assert locate([node_a, node_b], 2, 6, "c", replicated=True) == (node_a, _held(0, 12, 6))
     # Rank 1 reads its own host's copy first, else the replica on a.
     assert locate([node_a, node_b], 1, 6, "b") == (node_b, _held(1, 12, 6))
     assert locate([node_a, node_b], 1, 5, "b") == (node_a, _held(1, 10, 5, True))
-    # A host without a replica server is readable only from itself.
-    lone = HostInventory("a", None, node_a.held, None)
     assert locate([lone, node_b], 1, 5, "b") is None
     assert locate([lone, node_b], 1, 5, "a") == (lone, _held(1, 10, 5, True))
 

@@ -423,8 +423,7 @@ class CheckpointManager:
                        if inv.durable_step is not None), default=None)
         excluded: list[int] = []
         for _ in range(_AGREE_ROUNDS):
-            step = agree_step(inventories, world_size, exclude=excluded,
-                              replicated=self._replicated)
+            step = agree_step(inventories, exclude=excluded, replicated=self._replicated)
             if step is None and not excluded and any(inv.held for inv in inventories):
                 held = sorted({h.rank for inv in inventories for h in inv.held})
                 logger.warning(

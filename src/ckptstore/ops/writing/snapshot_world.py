@@ -11,7 +11,8 @@ Two things a multi-process job needs that one process's snapshots do not give
 * **One step across ranks.** At a restart every rank lists what its host holds
   (:func:`host_inventory`: its own slots and the replicas it keeps, headers only), the lists
   are gathered, and :func:`agree_step` (pure) picks the newest step for which every rank of
-  the world has a current snapshot somewhere; :func:`locate` says where each rank reads its
+  the world can read a current snapshot (on its own host, or from a host with a replica
+  server); :func:`locate` says where each rank reads its
   own. A snapshot superseded by a newer one of a lower or equal step (the timeline a restart
   abandoned) never counts.
 
@@ -298,31 +299,37 @@ def _as_one(held: Iterable[Held]) -> dict[Held, Held]:
     return {replace(h, rank=0): h for h in held}
 
 
-def agree_step(inventories: Sequence[HostInventory], world_size: int, *,
-               exclude: Iterable[int] = (), replicated: bool = False) -> int | None:
-    """The newest step for which every rank ``0 .. world_size - 1`` has a current snapshot.
+def agree_step(inventories: Sequence[HostInventory], *, exclude: Iterable[int] = (),
+               replicated: bool = False) -> int | None:
+    """The newest step for which every rank can read a current snapshot of its state.
+
+    A rank can read a copy on its own host, or on a host with a replica server (which sends
+    it); a copy on another host without one does not count.
 
     Args:
-        inventories: Every rank's report (ranks on one host report the same host).
-        world_size: The ranks that must all resume.
+        inventories: Every rank's report, in rank order (ranks on one host report the same
+            host): the world is ``len(inventories)`` ranks.
         exclude: Steps not to choose (a read of one failed).
         replicated: Every rank's state is the same (data parallel): one snapshot of a step,
             of whichever rank (of this world or of an earlier one of another size), is
             enough for all.
 
     Returns:
-        The step, or None when no step is held for every rank.
+        The step, or None when no step is readable by every rank.
     """
     skip = set(exclude)
-    reachable = [h for inv in _unique_hosts(inventories) for h in inv.held]
-    if replicated:
-        reachable, world_size = list(_as_one(reachable)), 1
-    steps: dict[int, set[int]] = {rank: set() for rank in range(world_size)}
-    for h in current_snapshots(reachable):
-        if h.rank in steps and h.step not in skip:
-            steps[h.rank].add(h.step)
-    common = set.intersection(*steps.values()) if steps else set()
-    return max(common) if common else None
+    hosts = _unique_hosts(inventories)
+    current = _current(hosts, replicated)
+    for step in sorted({h.step for h in current} - skip, reverse=True):
+        if all(_locate(hosts, current, rank, step, inv.host, replicated) is not None
+               for rank, inv in enumerate(inventories)):
+            return step
+    return None
+
+
+def _current(hosts: Sequence[HostInventory], replicated: bool) -> set[Held]:
+    reachable = [h for inv in hosts for h in inv.held]
+    return set(current_snapshots(_as_one(reachable) if replicated else reachable))
 
 
 def locate(inventories: Sequence[HostInventory], rank: int, step: int, here: str, *,
@@ -330,10 +337,13 @@ def locate(inventories: Sequence[HostInventory], rank: int, step: int, here: str
     """Where ``rank`` reads its snapshot of ``step``: this host (``here``) first, then a
     host with a replica server; the newest copy (highest sequence number) on each. With
     ``replicated``, a snapshot of any rank will do (the returned one says whose it is)."""
-    reachable = [h for inv in _unique_hosts(inventories) for h in inv.held]
-    current = set(current_snapshots(_as_one(reachable) if replicated else reachable))
-    hosts = sorted(_unique_hosts(inventories), key=lambda inv: inv.host != here)
-    for inv in hosts:
+    hosts = _unique_hosts(inventories)
+    return _locate(hosts, _current(hosts, replicated), rank, step, here, replicated)
+
+
+def _locate(hosts: Sequence[HostInventory], current: set[Held], rank: int, step: int,
+            here: str, replicated: bool) -> tuple[HostInventory, Held] | None:
+    for inv in sorted(hosts, key=lambda inv: inv.host != here):
         if inv.host != here and inv.address is None:
             continue
         where = _as_one(inv.held) if replicated else {h: h for h in inv.held}
