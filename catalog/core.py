@@ -37,6 +37,7 @@ from ckptstore.errors import (
     InvalidNameError,
     StorageError,
 )
+from ckptstore.format.gcpause import gc_paused
 from ckptstore.redact import mask_url, scrub
 from ckptstore.refs import Ref, parse_ref
 
@@ -236,17 +237,26 @@ class CatalogCore:
         server closed meanwhile (a restart, an idle timeout) fails its first statement and
         invalidates the pool; the query is then run once more on a fresh connection.
         """
-        for attempt in (1, 2):
-            try:
-                with self._reader.connect() as conn:
-                    return query(conn)
-            except DBAPIError as e:
-                if attempt == 1 and e.connection_invalidated:
-                    logger.debug("catalog %s: connection lost, reading again", self._url)
-                    continue
-                if isinstance(e, OperationalError | InterfaceError):
-                    raise StorageError(f"catalog {self._url} failed: {scrub(str(e.orig))}") from e
-                raise
+        # The cyclic collector is paused for the whole read (statement, rows, records), not
+        # only while records are built: a collection that came due in the middle found a
+        # long answer (a 1,000-deep lineage: ~3,000 records) alive and promoted it, and the
+        # promotions set off full collections over every object of the process, 11 in 400
+        # lineage walks (2 with the pause), each longer than the walk itself. What a read
+        # allocates holds no cycles; once the caller drops the answer, reference counting
+        # frees it.
+        with gc_paused():
+            for attempt in (1, 2):
+                try:
+                    with self._reader.connect() as conn:
+                        return query(conn)
+                except DBAPIError as e:
+                    if attempt == 1 and e.connection_invalidated:
+                        logger.debug("catalog %s: connection lost, reading again", self._url)
+                        continue
+                    if isinstance(e, OperationalError | InterfaceError):
+                        raise StorageError(
+                            f"catalog {self._url} failed: {scrub(str(e.orig))}") from e
+                    raise
         raise AssertionError("unreachable")  # pragma: no cover
 
     @contextmanager

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -45,6 +45,7 @@ from ckptstore.catalog.models import (
     ExperimentRow,
     ReplicaRow,
     RunRow,
+    parse_utc,
 )
 from ckptstore.format.gcpause import gc_paused
 from ckptstore.records import TIER_ORDER, Checkpoint, Replica, ReplicaState
@@ -217,10 +218,7 @@ def checkpoint_query() -> Select[Any]:
 
 def _utc(text: str | None) -> datetime | None:
     # SQLite's text has no zone (stored as UTC); PostgreSQL's JSON carries the session's.
-    if text is None:
-        return None
-    parsed = datetime.fromisoformat(text)
-    return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
+    return None if text is None else parse_utc(text)
 
 
 def _replicas(rows: list[list[Any]]) -> tuple[Replica, ...]:

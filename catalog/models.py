@@ -68,6 +68,7 @@ __all__ = [
     "StoreMetaRow",
     "ThawRow",
     "UTCDateTime",
+    "parse_utc",
     "utcnow",
 ]
 
@@ -128,12 +129,27 @@ class UTCDateTime(TypeDecorator[datetime]):
         def process(value: str | datetime | None) -> datetime | None:
             if value is None:
                 return None
-            parsed = value if isinstance(value, datetime) else datetime.fromisoformat(value)
-            if parsed.tzinfo is None:
-                return parsed.replace(tzinfo=UTC)
-            return parsed.astimezone(UTC)
+            if isinstance(value, str):
+                return parse_utc(value)
+            return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
         return process
+
+
+def parse_utc(text: str) -> datetime:
+    """An ISO 8601 timestamp as an aware UTC datetime; text without a zone is UTC.
+
+    Text without a zone (what SQLite stores, and its JSON carries) is parsed with ``+00:00``
+    appended: one C call, about a sixth of the time of parsing it naive and then calling
+    ``replace(tzinfo=UTC)``, whose keyword handling dominated building long lineages.
+    """
+    if len(text) > 10 and text[-6] not in "+-" and text[-1] != "Z":
+        try:
+            return datetime.fromisoformat(text + "+00:00")
+        except ValueError:  # a zone in another spelling ("+05"): parsed below
+            pass
+    parsed = datetime.fromisoformat(text)
+    return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
 
 
 def _state_enum(enum_cls: type[CheckpointState] | type[ReplicaState], name: str) -> Enum:
