@@ -4,6 +4,7 @@ every third-party package the code imports is declared in pyproject.toml."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import os
 import re
@@ -159,9 +160,16 @@ def _declared_distributions() -> dict[str, set[str]]:
     return declared
 
 
+@functools.cache
+def _installed_distributions() -> dict[str, list[str]]:
+    """Top-level module -> distributions providing it. Reading every installed
+    distribution's file list costs about a second; it does not change during a test run."""
+    return importlib.metadata.packages_distributions()
+
+
 def _distribution_of(module: str) -> str:
     # Not installed here (an extra left out): its distribution is named like the module.
-    names = importlib.metadata.packages_distributions().get(module, [module])
+    names = _installed_distributions().get(module, [module])
     return _canonical(names[0])
 
 
