@@ -1,10 +1,11 @@
 """Runs several ``ckpt`` command lines in one process, as ``ckpt`` itself runs them.
 
-Used by test_secret_masking.py: starting the CLI once per command line would cost seconds
-each on a loaded machine. Each argument is one command line (JSON: ``{"args": [...],
-"env": {...}}``); every run is framed by ``=== <n>`` lines on stdout and stderr and its exit
-code is printed as ``=== <n> exit <code>`` on stdout. Logging is configured by the CLI
-itself (``--verbose``, ``CKPT_LOG_JSON``), so log lines reach stderr as they would.
+Used by test_secret_masking.py and test_conventions.py: starting the CLI once per command
+line would cost seconds each on a loaded machine. Each argument is one command line (JSON:
+``{"args": [...], "env": {...}}``); every run is framed by ``=== <n>`` lines on stdout and
+stderr and its exit code is printed as ``=== <n> exit <code>`` on stdout. Logging is
+configured by the CLI itself (``--verbose``, ``CKPT_LOG_JSON``), so log lines reach stderr as
+they would.
 """
 
 from __future__ import annotations

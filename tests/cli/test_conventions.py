@@ -297,17 +297,33 @@ def test_store_after_the_command_wins(filled: FilledStore, ckpt: Ckpt,
     assert result.code == 0 and json.loads(result.out)["revision"]
 
 
-def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptstore", *args], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **(env or {})})
+def _run_cli_lines(*lines: list[str]) -> tuple[list[int], list[str]]:
+    """Run each command line through the real ``ckpt`` entry point, in order, in one child
+    process (tests/cli/masking_driver.py): its logging is configured by the CLI alone, as in
+    ``ckpt`` itself. Returns each line's exit code and what it wrote on stderr."""
+    driver = Path(__file__).with_name("masking_driver.py")
+    proc = subprocess.run(
+        [sys.executable, str(driver), *(json.dumps({"args": line}) for line in lines)],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ), check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    codes = [int(m.group(1)) for m in re.finditer(r"^=== \d+ exit (-?\d+)$", proc.stdout,
+                                                    re.M)]
+    assert len(codes) == len(lines), proc.stdout[-3000:] + proc.stderr[-3000:]
+    errs = re.split(r"^=== \d+\n", proc.stderr, flags=re.M)[1:]
+    assert len(errs) == len(lines), proc.stderr[-3000:]
+    return codes, errs
 
 
 def test_verbose_after_the_command_logs(filled: FilledStore) -> None:
-    quiet = _run_cli("archive", "--store", str(filled.root), "--config", str(filled.config))
-    loud = _run_cli("archive", "--config", str(filled.config), "--verbose")
-    assert quiet.returncode == 0 and loud.returncode == 0, quiet.stderr + loud.stderr
-    assert "INFO" not in quiet.stderr
-    assert "INFO ckptstore" in loud.stderr  # archived ... lines, on stderr
+    # Both runs in one process (starting the CLI costs seconds on a loaded machine): the
+    # verbose one first, so it configures logging in a fresh process as `ckpt -v` does; the
+    # quiet one after it must turn the INFO lines off again.
+    codes, (loud, quiet) = _run_cli_lines(
+        ["archive", "--config", str(filled.config), "--verbose"],
+        ["archive", "--store", str(filled.root), "--config", str(filled.config)])
+    assert codes == [0, 0], loud + quiet
+    assert "INFO ckptstore" in loud  # archived ... lines, on stderr
+    assert "INFO" not in quiet
 
 
 def test_version(ckpt: Ckpt) -> None:
