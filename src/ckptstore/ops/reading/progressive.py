@@ -55,7 +55,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,18 +164,35 @@ class _Source:
         """Called when loading failed or was cancelled."""
 
 
-class _RemoteSource(_Source):
-    """Downloads a checkpoint from a remote tier into its hot directory, by priority."""
+def _files_under(directory: Path) -> set[str]:
+    """The files under ``directory``, relative to it (none if it does not exist)."""
+    if not directory.is_dir():
+        return set()
+    return {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()}
 
-    def __init__(
-        self,
-        store: StoreCore,
-        ck: Checkpoint,
-        tier: Tier,
-        owner: str,
-        threads: int,
-    ) -> None:
-        super().__init__(tier.name, store.checkpoint_dir(ck.run, ck.id), store.locate)
+
+def _remove_added(directory: Path, added: Iterable[str], preexisting: set[str]) -> None:
+    """Undo a stream into ``directory``: its marker and the files it added go; files that
+    were there before stay (chunks kept for deltas that read them)."""
+    with contextlib.suppress(FileNotFoundError):
+        (directory / COMMIT_NAME).unlink()
+    for rel in added:
+        if rel not in preexisting:
+            with contextlib.suppress(FileNotFoundError):
+                (directory / rel).unlink()
+    if directory.is_dir() and not any(p.is_file() for p in directory.rglob("*")):
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+class _StreamSource(_Source):
+    """What the two streaming sources share: files fetched by a pool in the groups'
+    priority order, each group's futures, the ``restore:hot`` lease given back once, and
+    the catalog record of the finished copy. A subclass says how one file is fetched
+    (:meth:`_get`)."""
+
+    def __init__(self, store: StoreCore, ck: Checkpoint, tier: Tier, directory: Path,
+                 locate: Locate | None, owner: str, threads: int) -> None:
+        super().__init__(tier.name, directory, locate)
         self.store = store
         self.ck = ck
         self.tier = tier
@@ -188,90 +205,51 @@ class _RemoteSource(_Source):
         self.preexisting: set[str] = set()
         self.released = False
 
+    def _get(self, rel: str) -> int:
+        """Fetch one file of the checkpoint into :attr:`directory`; return its size."""
+        raise NotImplementedError
+
     def _fetch(self, rel: str) -> Future[int]:
         future = self.fetched.get(rel)
         if future is None:
             assert self.pool is not None
-            key = self.tier.key_for(self.ck.run, self.ck.id, rel)
-            future = self.pool.submit(self.tier.get_file, key, self.directory / rel)
+            future = self.pool.submit(self._get, rel)
             self.fetched[rel] = future
         return future
 
-    def start(self, manifest: Manifest, groups: Sequence[Sequence[str]]) -> None:
-        self.manifest = manifest
-        # The directory may hold this checkpoint's chunk files kept for deltas that read
-        # them (its hot replica was deleted with keep_referenced), or leftovers of a dead
-        # restore: files are replaced atomically, never removed; only a stale marker goes.
-        with contextlib.suppress(FileNotFoundError):
-            (self.directory / COMMIT_NAME).unlink()
-        self.preexisting = (
-            {p.relative_to(self.directory).as_posix()
-             for p in self.directory.rglob("*") if p.is_file()}
-            if self.directory.is_dir() else set()
-        )
-        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-prefetch")
-        # Submitted in priority order; the pool runs them in that order, so the files of
-        # group n+1 download while group n is decoded.
+    def _queue(self, manifest: Manifest, groups: Sequence[Sequence[str]], name: str, *,
+               own_chunks_only: bool) -> None:
+        """Submit every group's chunk files in priority order; the pool runs them in that
+        order, so the files of group n+1 arrive while group n is decoded."""
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix=name)
         for keys in groups:
             futures = []
             for key in keys:
                 entry = manifest.tensors[key]
                 array = manifest.arrays[entry.array]
                 for index in range(entry.chunk_start, entry.chunk_stop):
-                    if array.chunks[index].src is None:  # others live in a base's hot dir
-                        futures.append(self._fetch(array.chunk_path(index)))
+                    # A delta's chunks that live in a base's hot directory are not fetched.
+                    if own_chunks_only and array.chunks[index].src is not None:
+                        continue
+                    futures.append(self._fetch(array.chunk_path(index)))
             self.groups.append(futures)
 
     def ready(self, index: int) -> None:
         for future in self.groups[index]:
             future.result()
 
-    def finish(self) -> None:
-        assert self.manifest is not None
-        # owned_files: a re-encoded copy's original manifest comes along (signatures).
-        rest = [rel for rel in owned_files(self.manifest) if rel != COMMIT_NAME]
-        total = sum(self._fetch(rel).result() for rel in rest)
-        total += self.tier.get_file(
-            self.tier.key_for(self.ck.run, self.ck.id, COMMIT_NAME), self.directory / COMMIT_NAME
-        )
-        # The marker and manifest against the catalog, then every file's size; the chunks'
-        # crc32c were all checked while the groups were read.
-        # The copy streamed may be one re-encoded with the archive codec (its own digest).
-        digest = expected_digest(self.ck, self.tier.name)
-        read_manifest(self.directory, expected_digest=digest)
-        problems = verify_checkpoint(self.directory, self.manifest, locate=self.locate,
-                                     deep=False)
-        if problems:
-            raise IntegrityError(
-                f"the copy of {self.ck.ref} streamed from {self.tier.name} is incomplete: "
-                + "; ".join(problems[:5]) + f"; run `ckpt restore {self.ck.ref}` to retry"
-            )
+    def _record(self, directory: Path, total: int, digest: str, **detail: Any) -> None:
+        """Record the hot copy as PRESENT and verified, and the ``restored`` event."""
         catalog = self.store.catalog
-        catalog.set_replica(self.ck.id, "hot", uri=str(self.directory),
-                            state=ReplicaState.PRESENT, bytes=total, verified=True,
+        catalog.set_replica(self.ck.id, "hot", uri=str(directory), state=ReplicaState.PRESENT,
+                            bytes=total, verified=True,
                             manifest_digest=None if digest == self.ck.manifest_digest
                             else digest)
         catalog.record_event(
             "restored", checkpoint_id=self.ck.id, actor=self.owner,
-            detail={"from": self.tier.name, "tier": "hot", "path": str(self.directory),
-                    "bytes": total, "progressive": True},
+            detail={"from": self.tier.name, "tier": "hot", "path": str(directory),
+                    "bytes": total, "progressive": True, **detail},
         )
-        self._close()
-
-    def abort(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-        with contextlib.suppress(FileNotFoundError):
-            (self.directory / COMMIT_NAME).unlink()
-        # Only what this load added: files that were there before may be read by deltas.
-        for rel in self.fetched:
-            if rel not in self.preexisting:
-                with contextlib.suppress(FileNotFoundError):
-                    (self.directory / rel).unlink()
-        if self.directory.is_dir() and not any(
-                p.is_file() for p in self.directory.rglob("*")):
-            shutil.rmtree(self.directory, ignore_errors=True)
-        self._close()
 
     def _close(self) -> None:
         if self.pool is not None:
@@ -285,7 +263,58 @@ class _RemoteSource(_Source):
                                exc_info=True)
 
 
-class _SealedSource(_Source):
+class _RemoteSource(_StreamSource):
+    """Downloads a checkpoint from a remote tier into its hot directory, by priority."""
+
+    def __init__(self, store: StoreCore, ck: Checkpoint, tier: Tier, owner: str,
+                 threads: int) -> None:
+        super().__init__(store, ck, tier, store.checkpoint_dir(ck.run, ck.id), store.locate,
+                         owner, threads)
+
+    def _get(self, rel: str) -> int:
+        return self.tier.get_file(self.tier.key_for(self.ck.run, self.ck.id, rel),
+                                  self.directory / rel)
+
+    def start(self, manifest: Manifest, groups: Sequence[Sequence[str]]) -> None:
+        self.manifest = manifest
+        # The directory may hold this checkpoint's chunk files kept for deltas that read
+        # them (its hot replica was deleted with keep_referenced), or leftovers of a dead
+        # restore: files are replaced atomically, never removed; only a stale marker goes.
+        with contextlib.suppress(FileNotFoundError):
+            (self.directory / COMMIT_NAME).unlink()
+        self.preexisting = _files_under(self.directory)
+        self._queue(manifest, groups, "ckpt-prefetch", own_chunks_only=True)
+
+    def finish(self) -> None:
+        assert self.manifest is not None
+        # owned_files: a re-encoded copy's original manifest comes along (signatures).
+        rest = [rel for rel in owned_files(self.manifest) if rel != COMMIT_NAME]
+        total = sum(self._fetch(rel).result() for rel in rest)
+        total += self._get(COMMIT_NAME)
+        # The marker and manifest against the catalog, then every file's size; the chunks'
+        # crc32c were all checked while the groups were read.
+        # The copy streamed may be one re-encoded with the archive codec (its own digest).
+        digest = expected_digest(self.ck, self.tier.name)
+        read_manifest(self.directory, expected_digest=digest)
+        problems = verify_checkpoint(self.directory, self.manifest, locate=self.locate,
+                                     deep=False)
+        if problems:
+            raise IntegrityError(
+                f"the copy of {self.ck.ref} streamed from {self.tier.name} is incomplete: "
+                + "; ".join(problems[:5]) + f"; run `ckpt restore {self.ck.ref}` to retry"
+            )
+        self._record(self.directory, total, digest)
+        self._close()
+
+    def abort(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        # Only what this load added: files that were there before may be read by deltas.
+        _remove_added(self.directory, self.fetched, self.preexisting)
+        self._close()
+
+
+class _SealedSource(_StreamSource):
     """Decrypts a sealed copy (an encrypted tier) into a private directory, by priority.
 
     Made by :func:`_open_sealed` once the copy is open and its manifest decrypted and
@@ -296,28 +325,17 @@ class _SealedSource(_Source):
     def __init__(self, store: StoreCore, ck: Checkpoint, tier: Tier, opened: OpenedCopy,
                  files: dict[str, int], workdir: Path, stack: contextlib.ExitStack,
                  owner: str, threads: int) -> None:
-        super().__init__(tier.name, workdir / ck.run / ck.id, None)
-        self.store = store
-        self.ck = ck
-        self.tier = tier
+        super().__init__(store, ck, tier, workdir / ck.run / ck.id, None, owner, threads)
         self.opened = opened
         self.files = files
         self.workdir = workdir
         self.stack = stack
-        self.owner = owner
-        self.threads = threads
-        self.manifest: Manifest | None = None
         self.reader: ChunkReader | None = None
         self.chunks: dict[str, tuple[str, int]] = {}
-        self.fetched: dict[str, Future[int]] = {}
-        self.groups: list[list[Future[int]]] = []
-        self.pool: ThreadPoolExecutor | None = None
         self.hot_dir = store.checkpoint_dir(ck.run, ck.id)
-        self.preexisting: set[str] = set()
         self.installing = False
-        self.released = False
 
-    def _unseal(self, rel: str) -> int:
+    def _get(self, rel: str) -> int:
         """Decrypt one file; a chunk is checked against the manifest before it counts."""
         size = unseal_file(self.opened, self.files[rel], self.directory / rel)
         chunk = self.chunks.get(rel)
@@ -331,14 +349,6 @@ class _SealedSource(_Source):
                     f"{self.ck.ref} --tier {self.tier.name}` to repair it")
         return size
 
-    def _fetch(self, rel: str) -> Future[int]:
-        future = self.fetched.get(rel)
-        if future is None:
-            assert self.pool is not None
-            future = self.pool.submit(self._unseal, rel)
-            self.fetched[rel] = future
-        return future
-
     def start(self, manifest: Manifest, groups: Sequence[Sequence[str]]) -> None:
         self.manifest = manifest
         self.reader = ChunkReader(self.directory, manifest, None)
@@ -346,25 +356,9 @@ class _SealedSource(_Source):
                        for array in manifest.arrays.values() for chunk in array.chunks}
         # What the hot directory holds already (chunks kept for deltas that read them):
         # an abort during the final copy removes only what it added.
-        self.preexisting = (
-            {p.relative_to(self.hot_dir).as_posix()
-             for p in self.hot_dir.rglob("*") if p.is_file()}
-            if self.hot_dir.is_dir() else set()
-        )
-        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-unseal")
-        # In priority order, as _RemoteSource: group n+1 decrypts while group n is read.
-        for keys in groups:
-            futures = []
-            for key in keys:
-                entry = manifest.tensors[key]
-                array = manifest.arrays[entry.array]
-                for index in range(entry.chunk_start, entry.chunk_stop):
-                    futures.append(self._fetch(array.chunk_path(index)))
-            self.groups.append(futures)
-
-    def ready(self, index: int) -> None:
-        for future in self.groups[index]:
-            future.result()
+        self.preexisting = _files_under(self.hot_dir)
+        # A sealed copy is self-contained: every chunk is in it.
+        self._queue(manifest, groups, "ckpt-unseal", own_chunks_only=False)
 
     def finish(self) -> None:
         assert self.manifest is not None
@@ -390,17 +384,7 @@ class _SealedSource(_Source):
         directory, total = install_unsealed(self.ck, self.workdir, self.manifest,
                                             store_tiers(self.store)["hot"],
                                             threads=self.threads)
-        digest = self.manifest.digest
-        catalog = self.store.catalog
-        catalog.set_replica(self.ck.id, "hot", uri=str(directory), state=ReplicaState.PRESENT,
-                            bytes=total, verified=True,
-                            manifest_digest=None if digest == self.ck.manifest_digest
-                            else digest)
-        catalog.record_event(
-            "restored", checkpoint_id=self.ck.id, actor=self.owner,
-            detail={"from": self.tier.name, "tier": "hot", "path": str(directory),
-                    "bytes": total, "progressive": True, "encrypted": True},
-        )
+        self._record(directory, total, self.manifest.digest, encrypted=True)
         self.installing = False
         self._close()
 
@@ -409,28 +393,14 @@ class _SealedSource(_Source):
             self.pool.shutdown(wait=True, cancel_futures=True)
         if self.installing:
             # The final copy into the hot tier failed half way: only what it added goes.
-            with contextlib.suppress(FileNotFoundError):
-                (self.hot_dir / COMMIT_NAME).unlink()
-            for rel in self.files:
-                if rel not in self.preexisting:
-                    with contextlib.suppress(FileNotFoundError):
-                        (self.hot_dir / rel).unlink()
-            if self.hot_dir.is_dir() and not any(
-                    p.is_file() for p in self.hot_dir.rglob("*")):
-                shutil.rmtree(self.hot_dir, ignore_errors=True)
+            _remove_added(self.hot_dir, self.files, self.preexisting)
         self._close()
 
     def _close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
         self.stack.close()  # the private directory, plaintext and all
-        if not self.released:
-            self.released = True
-            try:
-                self.store.catalog.release_lease(self.ck.id, _LEASE, self.owner)
-            except CkptError:
-                logger.warning("could not release the restore lease of %s", self.ck.ref,
-                               exc_info=True)
+        super()._close()
 
 
 def _open_sealed(store: StoreCore, ck: Checkpoint, tier: Tier,
