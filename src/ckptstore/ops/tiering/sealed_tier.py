@@ -557,6 +557,28 @@ def _what(ck: Checkpoint, tier: Tier) -> str:
     return f"the encrypted {tier.name} copy of {ck.ref} ({ck.id})"
 
 
+def _copy_and_key(store: StoreCore, ck: Checkpoint, tier: Tier,
+                  key: str | os.PathLike[str] | None) -> tuple[str, Any]:
+    """The sealed copy id of ``ck`` on ``tier`` and the private key that should open it
+    (``key``, else ``$CKPT_DECRYPT_KEY``, else ``decrypt_key``).
+
+    Raises:
+        DecryptionError: If the copy is not sealed, or no key is given anywhere.
+        ConfigError: If the key file is not an X25519 private key.
+    """
+    replica = ck.replica(tier.name)
+    copy_id = replica.sealed if replica is not None else None
+    what = _what(ck, tier)
+    if copy_id is None:
+        raise DecryptionError(f"{what} is not a sealed copy")
+    path = decryption_key_path(key, store.settings.decrypt_key)
+    if path is None:
+        raise DecryptionError(
+            f"{what} is encrypted (tiers.encrypt_to): give the private key of one of its "
+            "recipients with --key, $CKPT_DECRYPT_KEY or `decrypt_key` in the config")
+    return copy_id, load_decryption_key(path)
+
+
 def open_sealed(store: StoreCore, ck: Checkpoint, tier: Tier,
                 key: str | os.PathLike[str] | None = None) -> OpenedCopy:
     """Open the sealed copy of ``ck`` on ``tier`` with a recipient's private key.
@@ -572,17 +594,8 @@ def open_sealed(store: StoreCore, ck: Checkpoint, tier: Tier,
             copy is damaged, or if it holds another checkpoint.
         ConfigError: If the key file is not an X25519 private key.
     """
-    replica = ck.replica(tier.name)
-    copy_id = replica.sealed if replica is not None else None
     what = _what(ck, tier)
-    if copy_id is None:
-        raise DecryptionError(f"{what} is not a sealed copy")
-    path = decryption_key_path(key, store.settings.decrypt_key)
-    if path is None:
-        raise DecryptionError(
-            f"{what} is encrypted (tiers.encrypt_to): give the private key of one of its "
-            "recipients with --key, $CKPT_DECRYPT_KEY or `decrypt_key` in the config")
-    private = load_decryption_key(path)
+    copy_id, private = _copy_and_key(store, ck, tier, key)
     opened = open_copy(_getter(tier, sealed_prefix(copy_id), what), private, what)
     if opened.envelope.copy_id != copy_id:
         raise DecryptionError(f"{what}: its envelope names copy {opened.envelope.copy_id}, "
@@ -633,17 +646,8 @@ def check_recipient(store: StoreCore, ck: Checkpoint, tier: Tier,
             envelope is missing, malformed or names another copy.
         ConfigError: If the key file is not an X25519 private key.
     """
-    replica = ck.replica(tier.name)
-    copy_id = replica.sealed if replica is not None else None
     what = _what(ck, tier)
-    if copy_id is None:
-        raise DecryptionError(f"{what} is not a sealed copy")
-    path = decryption_key_path(key, store.settings.decrypt_key)
-    if path is None:
-        raise DecryptionError(
-            f"{what} is encrypted (tiers.encrypt_to): give the private key of one of its "
-            "recipients with --key, $CKPT_DECRYPT_KEY or `decrypt_key` in the config")
-    private = load_decryption_key(path)
+    copy_id, private = _copy_and_key(store, ck, tier, key)
     get = _getter(tier, sealed_prefix(copy_id), what)
     envelope = Envelope.parse(get(ENVELOPE_NAME, MAX_ENVELOPE), what)
     if envelope.copy_id != copy_id:
