@@ -77,6 +77,7 @@ __all__ = [
     "SnapshotView",
     "SnapshotWriter",
     "check_snapshot_options",
+    "committed_slots",
     "newest_snapshot",
     "parse_header",
     "read_snapshot",
@@ -672,12 +673,12 @@ def parse_header(raw: bytes) -> tuple[int, int, int, int, int, int] | None:
     return seq, step, meta_len, data_off, data_len, crc
 
 
-def snapshots_here(store: StoreCore, run: str, rank: int = 0) -> list[SnapshotFound]:
-    """The committed snapshots of ``run`` on this host, newest first, by their headers alone.
+def committed_slots(directory: Path) -> list[SnapshotFound]:
+    """The committed slot files in ``directory`` (own slots or a neighbour's replicas),
+    newest first, by their headers alone; none if the directory cannot be read.
 
     Costs a few small reads; :func:`read_snapshot` checks the bytes.
     """
-    directory = snapshot_dir(store, run, rank)
     found: list[SnapshotFound] = []
     try:
         paths = sorted(directory.glob(_SLOT_GLOB))
@@ -692,6 +693,11 @@ def snapshots_here(store: StoreCore, run: str, rank: int = 0) -> list[SnapshotFo
         if parsed is not None:
             found.append(SnapshotFound(path, parsed[0], parsed[1]))
     return sorted(found, key=lambda f: f.seq, reverse=True)
+
+
+def snapshots_here(store: StoreCore, run: str, rank: int = 0) -> list[SnapshotFound]:
+    """The committed snapshots of ``run`` on this host, newest first (:func:`committed_slots`)."""
+    return committed_slots(snapshot_dir(store, run, rank))
 
 
 def newest_snapshot(store: StoreCore, run: str, rank: int = 0) -> SnapshotFound | None:

@@ -50,7 +50,12 @@ from typing import Any
 
 from ckptstore.core import StoreCore
 from ckptstore.errors import CkptError, ConfigError, StorageError
-from ckptstore.ops.writing.snapshot import HEADER_BYTES, parse_header, snapshot_dir
+from ckptstore.ops.writing.snapshot import (
+    HEADER_BYTES,
+    committed_slots,
+    parse_header,
+    snapshot_dir,
+)
 
 __all__ = [
     "SnapshotReplicaServer",
@@ -132,16 +137,7 @@ def _recv_json(sock: socket.socket) -> dict[str, Any]:
 
 def _slots_by_seq(directory: Path) -> list[tuple[Path, int]]:
     """The committed slot files in ``directory`` and their sequence numbers."""
-    found: list[tuple[Path, int]] = []
-    for path in sorted(directory.glob("slot*.snap")):
-        try:
-            with open(path, "rb") as fh:
-                parsed = parse_header(fh.read(HEADER_BYTES))
-        except OSError:
-            continue
-        if parsed is not None:
-            found.append((path, parsed[0]))
-    return found
+    return [(found.path, found.seq) for found in committed_slots(directory)]
 
 
 def _newest_slot(directory: Path) -> tuple[Path, int] | None:

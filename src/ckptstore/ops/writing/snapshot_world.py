@@ -31,7 +31,10 @@ from typing import Any
 
 from ckptstore.core import StoreCore
 from ckptstore.errors import ConfigError
-from ckptstore.ops.writing.snapshot import HEADER_BYTES, parse_header, snapshot_dir
+from ckptstore.ops.writing.snapshot import (
+    committed_slots,
+    snapshot_dir,
+)
 
 __all__ = [
     "Held",
@@ -247,15 +250,9 @@ def host_inventory(store: StoreCore, run: str) -> list[Held]:
                 break
         else:
             continue
-        for path in sorted(directory.glob("slot*.snap")):
-            try:
-                with open(path, "rb") as fh:
-                    parsed = parse_header(fh.read(HEADER_BYTES))
-            except OSError:
-                continue
-            if parsed is not None:
-                found.append(Held(rank=int(index), seq=parsed[0], step=parsed[1],
-                                  replica=prefix == "replica", name=path.name))
+        for slot in sorted(committed_slots(directory), key=lambda f: f.path):
+            found.append(Held(rank=int(index), seq=slot.seq, step=slot.step,
+                              replica=prefix == "replica", name=slot.path.name))
     return found
 
 
