@@ -1,44 +1,90 @@
 """A push killed (SIGKILL, src/ckptstore/faultpoints.py) at each of its phase boundaries
-leaves nothing visible at the destination, and rerunning it completes the push."""
+leaves nothing visible at the destination, and rerunning it completes the push.
+
+Each pusher is its own process, killed by its fault point: a child of a forkserver that
+preloaded torch and ckptstore (tests/ops/sharing/push_worker.py), so that a pusher does not
+pay seconds of imports before it gets to the push, as a fresh interpreter would.
+"""
 
 from __future__ import annotations
 
-import os
+import multiprocessing
 import signal
-import subprocess
 import sys
+from collections.abc import Iterator
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
 import pytest
+from process_support import end_children, stop_forkserver
 
 from ckptstore.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from ckptstore.ops.sharing.push import push_checkpoints
 from ckptstore.records import CheckpointState
 
+HERE = Path(__file__).parent
+if str(HERE) not in sys.path:
+    # Before the forkserver starts: it hands this sys.path to its children (appended: this
+    # directory's conftest.py must not shadow another module named conftest).
+    sys.path.append(str(HERE))
+
+import push_worker  # noqa: E402
+
 pytestmark = [pytest.mark.postgres, pytest.mark.s3]
 
-WORKER = Path(__file__).with_name("push_worker.py")
 # Before the commit: nothing may be visible afterwards. After it: the rerun finishes the rest.
 BEFORE_COMMIT = ["push.begun", "push.foreign_copied", "push.copied", "push.verified"]
+_PRELOAD = ["torch", "sqlalchemy", "ckptstore.core", "ckptstore.ops.sharing.push",
+            "push_worker"]
 
 
-def _push_killed_at(src_config: Path, dst_config: Path, ref: str, point: str,
-                    *extra: str) -> None:
-    env = dict(os.environ, CKPT_FAULT_POINT=point)
-    proc = subprocess.run([sys.executable, str(WORKER), str(src_config), str(dst_config), ref,
-                           *extra], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
+@pytest.fixture(scope="module")
+def pushers() -> Iterator[multiprocessing.context.BaseContext]:
+    """Where the pushers start: a forkserver with torch and ckptstore imported, stopped with
+    the module. When another module's forkserver runs already (without this directory on its
+    path), spawned children instead: slower, always right."""
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    if getattr(server, "_forkserver_pid", None) is not None:
+        yield multiprocessing.get_context("spawn")
+        return
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    try:
+        yield ctx
+    finally:
+        end_children()
+        stop_forkserver()
+
+
+@pytest.fixture
+def killed(pushers: multiprocessing.context.BaseContext, stores: Any) -> Any:
+    """``killed(ref, point, self_contained=False)``: push ``ref`` from a to b in a child
+    process that the fault point ``point`` kills (SIGKILL)."""
+
+    def push_killed_at(ref: str, point: str, self_contained: bool = False) -> None:
+        child = pushers.Process(  # type: ignore[attr-defined]
+            target=push_worker.push_killed,
+            args=(str(stores.a_config), str(stores.b_config), ref, point, self_contained))
+        child.start()
+        child.join(120)
+        if child.is_alive():
+            child.kill()
+            child.join()
+        assert child.exitcode == -signal.SIGKILL, child.exitcode
+
+    return push_killed_at
 
 
 @pytest.mark.parametrize("point", BEFORE_COMMIT)
-def test_kill_before_commit_then_rerun_completes(stores: Any, kit: Any, point: str) -> None:
+def test_kill_before_commit_then_rerun_completes(stores: Any, kit: Any, killed: Any,
+                                                 point: str) -> None:
     a, b = stores.a, stores.b
     s1 = kit.state(20)
     base = a.save("crash", 1, s1)
     push_checkpoints(a, b, [base.id], remote="b")
     tuned = a.save("crash", 2, kit.tweaked(s1))
-    _push_killed_at(stores.a_config, stores.b_config, tuned.id, point)
+    killed(tuned.id, point)
     # Not visible: no listing, no reference resolves to it, only a PENDING row.
     assert [ck.id for ck in b.list(run="crash")] == [base.id]
     assert b.get("crash@latest").id == base.id
@@ -53,13 +99,14 @@ def test_kill_before_commit_then_rerun_completes(stores: Any, kit: Any, point: s
     assert [e.kind for e in b.events(tuned.id)].count("received") == 1
 
 
-def test_kill_after_commit_then_rerun_records_the_rest(stores: Any, kit: Any) -> None:
+def test_kill_after_commit_then_rerun_records_the_rest(stores: Any, kit: Any,
+                                                      killed: Any) -> None:
     a, b = stores.a, stores.b
     parent = a.save("after", 1, kit.state(21))
     child = a.save("after", 2, kit.state(22), parent=parent.id, delta=False)
     a.catalog.add_edge(parent.id, child.id, "fine-tuned-from")
     push_checkpoints(a, b, [parent.id], remote="b")
-    _push_killed_at(stores.a_config, stores.b_config, child.id, "push.committed")
+    killed(child.id, "push.committed")
     assert b.get(child.id).state == CheckpointState.COMMITTED
     assert b.catalog.edges(child.id) == []  # killed before the lineage was recorded
     report = push_checkpoints(a, b, [child.id], remote="b")
@@ -69,12 +116,13 @@ def test_kill_after_commit_then_rerun_records_the_rest(stores: Any, kit: Any) ->
     assert kit.same(b.load(child.id), kit.state(22))
 
 
-def test_kill_during_a_self_contained_push_of_a_delta(stores: Any, kit: Any) -> None:
+def test_kill_during_a_self_contained_push_of_a_delta(stores: Any, kit: Any,
+                                                     killed: Any) -> None:
     a, b = stores.a, stores.b
     s1 = kit.state(23)
     a.save("scx", 1, s1, delta="xor")
     x2 = a.save("scx", 2, kit.tweaked(s1), delta="xor")
-    _push_killed_at(stores.a_config, stores.b_config, x2.id, "push.copied", "--self-contained")
+    killed(x2.id, "push.copied", self_contained=True)
     with pytest.raises(CheckpointNotFoundError):
         b.get("scx@latest")
     report = push_checkpoints(a, b, [x2.id], remote="b", self_contained=True)
@@ -82,10 +130,10 @@ def test_kill_during_a_self_contained_push_of_a_delta(stores: Any, kit: Any) -> 
     assert kit.same(b.load(x2.id), kit.tweaked(s1))
 
 
-def test_gc_of_a_killed_push_then_rerun(stores: Any, kit: Any) -> None:
+def test_gc_of_a_killed_push_then_rerun(stores: Any, kit: Any, killed: Any) -> None:
     a, b = stores.a, stores.b
     ck = a.save("gcd", 1, kit.state(24))
-    _push_killed_at(stores.a_config, stores.b_config, ck.id, "push.copied")
+    killed(ck.id, "push.copied")
     b.gc()  # the pusher is dead: its PENDING row becomes FAILED
     assert b.catalog.get_any(ck.id).state == CheckpointState.FAILED
     report = push_checkpoints(a, b, [ck.id], remote="b")
