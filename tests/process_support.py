@@ -1,5 +1,5 @@
-"""Ending the child processes a test started through :mod:`multiprocessing`, and the
-forkserver they came from.
+"""Ending the child processes a test started (through :mod:`multiprocessing` or as whole
+sessions), the forkserver they came from, and a test process acting as another host.
 
 A forkserver lives as long as any process holds its "alive" pipe, and every child it forks
 gets a copy: one child left running keeps the server, and so a process of the suite, alive
@@ -13,10 +13,12 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import subprocess
 import time
+from collections.abc import Iterator, Sequence
 from multiprocessing import forkserver, util
 
-__all__ = ["end_children", "stop_forkserver"]
+__all__ = ["acting_as_host", "end_children", "stop_forkserver", "wait_sessions"]
 
 
 def end_children(timeout: float = 10.0) -> list[int]:
@@ -67,3 +69,33 @@ def stop_forkserver(timeout: float = 10.0) -> int | None:
         with contextlib.suppress(OSError):
             os.unlink(address)
     return int(pid)
+
+
+@contextlib.contextmanager
+def acting_as_host(host: str) -> Iterator[None]:
+    """This test process as the host ``host`` (``CKPT_HOST``, which the store's process
+    identity reads), restored afterwards."""
+    saved = os.environ.get("CKPT_HOST")
+    os.environ["CKPT_HOST"] = host
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CKPT_HOST", None)
+        else:
+            os.environ["CKPT_HOST"] = saved
+
+
+def wait_sessions(procs: Sequence[subprocess.Popen[str]] | Sequence[subprocess.Popen[bytes]],
+                  timeout: float) -> None:
+    """Wait for processes started with ``start_new_session=True``, each at most ``timeout``
+    seconds; whatever is still running then is killed with its whole session (SIGKILL to its
+    process group), so nothing a test started outlives it."""
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()

@@ -32,6 +32,7 @@ from ckptstore.records import ReplicaState
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 from pg_support import create_pg_database, drop_pg_database, require_pg
+from process_support import acting_as_host, wait_sessions
 from server_support import forget_pool, free_port, stop_all
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.postgres, pytest.mark.s3]
@@ -86,14 +87,7 @@ def _save_across_nodes(tmp: Path, env: dict[str, dict[str, str]]) -> str:
         procs.append(subprocess.Popen([sys.executable, str(WORKER), "tiny", str(out)],
                                       env=penv, stderr=subprocess.PIPE,
                                       start_new_session=True))
-    try:
-        for p in procs:
-            p.wait(timeout=180)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
+    wait_sessions(procs, 180)
     for p in procs:
         assert p.returncode == 0, p.stderr.read().decode()[-3000:] if p.stderr else ""
     import json
@@ -221,20 +215,13 @@ def test_each_agent_prunes_its_own_parts(nodes: Nodes) -> None:
     from ckptstore.ops.tiering.retention import apply_retention
     from ckptstore.retention import RetentionPolicy
 
-    saved = os.environ.get("CKPT_HOST")
-    os.environ["CKPT_HOST"] = "node-a"
-    try:
-        with CheckpointStore.open(config=nodes.config, hot=str(nodes.hot["node-a"])) as store:
-            ck = store.get(nodes.ckpt_id)
-            # The newest of its run is kept by every policy: save a newer one here, plainly.
-            store.save("agents", 2, {"x": __import__("torch").ones(4)})
-            report = apply_retention(store, tier="hot", policy=RetentionPolicy(keep_last=1))
-            assert [a.checkpoint_id for a in report.executed] == [ck.id], report.to_dict()
-    finally:
-        if saved is None:
-            os.environ.pop("CKPT_HOST", None)
-        else:
-            os.environ["CKPT_HOST"] = saved
+    with acting_as_host("node-a"), \
+            CheckpointStore.open(config=nodes.config, hot=str(nodes.hot["node-a"])) as store:
+        ck = store.get(nodes.ckpt_id)
+        # The newest of its run is kept by every policy: save a newer one here, plainly.
+        store.save("agents", 2, {"x": __import__("torch").ones(4)})
+        report = apply_retention(store, tier="hot", policy=RetentionPolicy(keep_last=1))
+        assert [a.checkpoint_id for a in report.executed] == [ck.id], report.to_dict()
     assert not (nodes.hot["node-a"] / "agents" / nodes.ckpt_id).exists()
     deadline = time.monotonic() + 60
     with CheckpointStore.open(config=nodes.config) as store:

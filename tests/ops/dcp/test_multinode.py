@@ -38,6 +38,7 @@ from typing import Any
 import pytest
 import torch
 from pg_support import create_pg_database, drop_pg_database, require_pg
+from process_support import acting_as_host
 
 from ckptstore import CheckpointStore
 from ckptstore.catalog import migrate
@@ -98,19 +99,12 @@ class Cluster:
              **overrides: Any) -> Iterator[CheckpointStore]:
         """This test process acting as ``node`` (its host name and its own hot directory),
         or as another ``host`` configured like it."""
-        saved = os.environ.get("CKPT_HOST")
-        os.environ["CKPT_HOST"] = host or node
-        try:
-            options = {"catalog_url": self.catalog_url, "hot": str(self.hot[node]),
-                       "warm": self.warm, "storage_options": {"endpoint_url": self.endpoint}}
-            options.update(overrides)
-            with CheckpointStore.open(self.tmp / f"root-{host or node}", **options) as store:
-                yield store
-        finally:
-            if saved is None:
-                os.environ.pop("CKPT_HOST", None)
-            else:
-                os.environ["CKPT_HOST"] = saved
+        options = {"catalog_url": self.catalog_url, "hot": str(self.hot[node]),
+                   "warm": self.warm, "storage_options": {"endpoint_url": self.endpoint}}
+        options.update(overrides)
+        with acting_as_host(host or node), \
+                CheckpointStore.open(self.tmp / f"root-{host or node}", **options) as store:
+            yield store
 
 
 def _launch(cluster: Cluster, scenario: str, nodes: list[str], nproc: int, *,

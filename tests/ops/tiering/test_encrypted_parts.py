@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 from pg_support import create_pg_database, drop_pg_database, require_pg
+from process_support import acting_as_host, wait_sessions
 
 from ckptstore import CheckpointStore, ReplicaState
 from ckptstore.catalog import migrate
@@ -63,21 +64,14 @@ class Cluster:
     @contextlib.contextmanager
     def node(self, node: str, **overrides: Any) -> Iterator[CheckpointStore]:
         """This test process acting as ``node``: its host name and its own hot directory."""
-        saved = os.environ.get("CKPT_HOST")
-        os.environ["CKPT_HOST"] = node
-        try:
-            options: dict[str, Any] = {
-                "catalog_url": self.catalog_url, "hot": str(self.hot(node)),
-                "warm": str(self.tmp / "warm"), "cold": str(self.tmp / "cold"),
-                "encrypt_to": [str(self.keys["pub"])]}
-            options.update(overrides)
-            with CheckpointStore.open(self.tmp / f"root-{node}", **options) as store:
-                yield store
-        finally:
-            if saved is None:
-                os.environ.pop("CKPT_HOST", None)
-            else:
-                os.environ["CKPT_HOST"] = saved
+        options: dict[str, Any] = {
+            "catalog_url": self.catalog_url, "hot": str(self.hot(node)),
+            "warm": str(self.tmp / "warm"), "cold": str(self.tmp / "cold"),
+            "encrypt_to": [str(self.keys["pub"])]}
+        options.update(overrides)
+        with acting_as_host(node), \
+                CheckpointStore.open(self.tmp / f"root-{node}", **options) as store:
+            yield store
 
 
 def _save_across_nodes(tmp: Path, catalog_url: str) -> dict[str, Any]:
@@ -100,14 +94,7 @@ def _save_across_nodes(tmp: Path, catalog_url: str) -> dict[str, Any]:
                                       env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True,
                                       start_new_session=True))
-    try:
-        for p in procs:
-            p.wait(timeout=TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
+    wait_sessions(procs, TIMEOUT_S)
     for p in procs:
         assert p.returncode == 0, p.stderr.read()[-3000:] if p.stderr else ""
     report = json.loads((out / "marked-ws2-rank0.json").read_text())
