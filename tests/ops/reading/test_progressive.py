@@ -155,6 +155,18 @@ def _archived_only(store: CheckpointStore, state: Any) -> Any:
     return ck
 
 
+def _assert_restored_progressively(store: CheckpointStore, cid: str, **detail: Any) -> None:
+    """The hot copy is PRESENT and verified, the last ``restored`` event says
+    ``progressive`` (and ``detail``), and the hot copy verifies."""
+    hot = store.get(cid).replica("hot")
+    assert hot is not None and hot.state == ReplicaState.PRESENT and hot.verified_at
+    events = [e for e in store.events(cid) if e.kind == "restored"]
+    assert events and events[-1].detail.get("progressive") is True
+    for name, value in detail.items():
+        assert events[-1].detail.get(name) == value, (name, events[-1].detail)
+    assert store.verify(cid) == []
+
+
 @pytest.mark.s3
 def test_streams_from_s3_by_priority_and_records_the_hot_copy(
     tiered: CheckpointStore,
@@ -168,11 +180,7 @@ def test_streams_from_s3_by_priority_and_records_the_hot_copy(
         assert _equal(part["model"]["blocks.0.w"], state["model"]["blocks.0.w"])
         full = pl.result(timeout=60)
     assert _equal(full, state)
-    hot = store.get(ck.id).replica("hot")
-    assert hot is not None and hot.state == ReplicaState.PRESENT and hot.verified_at
-    events = [e for e in store.events(ck.id) if e.kind == "restored"]
-    assert events and events[-1].detail.get("progressive") is True
-    assert store.verify(ck.id) == []
+    _assert_restored_progressively(store, ck.id)
     assert store.catalog.lease_holder(ck.id, "restore:hot") is None
     # Now it is hot: the next progressive load reads it locally.
     assert load_progressive(store, ck.ref, ["model"]).source == "hot"
@@ -306,12 +314,7 @@ def test_streams_from_an_encrypted_warm_tier_bit_exact(
         assert _equal(part["model"]["blocks.0.w"], state["model"]["blocks.0.w"])
         full = pl.result(timeout=60)
     assert _equal(full, state)
-    hot = store.get(ck.id).replica("hot")
-    assert hot is not None and hot.state == ReplicaState.PRESENT and hot.verified_at
-    events = [e for e in store.events(ck.id) if e.kind == "restored"]
-    assert events and events[-1].detail.get("progressive") is True
-    assert events[-1].detail.get("encrypted") is True
-    assert store.verify(ck.id) == []
+    _assert_restored_progressively(store, ck.id, encrypted=True)
     assert store.catalog.lease_holder(ck.id, "restore:hot") is None
     assert not list(store.hot.glob(".sealed-work-*"))
     assert _equal(store.load(ck.id), state)

@@ -81,17 +81,23 @@ def local_store(tmp_path: Path, keys: dict[str, Path]) -> Iterator[CheckpointSto
         store.close()
 
 
-@pytest.fixture
-def s3_store(tmp_path: Path, s3: MotoS3, keys: dict[str, Path]) -> Iterator[CheckpointStore]:
-    prefix = uuid.uuid4().hex[:12]
-    store = CheckpointStore.open(tmp_path / "store", warm=s3.url(f"{prefix}/warm"),
-                                 cold=s3.url(f"{prefix}/cold"), cold_storage_class="STANDARD_IA",
-                                 storage_options=s3.storage_options, chunk_bytes=4096,
-                                 encrypt_to=[str(keys["pub"]), str(keys["other_pub"])])
+def _open_on_s3(tmp_path: Path, s3: MotoS3, keys: dict[str, Path],
+                **tiers: Any) -> Iterator[CheckpointStore]:
+    """A store whose ``tiers`` are on moto S3, encrypted to ops and other; closed after."""
+    store = CheckpointStore.open(tmp_path / "store", storage_options=s3.storage_options,
+                                 chunk_bytes=4096,
+                                 encrypt_to=[str(keys["pub"]), str(keys["other_pub"])], **tiers)
     try:
         yield store
     finally:
         store.close()
+
+
+@pytest.fixture
+def s3_store(tmp_path: Path, s3: MotoS3, keys: dict[str, Path]) -> Iterator[CheckpointStore]:
+    prefix = uuid.uuid4().hex[:12]
+    yield from _open_on_s3(tmp_path, s3, keys, warm=s3.url(f"{prefix}/warm"),
+                           cold=s3.url(f"{prefix}/cold"), cold_storage_class="STANDARD_IA")
 
 
 def _tier_objects(store: CheckpointStore, tier: str) -> dict[str, bytes]:
@@ -480,14 +486,8 @@ def glacier_store(tmp_path: Path, s3: MotoS3,
                   keys: dict[str, Path]) -> Iterator[CheckpointStore]:
     """Cold tier on moto S3 in GLACIER, encrypted to ops and other."""
     prefix = uuid.uuid4().hex[:12]
-    store = CheckpointStore.open(tmp_path / "store", cold=s3.url(f"{prefix}/cold"),
-                                 cold_storage_class="GLACIER",
-                                 storage_options=s3.storage_options, chunk_bytes=4096,
-                                 encrypt_to=[str(keys["pub"]), str(keys["other_pub"])])
-    try:
-        yield store
-    finally:
-        store.close()
+    yield from _open_on_s3(tmp_path, s3, keys, cold=s3.url(f"{prefix}/cold"),
+                           cold_storage_class="GLACIER")
 
 
 def _restore_states(store: CheckpointStore, tier: str) -> dict[str, RestoreState]:
