@@ -238,7 +238,7 @@ class _StreamSource(_Source):
         for future in self.groups[index]:
             future.result()
 
-    def _record(self, directory: Path, total: int, digest: str, **detail: Any) -> None:
+    def _record(self, directory: Path, total: int, digest: str | None, **detail: Any) -> None:
         """Record the hot copy as PRESENT and verified, and the ``restored`` event."""
         catalog = self.store.catalog
         catalog.set_replica(self.ck.id, "hot", uri=str(directory), state=ReplicaState.PRESENT,
