@@ -33,12 +33,15 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ckptstore.capture import safe_config
 from ckptstore.errors import CheckpointNotFoundError, CkptError, ConfigError, StorageError
-from ckptstore.format import as_flat
+from ckptstore.format import FlatState, as_flat, unflatten_state
 from ckptstore.hooks.policies import AnyOf, EveryNSeconds, EveryNSteps, OnDemand, SavePolicy
 from ckptstore.identity import host
 from ckptstore.ops.reading.load import load_latest_snapshot, snapshot_rank
@@ -51,6 +54,7 @@ from ckptstore.ops.writing.snapshot import (
     SnapshotFound,
     SnapshotWriter,
     read_snapshot,
+    read_snapshot_flat,
     snapshot_dir,
 )
 from ckptstore.ops.writing.snapshot_peer import (
@@ -60,9 +64,18 @@ from ckptstore.ops.writing.snapshot_peer import (
     pull_replica,
     pulled_slot,
 )
+from ckptstore.ops.writing.snapshot_shards import (
+    ShardSpec,
+    chunk_rows,
+    dtensor_templates,
+    flatten_sharded,
+    row_overlaps,
+    specs_from_meta,
+)
 from ckptstore.ops.writing.snapshot_world import (
     HostInventory,
     World,
+    agree_sharded_step,
     agree_step,
     current_world,
     gather,
@@ -408,6 +421,10 @@ class CheckpointManager:
         """
         import torch.distributed as dist
 
+        # A live state of DTensors: its shards are filled from whichever old ranks' snapshots
+        # hold their rows (any world size). Refuses an unsupported layout before any
+        # collective (every rank has the same layout, so every rank refuses).
+        templates = dtensor_templates(into) if into is not None else {}
         rank, world_size = dist.get_rank(), dist.get_world_size()
         here = f"{host()}|{self._snapshot_root()}"
         mine = HostInventory(here, self._node_server,
@@ -418,9 +435,11 @@ class CheckpointManager:
             # replicated), wherever it is: their order then tells the newer timeline.
             self.snapshots.continue_after(max(
                 (h.seq for inv in inventories for h in inv.held
-                 if h.rank == rank or self._replicated), default=0))
+                 if h.rank == rank or self._replicated or templates), default=0))
         durable = max((inv.durable_step for inv in inventories
                        if inv.durable_step is not None), default=None)
+        if templates:
+            return self._restore_resharded(inventories, rank, here, durable, templates, into)
         excluded: list[int] = []
         for _ in range(_AGREE_ROUNDS):
             step = agree_step(inventories, exclude=excluded, replicated=self._replicated)
@@ -443,6 +462,115 @@ class CheckpointManager:
                            "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
             excluded.append(step)
         return None
+
+    def _restore_resharded(
+        self, inventories: list[HostInventory], rank: int, here: str, durable: int | None,
+        templates: dict[str, tuple[Any, ShardSpec]], into: Any,
+    ) -> tuple[int, Any] | None:
+        """Resume a sharded state (``into`` holds DTensors) at the newest step every old
+        rank's snapshot is readable by every rank, at whatever world size wrote it.
+
+        As :meth:`_restore_agreed`: the same pure choice on every rank
+        (``agree_sharded_step``), then every rank reads what it needs; if any rank's read
+        fails, all of them try the next newest step.
+        """
+        excluded: list[int] = []
+        for _ in range(_AGREE_ROUNDS):
+            agreed = agree_sharded_step(inventories, exclude=excluded)
+            if agreed is None and not excluded and any(inv.held for inv in inventories):
+                logger.warning(
+                    "snapshots of %s are held, but no step whose every shard every rank can "
+                    "read: not resuming from snapshots", self.run)
+            if agreed is None or (durable is not None and agreed[0] < durable):
+                return None
+            step, old_world = agreed
+            state, error = self._read_resharded(inventories, rank, step, old_world, here,
+                                                templates)
+            errors = gather(error)
+            if not any(errors):
+                logger.info("rank %s resumes %s at step %s from the shards of %s ranks",
+                            rank, self.run, step, old_world)
+                return step, state
+            logger.warning("not resuming %s at step %s: %s", self.run, step,
+                           "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+            excluded.append(step)
+        return None
+
+    def _read_resharded(
+        self, inventories: list[HostInventory], rank: int, step: int, old_world: int,
+        here: str, templates: dict[str, tuple[Any, ShardSpec]],
+    ) -> tuple[Any, str | None]:
+        """This rank's state at ``step`` with every DTensor's shard filled (in place) from
+        the old ranks' snapshots that overlap it; (None, why not) when that fails."""
+        plans: dict[str, tuple[list[tuple[int, int]], list[tuple[int, int, int, int]]]] = {}
+        for key, (_dt, spec) in templates.items():
+            old_rows = chunk_rows(spec.global_shape[0], old_world)
+            plans[key] = (old_rows, row_overlaps(old_rows, spec.offsets[0], spec.sizes[0]))
+        # Values that are not DTensors come from one old rank (its own, when it had one):
+        # in a sharded state they must be the same on every rank (e.g. the step counter).
+        base = min(rank, old_world - 1)
+        needed = {base} | {old for _rows, plan in plans.values() for old, *_ in plan}
+        flats: dict[int, tuple[FlatState, dict[str, ShardSpec]]] = {}
+        for old in sorted(needed):
+            read, error = self._read_old_shard(inventories, rank, old, step, old_world, here)
+            if read is None:
+                return None, error
+            flats[old] = read
+        base_flat, base_specs = flats[base]
+        tensors = dict(base_flat.tensors)
+        with torch.no_grad():
+            for key, (dt, spec) in templates.items():
+                if key not in base_specs:
+                    return None, f"step {step} holds no shards of {key!r}"
+                old_rows, plan = plans[key]
+                local = dt.to_local()
+                tail = spec.global_shape[1:]
+                for old, src, dst, rows in plan:
+                    flat, specs = flats[old]
+                    want = ShardSpec(spec.global_shape,
+                                     (old_rows[old][0],) + (0,) * len(tail),
+                                     (old_rows[old][1], *tail))
+                    source = flat.tensors.get(key)
+                    if specs.get(key) != want or source is None or source.dtype != local.dtype:
+                        return None, (f"old rank {old}'s shard of {key!r} at step {step} is "
+                                      f"{specs.get(key)}, not {want} of {local.dtype}")
+                    local[dst: dst + rows].copy_(source[src: src + rows])
+                tensors[key] = dt
+        return unflatten_state(base_flat.tree, tensors), None
+
+    def _read_old_shard(
+        self, inventories: list[HostInventory], rank: int, old: int, step: int,
+        old_world: int, here: str,
+    ) -> tuple[tuple[FlatState, dict[str, ShardSpec]] | None, str | None]:
+        """Old rank ``old``'s snapshot of ``step``, checked whole, from this host or fetched
+        from the host holding it; with its shard records."""
+        found = locate(inventories, old, step, here)
+        if found is None:
+            return None, f"no reachable copy of old rank {old} at step {step}"
+        inv, held = found
+        fetched: Path | None = None
+        if inv.host == here:
+            path = slot_path(self.store, self.run, held)
+        else:
+            assert inv.address is not None  # locate() skips other hosts without a server
+            # Not named slot*.snap: no inventory ever takes it for a snapshot of this rank.
+            path = fetched = snapshot_dir(self.store, self.run, rank) / f"fetch-old{old}.part"
+            pulled = pull_replica(self.store, self.run, held.rank, inv.address,
+                                  seq=held.seq, replica=held.replica, target=path)
+            if pulled != step:
+                return None, f"could not fetch old rank {old}'s step {step} from {inv.host}"
+        try:
+            flat, info = read_snapshot_flat(SnapshotFound(path, held.seq, held.step),
+                                            run_token=self._run_token)
+            if info.get("world") != old_world:
+                return None, (f"old rank {old}'s snapshot of step {step} was written by "
+                              f"{info.get('world')} ranks, not {old_world}")
+            return (flat, specs_from_meta(info)), None
+        except (CkptError, OSError) as exc:
+            return None, str(exc)
+        finally:
+            if fetched is not None:
+                fetched.unlink(missing_ok=True)
 
     def _snapshot_root(self) -> str:
         return str(snapshot_dir(self.store, self.run, 0).parent)
@@ -725,7 +853,14 @@ class CheckpointManager:
             # node loss then costs at most one snapshot interval (docs/SNAPSHOTS.md).
             self.snapshots.flush()
             self.replicator.wait_sent()
-        self.snapshots.take(step, as_flat(state_fn()), overlap=self._overlap and not save_due)
+        flat, extra = _snapshot_flat(state_fn())
+        if extra is not None and save_due:
+            raise ConfigError(
+                "a durable save of a sharded (DTensor) state is not made from its snapshots "
+                "(each rank's would hold its own shard only): use snapshot_interval without "
+                "save_interval for it, and the DCP layout for durable saves (docs/SNAPSHOTS.md)")
+        self.snapshots.take(step, flat, overlap=self._overlap and not save_due,
+                            extra_meta=extra)
         self._snapshot_policy.saved(step, now)
         if not save_due:
             return None
@@ -984,6 +1119,23 @@ class CheckpointManager:
         if callable(previous) and previous not in (signal.default_int_handler,):
             previous(signal.SIGTERM, None)
         raise SystemExit(PREEMPTED_EXIT_CODE)
+
+
+def _snapshot_flat(state: Any) -> tuple[FlatState, dict[str, Any] | None]:
+    """The state flattened for a snapshot, and for a sharded one the meta that places each
+    shard (the world size and every DTensor's :class:`ShardSpec`); None when it has none.
+
+    DTensors exist only with an initialised process group: without one the walk is skipped.
+    """
+    import torch.distributed as dist
+
+    if isinstance(state, FlatState) or not (dist.is_available() and dist.is_initialized()):
+        return as_flat(state), None
+    flat, specs = flatten_sharded(state)
+    if not specs:
+        return flat, None
+    return flat, {"world": dist.get_world_size(),
+                  "shards": {key: spec.to_json() for key, spec in specs.items()}}
 
 
 def _finite_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float] | None:

@@ -81,6 +81,7 @@ __all__ = [
     "newest_snapshot",
     "parse_header",
     "read_snapshot",
+    "read_snapshot_flat",
     "snapshot_bytes_needed",
     "snapshot_dir",
     "snapshots_here",
@@ -442,7 +443,8 @@ class SnapshotWriter:
             self._seq = max(self._seq, seq + seq % 2)
 
     # ------------------------------------------------------------------ snapshots
-    def take(self, step: int, flat: FlatState, *, overlap: bool = False) -> None:
+    def take(self, step: int, flat: FlatState, *, overlap: bool = False,
+             extra_meta: dict[str, Any] | None = None) -> None:
         """Snapshot ``flat`` (the state at ``step``) into the next slot.
 
         Waits for the previous snapshot to be committed, makes the chosen slot invisible,
@@ -453,6 +455,8 @@ class SnapshotWriter:
             flat: The flattened state.
             overlap: Return before the tensors are copied; the caller must then call
                 :meth:`wait_copied` before it changes any tensor of the state.
+            extra_meta: More JSON-able fields for the meta (a sharded state's ``world`` and
+                ``shards``: :mod:`ckptstore.ops.writing.snapshot_shards`).
 
         Raises:
             ConfigError: If the slots would not fit the budget or the free shared memory.
@@ -468,6 +472,7 @@ class SnapshotWriter:
             "tree": flat.tree,
             "tensors": [[k, str(t.dtype).removeprefix("torch."), list(t.shape)]
                         for k, t in flat.tensors.items()],
+            **(extra_meta or {}),
         }, separators=(",", ":")).encode("utf-8")
         self._prepare(flat, len(meta))
         slot = self._choose()
@@ -734,6 +739,33 @@ def read_snapshot(
         IntegrityError: If the slot is torn, damaged, rewritten meanwhile or belongs to
             another incarnation of the run (the caller then uses a durable checkpoint).
     """
+    tree, tensors, _info = _read_parts(found, run_token=run_token, keys=keys, into=into)
+    return unflatten_state(tree, tensors)
+
+
+def read_snapshot_flat(found: SnapshotFound, *,
+                       run_token: str | None = None) -> tuple[FlatState, dict[str, Any]]:
+    """Read a snapshot, checked whole (as :func:`read_snapshot`), without rebuilding it.
+
+    Returns:
+        The flat state (fresh CPU tensors by key, and the tree) and the snapshot's meta
+        (the resharding restart reads its ``world`` and ``shards``).
+
+    Raises:
+        IntegrityError: As :func:`read_snapshot`.
+    """
+    tree, tensors, info = _read_parts(found, run_token=run_token)
+    return FlatState(tensors, tree), info
+
+
+def _read_parts(
+    found: SnapshotFound,
+    *,
+    run_token: str | None = None,
+    keys: Sequence[str] | None = None,
+    into: Any | None = None,
+) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
+    """:func:`read_snapshot`, returning ``(tree, tensors by key, meta)``."""
     try:
         fd = os.open(found.path, os.O_RDONLY)
     except OSError as exc:
@@ -791,7 +823,7 @@ def read_snapshot(
         raise IntegrityError(
             f"snapshot {found.path} (step {step}) has crc32c {got:#010x}, its header says "
             f"{crc:#010x}: it is damaged")
-    return unflatten_state(tree, tensors)
+    return tree, tensors, info
 
 
 def _fits(obj: Any, want: tuple[str, tuple[int, ...]] | None) -> bool:

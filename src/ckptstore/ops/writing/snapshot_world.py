@@ -41,6 +41,7 @@ __all__ = [
     "HostInventory",
     "PeerAssignment",
     "World",
+    "agree_sharded_step",
     "agree_step",
     "current_snapshots",
     "current_world",
@@ -321,6 +322,35 @@ def agree_step(inventories: Sequence[HostInventory], *, exclude: Iterable[int] =
         if all(_locate(hosts, current, rank, step, inv.host, replicated) is not None
                for rank, inv in enumerate(inventories)):
             return step
+    return None
+
+
+def agree_sharded_step(inventories: Sequence[HostInventory], *,
+                       exclude: Iterable[int] = ()) -> tuple[int, int] | None:
+    """The newest step whose every old rank's snapshot every rank of this world can read,
+    for a sharded state resumed at another world size (or layout).
+
+    The old world of a step is taken as ranks ``0 .. n - 1`` with ``n`` one past the highest
+    rank holding a current snapshot of it; a step with a hole (an old rank whose snapshot is
+    nowhere readable by some rank) is not eligible. Each snapshot's meta records the world it
+    was written in, and the reader checks it against ``n`` (a shard missing at the top is
+    caught there, and the step excluded).
+
+    Args:
+        inventories: Every rank's report, in rank order.
+        exclude: Steps not to choose (a read of one failed).
+
+    Returns:
+        ``(step, old world size)``, or None when no step qualifies.
+    """
+    skip = set(exclude)
+    hosts = _unique_hosts(inventories)
+    current = _current(hosts, False)
+    for step in sorted({h.step for h in current} - skip, reverse=True):
+        old_world = 1 + max(h.rank for h in current if h.step == step)
+        if all(_locate(hosts, current, old, step, inv.host, False) is not None
+               for old in range(old_world) for inv in _unique_hosts(inventories)):
+            return step, old_world
     return None
 
 

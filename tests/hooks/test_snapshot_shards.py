@@ -1,0 +1,227 @@
+"""Sharded (DTensor) states in snapshots: the overlap computation (pure), the refusal of
+layouts not supported, and a real job resumed at another world size (gloo on CPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore.errors import ConfigError
+from ckptstore.ops.writing.snapshot import HEADER_BYTES, parse_header, snapshot_dir
+from ckptstore.ops.writing.snapshot_shards import (
+    ShardSpec,
+    chunk_rows,
+    row_overlaps,
+    specs_from_meta,
+)
+from ckptstore.ops.writing.snapshot_world import Held, HostInventory, agree_sharded_step
+from ckptstore.store import CheckpointStore
+from ckptstore.testing.ports import free_port
+
+TRAINER = Path(__file__).with_name("shard_trainer.py")
+TIMEOUT_S = 90
+
+
+# ---------------------------------------------------------------- the overlaps (pure)
+@pytest.mark.parametrize(("dim0", "parts", "want"), [
+    (7, 2, [(0, 4), (4, 3)]),
+    (7, 3, [(0, 3), (3, 3), (6, 1)]),
+    (2, 3, [(0, 1), (1, 1), (2, 0)]),        # fewer rows than shards: the last is empty
+    (9, 4, [(0, 3), (3, 3), (6, 3), (9, 0)]),  # torch.chunk leaves an empty last chunk
+    (0, 2, [(0, 0), (0, 0)]),
+    (5, 1, [(0, 5)]),
+])
+def test_shards_split_rows_as_torch_chunk(dim0: int, parts: int,
+                                          want: list[tuple[int, int]]) -> None:
+    assert chunk_rows(dim0, parts) == want
+    # As torch.chunk (which returns fewer chunks when they would be empty).
+    sizes = [len(c) for c in torch.arange(dim0).chunk(parts)] if dim0 else []
+    assert [rows for _, rows in want][: len(sizes)] == sizes
+    assert all(rows == 0 for _, rows in want[len(sizes):])
+
+
+def test_overlaps_of_uneven_shards_cover_each_new_shard_exactly() -> None:
+    old = chunk_rows(7, 2)  # [0, 4) and [4, 7)
+    new = chunk_rows(7, 3)  # [0, 3), [3, 6), [6, 7)
+    assert row_overlaps(old, *new[0]) == [(0, 0, 0, 3)]
+    assert row_overlaps(old, *new[1]) == [(0, 3, 0, 1), (1, 0, 1, 2)]
+    assert row_overlaps(old, *new[2]) == [(1, 2, 0, 1)]
+    assert row_overlaps(chunk_rows(2, 3), 0, 2) == [(0, 0, 0, 1), (1, 0, 1, 1)]
+    assert row_overlaps(old, 7, 0) == []  # an empty new shard needs nothing
+    # Every split of every size into every other is rebuilt row for row.
+    for dim0 in range(0, 12):
+        full = torch.arange(dim0)
+        for before in range(1, 6):
+            olds = chunk_rows(dim0, before)
+            pieces = [full[s: s + n] for s, n in olds]
+            for after in range(1, 6):
+                for start, rows in chunk_rows(dim0, after):
+                    got = torch.full((rows,), -1)
+                    for index, src, dst, n in row_overlaps(olds, start, rows):
+                        got[dst: dst + n] = pieces[index][src: src + n]
+                    assert torch.equal(got, full[start: start + rows])
+
+
+def test_shard_records_round_trip_and_malformed_ones_are_refused() -> None:
+    spec = ShardSpec((7, 3), (4, 0), (3, 3))
+    assert specs_from_meta({"shards": {"a": spec.to_json()}}) == {"a": spec}
+    assert specs_from_meta({}) == {}
+    from ckptstore.errors import IntegrityError
+
+    with pytest.raises(IntegrityError):
+        specs_from_meta({"shards": {"a": {"global": [7]}}})
+
+
+def _held(rank: int, seq: int, step: int, replica: bool = False) -> Held:
+    return Held(rank, seq, step, replica, f"slot{seq}.snap")
+
+
+def test_a_step_is_eligible_only_with_every_old_shard_readable() -> None:
+    # Old world of 2: node a holds rank 0 (steps 4, 5) and rank 1's replica of 5; node b
+    # holds rank 1 (4, 5). A third, empty node joins.
+    a = HostInventory("a", ("a", 1), (_held(0, 8, 4), _held(0, 10, 5), _held(1, 10, 5, True)),
+                      None)
+    b = HostInventory("b", ("b", 1), (_held(1, 8, 4), _held(1, 10, 5)), None)
+    c = HostInventory("c", ("c", 1), (), None)
+    assert agree_sharded_step([a, b, c]) == (5, 2)
+    assert agree_sharded_step([a, b, c], exclude=[5]) == (4, 2)
+    # Without b's server, c cannot read rank 1's step 4 (a holds only its step 5 replica).
+    b_alone = HostInventory("b", None, b.held, None)
+    assert agree_sharded_step([a, b_alone, c]) == (5, 2)
+    assert agree_sharded_step([a, b_alone, c], exclude=[5]) is None
+    # A hole: old rank 1's step 6 is nowhere (ranks 0 and 2 hold theirs), so 6 is not
+    # eligible and 5 is chosen.
+    d = HostInventory("d", ("d", 1), (_held(0, 12, 6), _held(2, 12, 6)), None)
+    assert agree_sharded_step([a, b, d]) == (5, 2)
+    # Old world of 3 at step 6 once rank 1's is there too.
+    e = HostInventory("e", ("e", 1), (_held(1, 12, 6),), None)
+    assert agree_sharded_step([a, b, d, e]) == (6, 3)
+
+
+# ---------------------------------------------------------------- refusals
+def _solo(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+
+
+@pytest.mark.parametrize("layout", ["replicate", "shard1", "mesh2d"])
+def test_unsupported_layouts_are_refused_with_a_config_error(tmp_path: Path,
+                                                             layout: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from ckptstore.hooks.manager import CheckpointManager
+
+    _solo(tmp_path)
+    try:
+        if layout == "mesh2d":
+            mesh = init_device_mesh("cpu", (1, 1))
+            placements = [Shard(0), Shard(0)]
+        else:
+            mesh = init_device_mesh("cpu", (1,))
+            placements = [Replicate() if layout == "replicate" else Shard(1)]
+        tensor = distribute_tensor(torch.ones(4, 2), mesh, placements)
+        with CheckpointStore.open(tmp_path / "store") as store:
+            mgr = CheckpointManager(store, "r", snapshot_interval=1, handle_sigterm=False,
+                                    history=False, distributed=False)
+            try:
+                with pytest.raises(ConfigError, match=r"Shard\(0\) over a 1-D device mesh"):
+                    mgr.step(1, lambda: {"w": tensor})
+                assert mgr.snapshots is not None and not list(
+                    mgr.snapshots.directory.glob("slot*.snap"))  # nothing written
+            finally:
+                mgr.close()
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- real ranks (gloo)
+def _launch(tmp_path: Path, shm_root: Path, last: int, out: Path, nranks: int,
+            **extra: str) -> list[int]:
+    """``nranks`` ranks, each a node of its own with its own shared memory; wait (bounded)."""
+    port = free_port()
+    procs = []
+    for rank in range(nranks):
+        env = dict(os.environ)
+        for var in ("CKPT_CONFIG", "CKPT_FAULT_POINT", "CKPT_REPLICAS"):
+            env.pop(var, None)
+        env.update(
+            OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nranks), LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), CKPT_HOST=f"node{rank}",
+            CKPT_ROOT=str(tmp_path / "store"), CKPT_MEMORY_TIER_DIR=str(shm_root / f"n{rank}"),
+            **extra)
+        log = (out / f"proc{nranks}_{rank}.out").open("a")
+        procs.append(subprocess.Popen([sys.executable, str(TRAINER), "r", str(last), str(out)],
+                                      env=env, stdout=log, stderr=subprocess.STDOUT))
+        log.close()
+    try:
+        return [p.wait(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _tails(out: Path) -> str:
+    return "\n".join(p.read_text()[-2500:] for p in sorted(out.glob("proc*.out")))
+
+
+def _check_shards(out: Path, world: int, step: int) -> None:
+    full = torch.load(out / f"full{step}.pt")
+    for rank in range(world):
+        got = torch.load(out / f"resumed{world}_rank{rank}.pt")
+        assert got["step"] == step
+        for key, (offset, local) in got["shards"].items():
+            start, rows = chunk_rows(full[key].shape[0], world)[rank]
+            assert offset == start and local.shape[0] == rows
+            # Bit for bit the first run's tensor at that step.
+            assert torch.equal(local, full[key][start: start + rows]), (key, rank)
+
+
+def _damage_newest(tmp_path: Path, shm_root: Path, rank: int, step: int) -> None:
+    """Flip the first byte of the first tensor of ``rank``'s newest own slot on its node."""
+    with CheckpointStore.open(tmp_path / "store",
+                              memory_tier_dir=str(shm_root / f"n{rank}")) as store:
+        slots = {p: parse_header(p.read_bytes()[:HEADER_BYTES])
+                 for p in snapshot_dir(store, "r", rank).glob("slot*.snap")}
+    newest = max((p for p in slots if slots[p]), key=lambda p: slots[p][0])  # type: ignore[index]
+    header = slots[newest]
+    assert header is not None and header[1] == step
+    with open(newest, "r+b") as fh:
+        fh.seek(header[3])
+        first = fh.read(1)
+        fh.seek(header[3])
+        fh.write(bytes([first[0] ^ 0xFF]))
+
+
+@pytest.mark.slow
+def test_a_sharded_state_resumes_at_another_world_size(tmp_path: Path,
+                                                       shm_root: Path) -> None:
+    with CheckpointStore.open(tmp_path / "store") as store:
+        store.run("r")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert _launch(tmp_path, shm_root, 4, out, 2, WORLD_REPLICAS="2") == [0, 0], _tails(out)
+    # Damage old rank 1's step 4 in node 1's own slot (its replica on node 0 is intact): the
+    # rank reading it there finds the crc32c wrong, so every rank goes back to step 3.
+    _damage_newest(tmp_path, shm_root, 1, step=4)
+    # Three ranks, the third on a new node with an empty memory: every rank resumes at
+    # step 3 with the rows it now owns, gathered from the two old ranks' snapshots (the new
+    # rank fetches both from the servers; rank 1 needs rows of old rank 0 and 1).
+    assert _launch(tmp_path, shm_root, 5, out, 3, WORLD_REPLICAS="2") == [0, 0, 0], \
+        _tails(out)
+    _check_shards(out, 3, 3)
+    # The 3-rank run went on to step 5; back to 2 ranks (both nodes' servers up, node 0
+    # holding rank 2's replica): each resumes at 5 with rows from up to two of the 3 shards.
+    assert _launch(tmp_path, shm_root, 6, out, 2, WORLD_REPLICAS="2") == [0, 0], _tails(out)
+    _check_shards(out, 2, 5)
