@@ -4,7 +4,8 @@ by test_snapshot_shards.
 Usage: ``python shard_trainer.py <run> <last step> <out dir>``, one process per rank, started
 by the test with torch's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (and the
 store's ``CKPT_*`` variables, each rank a node of its own). ``WORLD_REPLICAS=2`` replicates
-to the next node.
+to the next node. A world of one rank is made ``distributed=True`` (the resharding restart is
+the multi-rank one).
 
 The state is a plain dict of DTensors (``params``: three tensors whose rows split unevenly,
 one with fewer rows than ranks) plus an optimizer-like dict (``optim``: a momentum DTensor per
@@ -57,7 +58,9 @@ def main() -> None:
     log = open(out / f"rank{rank}.log", "a", buffering=1)  # noqa: SIM115
     mgr = CheckpointManager(store, run, snapshot_interval=1, handle_sigterm=False,
                             history=False, replica_host="127.0.0.1",
-                            replicas=int(os.environ.get("WORLD_REPLICAS", "1")))
+                            replicas=int(os.environ.get("WORLD_REPLICAS", "1")),
+                            # A world of one rank agrees (with itself) only when told to.
+                            distributed=True if world == 1 else None)
     restored = mgr.restore_latest(into=state)
     first = -1
     if restored is not None:

@@ -143,6 +143,43 @@ def test_unsupported_layouts_are_refused_with_a_config_error(tmp_path: Path,
         dist.destroy_process_group()
 
 
+def test_a_snapshot_records_each_shard_and_a_sharded_durable_save_is_refused(
+        tmp_path: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ckptstore.hooks.manager import CheckpointManager
+    from ckptstore.ops.writing.snapshot import newest_snapshot, read_snapshot_flat
+
+    _solo(tmp_path)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)])
+        state = {"w": weight, "n": torch.ones(2), "step": 1}
+        with CheckpointStore.open(tmp_path / "store") as store:
+            with CheckpointManager(store, "r", snapshot_interval=1, handle_sigterm=False,
+                                   history=False, distributed=False) as mgr:
+                mgr.step(1, lambda: state)
+                assert mgr.snapshots is not None
+                mgr.snapshots.flush()
+                found = newest_snapshot(store, "r")
+                assert found is not None
+                flat, info = read_snapshot_flat(found)
+                # The local shard's bytes, and where it sits in the global tensor.
+                assert torch.equal(flat.tensors["w"], weight.to_local())
+                assert info["world"] == 1
+                assert specs_from_meta(info) == {"w": ShardSpec((3, 2), (0, 0), (3, 2))}
+            with CheckpointManager(store, "s", snapshot_interval=1, save_interval=2,
+                                   handle_sigterm=False, history=False,
+                                   distributed=False) as mgr:
+                mgr.step(1, lambda: state)  # a snapshot alone: fine
+                with pytest.raises(ConfigError, match="durable save of a sharded"):
+                    mgr.step(2, lambda: state)
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------- real ranks (gloo)
 def _launch(tmp_path: Path, shm_root: Path, last: int, out: Path, nranks: int,
             **extra: str) -> list[int]:
@@ -225,3 +262,7 @@ def test_a_sharded_state_resumes_at_another_world_size(tmp_path: Path,
     # holding rank 2's replica): each resumes at 5 with rows from up to two of the 3 shards.
     assert _launch(tmp_path, shm_root, 6, out, 2, WORLD_REPLICAS="2") == [0, 0], _tails(out)
     _check_shards(out, 2, 5)
+    # Down to one rank on node 0, which holds rank 0's snapshots and node 1's replicas of
+    # rank 1 (without replica servers: a job of one node has none): the whole tensors.
+    assert _launch(tmp_path, shm_root, 6, out, 1) == [0], _tails(out)
+    _check_shards(out, 1, 6)
