@@ -349,7 +349,7 @@ def agree_sharded_step(inventories: Sequence[HostInventory], *,
     for step in sorted({h.step for h in current} - skip, reverse=True):
         old_world = 1 + max(h.rank for h in current if h.step == step)
         if all(_locate(hosts, current, old, step, inv.host, False) is not None
-               for old in range(old_world) for inv in _unique_hosts(inventories)):
+               for old in range(old_world) for inv in hosts):
             return step, old_world
     return None
 
