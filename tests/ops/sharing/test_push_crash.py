@@ -25,8 +25,8 @@ from ckptstore.records import CheckpointState
 
 HERE = Path(__file__).parent
 if str(HERE) not in sys.path:
-    # Before the forkserver starts: it hands this sys.path to its children (appended: this
-    # directory's conftest.py must not shadow another module named conftest).
+    # The forkserver's children get this sys.path (appended: this directory's conftest.py
+    # must not shadow another module named conftest).
     sys.path.append(str(HERE))
 
 import push_worker  # noqa: E402
@@ -35,8 +35,9 @@ pytestmark = [pytest.mark.postgres, pytest.mark.s3]
 
 # Before the commit: nothing may be visible afterwards. After it: the rerun finishes the rest.
 BEFORE_COMMIT = ["push.begun", "push.foreign_copied", "push.copied", "push.verified"]
-_PRELOAD = ["torch", "sqlalchemy", "ckptstore.core", "ckptstore.ops.sharing.push",
-            "push_worker"]
+#: Installed packages only: the server does not get this directory on its path (the children
+#: do, and import push_worker.py themselves).
+_PRELOAD = ["torch", "sqlalchemy", "ckptstore.core", "ckptstore.ops.sharing.push"]
 
 
 @pytest.fixture(scope="module")
