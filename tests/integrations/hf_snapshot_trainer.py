@@ -1,6 +1,8 @@
 """A CkptStoreTrainer run with snapshots every step, as a child process of test_hf_trainer.
 
-Usage: ``python hf_snapshot_trainer.py <store> <shm root> <run> <max steps> <log> <hold>``.
+Usage: ``python hf_snapshot_trainer.py <store> <shm root> <run> <max steps> <log> <hold>``,
+or :func:`train` with those arguments in a child of a forkserver that preloaded this module
+(as test_hf_trainer does: importing transformers costs seconds per process).
 Trains a tiny BERT for ``max steps`` optimizer steps (a checkpoint every 4), resuming with
 ``resume_from_checkpoint=True`` when the run has a checkpoint or a snapshot. Appends to
 ``log``: ``start <step>`` once the state is restored (0 when fresh), ``done <step> <digest>``
@@ -52,9 +54,8 @@ class _Log(transformers.TrainerCallback):  # type: ignore[misc]
             os._exit(3)
 
 
-def main() -> None:
+def train(store_dir: str, shm_root: str, run: str, steps: str, log: str, hold: str) -> None:
     """Train, resuming from the store's newest state of the run when there is one."""
-    store_dir, shm_root, run, steps, log, hold = sys.argv[1:7]
     torch.set_num_threads(1)
     store = CheckpointStore.open(store_dir, memory_tier_dir=shm_root)
     # Line-buffered, open for the whole life of the process (it may be killed, never closed).
@@ -78,6 +79,11 @@ def main() -> None:
         trainer.train()
     out.write(f"finished {state_digest(trainer.model, trainer.optimizer)}\n")
     store.close()
+
+
+def main() -> None:
+    """The command line of the module docstring."""
+    train(*sys.argv[1:7])
 
 
 if __name__ == "__main__":

@@ -5,11 +5,12 @@ checkpoint, after a SIGKILL too."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
-import signal
-import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
@@ -312,18 +313,60 @@ def test_a_damaged_snapshot_gives_way_to_the_one_before(
         assert all(torch.equal(after[k], final[k]) for k in final)
 
 
-HF_CHILD = Path(__file__).with_name("hf_snapshot_trainer.py")
+HERE = Path(__file__).parent
 #: Steps of the child's run (a checkpoint every 4) and the step it waits after to be killed.
 CHILD_STEPS, CHILD_HOLD = 12, 9
 
 
-def _child(tmp_path: Path, shm_root: Path, run: str, log: Path,
-           hold: int = 0) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, str(HF_CHILD), str(tmp_path / "store"), str(shm_root), run,
-         str(CHILD_STEPS), str(log), str(hold)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+@pytest.fixture(scope="module")
+def trainers() -> Iterator[multiprocessing.context.BaseContext]:
+    """Where the child trainers start: a forkserver that imported torch, transformers' Trainer
+    and BERT and ckptstore's adapter once (seconds per fresh interpreter on the 2-core
+    machine), stopped with the module. Each child is still its own process, SIGKILLed for real. When
+    another module's forkserver runs already (without this directory on its path), spawned
+    children instead: slower, always right."""
+    from process_support import end_children, stop_forkserver
+
+    if str(HERE) not in sys.path:
+        # The children get this sys.path (appended: this directory's conftest.py must not
+        # shadow another module named conftest). The server does not: its preloads are
+        # installed packages only.
+        sys.path.append(str(HERE))
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    if getattr(server, "_forkserver_pid", None) is not None:
+        yield multiprocessing.get_context("spawn")
+        return
+    ctx = multiprocessing.get_context("forkserver")
+    # transformers imports lazily: its Trainer and BERT by name.
+    ctx.set_forkserver_preload(["torch", "transformers", "transformers.trainer",
+                                "transformers.models.bert.modeling_bert",
+                                "ckptstore.integrations.hf_trainer", "ckptstore.store"])
+    try:
+        yield ctx
+    finally:
+        end_children()
+        stop_forkserver()
+
+
+def _child(ctx: multiprocessing.context.BaseContext, tmp_path: Path, shm_root: Path,
+           run: str, log: Path, hold: int = 0) -> Any:
+    import hf_snapshot_trainer
+
+    child = ctx.Process(  # type: ignore[attr-defined]
+        target=hf_snapshot_trainer.train,
+        args=(str(tmp_path / "store"), str(shm_root), run, str(CHILD_STEPS), str(log),
+              str(hold)))
+    child.start()
+    return child
+
+
+def _finish(child: Any, timeout: float = 300) -> int:
+    """Wait for a child trainer (SIGKILL it past ``timeout``); its exit code."""
+    child.join(timeout)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    return int(child.exitcode)
 
 
 def _log_lines(log: Path) -> list[list[str]]:
@@ -332,36 +375,35 @@ def _log_lines(log: Path) -> list[list[str]]:
 
 @pytest.mark.slow
 def test_a_sigkilled_trainer_resumes_from_its_snapshot_at_most_a_step_behind(
-    tmp_path: Path, shm_root: Path,
+    tmp_path: Path, shm_root: Path, trainers: multiprocessing.context.BaseContext,
 ) -> None:
     # The uninterrupted run, in a child process too: the same thread count and start-up.
     ref_log = tmp_path / "reference.log"
-    proc = _child(tmp_path / "ref", shm_root / "ref", "reference", ref_log)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err.decode()
+    proc = _child(trainers, tmp_path / "ref", shm_root / "ref", "reference", ref_log)
+    assert _finish(proc) == 0  # a failing child's traceback is on this test's stderr
     ref = _log_lines(ref_log)
     reference = {int(p[1]): p[2] for p in ref if p[0] == "done"}
     assert sorted(reference) == list(range(1, CHILD_STEPS + 1)) and ref[-1][0] == "finished"
 
     log = tmp_path / "killed.log"
-    proc = _child(tmp_path, shm_root / "node", "killed", log, hold=CHILD_HOLD)
+    proc = _child(trainers, tmp_path, shm_root / "node", "killed", log, hold=CHILD_HOLD)
     deadline = time.monotonic() + 300
     # Kill once three steps are logged: somewhere in steps 3 to CHILD_HOLD (the child waits
     # there), between or during snapshots, checkpoints and steps.
-    while proc.poll() is None and time.monotonic() < deadline:
+    while proc.is_alive() and time.monotonic() < deadline:
         if log.exists() and sum(1 for p in _log_lines(log) if p[0] == "done") >= 3:
             break
         time.sleep(0.01)
-    assert proc.poll() is None, proc.communicate()[1].decode()
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
+    assert proc.is_alive(), proc.exitcode
+    proc.kill()  # SIGKILL
+    proc.join(60)
+    assert proc.exitcode == -9
     killed = _log_lines(log)
     last_done = max(int(p[1]) for p in killed if p[0] == "done")
     assert 3 <= last_done <= CHILD_HOLD
 
-    proc = _child(tmp_path, shm_root / "node", "killed", log)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err.decode()
+    proc = _child(trainers, tmp_path, shm_root / "node", "killed", log)
+    assert _finish(proc) == 0
     restarted = _log_lines(log)[len(killed):]
     assert restarted[0][0] == "start"
     start = int(restarted[0][1])
