@@ -1,7 +1,9 @@
 """A Lightning run with ``CkptStoreIO(snapshot_interval=1)``, as a child process of
 test_lightning.
 
-Usage: ``python pl_snapshot_trainer.py <store> <shm root> <run> <max steps> <log> <hold>``.
+Usage: ``python pl_snapshot_trainer.py <store> <shm root> <run> <max steps> <log> <hold>``,
+or :func:`train` with those arguments in a child of a forkserver that preloaded Lightning (as
+test_lightning does: importing it costs seconds per process).
 Trains a tiny MLP for ``max steps`` global steps (a ``ModelCheckpoint`` save every 4),
 resuming with ``ckpt_path="<run>@latest"`` when the run has a checkpoint or a snapshot.
 Appends to ``log``: ``start <step> <digest>`` once the state is restored (0 when fresh) and
@@ -77,9 +79,8 @@ def _fit(store: CheckpointStore, run: str, steps: int, out: Any, hold: int,
                 ckpt_path=ckpt_path)
 
 
-def main() -> None:
+def train(store_dir: str, shm_root: str, run: str, steps: str, log: str, hold: str) -> None:
     """Train, resuming from the store's newest state of the run when there is one."""
-    store_dir, shm_root, run, steps, log, hold = sys.argv[1:7]
     torch.set_num_threads(1)
     store = CheckpointStore.open(store_dir, memory_tier_dir=shm_root)
     # Line-buffered, open for the whole life of the process (it may be killed, never closed).
@@ -91,6 +92,11 @@ def main() -> None:
         _fit(store, run, int(steps), out, int(hold), ckpt_dir, None)
     out.write("finished\n")
     store.close()
+
+
+def main() -> None:
+    """The command line of the module docstring."""
+    train(*sys.argv[1:7])
 
 
 if __name__ == "__main__":

@@ -4,11 +4,12 @@ resume from a store reference, and what Lightning puts in a checkpoint."""
 from __future__ import annotations
 
 import copy
+import multiprocessing
 import os
-import signal
-import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
@@ -351,18 +352,58 @@ def test_snapshots_without_any_checkpoint_and_without_the_callback(
     assert sum("CkptStoreCallback" in r.getMessage() for r in caplog.records) == 1
 
 
-PL_CHILD = Path(__file__).with_name("pl_snapshot_trainer.py")
+HERE = Path(__file__).parent
 #: Steps of the child's run (a checkpoint every 4) and the step it waits after to be killed.
 CHILD_STEPS, CHILD_HOLD = 12, 9
 
 
-def _child(tmp_path: Path, shm_root: Path, run: str, log: Path,
-           hold: int = 0) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, str(PL_CHILD), str(tmp_path / "store"), str(shm_root), run,
-         str(CHILD_STEPS), str(log), str(hold)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+@pytest.fixture(scope="module")
+def trainers() -> Iterator[multiprocessing.context.BaseContext]:
+    """Where the child trainers start: a forkserver that imported torch, Lightning and
+    ckptstore's adapter once (seconds per fresh interpreter on the 2-core machine), stopped
+    with the module. Each child is still its own process, SIGKILLed for real. When another
+    module's forkserver runs already (without this directory on its path), spawned children
+    instead: slower, always right."""
+    from process_support import end_children, stop_forkserver
+
+    if str(HERE) not in sys.path:
+        # The children get this sys.path (appended: this directory's conftest.py must not
+        # shadow another module named conftest). The server does not: its preloads are
+        # installed packages only.
+        sys.path.append(str(HERE))
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    if getattr(server, "_forkserver_pid", None) is not None:
+        yield multiprocessing.get_context("spawn")
+        return
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "lightning.pytorch", "lightning.pytorch.callbacks",
+                                "ckptstore.integrations.lightning", "ckptstore.store"])
+    try:
+        yield ctx
+    finally:
+        end_children()
+        stop_forkserver()
+
+
+def _child(ctx: multiprocessing.context.BaseContext, tmp_path: Path, shm_root: Path,
+           run: str, log: Path, hold: int = 0) -> Any:
+    import pl_snapshot_trainer
+
+    child = ctx.Process(  # type: ignore[attr-defined]
+        target=pl_snapshot_trainer.train,
+        args=(str(tmp_path / "store"), str(shm_root), run, str(CHILD_STEPS), str(log),
+              str(hold)))
+    child.start()
+    return child
+
+
+def _finish(child: Any, timeout: float = 300) -> int:
+    """Wait for a child trainer (SIGKILL it past ``timeout``); its exit code."""
+    child.join(timeout)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    return int(child.exitcode)
 
 
 def _log_lines(log: Path) -> list[list[str]]:
@@ -371,36 +412,35 @@ def _log_lines(log: Path) -> list[list[str]]:
 
 @pytest.mark.slow
 def test_a_sigkilled_fit_resumes_from_its_snapshot_at_most_a_step_behind(
-    tmp_path: Path, shm_root: Path,
+    tmp_path: Path, shm_root: Path, trainers: multiprocessing.context.BaseContext,
 ) -> None:
     # The uninterrupted run, in a child process too: the same thread count and start-up.
     ref_log = tmp_path / "reference.log"
-    proc = _child(tmp_path / "ref", shm_root / "ref", "reference", ref_log)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err.decode()
+    proc = _child(trainers, tmp_path / "ref", shm_root / "ref", "reference", ref_log)
+    assert _finish(proc) == 0  # a failing child's traceback is on this test's stderr
     ref = _log_lines(ref_log)
     reference = {int(p[1]): p[2] for p in ref if p[0] in ("start", "done")}
     assert sorted(reference) == list(range(CHILD_STEPS + 1)) and ref[-1] == ["finished"]
 
     log = tmp_path / "killed.log"
-    proc = _child(tmp_path, shm_root / "node", "killed", log, hold=CHILD_HOLD)
+    proc = _child(trainers, tmp_path, shm_root / "node", "killed", log, hold=CHILD_HOLD)
     deadline = time.monotonic() + 300
     # Kill once three steps are logged: somewhere in steps 3 to CHILD_HOLD (the child waits
     # there), between or during snapshots, checkpoints and steps.
-    while proc.poll() is None and time.monotonic() < deadline:
+    while proc.is_alive() and time.monotonic() < deadline:
         if log.exists() and sum(1 for p in _log_lines(log) if p[0] == "done") >= 3:
             break
         time.sleep(0.01)
-    assert proc.poll() is None, proc.communicate()[1].decode()
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
+    assert proc.is_alive(), proc.exitcode
+    proc.kill()  # SIGKILL
+    proc.join(60)
+    assert proc.exitcode == -9
     killed = _log_lines(log)
     last_done = max(int(p[1]) for p in killed if p[0] == "done")
     assert 3 <= last_done <= CHILD_HOLD
 
-    proc = _child(tmp_path, shm_root / "node", "killed", log)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err.decode()
+    proc = _child(trainers, tmp_path, shm_root / "node", "killed", log)
+    assert _finish(proc) == 0
     restarted = _log_lines(log)[len(killed):]
     assert restarted[0][0] == "start"
     start = int(restarted[0][1])
