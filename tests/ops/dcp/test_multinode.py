@@ -21,7 +21,9 @@ each node's ``ckpt gc`` removes its leftovers. Every launch is bounded in time.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -32,6 +34,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
@@ -458,11 +461,12 @@ def _shared(lines: list[str]) -> tuple[int, int, int]:
 
 
 def test_a_replacement_node_gets_the_lost_part_from_the_survivor_or_shares_its_download(
-    cluster: Cluster, saved: dict[int, Any], node_b_lost: dict[int, Any]
+    cluster: Cluster, saved: dict[int, Any], node_b_lost: dict[int, Any],
+    ranks: multiprocessing.context.BaseContext,
 ) -> None:
     # Node B comes back under its name with an empty disk, while the catalog still lists
     # node B's parts there: its part must be treated as remote, not read (and missed) here.
-    procs = _one_rank_per_node(cluster, "replace")
+    procs = _one_rank_per_node(cluster, ranks, "replace")
     for p in procs:
         assert p.returncode == 0, p.stderr.read() if p.stderr else ""
     a, b = (cluster.report("replace", 2, rank) for rank in (0, 1))
@@ -566,43 +570,95 @@ def test_restore_gathers_every_part_on_one_node(
         assert _worker_helpers()._same(store.load(mn1), refs["mn1"]) == []
 
 
-def _one_rank_per_node(cluster: Cluster, scenario: str, hosts: tuple[str, ...] = NODES,
-                       **extra: str) -> list[subprocess.Popen[str]]:
+@dataclass
+class Rank:
+    """How one rank started by :func:`_one_rank_per_node` ended."""
+
+    returncode: int
+    stderr: io.StringIO  # what it wrote on stdout and stderr
+
+
+#: What the ranks' forkserver imports once (installed packages only: the server does not get
+#: this directory on its path; the children do).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint",
+            "torch.distributed.checkpoint.state_dict", "torch.distributed.device_mesh",
+            "torch.distributed.fsdp", "torch.distributed.tensor", "sqlalchemy", "s3fs",
+            "ckptstore", "ckptstore.store", "ckptstore.ops.dcp"]
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[multiprocessing.context.BaseContext]:
+    """Where :func:`_one_rank_per_node` starts its ranks: a forkserver that imported torch,
+    torch.distributed and ckptstore once, stopped with the module. When another module's
+    forkserver runs already (without this directory on its path), spawned children
+    instead: slower, always right."""
+    from process_support import end_children, stop_forkserver
+
+    here = str(WORKER.parent)
+    if here not in sys.path:
+        # The children get this sys.path (appended: no module of this directory shadows
+        # another of the same name).
+        sys.path.append(here)
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    if getattr(server, "_forkserver_pid", None) is not None:
+        yield multiprocessing.get_context("spawn")
+        return
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    try:
+        yield ctx
+    finally:
+        end_children()
+        stop_forkserver()
+
+
+def _one_rank_per_node(cluster: Cluster, ranks: multiprocessing.context.BaseContext,
+                       scenario: str, hosts: tuple[str, ...] = NODES,
+                       **extra: str) -> list[Rank]:
     """One plain process per node (world size 2), without torchrun's agents: a rank that
     dies then leaves the survivor running, as on a real cluster whose node crashed.
-    ``hosts`` names the nodes (other names than ``NODES``: nodes without a hot directory)."""
+    ``hosts`` names the nodes (other names than ``NODES``: nodes without a hot directory).
+    Each is a child of the ``ranks`` forkserver running multinode_worker.py as its script,
+    with the environment its node's launcher would give it (tests/ops/dcp/rank_launch.py)."""
+    import rank_launch
+
     port = free_port()
-    procs = []
+    children = []
+    logs = []
     for rank, (node, name) in enumerate(zip(NODES, hosts, strict=True)):
         env = cluster.env(node)
         env.update(CKPT_HOST=name, CKPT_ROOT=str(cluster.tmp / f"root-{name}"))
         env.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
                    GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    **extra)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(cluster.out)], env=env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            start_new_session=True,
-        ))
+        log = cluster.tmp / f"{scenario}-rank{rank}.log"
+        child = ranks.Process(  # type: ignore[attr-defined]
+            target=rank_launch.run_script,
+            args=(str(WORKER), [scenario, str(cluster.out)], env, str(log)))
+        child.start()
+        children.append(child)
+        logs.append(log)
+    deadline = time.monotonic() + TIMEOUT_S
     try:
-        for p in procs:
-            p.wait(timeout=TIMEOUT_S)
+        for child in children:
+            child.join(max(1.0, deadline - time.monotonic()))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
-    return procs
+        for child in children:
+            if child.is_alive():
+                child.kill()
+                child.join()
+    return [Rank(child.exitcode, io.StringIO(log.read_text() if log.exists() else ""))
+            for child, log in zip(children, logs, strict=True)]
 
 
 DISKLESS = ("diskless-a", "diskless-b")
 
 
 @pytest.fixture(scope="module")
-def s3hot(cluster: Cluster) -> tuple[str, str]:
+def s3hot(cluster: Cluster, ranks: multiprocessing.context.BaseContext) -> tuple[str, str]:
     """A checkpoint saved by two ranks on hosts without local disk: ``(id, hot tier URL)``."""
     hot = cluster.warm.rsplit("/", 1)[0] + "/hot"
-    procs = _one_rank_per_node(cluster, "s3hot", DISKLESS, CKPT_HOT=hot)
+    procs = _one_rank_per_node(cluster, ranks, "s3hot", DISKLESS, CKPT_HOT=hot)
     for p in procs:
         assert p.returncode == 0, p.stderr.read() if p.stderr else ""
     reports = [cluster.report("s3hot", 2, rank) for rank in (0, 1)]
@@ -676,10 +732,10 @@ def test_a_part_readable_only_from_glacier_is_thawed_then_loaded(
 
 
 def test_a_rank_killed_mid_save_commits_nothing_and_each_node_cleans_up(
-    cluster: Cluster,
+    cluster: Cluster, ranks: multiprocessing.context.BaseContext,
 ) -> None:
     started = time.monotonic()
-    procs = _one_rank_per_node(cluster, "kill")
+    procs = _one_rank_per_node(cluster, ranks, "kill")
     codes = [p.returncode for p in procs]
     assert codes[1] == -9  # killed by its fault point after its first chunk
     assert codes[0] == 0, procs[0].stderr.read() if procs[0].stderr else ""
