@@ -14,11 +14,21 @@ import multiprocessing
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from multiprocessing import forkserver, util
+from pathlib import Path
+from typing import Any
 
-__all__ = ["acting_as_host", "end_children", "stop_forkserver", "wait_sessions"]
+__all__ = [
+    "acting_as_host",
+    "end_children",
+    "finish_child",
+    "preloaded_children",
+    "stop_forkserver",
+    "wait_sessions",
+]
 
 
 def end_children(timeout: float = 10.0) -> list[int]:
@@ -99,3 +109,44 @@ def wait_sessions(procs: Sequence[subprocess.Popen[str]] | Sequence[subprocess.P
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+def preloaded_children(preload: Sequence[str],
+                       path: Path | None = None) -> Iterator[multiprocessing.context.BaseContext]:
+    """Yield a :mod:`multiprocessing` context whose children start from a forkserver that
+    imported ``preload`` once (each child still its own process: killed for real, its exit
+    code its own); the server and any child left are stopped afterwards. For a fixture:
+    ``yield from preloaded_children([...])``.
+
+    A module of ``preload`` the server cannot import is skipped without a word (the
+    children then import it themselves, paying for it each time): check what a new preload
+    saves. ``path``, a test directory the children import from, is appended to ``sys.path``
+    before the server starts, so the children get it (appended: its ``conftest.py`` must
+    not shadow another one).
+
+    When another module's forkserver runs already (this one's path and preloads unknown to
+    it), the context spawns fresh interpreters instead: slower, always right.
+    """
+    if path is not None and str(path) not in sys.path:
+        sys.path.append(str(path))
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    if getattr(server, "_forkserver_pid", None) is not None:
+        yield multiprocessing.get_context("spawn")
+        return
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    try:
+        yield ctx
+    finally:
+        end_children()
+        stop_forkserver()
+
+
+def finish_child(child: Any, timeout: float = 300) -> int:
+    """Wait for a :mod:`multiprocessing` child (SIGKILL it past ``timeout``); its exit code
+    (negative: the signal that ended it)."""
+    child.join(timeout)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    return int(child.exitcode)

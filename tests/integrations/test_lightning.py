@@ -6,10 +6,8 @@ from __future__ import annotations
 import copy
 import multiprocessing
 import os
-import sys
 import time
 from collections.abc import Iterator
-from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 from lightning.fabric.utilities.data import AttributeDict  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from process_support import finish_child, preloaded_children  # noqa: E402
 
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, UnsafeObjectError  # noqa: E402
 from ckptstore.integrations.lightning import (  # noqa: E402
@@ -364,25 +363,9 @@ def trainers() -> Iterator[multiprocessing.context.BaseContext]:
     with the module. Each child is still its own process, SIGKILLed for real. When another
     module's forkserver runs already (without this directory on its path), spawned children
     instead: slower, always right."""
-    from process_support import end_children, stop_forkserver
-
-    if str(HERE) not in sys.path:
-        # The children get this sys.path (appended: this directory's conftest.py must not
-        # shadow another module named conftest). The server does not: its preloads are
-        # installed packages only.
-        sys.path.append(str(HERE))
-    server = forkserver._forkserver  # type: ignore[attr-defined]
-    if getattr(server, "_forkserver_pid", None) is not None:
-        yield multiprocessing.get_context("spawn")
-        return
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "lightning.pytorch", "lightning.pytorch.callbacks",
-                                "ckptstore.integrations.lightning", "ckptstore.store"])
-    try:
-        yield ctx
-    finally:
-        end_children()
-        stop_forkserver()
+    yield from preloaded_children(
+        ["torch", "lightning.pytorch", "lightning.pytorch.callbacks",
+         "ckptstore.integrations.lightning", "ckptstore.store"], HERE)
 
 
 def _child(ctx: multiprocessing.context.BaseContext, tmp_path: Path, shm_root: Path,
@@ -397,15 +380,6 @@ def _child(ctx: multiprocessing.context.BaseContext, tmp_path: Path, shm_root: P
     return child
 
 
-def _finish(child: Any, timeout: float = 300) -> int:
-    """Wait for a child trainer (SIGKILL it past ``timeout``); its exit code."""
-    child.join(timeout)
-    if child.is_alive():
-        child.kill()
-        child.join()
-    return int(child.exitcode)
-
-
 def _log_lines(log: Path) -> list[list[str]]:
     return [line.split() for line in log.read_text().splitlines() if line.strip()]
 
@@ -417,7 +391,7 @@ def test_a_sigkilled_fit_resumes_from_its_snapshot_at_most_a_step_behind(
     # The uninterrupted run, in a child process too: the same thread count and start-up.
     ref_log = tmp_path / "reference.log"
     proc = _child(trainers, tmp_path / "ref", shm_root / "ref", "reference", ref_log)
-    assert _finish(proc) == 0  # a failing child's traceback is on this test's stderr
+    assert finish_child(proc) == 0  # a failing child's traceback is on this test's stderr
     ref = _log_lines(ref_log)
     reference = {int(p[1]): p[2] for p in ref if p[0] in ("start", "done")}
     assert sorted(reference) == list(range(CHILD_STEPS + 1)) and ref[-1] == ["finished"]
@@ -440,7 +414,7 @@ def test_a_sigkilled_fit_resumes_from_its_snapshot_at_most_a_step_behind(
     assert 3 <= last_done <= CHILD_HOLD
 
     proc = _child(trainers, tmp_path, shm_root / "node", "killed", log)
-    assert _finish(proc) == 0
+    assert finish_child(proc) == 0
     restarted = _log_lines(log)[len(killed):]
     assert restarted[0][0] == "start"
     start = int(restarted[0][1])

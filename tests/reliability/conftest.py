@@ -35,7 +35,7 @@ if str(HERE) not in sys.path:
 
 import ckpt_reliability_workers as workers  # noqa: E402
 from pg_support import create_pg_database, drop_pg_database, require_pg  # noqa: E402
-from process_support import end_children, stop_forkserver  # noqa: E402
+from process_support import end_children, preloaded_children  # noqa: E402
 
 _PRELOAD = [
     "torch",
@@ -59,20 +59,7 @@ def procs() -> Iterator[multiprocessing.context.BaseContext]:
     long as any process holding its "alive" pipe: every child it forks gets one, so a single
     child left behind kept it running after the suite had ended.
     """
-    from multiprocessing import forkserver
-
-    ctx = multiprocessing.get_context("forkserver")
-    server = forkserver._forkserver  # type: ignore[attr-defined]
-    if getattr(server, "_forkserver_pid", None) is not None:
-        # Someone started a forkserver without our path: spawn is slower but always works.
-        yield multiprocessing.get_context("spawn")
-        return
-    ctx.set_forkserver_preload(_PRELOAD)
-    try:
-        yield ctx
-    finally:
-        end_children()
-        stop_forkserver()
+    yield from preloaded_children(_PRELOAD)
 
 
 @pytest.fixture(autouse=True)

@@ -34,14 +34,13 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from pg_support import create_pg_database, drop_pg_database, require_pg
-from process_support import acting_as_host
+from process_support import acting_as_host, preloaded_children
 
 from ckptstore import CheckpointStore
 from ckptstore.catalog import migrate
@@ -592,24 +591,7 @@ def ranks() -> Iterator[multiprocessing.context.BaseContext]:
     torch.distributed and ckptstore once, stopped with the module. When another module's
     forkserver runs already (without this directory on its path), spawned children
     instead: slower, always right."""
-    from process_support import end_children, stop_forkserver
-
-    here = str(WORKER.parent)
-    if here not in sys.path:
-        # The children get this sys.path (appended: no module of this directory shadows
-        # another of the same name).
-        sys.path.append(here)
-    server = forkserver._forkserver  # type: ignore[attr-defined]
-    if getattr(server, "_forkserver_pid", None) is not None:
-        yield multiprocessing.get_context("spawn")
-        return
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    try:
-        yield ctx
-    finally:
-        end_children()
-        stop_forkserver()
+    yield from preloaded_children(_PRELOAD, WORKER.parent)
 
 
 def _one_rank_per_node(cluster: Cluster, ranks: multiprocessing.context.BaseContext,

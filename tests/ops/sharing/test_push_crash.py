@@ -12,12 +12,11 @@ import multiprocessing
 import signal
 import sys
 from collections.abc import Iterator
-from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
 import pytest
-from process_support import end_children, stop_forkserver
+from process_support import preloaded_children
 
 from ckptstore.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from ckptstore.ops.sharing.push import push_checkpoints
@@ -45,17 +44,7 @@ def pushers() -> Iterator[multiprocessing.context.BaseContext]:
     """Where the pushers start: a forkserver with torch and ckptstore imported, stopped with
     the module. When another module's forkserver runs already (without this directory on its
     path), spawned children instead: slower, always right."""
-    server = forkserver._forkserver  # type: ignore[attr-defined]
-    if getattr(server, "_forkserver_pid", None) is not None:
-        yield multiprocessing.get_context("spawn")
-        return
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    try:
-        yield ctx
-    finally:
-        end_children()
-        stop_forkserver()
+    yield from preloaded_children(_PRELOAD)
 
 
 @pytest.fixture
