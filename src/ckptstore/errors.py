@@ -20,6 +20,7 @@ __all__ = [
     "MissingBaseError",
     "MissingExtraError",
     "RemoteError",
+    "SnapshotError",
     "StorageError",
     "StoreNotFoundError",
     "ThawPendingError",
@@ -113,6 +114,15 @@ def _rebuild_thaw_error(message: str, checkpoint_id: str, tier: str,
                         ready_in_s: float) -> ThawPendingError:
     return ThawPendingError(message, checkpoint_id=checkpoint_id, tier=tier,
                             ready_in_s=ready_in_s)
+
+
+class SnapshotError(CkptError):
+    """A snapshot's background copy or commit failed.
+
+    Raised by the next wait for it (the next snapshot, ``CheckpointManager.wait_snapshot``,
+    the optimizer pre-step hook, a durable save, ``close``). The slot it was written to
+    stays invisible: readers keep the previous snapshot as the newest.
+    """
 
 
 class ConfigError(CkptError, ValueError):

@@ -1,7 +1,8 @@
 """A deterministic training loop with snapshots, run as a child process by test_snapshots.
 
 Usage: ``python snapshot_trainer.py <store> <shm root> <run> <steps> <log> [save_interval]``
-(``$TRAINER_PEER=host:port``: also replicate each snapshot to that replica server).
+(``$TRAINER_PEER=host:port``: also replicate each snapshot to that replica server;
+``$TRAINER_ASYNC=1``: asynchronous snapshot copies, guarded by the optimizer's pre-hook).
 Appends ``resumed <step> <digest>`` once restored (``resumed -1 -`` when fresh) and
 ``done <step> <digest>`` after every ``mgr.step``, where the digest is a sha256 of every
 tensor of the state after that step; the same inputs give the same digests bit for bit.
@@ -51,9 +52,13 @@ def main() -> None:
         return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
 
     peer = os.environ.get("TRAINER_PEER")  # host:port of a neighbour's replica server
+    # $TRAINER_ASYNC=1: the snapshot copy overlaps the next step, the optimizer guarded.
+    snapshot_async = os.environ.get("TRAINER_ASYNC") == "1"
     mgr = CheckpointManager(store, run, snapshot_interval=1, save_interval=save_interval,
                             handle_sigterm=False, history=False,
-                            replicas=2 if peer else 1, peer=peer or None)
+                            replicas=2 if peer else 1, peer=peer or None,
+                            snapshot_async=snapshot_async,
+                            optimizer=opt if snapshot_async else None)
     restored = mgr.restore_latest()
     step = first = -1
     if restored is not None:

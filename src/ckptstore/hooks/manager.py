@@ -139,6 +139,8 @@ class CheckpointManager:
         history_points: int = DEFAULT_HISTORY_POINTS,
         snapshot_interval: int | None = None,
         snapshot_budget_bytes: int | None = None,
+        snapshot_async: bool = False,
+        optimizer: Any | None = None,
         replicas: int = 1,
         peer: str | None = None,
         replica_host: str | None = None,
@@ -191,6 +193,16 @@ class CheckpointManager:
                 refused with a ConfigError at the first snapshot. None: only the free space
                 of the shared-memory file system bounds them. With ``replicas=2`` the
                 neighbour's replica (2 slots) counts too.
+            snapshot_async: :meth:`step` starts the snapshot's copy and returns without
+                waiting for it: CUDA tensors are copied on a side stream into pinned
+                buffers, CPU tensors on a background thread, and the checksum and commit
+                follow there. The forward and backward of the next step overlap the copy;
+                nothing may change the state in place before :meth:`wait_snapshot` (which
+                ``optimizer``'s pre-step hook calls; see docs/SNAPSHOTS.md "Devices").
+            optimizer: A ``torch.optim.Optimizer`` (with ``snapshot_async``): its
+                ``step()`` first waits until the pending snapshot's copy is out of the
+                state (:meth:`guard`), so a loop whose only in-place change of the state is
+                that optimizer's step needs no explicit wait.
             replicas: 2 also sends every snapshot to a neighbour node's memory
                 (asynchronously; :mod:`ckptstore.ops.writing.snapshot_peer`), and
                 :meth:`restore_latest` pulls it back when this host has none.
@@ -315,6 +327,18 @@ class CheckpointManager:
             else:
                 self._ring = join_ring(store, replica_host)
                 self.replica_server, self._peer = self._ring.server, self._ring.peer
+        if not isinstance(snapshot_async, bool):
+            raise ConfigError(f"snapshot_async must be True or False, got {snapshot_async!r}")
+        if snapshot_async and snapshot_interval is None:
+            raise ConfigError("snapshot_async=True needs snapshot_interval: it is how the "
+                              "snapshots are copied")
+        if optimizer is not None and not snapshot_async:
+            raise ConfigError("optimizer= guards the asynchronous snapshot copy: pass "
+                              "snapshot_async=True with it (or call guard(optimizer))")
+        if optimizer is not None and not callable(
+                getattr(optimizer, "register_step_pre_hook", None)):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
+        self._snapshot_async = snapshot_async
         if snapshot_interval is not None:
             self._snapshot_policy = EveryNSteps(snapshot_interval)
             durable = (save_interval is not None or save_every_seconds is not None
@@ -327,7 +351,13 @@ class CheckpointManager:
                 rank=rank, run_token=self._run_token,
                 peer_slots=2 if self._peer is not None else 0,
                 on_commit=self.replicator.offer if self.replicator is not None else None,
+                async_copy=snapshot_async,
             )
+            # With snapshot_async, step() does not wait for the copy even without an
+            # optimizer to guard: the caller then calls wait_snapshot() before changing it.
+            self._overlap = snapshot_async
+            if optimizer is not None:
+                self.guard(optimizer)
         self.history = (
             MetricHistory(store, run, max_points=history_points) if history else None
         )
@@ -556,6 +586,10 @@ class CheckpointManager:
             SystemExit: With status 143 after the preemption save, when SIGTERM was received.
         """
         self._check_open()
+        if self._snapshot_async:
+            # The previous step's snapshot has overlapped this step's compute; it is
+            # committed (or its failure raised) before anything else happens.
+            self.wait_snapshot()
         self._last_state_fn = state_fn
         if metrics and self.history is not None:
             self.history.add_many(step, metrics)
@@ -586,6 +620,21 @@ class CheckpointManager:
         snapshots = self.snapshots
         optimizer.register_step_pre_hook(lambda *_args: snapshots.wait_copied())
         self._overlap = True
+
+    def wait_snapshot(self) -> None:
+        """Block until the pending snapshot is copied and committed (header written last).
+
+        With ``snapshot_async=True`` call it before anything changes the state in place
+        when no ``optimizer`` was given (the optimizer's pre-step hook waits otherwise).
+        It is also called at the start of :meth:`step`, by :meth:`restore_latest`,
+        :meth:`close`, :meth:`wait` and durable saves. No-op without a pending snapshot.
+
+        Raises:
+            SnapshotError: If the pending snapshot's copy or commit failed (its slot stays
+                invisible; raised once).
+        """
+        if self.snapshots is not None:
+            self.snapshots.flush()
 
     def _snapshot_step(
         self, step: int, state_fn: StateFn, metrics: Mapping[str, Any] | None
@@ -686,6 +735,9 @@ class CheckpointManager:
         tags: tuple[str, ...],
         pin: bool,
     ) -> SaveHandle | Checkpoint:
+        if self._snapshot_async:
+            # A pending copy's failure is reported before a durable save starts.
+            self.wait_snapshot()
         state = state_fn()
         now = time.monotonic()
         options = SaveOptions(metrics=_finite_metrics(metrics), tags=tags,
@@ -749,8 +801,7 @@ class CheckpointManager:
         Raises:
             CkptError: The first failure of this manager's saves not yet reported.
         """
-        if self.snapshots is not None:
-            self.snapshots.flush()
+        self.wait_snapshot()
         with self._handles_lock:
             handles, self._handles = self._handles, []
         if handles:

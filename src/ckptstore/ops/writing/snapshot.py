@@ -37,8 +37,18 @@ checksum and commit word follow on the worker. The next snapshot waits for the p
 to be committed, so at most one snapshot is in flight: after ``take(step)`` returns, the
 snapshot of the previous step is complete.
 
-Device tensors are copied with ``Tensor.copy_`` into the slots (shared memory is not pinned
-memory: no side stream or pinned buffers are used; see docs/SNAPSHOTS.md).
+By default device tensors are copied with ``Tensor.copy_`` into the slots on the worker
+(shared memory is not pinned memory). With ``async_copy=True`` (the manager's
+``snapshot_async=True``, used with ``overlap=True``) :meth:`SnapshotWriter.take` records an
+event on each CUDA device's compute stream, and the worker copies the device tensors on a
+dedicated side stream that waits for it, ``non_blocking`` into pinned staging buffers
+(allocated once, reused, remade only with the slots); once that stream is synchronised the
+state is released (``wait_copied`` returns), and the commit moves the staged bytes into the
+slot before the checksum. CPU tensors take the same worker path either way, so scheduling,
+waiting, errors and commit are one code path, tested with CPU tensors. A failed copy or commit
+is raised by the next wait as a :class:`~ckptstore.errors.SnapshotError` and its slot stays
+invisible. The CUDA branch has not run on a GPU here and its stall is unmeasured (see
+docs/SNAPSHOTS.md "Devices").
 """
 
 from __future__ import annotations
@@ -61,7 +71,7 @@ from typing import Any
 import torch
 
 from ckptstore.core import StoreCore
-from ckptstore.errors import CkptError, ConfigError, IntegrityError, StorageError
+from ckptstore.errors import CkptError, ConfigError, IntegrityError, SnapshotError, StorageError
 from ckptstore.faultpoints import fault_point
 from ckptstore.format import FlatState, unflatten_state
 from ckptstore.format.codecs import crc32c_combine, crc32c_update
@@ -234,6 +244,11 @@ class _Job:
     copied: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    #: CUDA events recorded on each device's compute stream when the snapshot was taken
+    #: (async copies only): the side stream's copy starts after the step that made the state.
+    ready: dict[torch.device, Any] = field(default_factory=dict)
+    #: (slot view, pinned staging buffer) pairs whose bytes the commit moves into the slot.
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     copy_s: float = 0.0
     commit_s: float = 0.0
 
@@ -308,6 +323,7 @@ class SnapshotWriter:
         run_token: str = "",
         peer_slots: int = 0,
         on_commit: Callable[[Path, int, int], None] | None = None,
+        async_copy: bool = False,
     ) -> None:
         """Prepare the writer (slot files are created at the first :meth:`take`).
 
@@ -323,6 +339,10 @@ class SnapshotWriter:
                 ``replicas=2``), counted against the budget as the same size as ours.
             on_commit: Called on the worker as ``on_commit(slot path, seq, step)`` after each
                 snapshot is committed (the peer replicator's ``offer``).
+            async_copy: Copy CUDA tensors on a side stream into pinned staging buffers
+                (``non_blocking``), after an event recorded on the compute stream at
+                :meth:`take`; the staged bytes move into the slot on the worker. CPU tensors
+                are copied on the worker either way. Used with ``take(overlap=True)``.
 
         Raises:
             ConfigError: For a bad slot count or budget.
@@ -354,6 +374,16 @@ class SnapshotWriter:
         self._closed = False
         self.last_copy_s = 0.0
         self.last_blocked_s = 0.0
+        self.async_copy = async_copy
+        #: Called on the worker as ``before_copy(step)`` before a snapshot's tensors are
+        #: copied (a profiler marks the copy's start; tests hold the copier with it). An
+        #: exception from it fails that snapshot like a failed copy.
+        self.before_copy: Callable[[int], None] | None = None
+        # The side streams (one per device) and the pinned staging buffers (one per device
+        # tensor, the state's device bytes once: at most one snapshot is in flight), made on
+        # the first async copy and again only when the slots are (the state changed shape).
+        self._streams: dict[torch.device, Any] = {}
+        self._staging: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ slots
     def _prepare(self, flat: FlatState, meta_len: int) -> None:
@@ -378,6 +408,7 @@ class SnapshotWriter:
                     f"the state of {self.run} changed shape while a durable save still reads "
                     "its previous snapshot; wait for pending saves first")
         self._drop_slots()
+        self._staging = {}
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         old = sum(p.stat().st_size for p in self.directory.glob(_SLOT_GLOB))
         free = _free_bytes(self.directory)
@@ -483,6 +514,8 @@ class SnapshotWriter:
         # The commit word first: from here on no reader takes this slot.
         slot.write_header(self._seq - 1, step, 0, 0, 0)
         job = _Job(slot, step, flat, meta, self._seq)
+        if self.async_copy:
+            job.ready = _compute_events(flat)
         with self._lock:
             self._pending = job
             self._queue.append(job)
@@ -504,7 +537,7 @@ class SnapshotWriter:
         job.copied.wait()
         if job.error is not None:
             self._pending = None
-            raise CkptError(f"snapshot of {self.run} at step {job.step} failed: {job.error}")
+            raise self._failure(job)
 
     def _wait_idle(self) -> None:
         job = self._pending
@@ -513,7 +546,14 @@ class SnapshotWriter:
         job.done.wait()
         self._pending = None
         if job.error is not None:
-            raise CkptError(f"snapshot of {self.run} at step {job.step} failed: {job.error}")
+            raise self._failure(job)
+
+    def _failure(self, job: _Job) -> SnapshotError:
+        err = SnapshotError(
+            f"snapshot of {self.run} at step {job.step} failed: {job.error!r}; its slot stays "
+            "invisible (the previous snapshot is the newest)")
+        err.__cause__ = job.error
+        return err
 
     def flush(self) -> None:
         """Wait until the pending snapshot is committed.
@@ -566,6 +606,8 @@ class SnapshotWriter:
             if thread is not None:
                 thread.join()
             self._drop_slots()
+            self._staging = {}
+            self._streams = {}
 
     # ------------------------------------------------------------------ worker
     def _ensure_thread(self) -> None:
@@ -583,6 +625,8 @@ class SnapshotWriter:
             if job is None:
                 return
             try:
+                if self.before_copy is not None:
+                    self.before_copy(job.step)
                 self._copy(job)
             except BaseException as exc:  # reported to the training loop by take()/wait
                 job.error = exc
@@ -598,18 +642,57 @@ class SnapshotWriter:
             job.done.set()
 
     def _copy(self, job: _Job) -> None:
+        """Copy the state out of the caller's tensors; once this returns they may change."""
         started = time.perf_counter()
         with torch.no_grad():
+            if job.ready:
+                self._copy_device(job)
             for view, src in zip(job.slot.views, job.flat.tensors.values(), strict=True):
-                if src.numel():
-                    # A device tensor is copied synchronously into the (unpinned) slot.
+                if src.numel() and not (job.ready and src.is_cuda):
+                    # Synchronous: a CPU tensor, or (without async_copy) a device tensor
+                    # copied into the unpinned slot on the default stream.
                     view.copy_(src.detach())
                 fault_point("snapshot.tensor")
         job.copy_s = self.last_copy_s = time.perf_counter() - started
 
+    def _copy_device(self, job: _Job) -> None:
+        """The CUDA branch: device-to-host copies on a side stream into pinned buffers.
+
+        Each device's side stream waits for the event recorded on its compute stream at
+        :meth:`take`, copies with ``non_blocking=True`` into the reused pinned staging
+        buffers, and is synchronised here; the move into the slot (a host memcpy) is left
+        to the commit, so the state is released as soon as the device copies are done.
+        """
+        streams: list[Any] = []
+        for (key, src), view in zip(job.flat.tensors.items(), job.slot.views, strict=True):
+            if not (src.is_cuda and src.numel()):
+                continue
+            stream = self._streams.get(src.device)
+            if stream is None:
+                stream = self._streams[src.device] = torch.cuda.Stream(  # type: ignore[no-untyped-call]
+                    device=src.device)
+            staging = self._staging.get(key)
+            if staging is None:
+                staging = self._staging[key] = torch.empty(
+                    src.shape, dtype=src.dtype, pin_memory=True)
+            with torch.cuda.stream(stream):
+                if stream not in streams:
+                    stream.wait_event(job.ready[src.device])
+                    streams.append(stream)
+                staging.copy_(src.detach(), non_blocking=True)
+                # The caching allocator must not hand the source's memory to the compute
+                # stream before the side stream has read it.
+                src.record_stream(stream)
+            job.staged.append((view, staging))
+        for stream in streams:
+            stream.synchronize()
+
     def _commit(self, job: _Job) -> None:
         started = time.perf_counter()
         slot = job.slot
+        for view, staging in job.staged:  # async device copies: pinned buffer -> slot
+            view.copy_(staging)
+        job.staged = []
         meta_off = HEADER_BYTES
         slot.buf[meta_off: meta_off + len(job.meta)] = job.meta
         data_len = slot.size - slot.data_off
@@ -632,6 +715,15 @@ class SnapshotWriter:
             except Exception:  # replication is best effort; the snapshot is committed
                 logger.exception("snapshot commit hook failed for %s", self.run)
         job.commit_s = time.perf_counter() - started
+
+
+def _compute_events(flat: FlatState) -> dict[torch.device, Any]:
+    """An event on the current (compute) stream of each CUDA device the state is on."""
+    events: dict[torch.device, Any] = {}
+    for tensor in flat.tensors.values():
+        if tensor.is_cuda and tensor.device not in events:
+            events[tensor.device] = torch.cuda.current_stream(tensor.device).record_event()
+    return events
 
 
 def _meta_len(slot: _Slot) -> int:
