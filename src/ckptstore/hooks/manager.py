@@ -310,6 +310,19 @@ class CheckpointManager:
             raise ConfigError("distributed=True needs an initialised torch.distributed "
                               "process group (init_process_group() before the manager)")
         self._collective = distributed
+        # Checked before the ring is joined: a bad option must not leave a server running.
+        if not isinstance(snapshot_async, bool):
+            raise ConfigError(f"snapshot_async must be True or False, got {snapshot_async!r}")
+        if snapshot_async and snapshot_interval is None:
+            raise ConfigError("snapshot_async=True needs snapshot_interval: it is how the "
+                              "snapshots are copied")
+        if optimizer is not None and not snapshot_async:
+            raise ConfigError("optimizer= guards the asynchronous snapshot copy: pass "
+                              "snapshot_async=True with it (or call guard(optimizer))")
+        if optimizer is not None and not callable(
+                getattr(optimizer, "register_step_pre_hook", None)):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
+        self._snapshot_async = snapshot_async
         if replicas not in (1, 2) or isinstance(replicas, bool):
             raise ConfigError(f"replicas must be 1 or 2, got {replicas!r}")
         if replicas == 2:
@@ -327,18 +340,6 @@ class CheckpointManager:
             else:
                 self._ring = join_ring(store, replica_host)
                 self.replica_server, self._peer = self._ring.server, self._ring.peer
-        if not isinstance(snapshot_async, bool):
-            raise ConfigError(f"snapshot_async must be True or False, got {snapshot_async!r}")
-        if snapshot_async and snapshot_interval is None:
-            raise ConfigError("snapshot_async=True needs snapshot_interval: it is how the "
-                              "snapshots are copied")
-        if optimizer is not None and not snapshot_async:
-            raise ConfigError("optimizer= guards the asynchronous snapshot copy: pass "
-                              "snapshot_async=True with it (or call guard(optimizer))")
-        if optimizer is not None and not callable(
-                getattr(optimizer, "register_step_pre_hook", None)):
-            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
-        self._snapshot_async = snapshot_async
         if snapshot_interval is not None:
             self._snapshot_policy = EveryNSteps(snapshot_interval)
             durable = (save_interval is not None or save_every_seconds is not None
