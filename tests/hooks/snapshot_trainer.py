@@ -1,6 +1,8 @@
 """A deterministic training loop with snapshots, run as a child process by test_snapshots.
 
 Usage: ``python snapshot_trainer.py <store> <shm root> <run> <steps> <log> [save_interval]``
+(test_snapshots.py runs :func:`train_in_child` in a child of a forkserver that preloaded
+torch and ckptstore instead: a fresh interpreter costs seconds of imports per start)
 (``$TRAINER_PEER=host:port``: also replicate each snapshot to that replica server;
 ``$TRAINER_ASYNC=1``: asynchronous snapshot copies, guarded by the optimizer's pre-hook).
 Appends ``resumed <step> <digest>`` once restored (``resumed -1 -`` when fresh) and
@@ -35,10 +37,9 @@ def digest(state: dict[str, Any]) -> str:
     return h.hexdigest()[:16]
 
 
-def main() -> None:
+def train(store_dir: str, shm_root: str, run: str, steps: str, log: str,
+          save_interval: int = 7) -> None:
     """Train ``steps`` steps, resuming from the store when it holds a state."""
-    store_dir, shm_root, run, steps, log = sys.argv[1:6]
-    save_interval = int(sys.argv[6]) if len(sys.argv) > 6 else 7
     pause = float(os.environ.get("TRAINER_PAUSE", "0.01"))
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -80,6 +81,24 @@ def main() -> None:
     mgr.close()
     store.close()
     out.write("finished\n")
+
+
+def main() -> None:
+    """:func:`train` on the command line's arguments."""
+    store_dir, shm_root, run, steps, log = sys.argv[1:6]
+    save_interval = int(sys.argv[6]) if len(sys.argv) > 6 else 7
+    train(store_dir, shm_root, run, steps, log, save_interval)
+
+
+def train_in_child(args: list[str], env: dict[str, str], err: str) -> None:
+    """:func:`train` in a :mod:`multiprocessing` child: ``env`` added to the environment
+    (``$CKPT_FAULT_POINT``, ``$TRAINER_*``), the child's stderr appended to the file ``err``,
+    ``args`` as on the command line."""
+    os.environ.update(env)
+    fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    train(*args[:5], *(int(a) for a in args[5:]))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,19 @@
 """Snapshots every step: slots reused, durable saves written from them, restarts lose at most
-one step, a torn snapshot is never read, the budget refuses what does not fit."""
+one step, a torn snapshot is never read, the budget refuses what does not fit.
+
+The trainers that are killed and restarted are processes of their own: children of a
+forkserver that preloaded torch and ckptstore (tests/hooks/snapshot_trainer.py's
+``train_in_child``), so that each start does not pay seconds of imports as a fresh
+interpreter would. Each is still killed for real (SIGKILL) and its exit code is its own.
+"""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -17,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from process_support import preloaded_children
 
 from ckptstore.errors import CheckpointNotFoundError, ConfigError
 from ckptstore.hooks.manager import CheckpointManager
@@ -28,8 +35,21 @@ from ckptstore.ops.writing.snapshot import (
 )
 from ckptstore.store import CheckpointStore
 
-TRAINER = Path(__file__).with_name("snapshot_trainer.py")
+HERE = Path(__file__).parent
+if str(HERE) not in sys.path:
+    # The forkserver's children get this sys.path (appended: this directory's conftest.py
+    # must not shadow another module named conftest).
+    sys.path.append(str(HERE))
 
+import snapshot_trainer  # noqa: E402
+
+#: Installed packages only: the children import snapshot_trainer.py themselves. Besides the
+#: trainer's imports, what it would import later on its own: torch._dynamo (the optimizer's
+#: first step), alembic's command module (creating the catalog), the migrations and the
+#: metrics module. With these a trainer imports nothing but snapshot_trainer.
+_PRELOAD = ["torch", "torch._dynamo", "alembic", "alembic.command", "alembic.config",
+            "ckptstore.hooks.manager", "ckptstore.store", "ckptstore.migrations",
+            "ckptstore.observability.prom", "ckptstore.ops.writing.snapshot_peer"]
 
 
 def _state(w: torch.Tensor, step: int) -> dict[str, Any]:
@@ -202,13 +222,52 @@ def test_guarded_optimizer_overlaps_the_copy_bit_exact(snap_store: CheckpointSto
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
-def _trainer(tmp_path: Path, shm_root: Path, run: str, steps: int, log: Path,
-             env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, str(TRAINER), str(tmp_path / "store"), str(shm_root), run, str(steps),
-         str(log)],
-        env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+@pytest.fixture(scope="module")
+def trainers() -> Iterator[multiprocessing.context.BaseContext]:
+    """Where the trainers start: a forkserver with torch and ckptstore imported, stopped with
+    the module. When another module's forkserver runs already, spawned children instead:
+    slower, always right."""
+    yield from preloaded_children(_PRELOAD)
+
+
+class _Trainer:
+    """One trainer process (snapshot_trainer.py): its stderr goes to ``<log>.err``."""
+
+    def __init__(self, ctx: multiprocessing.context.BaseContext, tmp_path: Path,
+                 shm_root: Path, run: str, steps: int, log: Path,
+                 env: dict[str, str] | None) -> None:
+        self.err = log.with_name(log.name + ".err")
+        self.proc = ctx.Process(  # type: ignore[attr-defined]
+            target=snapshot_trainer.train_in_child,
+            args=([str(tmp_path / "store"), str(shm_root), run, str(steps), str(log)],
+                  env or {}, str(self.err)))
+        self.proc.start()
+
+    def running(self) -> bool:
+        return bool(self.proc.is_alive())
+
+    def kill(self) -> None:
+        """SIGKILL it and reap it."""
+        self.proc.kill()
+        self.proc.join(30)
+        assert not self.proc.is_alive()
+
+    def finish(self, timeout: float) -> int:
+        """Its exit code (negative: the signal that ended it) once it has ended by itself;
+        one still running after ``timeout`` seconds fails the test (killed first)."""
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.kill()
+            raise AssertionError(f"trainer still running after {timeout} s: {self.stderr()}")
+        return int(self.proc.exitcode)
+
+    def stderr(self) -> str:
+        return self.err.read_text() if self.err.exists() else ""
+
+
+def _trainer(ctx: multiprocessing.context.BaseContext, tmp_path: Path, shm_root: Path,
+             run: str, steps: int, log: Path, env: dict[str, str] | None = None) -> _Trainer:
+    return _Trainer(ctx, tmp_path, shm_root, run, steps, log, env)
 
 
 def _lines(log: Path) -> list[list[str]]:
@@ -219,7 +278,8 @@ REFERENCE_STEPS = 80
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, str]]:
+def reference(tmp_path_factory: pytest.TempPathFactory,
+              trainers: multiprocessing.context.BaseContext) -> Iterator[dict[int, str]]:
     """Digest of the trainer's state after each step of one uninterrupted run (shared by the
     tests of this module: every trainer start costs seconds on a loaded machine)."""
     tmp = tmp_path_factory.mktemp("reference")
@@ -227,9 +287,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, st
     shm = base / f"ckptstore-test-{uuid.uuid4().hex[:10]}" if base.is_dir() else tmp / "shm"
     try:
         log = tmp / "reference.log"
-        proc = _trainer(tmp, shm, "reference", REFERENCE_STEPS, log)
-        _, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err.decode()
+        proc = _trainer(trainers, tmp, shm, "reference", REFERENCE_STEPS, log)
+        assert proc.finish(180) == 0, proc.stderr()
         yield {int(p[1]): p[2] for p in _lines(log) if p[0] == "done"}
     finally:
         shutil.rmtree(shm, ignore_errors=True)
@@ -237,7 +296,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, st
 
 @pytest.mark.slow
 def test_sigkill_at_random_steps_resumes_within_one_step_bit_exact(
-    tmp_path: Path, shm_root: Path, reference: dict[int, str]
+    tmp_path: Path, shm_root: Path, reference: dict[int, str],
+    trainers: multiprocessing.context.BaseContext,
 ) -> None:
     steps = REFERENCE_STEPS
     log = tmp_path / "killed.log"
@@ -245,24 +305,22 @@ def test_sigkill_at_random_steps_resumes_within_one_step_bit_exact(
     kills = 0
     deadline = time.monotonic() + 90
     while kills < 5 and time.monotonic() < deadline:
-        proc = _trainer(tmp_path, shm_root, "killed", steps, log)
+        proc = _trainer(trainers, tmp_path, shm_root, "killed", steps, log)
         seen = len(_lines(log)) if log.exists() else 0
         # Kill once the child has made a few steps since its start, after a random delay.
-        while proc.poll() is None and time.monotonic() < deadline:
+        while proc.running() and time.monotonic() < deadline:
             lines = _lines(log) if log.exists() else []
             if sum(1 for p in lines[seen:] if p[0] == "done") >= 2:
                 break
             time.sleep(0.01)
         time.sleep(rng.uniform(0.0, 0.15))
-        if proc.poll() is not None:
+        if not proc.running():
             break  # finished before the kill
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.kill()
         kills += 1
     assert kills >= 3
-    proc = _trainer(tmp_path, shm_root, "killed", steps, log)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err.decode()
+    proc = _trainer(trainers, tmp_path, shm_root, "killed", steps, log)
+    assert proc.finish(120) == 0, proc.stderr()
     lines = _lines(log)
     last_done: int | None = None
     resumes = 0
@@ -285,7 +343,8 @@ def test_sigkill_at_random_steps_resumes_within_one_step_bit_exact(
 @pytest.mark.slow
 @pytest.mark.parametrize("point", ["snapshot.tensor:40", "snapshot.copied:4"])
 def test_snapshot_torn_by_a_crash_is_never_read(
-    tmp_path: Path, shm_root: Path, point: str, reference: dict[int, str]
+    tmp_path: Path, shm_root: Path, point: str, reference: dict[int, str],
+    trainers: multiprocessing.context.BaseContext,
 ) -> None:
     # Tensor pass 40 is mid-copy in the 3rd or 4th snapshot (the trainer's state has a dozen
     # tensors): the training thread waits for the copy, so the torn snapshot is that of the
@@ -294,9 +353,9 @@ def test_snapshot_torn_by_a_crash_is_never_read(
     # and checksummed but not committed (its step may be logged: take() waits for the copy
     # only, the commit word follows on the worker).
     log = tmp_path / "torn.log"
-    proc = _trainer(tmp_path, shm_root, "torn", 40, log, env={"CKPT_FAULT_POINT": point})
-    proc.communicate(timeout=120)
-    assert proc.returncode == -signal.SIGKILL
+    proc = _trainer(trainers, tmp_path, shm_root, "torn", 40, log,
+                    env={"CKPT_FAULT_POINT": point})
+    assert proc.finish(120) == -signal.SIGKILL
     last_done = int([p for p in _lines(log) if p[0] == "done"][-1][1])
     torn_step = last_done + 1 if point.startswith("snapshot.tensor") else 4
     assert torn_step >= 2 and last_done in (torn_step - 1, torn_step)
@@ -306,9 +365,8 @@ def test_snapshot_torn_by_a_crash_is_never_read(
         assert state["step"] == torn_step - 1
     finally:
         store.close()
-    proc = _trainer(tmp_path, shm_root, "torn", 6, log)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err.decode()
+    proc = _trainer(trainers, tmp_path, shm_root, "torn", 6, log)
+    assert proc.finish(120) == 0, proc.stderr()
     resumed = [p for p in _lines(log) if p[0] == "resumed"][-1]
     assert resumed == ["resumed", str(torn_step - 1), reference[torn_step - 1]]
 
@@ -316,7 +374,8 @@ def test_snapshot_torn_by_a_crash_is_never_read(
 
 @pytest.mark.slow
 def test_node_lost_after_sigkill_resumes_from_the_neighbours_replica(
-    tmp_path: Path, shm_root: Path, reference: dict[int, str]
+    tmp_path: Path, shm_root: Path, reference: dict[int, str],
+    trainers: multiprocessing.context.BaseContext,
 ) -> None:
     from ckptstore.ops.writing.snapshot_peer import SnapshotReplicaServer
 
@@ -325,20 +384,20 @@ def test_node_lost_after_sigkill_resumes_from_the_neighbours_replica(
     try:
         env = {"TRAINER_PEER": f"127.0.0.1:{server.address[1]}", "TRAINER_PAUSE": "0.05"}
         log = tmp_path / "peer.log"
-        proc = _trainer(tmp_path, shm_root / "a", "peer", REFERENCE_STEPS, log, env=env)
+        proc = _trainer(trainers, tmp_path, shm_root / "a", "peer", REFERENCE_STEPS, log,
+                        env=env)
         deadline = time.monotonic() + 120
-        while proc.poll() is None and time.monotonic() < deadline:
+        while proc.running() and time.monotonic() < deadline:
             if log.exists() and sum(1 for p in _lines(log) if p[0] == "done") >= 12:
                 break
             time.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.kill()
         last_done = int([p for p in _lines(log) if p[0] == "done"][-1][1])
         shutil.rmtree(shm_root / "a")  # the node is lost with its memory
         # The replacement: a new, empty shared memory; 2 steps are enough to see it resume.
-        proc = _trainer(tmp_path, shm_root / "c", "peer", last_done + 3, log, env=env)
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err.decode()
+        proc = _trainer(trainers, tmp_path, shm_root / "c", "peer", last_done + 3, log,
+                        env=env)
+        assert proc.finish(120) == 0, proc.stderr()
         resumed = [p for p in _lines(log) if p[0] == "resumed"][-1]
         step = int(resumed[1])
         # At most one snapshot interval: the neighbour acknowledged step k - 1 before
