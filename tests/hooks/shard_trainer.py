@@ -15,6 +15,9 @@ After each ``mgr.step`` rank 0 saves the gathered full tensors to ``<out>/full<s
 after a resume every rank saves its local shards and their first rows to
 ``<out>/resumed<world>_rank<RANK>.pt`` and logs ``resumed <step>`` to
 ``<out>/rank<RANK>.log`` (``resumed -1`` when fresh).
+
+test_snapshot_shards.py runs each rank as :func:`rank_in_child`, a child of a forkserver that
+preloaded torch and ckptstore (a fresh interpreter costs seconds of imports per rank).
 """
 
 from __future__ import annotations
@@ -93,6 +96,21 @@ def main() -> None:
     store.close()
     log.write("finished\n")
     dist.destroy_process_group()
+
+
+def rank_in_child(args: list[str], env: dict[str, str], drop: list[str], output: str) -> None:
+    """:func:`main` in a :mod:`multiprocessing` child: the variables ``drop`` removed from
+    the environment and ``env`` added, stdout and stderr appended to the file ``output``,
+    ``args`` as on the command line."""
+    for var in drop:
+        os.environ.pop(var, None)
+    os.environ.update(env)
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.argv = [__file__, *args]
+    main()
 
 
 if __name__ == "__main__":

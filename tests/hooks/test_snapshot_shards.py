@@ -1,15 +1,21 @@
 """Sharded (DTensor) states in snapshots: the overlap computation (pure), the refusal of
-layouts not supported, and a real job resumed at another world size (gloo on CPU)."""
+layouts not supported, and a real job resumed at another world size (gloo on CPU).
+
+Each rank of the real jobs is a process of its own: a child of a forkserver that preloaded
+torch.distributed and ckptstore (tests/hooks/shard_trainer.py's ``rank_in_child``), so that a
+rank does not pay seconds of imports as a fresh interpreter would.
+"""
 
 from __future__ import annotations
 
-import os
-import subprocess
+import multiprocessing
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from process_support import finish_child, preloaded_children
 
 from ckptstore.errors import ConfigError
 from ckptstore.ops.writing.snapshot import HEADER_BYTES, parse_header, snapshot_dir
@@ -23,8 +29,31 @@ from ckptstore.ops.writing.snapshot_world import Held, HostInventory, agree_shar
 from ckptstore.store import CheckpointStore
 from ckptstore.testing.ports import free_port
 
-TRAINER = Path(__file__).with_name("shard_trainer.py")
+HERE = Path(__file__).parent
+if str(HERE) not in sys.path:
+    # The forkserver's children get this sys.path (appended: this directory's conftest.py
+    # must not shadow another module named conftest).
+    sys.path.append(str(HERE))
+
+import shard_trainer  # noqa: E402
+
 TIMEOUT_S = 90
+#: Installed packages only: the children import shard_trainer.py themselves. Besides the
+#: trainer's imports, what a rank would import later on its own (listed from a rank's
+#: sys.modules): torch._dynamo, torch._inductor and torch.onnx, alembic's command module
+#: (creating the catalog), the migrations and the metrics module.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.device_mesh",
+            "torch.distributed.tensor", "torch._dynamo", "torch._inductor", "torch.onnx",
+            "alembic", "alembic.command", "alembic.config", "ckptstore.hooks.manager",
+            "ckptstore.store", "ckptstore.migrations", "ckptstore.observability.prom"]
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[multiprocessing.context.BaseContext]:
+    """Where the ranks start: a forkserver with torch and ckptstore imported, stopped with
+    the module. When another module's forkserver runs already, spawned children instead:
+    slower, always right."""
+    yield from preloaded_children(_PRELOAD)
 
 
 # ---------------------------------------------------------------- the overlaps (pure)
@@ -181,32 +210,31 @@ def test_a_snapshot_records_each_shard_and_a_sharded_durable_save_is_refused(
 
 
 # ---------------------------------------------------------------- real ranks (gloo)
-def _launch(tmp_path: Path, shm_root: Path, last: int, out: Path, nranks: int,
-            **extra: str) -> list[int]:
-    """``nranks`` ranks, each a node of its own with its own shared memory; wait (bounded)."""
+def _launch(ctx: multiprocessing.context.BaseContext, tmp_path: Path, shm_root: Path,
+            last: int, out: Path, nranks: int, **extra: str) -> list[int]:
+    """``nranks`` ranks, each a node of its own with its own shared memory; wait (bounded:
+    a rank still running after ``TIMEOUT_S`` is killed, and its exit code is -SIGKILL)."""
     port = free_port()
     procs = []
     for rank in range(nranks):
-        env = dict(os.environ)
-        for var in ("CKPT_CONFIG", "CKPT_FAULT_POINT", "CKPT_REPLICAS"):
-            env.pop(var, None)
-        env.update(
+        env = dict(
             OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nranks), LOCAL_RANK="0",
             LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), CKPT_HOST=f"node{rank}",
             CKPT_ROOT=str(tmp_path / "store"), CKPT_MEMORY_TIER_DIR=str(shm_root / f"n{rank}"),
             **extra)
-        log = (out / f"proc{nranks}_{rank}.out").open("a")
-        procs.append(subprocess.Popen([sys.executable, str(TRAINER), "r", str(last), str(out)],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT))
-        log.close()
+        proc = ctx.Process(  # type: ignore[attr-defined]
+            target=shard_trainer.rank_in_child,
+            args=(["r", str(last), str(out)], env,
+                  ["CKPT_CONFIG", "CKPT_FAULT_POINT", "CKPT_REPLICAS"],
+                  str(out / f"proc{nranks}_{rank}.out")))
+        proc.start()
+        procs.append(proc)
     try:
-        return [p.wait(timeout=TIMEOUT_S) for p in procs]
+        return [finish_child(p, TIMEOUT_S) for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            finish_child(p, 0)
 
 
 def _tails(out: Path) -> str:
@@ -242,27 +270,29 @@ def _damage_newest(tmp_path: Path, shm_root: Path, rank: int, step: int) -> None
 
 
 @pytest.mark.slow
-def test_a_sharded_state_resumes_at_another_world_size(tmp_path: Path,
-                                                       shm_root: Path) -> None:
+def test_a_sharded_state_resumes_at_another_world_size(
+        tmp_path: Path, shm_root: Path, ranks: multiprocessing.context.BaseContext) -> None:
     with CheckpointStore.open(tmp_path / "store") as store:
         store.run("r")
     out = tmp_path / "out"
     out.mkdir()
-    assert _launch(tmp_path, shm_root, 4, out, 2, WORLD_REPLICAS="2") == [0, 0], _tails(out)
+    assert _launch(ranks, tmp_path, shm_root, 4, out, 2, WORLD_REPLICAS="2") == [0, 0], \
+        _tails(out)
     # Damage old rank 1's step 4 in node 1's own slot (its replica on node 0 is intact): the
     # rank reading it there finds the crc32c wrong, so every rank goes back to step 3.
     _damage_newest(tmp_path, shm_root, 1, step=4)
     # Three ranks, the third on a new node with an empty memory: every rank resumes at
     # step 3 with the rows it now owns, gathered from the two old ranks' snapshots (the new
     # rank fetches both from the servers; rank 1 needs rows of old rank 0 and 1).
-    assert _launch(tmp_path, shm_root, 5, out, 3, WORLD_REPLICAS="2") == [0, 0, 0], \
+    assert _launch(ranks, tmp_path, shm_root, 5, out, 3, WORLD_REPLICAS="2") == [0, 0, 0], \
         _tails(out)
     _check_shards(out, 3, 3)
     # The 3-rank run went on to step 5; back to 2 ranks (both nodes' servers up, node 0
     # holding rank 2's replica): each resumes at 5 with rows from up to two of the 3 shards.
-    assert _launch(tmp_path, shm_root, 6, out, 2, WORLD_REPLICAS="2") == [0, 0], _tails(out)
+    assert _launch(ranks, tmp_path, shm_root, 6, out, 2, WORLD_REPLICAS="2") == [0, 0], \
+        _tails(out)
     _check_shards(out, 2, 5)
     # Down to one rank on node 0, which holds rank 0's snapshots and node 1's replicas of
     # rank 1 (without replica servers: a job of one node has none): the whole tensors.
-    assert _launch(tmp_path, shm_root, 6, out, 1) == [0], _tails(out)
+    assert _launch(ranks, tmp_path, shm_root, 6, out, 1) == [0], _tails(out)
     _check_shards(out, 1, 6)
