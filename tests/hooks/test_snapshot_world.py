@@ -1,9 +1,16 @@
 """Snapshots of a multi-rank job: neighbours assigned from the world (a ring over nodes), and
-one step agreed by every rank at a restart (gloo on CPU, real processes)."""
+one step agreed by every rank at a restart (gloo on CPU, real processes).
+
+The ranks the test starts itself are processes of their own: children of a forkserver that
+preloaded torch.distributed and ckptstore (tests/hooks/world_trainer.py's ``rank_in_child``),
+so that a rank does not pay seconds of imports as a fresh interpreter would. The launches of
+whole nodes stay torchrun launches, fresh interpreters.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import select
 import shutil
@@ -18,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from process_support import finish_child, preloaded_children
 
 from ckptstore.errors import ConfigError
 from ckptstore.hooks.manager import CheckpointManager
@@ -35,8 +43,32 @@ from ckptstore.ops.writing.snapshot_world import (
 from ckptstore.store import CheckpointStore
 from ckptstore.testing.ports import free_port
 
+HERE = Path(__file__).parent
+if str(HERE) not in sys.path:
+    # The forkserver's children get this sys.path (appended: this directory's conftest.py
+    # must not shadow another module named conftest).
+    sys.path.append(str(HERE))
+
+import world_trainer  # noqa: E402
+
 TRAINER = Path(__file__).with_name("world_trainer.py")
 TIMEOUT_S = 60
+#: Installed packages only: the children import world_trainer.py themselves. Besides the
+#: trainer's imports, what a rank would import later on its own (listed from a rank's
+#: sys.modules): torch._dynamo (the optimizer's first step), alembic's command module
+#: (creating the catalog), the migrations, the metrics module and the replica server.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "alembic", "alembic.command",
+            "alembic.config", "ckptstore.hooks.manager", "ckptstore.store",
+            "ckptstore.migrations", "ckptstore.observability.prom",
+            "ckptstore.ops.writing.snapshot_peer"]
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[multiprocessing.context.BaseContext]:
+    """Where the ranks start: a forkserver with torch and ckptstore imported, stopped with
+    the module. When another module's forkserver runs already, spawned children instead:
+    slower, always right."""
+    yield from preloaded_children(_PRELOAD)
 
 
 # ---------------------------------------------------------------- the assignment (pure)
@@ -157,32 +189,31 @@ def test_the_newest_step_every_rank_can_read_wins() -> None:
 
 
 # ---------------------------------------------------------------- real ranks (gloo)
-def _launch_ranks(tmp_path: Path, shm_root: Path, steps: str, out: Path, nranks: int = 2,
-                  **extra: str) -> list[int]:
-    """``nranks`` ranks, each a node of its own with its own shared memory; wait (bounded)."""
+def _launch_ranks(ctx: multiprocessing.context.BaseContext, tmp_path: Path, shm_root: Path,
+                  steps: str, out: Path, nranks: int = 2, **extra: str) -> list[int]:
+    """``nranks`` ranks, each a node of its own with its own shared memory; wait (bounded:
+    a rank still running after ``TIMEOUT_S`` is killed, and its exit code is -SIGKILL)."""
     port = free_port()
     procs = []
     for rank in range(nranks):
-        env = dict(os.environ)
-        for var in ("CKPT_CONFIG", "CKPT_FAULT_POINT", "CKPT_REPLICAS"):
-            env.pop(var, None)
-        env.update(
+        env = dict(
             OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nranks), LOCAL_RANK="0",
             LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), CKPT_HOST=f"node{rank}",
             CKPT_ROOT=str(tmp_path / "store"), CKPT_MEMORY_TIER_DIR=str(shm_root / f"n{rank}"),
             **extra)
-        log = (out / f"proc{rank}.out").open("a")
-        procs.append(subprocess.Popen([sys.executable, str(TRAINER), "r", steps, str(out)],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT))
-        log.close()
+        proc = ctx.Process(  # type: ignore[attr-defined]
+            target=world_trainer.rank_in_child,
+            args=(["r", steps, str(out)], env,
+                  ["CKPT_CONFIG", "CKPT_FAULT_POINT", "CKPT_REPLICAS"],
+                  str(out / f"proc{rank}.out")))
+        proc.start()
+        procs.append(proc)
     try:
-        return [p.wait(timeout=TIMEOUT_S) for p in procs]
+        return [finish_child(p, TIMEOUT_S) for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            finish_child(p, 0)
 
 
 def _log(out: Path, rank: int) -> list[list[str]]:
@@ -198,20 +229,20 @@ def _resumed(out: Path, rank: int) -> list[tuple[int, str]]:
 
 
 @pytest.mark.slow
-def test_ranks_resume_at_the_newest_step_all_of_them_hold(tmp_path: Path,
-                                                          shm_root: Path) -> None:
+def test_ranks_resume_at_the_newest_step_all_of_them_hold(
+        tmp_path: Path, shm_root: Path, ranks: multiprocessing.context.BaseContext) -> None:
     with CheckpointStore.open(tmp_path / "store") as store:
         store.run("r")  # made once, before two processes look for it
     out = tmp_path / "out"
     out.mkdir()
     # Rank 0 gets to step 6, rank 1 to step 5: with two slots each, rank 0 holds 5 and 6,
     # rank 1 holds 4 and 5.
-    assert _launch_ranks(tmp_path, shm_root, "6,5", out) == [0, 0], \
+    assert _launch_ranks(ranks, tmp_path, shm_root, "6,5", out) == [0, 0], \
         (out / "proc0.out").read_text()[-3000:] + (out / "proc1.out").read_text()[-3000:]
     reference = [_digests(out, 0), _digests(out, 1)]
     assert reference[0] != reference[1]  # each rank's state is its own
     # Both resume at 5, each with its own state of step 5, and go on to 7.
-    assert _launch_ranks(tmp_path, shm_root, "7", out) == [0, 0]
+    assert _launch_ranks(ranks, tmp_path, shm_root, "7", out) == [0, 0]
     assert _resumed(out, 0)[-1] == (5, reference[0][5])
     assert _resumed(out, 1)[-1] == (5, reference[1][5])
     assert _digests(out, 0)[6] == reference[0][6]  # the same step again, bit for bit
@@ -228,27 +259,27 @@ def test_ranks_resume_at_the_newest_step_all_of_them_hold(tmp_path: Path,
         first = fh.read(1)
         fh.seek(header[3])
         fh.write(bytes([first[0] ^ 0xFF]))
-    assert _launch_ranks(tmp_path, shm_root, "8", out) == [0, 0]
+    assert _launch_ranks(ranks, tmp_path, shm_root, "8", out) == [0, 0]
     after = [_digests(out, 0), _digests(out, 1)]
     assert _resumed(out, 0)[-1] == (6, after[0][6])
     assert _resumed(out, 1)[-1] == (6, after[1][6])
 
 
 @pytest.mark.slow
-def test_a_replicated_state_resumes_at_another_world_size(tmp_path: Path,
-                                                          shm_root: Path) -> None:
+def test_a_replicated_state_resumes_at_another_world_size(
+        tmp_path: Path, shm_root: Path, ranks: multiprocessing.context.BaseContext) -> None:
     with CheckpointStore.open(tmp_path / "store") as store:
         store.run("r")
     out = tmp_path / "out"
     out.mkdir()
     replicated = {"WORLD_SYNC": "1", "WORLD_REPLICATED": "1", "WORLD_REPLICAS": "2"}
-    assert _launch_ranks(tmp_path, shm_root, "5", out, 2, **replicated) == [0, 0], \
+    assert _launch_ranks(ranks, tmp_path, shm_root, "5", out, 2, **replicated) == [0, 0], \
         (out / "proc0.out").read_text()[-3000:]
     reference = _digests(out, 0)
     assert _digests(out, 1) == reference  # the same state on every rank
     # Three ranks now, the third on a new node with an empty memory: all resume at step 5
     # from the two earlier ranks' snapshots (the new rank fetches one from a server).
-    assert _launch_ranks(tmp_path, shm_root, "6", out, 3, **replicated) == [0, 0, 0], \
+    assert _launch_ranks(ranks, tmp_path, shm_root, "6", out, 3, **replicated) == [0, 0, 0], \
         (out / "proc2.out").read_text()[-3000:]
     assert [_resumed(out, r)[-1] for r in range(3)] == [(5, reference[5])] * 3
 

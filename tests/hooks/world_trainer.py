@@ -19,6 +19,10 @@ on every rank, so a rank resuming another's state is caught). Appends to
 when fresh), then ``done <step> <digest>`` after every ``mgr.step``, and ``finished``; the
 digest is a sha256 of every tensor of the state, so the same inputs give the same digests bit
 for bit.
+
+test_snapshot_world.py runs the ranks it starts itself (not those under torchrun) as
+:func:`rank_in_child`, children of a forkserver that preloaded torch and ckptstore (a fresh
+interpreter costs seconds of imports per rank).
 """
 
 from __future__ import annotations
@@ -120,6 +124,21 @@ def main() -> None:
     store.close()
     out.write("finished\n")
     dist.destroy_process_group()
+
+
+def rank_in_child(args: list[str], env: dict[str, str], drop: list[str], output: str) -> None:
+    """:func:`main` in a :mod:`multiprocessing` child: the variables ``drop`` removed from
+    the environment and ``env`` added, stdout and stderr appended to the file ``output``,
+    ``args`` as on the command line."""
+    for var in drop:
+        os.environ.pop(var, None)
+    os.environ.update(env)
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.argv = [__file__, *args]
+    main()
 
 
 if __name__ == "__main__":
