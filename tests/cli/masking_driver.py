@@ -6,6 +6,11 @@ line would cost seconds each on a loaded machine. Each argument is one command l
 stderr and its exit code is printed as ``=== <n> exit <code>`` on stdout. Logging is
 configured by the CLI itself (``--verbose``, ``CKPT_LOG_JSON``), so log lines reach stderr as
 they would.
+
+test_secret_masking.py runs :func:`run_in_child` in children of a forkserver that preloaded
+the heavy third-party packages (torch, SQLAlchemy, ...; none of ckptstore, rich or typer, whose
+modules read the environment or set up consoles when imported): the CLI is imported and
+configures its logging in the child, as in ``ckpt``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,22 @@ def run(lines: list[str]) -> None:
                     os.environ[key] = value
         sys.stderr.flush()
         print(f"=== {n} exit {code}", flush=True)
+
+
+def run_in_child(lines: list[str], env: dict[str, str], drop: list[str], cwd: str,
+                 out: str, err: str) -> None:
+    """:func:`run` in a :mod:`multiprocessing` child: the variables ``drop`` removed from the
+    environment and ``env`` added, in the directory ``cwd``, stdout and stderr written to the
+    files ``out`` and ``err``."""
+    for var in drop:
+        os.environ.pop(var, None)
+    os.environ.update(env)
+    os.chdir(cwd)
+    for path, target in ((out, 1), (err, 2)):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, target)
+        os.close(fd)
+    run(lines)
 
 
 if __name__ == "__main__":

@@ -7,26 +7,40 @@ error text repeated the rest (``failed to resolve host 'ss@w0rd@127.0.0.1'``).
 
 The command lines run through the real ``ckpt`` entry point in one child process per logging
 mode (tests/cli/masking_driver.py), with ``--verbose`` so log lines are written too: plain
-text on stderr, and JSON lines with ``CKPT_LOG_JSON=1``.
+text on stderr, and JSON lines with ``CKPT_LOG_JSON=1``. The child comes from a forkserver
+that preloaded torch, SQLAlchemy and the other heavy third-party packages (not ckptstore: the
+CLI is imported and configures its logging in the child), so that it does not pay seconds of
+imports as a fresh interpreter would.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import multiprocessing
 import re
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from pg_support import PG_HOST, PG_PORT, create_pg_database, drop_pg_database, require_pg
+from process_support import finish_child, preloaded_children
 from sqlalchemy.engine import make_url
 
 from ckptstore.testing.ports import free_port
 
 HERE = Path(__file__).parent
+if str(HERE) not in sys.path:
+    # The forkserver's children get this sys.path (appended: this directory's conftest.py
+    # must not shadow another module named conftest).
+    sys.path.append(str(HERE))
+
+import masking_driver  # noqa: E402
+
+#: Third-party packages only: the CLI's own modules set up consoles and read the environment
+#: when imported (and typer's read it too), so the child imports them itself.
+_PRELOAD = ["torch", "numpy", "numcodecs", "sqlalchemy", "psycopg", "alembic",
+            "alembic.command", "alembic.config", "pydantic", "prometheus_client", "mako"]
 # Distinctive letters, so that any 4-character piece of a password found in the output is a
 # leak and not a coincidence.
 PASSWORDS = ["Zq@Xj@Kw0V", "Zq@Xj:Kv/Wm%40Yp"]
@@ -41,22 +55,34 @@ def _pieces(password: str) -> set[str]:
     return {form[i:i + 4] for form in forms for i in range(len(form) - 3)}
 
 
-def _drive(lines: list[dict[str, object]], env: dict[str, str],
-           cwd: Path) -> tuple[dict[int, int], str, str]:
+@pytest.fixture(scope="module")
+def drivers() -> Iterator[multiprocessing.context.BaseContext]:
+    """Where the drivers start: a forkserver with the heavy packages imported, stopped with
+    the module. When another module's forkserver runs already, spawned children instead:
+    slower, always right."""
+    yield from preloaded_children(_PRELOAD)
+
+
+def _drive(ctx: multiprocessing.context.BaseContext, lines: list[dict[str, object]],
+           env: dict[str, str], cwd: Path) -> tuple[dict[int, int], str, str]:
     """Run the command lines; return each one's exit code, and all stdout and stderr."""
-    full = {**os.environ, "COLUMNS": "250", **env}
-    for var in ("CKPT_CONFIG", "CKPT_ROOT", "CKPT_CATALOG_URL", "CKPT_LOG_JSON"):
-        if var not in env:
-            full.pop(var, None)
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "masking_driver.py"), *(json.dumps(x) for x in lines)],
-        capture_output=True, text=True, env=full, cwd=cwd, timeout=300, check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    drop = [var for var in ("CKPT_CONFIG", "CKPT_ROOT", "CKPT_CATALOG_URL", "CKPT_LOG_JSON")
+            if var not in env]
+    out, err = cwd / "driver.out", cwd / "driver.err"
+    child = ctx.Process(  # type: ignore[attr-defined]
+        target=masking_driver.run_in_child,
+        args=([json.dumps(x) for x in lines], {"COLUMNS": "250", **env}, drop, str(cwd),
+              str(out), str(err)))
+    child.start()
+    code = finish_child(child, 300)
+    stdout, stderr = out.read_text(), err.read_text()
+    out.unlink()
+    err.unlink()
+    assert code == 0, stderr[-3000:]
     codes = {int(m.group(1)): int(m.group(2))
-             for m in re.finditer(r"^=== (\d+) exit (-?\d+)$", proc.stdout, re.M)}
-    assert len(codes) == len(lines), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return codes, proc.stdout, proc.stderr
+             for m in re.finditer(r"^=== (\d+) exit (-?\d+)$", stdout, re.M)}
+    assert len(codes) == len(lines), stdout[-3000:] + stderr[-3000:]
+    return codes, stdout, stderr
 
 
 def _section(text: str, n: int) -> str:
@@ -97,8 +123,8 @@ def pg_dbs() -> Iterator[list[str]]:
 
 
 @pytest.mark.parametrize("log_json", [False, True], ids=["text-logs", "json-logs"])
-def test_catalog_password_never_shown(tmp_path: Path, pg_dbs: list[str],
-                                      log_json: bool) -> None:
+def test_catalog_password_never_shown(tmp_path: Path, pg_dbs: list[str], log_json: bool,
+                                      drivers: multiprocessing.context.BaseContext) -> None:
     closed = free_port()  # nothing listens there
     lines: list[dict[str, object]] = []
     expect: list[tuple[str, int]] = []  # (what, exit code)
@@ -128,7 +154,7 @@ def test_catalog_password_never_shown(tmp_path: Path, pg_dbs: list[str],
             lines.append({"args": [*args, *store], "env": good})
             expect.append((f"good {args}", 0))
     env = {"CKPT_LOG_JSON": "1"} if log_json else {}
-    codes, out, err = _drive(lines, env, tmp_path)
+    codes, out, err = _drive(drivers, lines, env, tmp_path)
     for n, (what, code) in enumerate(expect):
         assert codes[n] == code, (what, _section(out, n), _section(err, n))
     for i, password in enumerate(PASSWORDS):
@@ -144,7 +170,8 @@ def test_catalog_password_never_shown(tmp_path: Path, pg_dbs: list[str],
         assert any("postgres:***@" in r["msg"] for r in records), err[-3000:]
 
 
-def test_endpoint_credentials_are_refused_and_masked(tmp_path: Path) -> None:
+def test_endpoint_credentials_are_refused_and_masked(
+        tmp_path: Path, drivers: multiprocessing.context.BaseContext) -> None:
     """S3 credentials are never configured in a URL: an ``endpoint_url`` or a tier URL with
     userinfo is refused with a message that masks it, and ``ckpt config`` masks it."""
     endpoint = f"http://AKIDEXAMPLE:{S3_PASSWORD}@127.0.0.1:{free_port()}"
@@ -157,7 +184,7 @@ def test_endpoint_credentials_are_refused_and_masked(tmp_path: Path) -> None:
         for args in (["config"], ["config", "--json"], ["tiers"], ["tiers", "--json"]):
             lines.append({"args": [*args, "--store", str(tmp_path / "s"), "--verbose"],
                           "env": env})
-    codes, out, err = _drive(lines, {"CKPT_LOG_JSON": "1"}, tmp_path)
+    codes, out, err = _drive(drivers, lines, {"CKPT_LOG_JSON": "1"}, tmp_path)
     assert [codes[n] for n in range(len(lines))] == [0, *[0, 0, 1, 1] * 2]
     _assert_clean(S3_PASSWORD, out, err, _files_text(tmp_path))
     assert "AKIDEXAMPLE:***@127.0.0.1" in out
