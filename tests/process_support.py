@@ -16,13 +16,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import forkserver, util
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "acting_as_host",
+    "child_main",
     "end_children",
     "finish_child",
     "preloaded_children",
@@ -150,3 +151,19 @@ def finish_child(child: Any, timeout: float = 300) -> int:
         child.kill()
         child.join()
     return int(child.exitcode)
+
+
+def child_main(main: Callable[[], object], script: str, args: Sequence[str],
+               env: dict[str, str], drop: Sequence[str], output: str) -> None:
+    """Run a script's ``main`` in a :mod:`multiprocessing` child as ``python script ARGS``
+    would: the variables ``drop`` removed from the environment and ``env`` added, standard
+    output and error appended to the file ``output``, ``sys.argv`` set."""
+    for var in drop:
+        os.environ.pop(var, None)
+    os.environ.update(env)
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.argv = [script, *args]
+    main()

@@ -102,15 +102,9 @@ def rank_in_child(args: list[str], env: dict[str, str], drop: list[str], output:
     """:func:`main` in a :mod:`multiprocessing` child: the variables ``drop`` removed from
     the environment and ``env`` added, stdout and stderr appended to the file ``output``,
     ``args`` as on the command line."""
-    for var in drop:
-        os.environ.pop(var, None)
-    os.environ.update(env)
-    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.argv = [__file__, *args]
-    main()
+    from process_support import child_main
+
+    child_main(main, __file__, args, env, drop, output)
 
 
 if __name__ == "__main__":
