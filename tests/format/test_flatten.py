@@ -141,6 +141,30 @@ def test_quantized_and_subclass_tensors_are_refused() -> None:
         flatten_state({"s": torch.zeros(2).as_subclass(Sub)})
 
 
+def test_a_subclass_hook_stores_its_plain_tensor_in_the_same_walk() -> None:
+    class Sub(torch.Tensor):
+        pass
+
+    shard = torch.arange(4.0)
+    seen: list[str] = []
+
+    def plain(t: torch.Tensor, key: str) -> torch.Tensor:
+        seen.append(key)
+        return shard if isinstance(t, Sub) else t
+
+    flat = flatten_state({"a": {"s": torch.zeros(4).as_subclass(Sub)}, "b": torch.ones(2)},
+                         subclass=plain)
+    assert seen == ["a/s"]  # called for the subclass only, with its key
+    assert flat.tensors["a/s"] is shard and type(flat.tensors["a/s"]) is torch.Tensor
+
+    class Other(torch.Tensor):
+        pass
+
+    # What the hook returns unchanged is refused as without it.
+    with pytest.raises(UnsafeObjectError, match="subclass"):
+        flatten_state({"o": torch.zeros(1).as_subclass(Other)}, subclass=lambda t, k: t)
+
+
 def test_self_containing_state_is_refused() -> None:
     loop: list[Any] = []
     loop.append(loop)

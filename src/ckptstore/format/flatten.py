@@ -26,7 +26,7 @@ import base64
 import logging
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +68,7 @@ class _Flattener:
     by_view: dict[tuple[Any, ...], str] = field(default_factory=dict)
     # Keeps originals alive so id() values cannot be recycled during the walk.
     keepalive: list[Any] = field(default_factory=list)
+    subclass: Callable[[torch.Tensor, str], torch.Tensor] | None = None
 
     def visit(self, obj: Any, path: str, depth: int) -> Any:
         kind = type(obj)
@@ -121,6 +122,8 @@ class _Flattener:
         return {"t": "odict" if type(obj) is OrderedDict else "dict", "k": keys, "v": values}
 
     def tensor(self, t: torch.Tensor, path: str) -> str:
+        if self.subclass is not None and type(t) not in _TENSOR_TYPES:
+            t = self.subclass(t, path)
         where = render_path(path)
         if type(t) not in _TENSOR_TYPES:
             raise UnsafeObjectError(
@@ -205,18 +208,27 @@ class _Flattener:
         return {"t": "np", "dtype": dtype.str, "v": value.tobytes().hex()}
 
 
-def flatten_state(state: Any) -> FlatState:
+def flatten_state(
+    state: Any, *, subclass: Callable[[torch.Tensor, str], torch.Tensor] | None = None
+) -> FlatState:
     """Split ``state`` into its tensors and a JSON skeleton.
 
     Tensor keys follow :mod:`ckptstore.format.keys`. Tensors are returned as given (no copy,
     any device); the writer takes care of getting their bytes.
+
+    Args:
+        state: The state.
+        subclass: Called as ``subclass(tensor, key)`` for a tensor subclass (a DTensor, say):
+            the plain tensor it returns is stored in its place, in the same walk (a snapshot
+            of a sharded state stores each DTensor's local shard); what it returns unchanged
+            is refused as without it.
 
     Raises:
         UnsafeObjectError: If the state holds something that would need pickle; the message
             names its key path.
         InvalidNameError: If two leaves render to the same key.
     """
-    flattener = _Flattener()
+    flattener = _Flattener(subclass=subclass)
     tree = flattener.visit(state, "", 0)
     return FlatState(tensors=flattener.tensors, tree=tree)
 

@@ -18,7 +18,6 @@ record of where they belong.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,7 @@ import torch
 
 from ckptstore.errors import ConfigError, IntegrityError
 from ckptstore.format import FlatState, flatten_state
-from ckptstore.format.keys import join_key, render_path
+from ckptstore.format.keys import render_path
 
 __all__ = [
     "ShardSpec",
@@ -153,23 +152,6 @@ def dtensor_spec(tensor: Any, where: str = "") -> ShardSpec:
                      tuple(int(d) for d in chunks[0].sizes))
 
 
-def _localize(obj: Any, path: str, found: dict[int, tuple[Any, ShardSpec]]) -> Any:
-    if is_dtensor(obj):
-        spec = dtensor_spec(obj, path)
-        # detach(): the flattener copies bytes only; the local tensor shares the shard's memory.
-        local = obj.to_local().detach()
-        found[id(local)] = (obj, spec)
-        return local
-    kind = type(obj)
-    if kind in (dict, OrderedDict):
-        items = [(k, _localize(v, join_key(path, k), found)) for k, v in obj.items()]
-        return OrderedDict(items) if kind is OrderedDict else dict(items)
-    if kind in (list, tuple):
-        values = [_localize(v, join_key(path, i), found) for i, v in enumerate(obj)]
-        return values if kind is list else tuple(values)
-    return obj
-
-
 def flatten_sharded(state: Any) -> tuple[FlatState, dict[str, ShardSpec]]:
     """Flatten ``state`` with every DTensor replaced by its local shard.
 
@@ -197,11 +179,19 @@ def dtensor_templates(state: Any) -> dict[str, tuple[Any, ShardSpec]]:
 
 
 def _flatten_local(state: Any) -> tuple[FlatState, dict[str, tuple[Any, ShardSpec]]]:
-    found: dict[int, tuple[Any, ShardSpec]] = {}
-    local_state = _localize(state, "", found)
-    flat = flatten_state(local_state)
-    # The flattener keeps the very tensor objects it was given: their ids name the keys.
-    return flat, {key: found[id(t)] for key, t in flat.tensors.items() if id(t) in found}
+    """One walk of ``state``: every DTensor stored as its local shard, and found by its key."""
+    found: dict[str, tuple[Any, ShardSpec]] = {}
+
+    def local(tensor: torch.Tensor, key: str) -> torch.Tensor:
+        if not is_dtensor(tensor):
+            return tensor  # refused by the flattener, as any other subclass
+        found[key] = (tensor, dtensor_spec(tensor, key))
+        # detach(): the flattener copies bytes only; the local tensor shares the shard's memory.
+        return tensor.to_local().detach()  # type: ignore[attr-defined,no-any-return]
+
+    flat = flatten_state(state, subclass=local)
+    # A DTensor met twice (tied) is stored once, under its first key.
+    return flat, {key: found[key] for key in flat.tensors if key in found}
 
 
 def specs_from_meta(info: Mapping[str, Any]) -> dict[str, ShardSpec]:
