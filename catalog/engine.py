@@ -37,6 +37,7 @@ from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.pool import StaticPool
 
+from ckptstore.catalog.pg_ids import register_on
 from ckptstore.errors import ConfigError
 from ckptstore.redact import mask_url, register_secret, split_userinfo
 
@@ -214,5 +215,7 @@ def create_catalog_engine(url: str | URL, *, echo: bool = False, reads: bool = F
             max_overflow=10,
             connect_args={"connect_timeout": 10},
         )
+    if parsed.get_backend_name() != "sqlite":
+        event.listen(engine, "connect", register_on)
     logger.debug("catalog engine created for %s", mask_url(parsed))
     return engine

@@ -47,6 +47,15 @@ def test_config_filters(runs: Catalog, where: object, expected: set[str]) -> Non
     assert len(found) == 2 * len(expected)
 
 
+def test_config_listing_with_a_limit(runs: Catalog) -> None:
+    # With a limit and many matching runs, the listing reads the order's index and keeps
+    # the checkpoints of the matching runs (queries.QueriesMixin._config_runs, "scan").
+    found = runs.list(where="config.lr>=0", order_by="-step", limit=3)
+    assert [(c.run, c.step) for c in found] == [("b", 2), ("a", 2), ("b", 1)]
+    assert [(c.run, c.step) for c in runs.list(where="config.opt.name==sgd", limit=5)] == [
+        ("b", 1), ("b", 2)]
+
+
 def test_cached_config_filters_keep_value_types_apart(runs: Catalog) -> None:
     # Filter texts share one statement per text; 1 == True in Python, so the mappings
     # (values of any type) must never share one: a boolean matches only a boolean.

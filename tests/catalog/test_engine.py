@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+import struct
 from pathlib import Path
 
 import pytest
-from sqlalchemy import event, text
+from sqlalchemy import Integer, bindparam, event, text
+from sqlalchemy.dialects.postgresql import ARRAY
 
 from ckptstore.catalog import Catalog, mask_url
 from ckptstore.catalog.engine import WRITE_OPTION, create_catalog_engine, parse_catalog_url
+from ckptstore.catalog.pg_ids import IdArray, PackedIds
 from ckptstore.errors import ConfigError, StorageError
 
 SECRET = "s3cr%3Et-pw"
@@ -143,3 +146,22 @@ def test_reads_survive_connections_the_server_closed(catalog: Catalog, save) -> 
     assert [c.id for c in catalog.list(run="r")] == [ck.id]
     assert catalog.get("r@latest").id == ck.id
     assert [c.id for c in catalog.lineage(ck.id)] == []
+
+
+@pytest.mark.postgres
+def test_packed_ids_reach_postgresql_as_integer_arrays(pg_session_url: str) -> None:
+    # Config listings bind the matching run ids in binary (catalog/pg_ids.py); the server
+    # must read back exactly the ids given, and lists keep their usual dumping.
+    engine = create_catalog_engine(pg_session_url, reads=True)
+    packed = text("SELECT CAST(:ids AS INTEGER[])").bindparams(bindparam("ids", type_=IdArray()))
+    listed = text("SELECT CAST(:ids AS INTEGER[])").bindparams(
+        bindparam("ids", type_=ARRAY(Integer)))
+    try:
+        with engine.connect() as conn:
+            for ids in ([], [7], [0, -1, 2**31 - 1, -(2**31), 5, 5], list(range(1, 1001))):
+                assert conn.execute(packed, {"ids": PackedIds(ids)}).scalar_one() == ids
+                assert conn.execute(listed, {"ids": ids}).scalar_one() == ids
+    finally:
+        engine.dispose()
+    with pytest.raises(struct.error):
+        PackedIds([2**31])
