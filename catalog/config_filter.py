@@ -16,6 +16,7 @@ then read through the ``(run_id, ...)`` indexes.
 from __future__ import annotations
 
 import json
+import math
 import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -100,6 +101,10 @@ def _clause(path: tuple[str, ...], op: str, value: Any, dialect: str) -> ColumnE
 
 
 def _condition(path: tuple[str, ...], op: str, value: Any, dialect: str) -> Any:
+    if not (value is None or isinstance(value, bool | int | float | str)):
+        # Not left to PostgreSQL's containment, which would take [1] as "holds 1".
+        raise InvalidNameError(f"config.{'.'.join(path)}: cannot compare with {value!r}: "
+                               "give a number, a string, true, false or null")
     compare = CONFIG_OPS[op]
     element = RunRow.config[path]
     if dialect == "sqlite":
@@ -134,6 +139,10 @@ def _condition(path: tuple[str, ...], op: str, value: Any, dialect: str) -> Any:
             raise InvalidNameError(f"config.{'.'.join(path)}: booleans compare with == or !=")
         return boolean & (truth if (op == "==") == value else ~truth)
     if isinstance(value, int | float):
+        if not math.isfinite(value):
+            # json.loads reads NaN and Infinity; no JSON document holds them.
+            raise InvalidNameError(f"config.{'.'.join(path)}: cannot compare with "
+                                   f"{value!r}: give a finite number")
         # On PostgreSQL the CASE alone is the guard (NULL never matches): checking the type
         # again outside it would look the path up once more per run.
         compared = compare(number, float(value))

@@ -22,7 +22,9 @@ def runs(catalog: Catalog) -> Catalog:
     catalog.ensure_run("b", config={"lr": 0.1, "opt": {"name": "sgd"}, "amp": False})
     catalog.ensure_run("c", config={"lr": "high", "opt": "none"})
     catalog.ensure_run("d")
-    for run in "abcd":
+    # Arrays are never unwrapped and null is a value of its own (on both backends).
+    catalog.ensure_run("e", config={"lr": [1e-4, 1], "amp": None, "opt": {"name": ["sgd"]}})
+    for run in "abcde":
         _commit(catalog, run, 1)
         _commit(catalog, run, 2)
     return catalog
@@ -40,6 +42,11 @@ def runs(catalog: Catalog) -> Catalog:
     (["config.lr<1", "config.opt.name==adam"], {"a"}),
     ({"config.lr": (">", 0.01)}, {"b"}),
     ("config.missing<1", set()),
+    ("config.amp==null", {"e"}),
+    ("config.amp!=null", {"a", "b"}),
+    ("config.lr!=0.1", {"a"}),
+    ("config.lr!=high", set()),
+    ("config.opt!=none", set()),
 ])
 def test_config_filters(runs: Catalog, where: object, expected: set[str]) -> None:
     found = runs.list(where=where)
@@ -69,6 +76,8 @@ def test_cached_config_filters_keep_value_types_apart(runs: Catalog) -> None:
 @pytest.mark.parametrize("where", [
     "lr<1", "config.<1", "config.lr<", "config.lr~1", "config.a;drop table runs<1",
     "config.opt.name<adam", {"config.lr": ("like", 1)}, 42,
+    "config.lr<NaN", "config.lr>-Infinity", {"config.lr": ("<", float("inf"))},
+    "config.amp<true", "config.amp>=null", {"config.lr": ("==", [1])},
 ])
 def test_bad_config_filters_are_clear_errors(runs: Catalog, where: object) -> None:
     with pytest.raises(InvalidNameError):
