@@ -14,6 +14,7 @@ SQLite catalog never imports it.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -65,20 +66,26 @@ def register_on(dbapi_conn: Any, _record: Any = None) -> None:
     """Teach one psycopg connection to send :class:`PackedIds` (an engine ``connect`` hook).
 
     The dumper is registered on the connection, not globally: nothing else in the process
-    changes. Its oid is set per instance, so psycopg does not also pick it for ``integer[]``
-    values of other Python types.
+    changes.
     """
+    dbapi_conn.adapters.register_dumper(PackedIds, _dumper())
+
+
+@functools.cache
+def _dumper() -> type[Any]:
     from psycopg.adapt import Dumper
     from psycopg.pq import Format
 
-    class _PackedIdsDumper(Dumper):
+    class PackedIdsDumper(Dumper):
         format = Format.BINARY
 
         def __init__(self, cls: type, context: Any = None) -> None:
             super().__init__(cls, context)
+            # Set per instance, not on the class: psycopg would otherwise also pick this
+            # dumper for integer[] values of other Python types (it indexes class oids).
             self.oid = _INT4_ARRAY_OID
 
         def dump(self, obj: Any) -> bytes:
             return obj.data  # type: ignore[no-any-return]
 
-    dbapi_conn.adapters.register_dumper(PackedIds, _PackedIdsDumper)
+    return PackedIdsDumper
