@@ -18,30 +18,24 @@ from typing import TYPE_CHECKING, Any
 from ckptstore.core import StoreCore
 from ckptstore.errors import InvalidNameError
 from ckptstore.format import Manifest
-from ckptstore.ops.reading.load import (
-    load_checkpoint,
-    read_any_manifest,
-    restore_latest,
-    verify_hot,
-)
 from ckptstore.ops.reading.prefetch import DEFAULT_HOLD_S, PrefetchResult, prefetch_checkpoint
-from ckptstore.ops.reading.progressive import ProgressiveLoad, load_progressive
 from ckptstore.ops.reading.show import show_checkpoint
-from ckptstore.ops.reading.sweep import CheckpointSweep
 from ckptstore.ops.tiering.gc import DEFAULT_PENDING_GRACE_S, GcReport, gc_hot
 from ckptstore.ops.tiering.thaw_poll import complete_thaw
 from ckptstore.ops.trigger import trigger_flow
-from ckptstore.ops.upkeep.merge import merge_checkpoints
-from ckptstore.ops.writing.async_save import SaveHandle, save_async, wait_async
-from ckptstore.ops.writing.save import save_checkpoint
 from ckptstore.progress import Progress
 from ckptstore.records import Checkpoint, Event, RunInfo, UsageRow
 from ckptstore.save_options import LATEST, Latest, SaveOptions
 
 if TYPE_CHECKING:
-    # Imported where used: torch.distributed.checkpoint takes most of a second to import,
-    # which every CLI command and flow run would pay.
+    # The operations that read or write tensors are imported where used: torch (and
+    # torch.distributed.checkpoint) take more than a second of CPU to import, which every
+    # flow run (a fresh process per run on a worker) and CLI command would pay for nothing:
+    # archiving, pruning and the catalog never touch a tensor (tests/cli/test_startup.py).
     from ckptstore.ops.dcp import ZarrStorageReader, ZarrStorageWriter
+    from ckptstore.ops.reading.progressive import ProgressiveLoad
+    from ckptstore.ops.reading.sweep import CheckpointSweep
+    from ckptstore.ops.writing.async_save import SaveHandle
 
 __all__ = ["CheckpointStore"]
 
@@ -130,6 +124,8 @@ class CheckpointStore(StoreCore):
 
             return save_distributed(self, run, step, state, options,
                                     process_group=process_group)
+        from ckptstore.ops.writing.save import save_checkpoint
+
         return save_checkpoint(self, run, step, state, options, progress=progress)
 
     def save_async(
@@ -182,10 +178,14 @@ class CheckpointStore(StoreCore):
         options = SaveOptions(metrics=metrics, tags=tuple(tags), parent=parent, codec=codec,
                               experiment=experiment, delta=delta, base=base, config=config,
                               data_version=data_version)
+        from ckptstore.ops.writing.async_save import save_async
+
         return save_async(self, run, step, state, options, on_commit=on_commit)
 
     def wait(self) -> None:
         """Wait for every pending async save; raise the first failure not yet reported."""
+        from ckptstore.ops.writing.async_save import wait_async
+
         wait_async(self)
 
     def dcp_writer(self, run: str, step: int, **kw: Any) -> ZarrStorageWriter:
@@ -269,6 +269,8 @@ class CheckpointStore(StoreCore):
             >>> store.merge(["site-a@latest", "site-b@latest"], run="global", step=10,
             ...             weights_from_metric="samples")  # doctest: +SKIP
         """
+        from ckptstore.ops.upkeep.merge import merge_checkpoints
+
         return merge_checkpoints(
             self, refs, run=run, step=step, method=method, weights=weights,
             weights_from_metric=weights_from_metric, keys=keys, accumulate=accumulate,
@@ -301,6 +303,8 @@ class CheckpointStore(StoreCore):
     # ------------------------------------------------------------------ load
     def manifest(self, ref: str) -> Manifest:
         """Read and verify the manifest of a committed checkpoint (no tensor data)."""
+        from ckptstore.ops.reading.load import read_any_manifest
+
         return read_any_manifest(self, ref)
 
     def load(
@@ -338,6 +342,8 @@ class CheckpointStore(StoreCore):
                 ``require_signature``) the checkpoint is unsigned, signed by another key or
                 its signature does not match.
         """
+        from ckptstore.ops.reading.load import load_checkpoint
+
         return load_checkpoint(self, ref, keys=keys, into=into,
                                require_signature=require_signature)
 
@@ -375,6 +381,8 @@ class CheckpointStore(StoreCore):
             DecryptionError: If the only copies are sealed and no key, or a key they were
                 not encrypted to, was given.
         """
+        from ckptstore.ops.reading.progressive import load_progressive
+
         return load_progressive(self, ref, order, into=into, strict=strict, key=key)
 
     def prefetch(self, ref: str, *, to: str = "hot",
@@ -406,6 +414,8 @@ class CheckpointStore(StoreCore):
             >>> for ck, state in store.iter_checkpoints("run-a", prefetch=2):  # doctest: +SKIP
             ...     evaluate(ck.step, state)
         """
+        from ckptstore.ops.reading.sweep import CheckpointSweep
+
         return CheckpointSweep(self, run, prefetch=prefetch, keys=keys, preload=preload)
 
     def thaw(self, ref: str, *, poll_s: float = 300.0, timeout_s: float | None = None,
@@ -417,10 +427,14 @@ class CheckpointStore(StoreCore):
 
     def restore_latest(self, run: str, *, into: Any | None = None) -> Any | None:
         """Load the newest committed checkpoint of ``run``, or None if it has none."""
+        from ckptstore.ops.reading.load import restore_latest
+
         return restore_latest(self, run, into=into)
 
     def verify(self, ref: str, *, deep: bool = True) -> builtins.list[str]:
         """Re-hash a checkpoint on the hot tier; return the problems found ([] when intact)."""
+        from ckptstore.ops.reading.load import verify_hot
+
         return verify_hot(self, ref, deep=deep)
 
     # ------------------------------------------------------------------ queries

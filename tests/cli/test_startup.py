@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from cli_support import FilledStore, make_filled_store
 
+from ckptstore import CheckpointStore
+
 HEAVY = ("torch", "zarr", "prefect")
 _MODULE = re.compile(r"^import time:\s+\d+ \|\s+\d+ \| +([\w.]+)\s*$", re.M)
 
@@ -55,6 +57,37 @@ def test_tab_completion_rides_the_fast_path() -> None:
                                            "COMP_WORDS": "ckpt l", "COMP_CWORD": "1"})
     assert code == 0 and {"ls", "lineage"} <= set(out.split())
     assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
+
+
+#: What the upkeep flows do, each in a fresh process on a worker: copy, verify, prune, restore
+#: and clean checkpoints as files, never as tensors.
+UPKEEP = [
+    ["archive", "--run", "base"], ["verify", "base@latest"], ["restore", "base@10"],
+    ["prune", "--keep-last", "1", "--tier", "hot", "--run", "base"], ["gc"],
+    ["prefetch", "base@20"],
+]
+UPKEEP_FLOWS = ("archive", "retention", "gc", "verify", "restore", "prefetch")
+
+
+def test_upkeep_never_imports_torch_or_zarr(tmp_path: Path, catalog_template: Path) -> None:
+    # Importing torch costs a flow run more than a second of CPU on the node it shares with
+    # training (src/ckptstore/store.py imports the tensor operations where they are used).
+    filled = make_filled_store(tmp_path, catalog_template)
+    for args in UPKEEP:
+        code, modules, out = imported([*args, "--config", str(filled.config)])
+        assert code == 0, (args, out)
+        assert not modules & {"torch", "zarr", "prefect"}, (args, sorted(modules & set(HEAVY)))
+    with CheckpointStore.open(config=filled.config) as store:
+        # The commands did their work: archived, pruned from hot, prefetched back.
+        assert "warm" in store.get("base@10").tiers
+        assert "hot" not in store.get("base@10").tiers
+        assert "hot" in store.get("base@20").tiers
+    flows = "; ".join(f"import ckptstore.flows.{name}" for name in UPKEEP_FLOWS)
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", flows],
+                          capture_output=True, text=True, timeout=120)
+    modules = {name.split(".")[0] for name in _MODULE.findall(proc.stderr)}
+    assert proc.returncode == 0 and "prefect" in modules, proc.stderr[-2000:]
+    assert not modules & {"torch", "zarr"}, sorted(modules & {"torch", "zarr"})
 
 
 def test_a_command_that_reads_tensors_still_works(store: FilledStore) -> None:

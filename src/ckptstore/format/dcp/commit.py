@@ -10,7 +10,7 @@ then flips the catalog row to COMMITTED.
 The pieces are separate for saves across hosts: :func:`build_manifest` (pure), and
 :func:`write_shared`, which every host that holds a part runs on its own directory with the
 same manifest bytes (the coordinator at the commit, the others when they materialise their
-part's copy; :func:`shared_docs` regenerates the root and group documents from the manifest).
+part's copy; ``zarrdocs.shared_docs`` regenerates the root and group documents from the manifest).
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ from ckptstore.format.dcp.layout import (
 )
 from ckptstore.format.dcp.plan import ArraySpec, item_dtype_name
 from ckptstore.format.dcp.write import FSYNC_THREADS, Stored
-from ckptstore.format.dcp.zarrdocs import dcp_documents, group_doc, root_doc
+from ckptstore.format.dcp.zarrdocs import dcp_documents, group_doc, shared_docs
 from ckptstore.format.manifest import FileEntry
 from ckptstore.format.marker import write_marker
 from ckptstore.format.zarrmeta import digest
 
-__all__ = ["build_index", "build_manifest", "commit_files", "shared_docs", "write_shared"]
+__all__ = ["build_index", "build_manifest", "commit_files", "write_shared"]
 
 logger = logging.getLogger(__name__)
 
@@ -133,22 +133,6 @@ def build_index(
         dcp_version=metadata.version if isinstance(metadata.version, str) else None,
     )
     return index, meta_files
-
-
-def shared_docs(manifest: Manifest) -> dict[str, bytes]:
-    """The documents every copy of a DCP checkpoint holds besides its data: the root and
-    group ``zarr.json`` files, derived from the manifest (so a host that holds only its own
-    part regenerates exactly the bytes the coordinator wrote).
-    """
-    assert manifest.dcp is not None
-    docs = {
-        f"{DCP_ARRAY_GROUP}/{ZARR_JSON}": group_doc(),
-        f"{DCP_PACK_GROUP}/{ZARR_JSON}": group_doc(),
-    }
-    if any(path.startswith(DCP_RANK_GROUP + "/") for path in manifest.dcp.arrays):
-        docs[f"{DCP_RANK_GROUP}/{ZARR_JSON}"] = group_doc()
-    docs[ZARR_JSON] = root_doc(manifest.id)
-    return docs
 
 
 def build_manifest(

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptstore.format.codecs import codec_spec
 from ckptstore.format.constants import (
     DCP_ARRAY_GROUP,
     DCP_LAYOUT,
     DCP_PACK_GROUP,
+    DCP_RANK_GROUP,
     FORMAT_VERSION,
     MANIFEST_NAME,
     ZARR_JSON,
@@ -26,7 +27,10 @@ from ckptstore.format.dtypes import dtype_by_name
 from ckptstore.format.manifest.dcpindex import DcpIndex
 from ckptstore.format.zarrmeta import array_template
 
-__all__ = ["array_doc", "dcp_documents", "group_doc", "root_doc"]
+if TYPE_CHECKING:
+    from ckptstore.format.manifest import Manifest
+
+__all__ = ["array_doc", "dcp_documents", "group_doc", "root_doc", "shared_docs"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,4 +99,20 @@ def dcp_documents(
     for path, array in index.arrays.items():
         docs[f"{path}/{ZARR_JSON}"] = array_doc(array.dtype, index.codec, array.shape,
                                                 array.chunk_shape)
+    return docs
+
+
+def shared_docs(manifest: Manifest) -> dict[str, bytes]:
+    """The documents every copy of a DCP checkpoint holds besides its data: the root and
+    group ``zarr.json`` files, derived from the manifest (so a host that holds only its own
+    part regenerates exactly the bytes the coordinator wrote).
+    """
+    assert manifest.dcp is not None
+    docs = {
+        f"{DCP_ARRAY_GROUP}/{ZARR_JSON}": group_doc(),
+        f"{DCP_PACK_GROUP}/{ZARR_JSON}": group_doc(),
+    }
+    if any(path.startswith(DCP_RANK_GROUP + "/") for path in manifest.dcp.arrays):
+        docs[f"{DCP_RANK_GROUP}/{ZARR_JSON}"] = group_doc()
+    docs[ZARR_JSON] = root_doc(manifest.id)
     return docs

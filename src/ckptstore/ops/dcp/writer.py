@@ -56,14 +56,10 @@ from ckptstore.format.constants import (
     DCP_PACK_GROUP,
     MANIFEST_NAME,
 )
-from ckptstore.format.dcp.commit import (
-    build_index,
-    build_manifest,
-    commit_files,
-    shared_docs,
-)
+from ckptstore.format.dcp.commit import build_index, build_manifest, commit_files
 from ckptstore.format.dcp.plan import ArraySpec, RankTask, assign_slots, item_dtype_name
 from ckptstore.format.dcp.write import ChunkSink, write_rank
+from ckptstore.format.dcp.zarrdocs import shared_docs
 from ckptstore.format.manifest import remember_manifest
 from ckptstore.identity import host
 from ckptstore.names import validate_name, validate_tag

@@ -27,11 +27,10 @@ from typing import Any, Literal
 
 from ckptstore.core import StoreCore
 from ckptstore.errors import ConfigError, InvalidNameError
-from ckptstore.format import read_checkpoint, read_manifest
+from ckptstore.format import read_manifest
 from ckptstore.identity import host
 from ckptstore.ops.leases import acquire_lease, lease_owner
 from ckptstore.ops.tiering.restore import hot_digest, restore_checkpoint
-from ckptstore.ops.writing.memory import memory_replica_here, memory_tier_for
 from ckptstore.records import Checkpoint, Event, ReplicaState
 
 __all__ = [
@@ -146,7 +145,13 @@ def prefetch_checkpoint(
         IntegrityError, StorageError: As :func:`~ckptstore.ops.tiering.restore.restore_checkpoint`.
     """
     _check(to, hold_s)
-    memory = memory_tier_for(core) if to == "memory" else None
+    memory = None
+    if to == "memory":
+        # Staging in memory reads the tensors; a prefetch to the hot tier copies files only,
+        # without importing torch (a flow run on a worker: tests/cli/test_startup.py).
+        from ckptstore.ops.writing.memory import memory_replica_here, memory_tier_for
+
+        memory = memory_tier_for(core)
     if to == "memory" and memory is None:
         raise ConfigError(
             "prefetch --to memory needs the memory tier: set memory_tier_bytes "
@@ -163,7 +168,7 @@ def prefetch_checkpoint(
     moved = 0
     ok = False
     try:
-        if to == "memory" and memory_replica_here(ck):
+        if memory is not None and memory_replica_here(ck):
             path = core.checkpoint_dir(ck.run, ck.id)
         else:
             if not _hot_present(ck):
@@ -171,6 +176,8 @@ def prefetch_checkpoint(
             path = restore_checkpoint(core, ck.id)
             if memory is not None:
                 current = core.catalog.get_any(ck.id)
+                from ckptstore.format import read_checkpoint
+
                 manifest = read_manifest(path, expected_digest=hot_digest(core, current))
                 state = read_checkpoint(path, manifest, locate=core.locate,
                                         threads=core.settings.threads)

@@ -35,7 +35,7 @@ from ckptstore.errors import ConfigError
 from ckptstore.format import Manifest
 from ckptstore.format.codecs import TRAILER
 from ckptstore.format.constants import MANIFEST_NAME
-from ckptstore.format.dcp.commit import shared_docs
+from ckptstore.format.dcp.zarrdocs import shared_docs
 from ckptstore.identity import host
 from ckptstore.ops.leases import RenewingLease
 from ckptstore.ops.tiering.parts import materialize, part_files, parted_manifest

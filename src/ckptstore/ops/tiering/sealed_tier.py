@@ -487,7 +487,7 @@ def seal_shared(store: StoreCore, ck: Checkpoint, dst: Tier, *, copy_id: str,
     """
     # Here: the commit module pulls in torch.distributed.checkpoint, which the processes
     # that import this module to list, prune or gc copies never need.
-    from ckptstore.format.dcp.commit import shared_docs
+    from ckptstore.format.dcp.zarrdocs import shared_docs
 
     recipients = _recipients(store)
     ranks = store.catalog.part_ranks(ck.id)
