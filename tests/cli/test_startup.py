@@ -59,14 +59,14 @@ def test_tab_completion_rides_the_fast_path() -> None:
     assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
 
 
-#: What the upkeep flows do, each in a fresh process on a worker: copy, verify, prune, restore
-#: and clean checkpoints as files, never as tensors.
+#: What the upkeep flows do, each in a fresh process on a worker: copy, verify, prune, restore,
+#: clean and push checkpoints as files, never as tensors.
 UPKEEP = [
     ["archive", "--run", "base"], ["verify", "base@latest"], ["restore", "base@10"],
     ["prune", "--keep-last", "1", "--tier", "hot", "--run", "base"], ["gc"],
     ["prefetch", "base@20"],
 ]
-UPKEEP_FLOWS = ("archive", "retention", "gc", "verify", "restore", "prefetch")
+UPKEEP_FLOWS = ("archive", "retention", "gc", "verify", "restore", "prefetch", "sync")
 
 
 def test_upkeep_never_imports_torch_or_zarr(tmp_path: Path, catalog_template: Path) -> None:
@@ -77,6 +77,18 @@ def test_upkeep_never_imports_torch_or_zarr(tmp_path: Path, catalog_template: Pa
         code, modules, out = imported([*args, "--config", str(filled.config)])
         assert code == 0, (args, out)
         assert not modules & {"torch", "zarr", "prefect"}, (args, sorted(modules & set(HEAVY)))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "ckptstore.toml").write_text(f'root = "{other / "store"}"\n')
+    CheckpointStore.open(config=other / "ckptstore.toml").close()
+    for args in (["--config", str(filled.config), "remote", "add", "origin",
+                  "--config", str(other / "ckptstore.toml")],
+                 ["push", "base@latest", "--to", "origin", "--config", str(filled.config)]):
+        code, modules, out = imported(args)
+        assert code == 0, (args, out)
+        assert not modules & {"torch", "zarr", "prefect"}, (args, sorted(modules & set(HEAVY)))
+    with CheckpointStore.open(config=other / "ckptstore.toml") as store:
+        assert store.get("base@latest").step == 100
     with CheckpointStore.open(config=filled.config) as store:
         # The commands did their work: archived, pruned from hot, prefetched back.
         assert "warm" in store.get("base@10").tiers

@@ -88,7 +88,7 @@ from ckptstore.ops.sharing.signing import (
 )
 from ckptstore.ops.tiering.reencode import check_original
 from ckptstore.ops.writing.context import adopt_context, context_payload
-from ckptstore.ops.writing.delta import lossy_record
+from ckptstore.ops.writing.lossy import lossy_record
 from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
 from ckptstore.storage.local import LocalTier

@@ -95,7 +95,7 @@ from ckptstore.ops.tiering.reencode import (
 )
 from ckptstore.ops.tiering.replicas import manifest_on, run_resolver
 from ckptstore.ops.writing.context import adopt_context, context_payload
-from ckptstore.ops.writing.delta import lossy_record
+from ckptstore.ops.writing.lossy import lossy_record
 from ckptstore.progress import Progress, announce_total
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState
 from ckptstore.storage import Tier, copy_checkpoint

@@ -29,21 +29,9 @@ from ckptstore.format.delta import DeltaSpec, parse_delta
 from ckptstore.records import Checkpoint, CheckpointState, ReplicaState, expected_digest
 from ckptstore.save_options import LATEST, Latest
 
-__all__ = ["SavePlan", "lossy_record", "plan_save"]
+__all__ = ["SavePlan", "plan_save"]
 
 logger = logging.getLogger(__name__)
-
-
-def lossy_record(manifest: Manifest) -> dict[str, Any]:
-    """The catalog's record of how approximate a written checkpoint is (commit arguments).
-
-    Taken from the manifest at commit, not from the plan: only the writer knows the measured
-    error, and a lossy save whose chunks all had to be stored exactly is not lossy at all.
-    """
-    info = manifest.delta
-    if info is None or not info.lossy:
-        return {"lossy": False}
-    return {"lossy": True, "error_bound": info.max_abs_error, "lossy_scope": info.scope}
 
 
 @dataclass(frozen=True)

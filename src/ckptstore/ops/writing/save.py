@@ -28,7 +28,8 @@ from ckptstore.identity import writer_id
 from ckptstore.names import validate_name, validate_tag
 from ckptstore.observability.metrics import dedup_bytes
 from ckptstore.ops.writing.context import record_run_context
-from ckptstore.ops.writing.delta import lossy_record, plan_save
+from ckptstore.ops.writing.delta import plan_save
+from ckptstore.ops.writing.lossy import lossy_record
 from ckptstore.ops.writing.memory import stage_after_commit
 from ckptstore.records import Checkpoint
 from ckptstore.save_options import SaveOptions
