@@ -1,12 +1,13 @@
 """Run ids bound as ONE binary ``integer[]`` parameter on PostgreSQL.
 
 A config listing binds the ids of the matching runs as one array parameter
-(``queries._run_ids_clause``). psycopg dumps a Python list element by element in Python:
-about 0.45 ms for the 500 ids of half of 1,000 runs, a sixth of the whole listing. The
-array's binary wire form is a fixed header and one (length, value) pair per element, which
-:class:`PackedIds` packs in one ``struct`` call; the dumper that :func:`register_on` installs
-on each catalog connection hands those bytes over as they are, typed ``integer[]``, so the
-server plans exactly as for a dumped list (a typed parameter, compared by hashing).
+(``queries._run_ids_clause``). psycopg dumps a Python list element by element in Python;
+the array's binary wire form is a fixed header and one (length, value) pair per element,
+which :class:`PackedIds` packs in one ``struct`` call. The dumper that :func:`register_on`
+installs on each catalog connection hands those bytes over as they are, typed
+``integer[]``, so the server sees the same typed parameter as for a dumped list. A round
+trip carrying 500 ids took 0.11 ms instead of 0.25 ms, 5,000 ids 0.48 ms instead of 1.9 ms
+(loopback, median of 50).
 
 psycopg is imported by :func:`register_on` only, which runs on PostgreSQL connections: a
 SQLite catalog never imports it.
