@@ -210,6 +210,12 @@ def check_against(core: StoreCore, ctx: RunContext, *, where: str | os.PathLike[
     Python, torch and the platform; the config only when ``config`` is given (the CLI
     cannot know the training script's).
     """
+    recorded_env = ctx.document.get("environment") or {}
+    if isinstance(recorded_env, dict) and recorded_env.get("torch") is not None:
+        # The capture reads torch's versions only from a process that loaded it, and this
+        # one (the CLI) has no reason to otherwise: load it to compare.
+        import torch  # noqa: F401
+
     current = capture_context(config=config, where=where or Path.cwd()).document
     current.setdefault("environment", {})["lock"] = _CURRENT_LOCK
     recorded = dict(ctx.document)
