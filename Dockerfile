@@ -15,10 +15,6 @@ FROM ${PYTHON_IMAGE} AS builder
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY src/ src/
-COPY catalog/ catalog/
-COPY tasks/ tasks/
-COPY flows/ flows/
-COPY migrations/ migrations/
 RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE} AS runtime

@@ -39,7 +39,7 @@ services:
 # the source's mtime and size). Not scripts/ or examples/: they run as programs, whose own
 # file is never read from a cache, and tests/test_compose.py reads every file of scripts/stack.
 compile: $(STAMP)
-	@$(BIN)/python -m compileall -q -j 0 src catalog flows tasks migrations tests benchmarks
+	@$(BIN)/python -m compileall -q -j 0 src tests benchmarks
 
 # Debian's Chromium for tests/ui/test_browser.py (Playwright drives it; no browser download).
 browser:

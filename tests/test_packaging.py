@@ -17,13 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MAPPED = {
-    "ckptstore": ROOT / "src" / "ckptstore",
-    "ckptstore.catalog": ROOT / "catalog",
-    "ckptstore.tasks": ROOT / "tasks",
-    "ckptstore.flows": ROOT / "flows",
-    "ckptstore.migrations": ROOT / "migrations",
-}
+PACKAGE = ROOT / "src" / "ckptstore"
 
 
 def _declared_packages() -> set[str]:
@@ -34,12 +28,10 @@ def _declared_packages() -> set[str]:
 def test_every_package_folder_is_declared() -> None:
     declared = _declared_packages()
     missing = []
-    for base_name, base in MAPPED.items():
-        for init in base.rglob("__init__.py"):
-            rel = init.parent.relative_to(base)
-            name = ".".join([base_name, *rel.parts]) if rel.parts else base_name
-            if name not in declared:
-                missing.append(name)
+    for init in PACKAGE.rglob("__init__.py"):
+        name = ".".join(init.parent.relative_to(PACKAGE.parent).parts)
+        if name not in declared:
+            missing.append(name)
     assert not missing, f"add to [tool.setuptools].packages: {sorted(missing)}"
 
 
@@ -106,32 +98,29 @@ def test_wheel_contents(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- dependencies
-SOURCE_DIRS = [ROOT / "src" / "ckptstore", ROOT / "catalog", ROOT / "tasks", ROOT / "flows",
-               ROOT / "migrations"]
 
 
 def _imported_top_levels() -> dict[str, set[str]]:
     """Third-party top-level module -> files importing it: import statements, and the
     string given to ``require(...)`` (how ckptstore.extras imports optional packages)."""
     found: dict[str, set[str]] = {}
-    for base in SOURCE_DIRS:
-        for path in base.rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-                names: list[str] = []
-                if isinstance(node, ast.Import):
-                    names = [alias.name for alias in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    names = [node.module]
-                elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                      and node.func.id == "require" and node.args
-                      and isinstance(node.args[0], ast.Constant)
-                      and isinstance(node.args[0].value, str)):
-                    names = [node.args[0].value]
-                for name in names:
-                    top = name.partition(".")[0]
-                    if top in sys.stdlib_module_names or top in ("ckptstore", "__future__"):
-                        continue
-                    found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id == "require" and node.args
+                  and isinstance(node.args[0], ast.Constant)
+                  and isinstance(node.args[0].value, str)):
+                names = [node.args[0].value]
+            for name in names:
+                top = name.partition(".")[0]
+                if top in sys.stdlib_module_names or top in ("ckptstore", "__future__"):
+                    continue
+                found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
     return found
 
 
@@ -201,8 +190,7 @@ def test_extras_table_matches_pyproject() -> None:
 def test_no_private_vendored_modules_are_imported() -> None:
     """Prefect's vendored copies (prefect._vendor.*) are its private business."""
     offenders = []
-    for base in SOURCE_DIRS:
-        for path in base.rglob("*.py"):
-            if "_vendor" in path.read_text():
-                offenders.append(str(path.relative_to(ROOT)))
+    for path in PACKAGE.rglob("*.py"):
+        if "_vendor" in path.read_text():
+            offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, offenders

@@ -7,7 +7,7 @@ queue per host (named after the host, ``CKPT_HOST``); triggers for a host's part
 ``run_deployment(..., work_queue_name=<host>)`` (see :mod:`ckptstore.ops.trigger`). The
 agent of a host:
 
-1. registers every flow's deployment on the pool (idempotent, as ``ckpt serve --pool``);
+1. registers every flow's deployment on the pool (idempotent, as ``ckpt serve --pool NAME``);
 2. makes sure the pool has this host's queue, and that the program the pool starts flow runs
    with (see :mod:`ckptstore.flows.deployments`) exists on this host;
 3. runs ``prefect worker start --pool P --work-queue <host>`` as a child process, so this

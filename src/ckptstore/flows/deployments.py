@@ -143,7 +143,7 @@ def require_api_url() -> str:
     Raises:
         ConfigError: If none is set: deployments and work pools only exist on a server.
     """
-    need_prefect("ckpt serve --pool")
+    need_prefect("ckpt serve --pool NAME")
     from prefect.settings import get_current_settings
 
     url = get_current_settings().api.url
@@ -220,12 +220,12 @@ def _ensure_pool(client: Any, pool: str) -> None:
                     name=pool,
                     type=WORK_POOL_TYPE,
                     base_job_template=base_job_template(),
-                    description="ckptstore flows (created by `ckpt serve --pool`)",
+                    description="ckptstore flows (created by `ckpt serve --pool NAME`)",
                 )
             )
             logger.info("created process work pool %s", pool)
         except ObjectAlreadyExists:
-            # Another `ckpt serve --pool` (e.g. a second worker host) created it meanwhile.
+            # Another `ckpt serve --pool NAME` (e.g. a second worker host) created it meanwhile.
             work_pool = client.read_work_pool(pool)
     if work_pool.type != WORK_POOL_TYPE:
         raise ConfigError(
@@ -263,7 +263,7 @@ def deploy_all(
         ConfigError: If PREFECT_API_URL is not set, the server cannot be reached or refuses
             a deployment, the pool exists with another type, or a schedule is invalid.
     """
-    need_prefect("ckpt serve --pool")
+    need_prefect("ckpt serve --pool NAME")
     import httpx
     from prefect.client.orchestration import get_client
     from prefect.deployments.runner import DeploymentApplyError

@@ -1,4 +1,4 @@
-"""Schema migrations of the catalog, driven from code (``ckpt db upgrade|current|history``).
+"""Schema migrations of the catalog, driven from code (``ckpt db upgrade``, ``current``, ...).
 
 The schema is created only by the Alembic revisions in ``ckptstore.migrations``; there is no
 ``alembic.ini``. :func:`alembic_config` builds the configuration in code and points
