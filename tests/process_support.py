@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "add_test_dir",
     "acting_as_host",
     "child_main",
     "end_children",
@@ -112,6 +113,15 @@ def wait_sessions(procs: Sequence[subprocess.Popen[str]] | Sequence[subprocess.P
                 p.wait()
 
 
+def add_test_dir(directory: Path) -> None:
+    """Append a test directory to ``sys.path``: this process and the forkserver's children
+    (which get its ``sys.path``) then import the helper scripts there. Appended, not
+    prepended: the directory's ``conftest.py`` must not shadow another module named
+    conftest."""
+    if str(directory) not in sys.path:
+        sys.path.append(str(directory))
+
+
 def preloaded_children(preload: Sequence[str],
                        path: Path | None = None) -> Iterator[multiprocessing.context.BaseContext]:
     """Yield a :mod:`multiprocessing` context whose children start from a forkserver that
@@ -128,8 +138,8 @@ def preloaded_children(preload: Sequence[str],
     When another module's forkserver runs already (this one's path and preloads unknown to
     it), the context spawns fresh interpreters instead: slower, always right.
     """
-    if path is not None and str(path) not in sys.path:
-        sys.path.append(str(path))
+    if path is not None:
+        add_test_dir(path)
     server = forkserver._forkserver  # type: ignore[attr-defined]
     if getattr(server, "_forkserver_pid", None) is not None:
         yield multiprocessing.get_context("spawn")

@@ -18,22 +18,18 @@ from __future__ import annotations
 import json
 import multiprocessing
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from pg_support import PG_HOST, PG_PORT, create_pg_database, drop_pg_database, require_pg
-from process_support import finish_child, preloaded_children
+from process_support import add_test_dir, finish_child, preloaded_children
 from sqlalchemy.engine import make_url
 
 from ckptstore.testing.ports import free_port
 
 HERE = Path(__file__).parent
-if str(HERE) not in sys.path:
-    # The forkserver's children get this sys.path (appended: this directory's conftest.py
-    # must not shadow another module named conftest).
-    sys.path.append(str(HERE))
+add_test_dir(HERE)  # before importing its helper scripts; the children get it too
 
 import masking_driver  # noqa: E402
 

@@ -9,13 +9,12 @@ rank does not pay seconds of imports as a fresh interpreter would.
 from __future__ import annotations
 
 import multiprocessing
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from process_support import finish_child, preloaded_children
+from process_support import add_test_dir, finish_child, preloaded_children
 
 from ckptstore.errors import ConfigError
 from ckptstore.ops.writing.snapshot import HEADER_BYTES, parse_header, snapshot_dir
@@ -30,10 +29,7 @@ from ckptstore.store import CheckpointStore
 from ckptstore.testing.ports import free_port
 
 HERE = Path(__file__).parent
-if str(HERE) not in sys.path:
-    # The forkserver's children get this sys.path (appended: this directory's conftest.py
-    # must not shadow another module named conftest).
-    sys.path.append(str(HERE))
+add_test_dir(HERE)  # before importing its helper scripts; the children get it too
 
 import shard_trainer  # noqa: E402
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from process_support import finish_child, preloaded_children
+from process_support import add_test_dir, finish_child, preloaded_children
 
 from ckptstore.errors import ConfigError
 from ckptstore.hooks.manager import CheckpointManager
@@ -44,10 +44,7 @@ from ckptstore.store import CheckpointStore
 from ckptstore.testing.ports import free_port
 
 HERE = Path(__file__).parent
-if str(HERE) not in sys.path:
-    # The forkserver's children get this sys.path (appended: this directory's conftest.py
-    # must not shadow another module named conftest).
-    sys.path.append(str(HERE))
+add_test_dir(HERE)  # before importing its helper scripts; the children get it too
 
 import world_trainer  # noqa: E402
 

@@ -14,7 +14,6 @@ import os
 import random
 import shutil
 import signal
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from process_support import preloaded_children
+from process_support import add_test_dir, preloaded_children
 
 from ckptstore.errors import CheckpointNotFoundError, ConfigError
 from ckptstore.hooks.manager import CheckpointManager
@@ -36,10 +35,7 @@ from ckptstore.ops.writing.snapshot import (
 from ckptstore.store import CheckpointStore
 
 HERE = Path(__file__).parent
-if str(HERE) not in sys.path:
-    # The forkserver's children get this sys.path (appended: this directory's conftest.py
-    # must not shadow another module named conftest).
-    sys.path.append(str(HERE))
+add_test_dir(HERE)  # before importing its helper scripts; the children get it too
 
 import snapshot_trainer  # noqa: E402
 

@@ -10,23 +10,19 @@ from __future__ import annotations
 
 import multiprocessing
 import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from process_support import preloaded_children
+from process_support import add_test_dir, preloaded_children
 
 from ckptstore.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from ckptstore.ops.sharing.push import push_checkpoints
 from ckptstore.records import CheckpointState
 
 HERE = Path(__file__).parent
-if str(HERE) not in sys.path:
-    # The forkserver's children get this sys.path (appended: this directory's conftest.py
-    # must not shadow another module named conftest).
-    sys.path.append(str(HERE))
+add_test_dir(HERE)  # before importing its helper scripts; the children get it too
 
 import push_worker  # noqa: E402
 
