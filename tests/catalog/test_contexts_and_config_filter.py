@@ -108,3 +108,17 @@ def test_a_blob_must_match_its_digest(catalog: Catalog) -> None:
     with pytest.raises(IntegrityError):
         catalog.record_context("r", 1, {}, "d", {blob_digest(b"x"): b"y"})
     assert catalog.run_contexts("r") == []
+
+
+
+def test_numbers_beyond_a_double_compare_as_numbers(catalog: Catalog) -> None:
+    # JSON numbers have no range; a config holding one must not break every numeric
+    # filter on its key (a cast to double precision failed on PostgreSQL: "out of range").
+    catalog.ensure_run("huge", config={"n": 10**400, "m": -(10**400)})
+    catalog.ensure_run("small", config={"n": 5, "m": 5})
+    for run in ("huge", "small"):
+        _commit(catalog, run, 1)
+    assert {c.run for c in catalog.list(where="config.n>1e300")} == {"huge"}
+    assert {c.run for c in catalog.list(where="config.n<1e300")} == {"small"}
+    assert {c.run for c in catalog.list(where="config.m<0")} == {"huge"}
+    assert {c.run for c in catalog.list(where="config.n!=5")} == {"huge"}
