@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from sqlalchemy import event
 
 from ckptstore.capture import blob_digest
 from ckptstore.catalog import Catalog
@@ -122,3 +123,48 @@ def test_numbers_beyond_a_double_compare_as_numbers(catalog: Catalog) -> None:
     assert {c.run for c in catalog.list(where="config.n<1e300")} == {"small"}
     assert {c.run for c in catalog.list(where="config.m<0")} == {"huge"}
     assert {c.run for c in catalog.list(where="config.n!=5")} == {"huge"}
+
+
+@pytest.mark.parametrize(("where", "order_by"), [
+    ("config.lr<1e-3", "step"),  # few matching runs: through the run_id index
+    ("config.lr>=0", "-step"),  # many: through the order's index
+    (["config.opt.name!=adam", "config.amp!=true"], "step"),  # a string, a boolean
+])
+def test_a_repeated_filter_is_one_statement_that_sees_new_runs(
+    runs: Catalog, where: str | list[str], order_by: str
+) -> None:
+    # On PostgreSQL a filter listed again within seconds is read in ONE statement, the way
+    # the last count of matching runs chose (queries.QueriesMixin.list); the statement still
+    # selects the matching runs itself, so a run recorded meanwhile is listed at once.
+    statements: list[str] = []
+
+    def count(*args: object) -> None:
+        if str(args[2]).startswith("SELECT"):
+            statements.append(str(args[2]))
+
+    first = runs.list(where=where, order_by=order_by, limit=10)
+    assert first
+    event.listen(runs._reader, "before_cursor_execute", count)
+    try:
+        assert runs.list(where=where, order_by=order_by, limit=10) == first
+        assert len(statements) == (1 if runs.dialect == "postgresql" else 2), statements
+        runs.ensure_run("f", config={"lr": 1e-5, "opt": {"name": "lamb"}, "amp": False})
+        _commit(runs, "f", 3)
+        again = runs.list(where=where, order_by=order_by, limit=10)
+    finally:
+        event.remove(runs._reader, "before_cursor_execute", count)
+    assert {(c.run, c.step) for c in again} == {(c.run, c.step) for c in first} | {("f", 3)}
+
+
+def test_filters_of_one_shape_share_a_statement_and_keep_their_values(runs: Catalog) -> None:
+    # The one-statement form is built once per shape of filter, the values bound at
+    # execution: a cached statement must never carry another filter's value.
+    for _ in range(2):
+        assert {c.run for c in runs.list(where="config.lr<1e-3")} == {"a"}
+        assert {c.run for c in runs.list(where="config.lr<1")} == {"a", "b"}
+        assert {c.run for c in runs.list(where="config.opt.name==sgd")} == {"b"}
+        assert {c.run for c in runs.list(where="config.opt.name==adam")} == {"a"}
+        assert {c.run for c in runs.list(where="config.opt.name!=sgd")} == {"a"}
+        assert {c.run for c in runs.list(where="config.opt.name!=adam")} == {"b"}
+        assert {c.run for c in runs.list(where="config.amp!=false")} == {"a"}
+        assert {c.run for c in runs.list(where="config.amp!=true")} == {"b"}

@@ -20,16 +20,18 @@ import json
 import math
 import operator
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, cast
 
-from sqlalchemy import Boolean, ColumnElement, bindparam, case, func, type_coerce
+from sqlalchemy import Boolean, ColumnElement, String, bindparam, case, func, type_coerce
 from sqlalchemy.dialects.postgresql import JSONB, JSONPATH
 
 from ckptstore.catalog.models import RunRow
 from ckptstore.errors import InvalidNameError
 
-__all__ = ["CONFIG_OPS", "config_clauses", "parse_config_filter"]
+__all__ = [
+    "CONFIG_OPS", "config_clauses", "config_template", "parse_config_filter", "template_clauses",
+]
 
 #: Comparison operators of config filters.
 CONFIG_OPS: dict[str, Callable[[Any, Any], ColumnElement[bool]]] = {
@@ -75,8 +77,8 @@ def _filters(where: object) -> list[tuple[str, tuple[str, Any]]]:
     raise InvalidNameError(f"where must be a text, a list of texts or a mapping, not {where!r}")
 
 
-def config_clauses(where: object, dialect: str) -> list[ColumnElement[bool]]:
-    """SQL conditions on ``runs.config`` for ``where`` (see :func:`parse_config_filter`).
+def _checked(where: object) -> list[tuple[tuple[str, ...], str, Any]]:
+    """``where`` as checked ``(path, op, value)`` filters.
 
     Raises:
         InvalidNameError: For a bad path, operator or value.
@@ -84,7 +86,7 @@ def config_clauses(where: object, dialect: str) -> list[ColumnElement[bool]]:
     filters = _filters(where)
     if len(filters) > _MAX_FILTERS:
         raise InvalidNameError(f"at most {_MAX_FILTERS} config filters, got {len(filters)}")
-    clauses = []
+    checked = []
     for key, spec in filters:
         if not re.fullmatch(rf"config\.{_KEY}(?:\.{_KEY})*", key, re.ASCII):
             raise InvalidNameError(f"config filter key must be config.<key>[.<key>], "
@@ -93,11 +95,101 @@ def config_clauses(where: object, dialect: str) -> list[ColumnElement[bool]]:
             raise InvalidNameError(f"config filter for {key!r} must be (op, value) with op "
                                    f"one of {' '.join(CONFIG_OPS)}, got {spec!r}")
         op, value = spec
-        clauses.append(_clause(tuple(key.split(".")[1:]), op, value, dialect))
-    return clauses
+        if not (value is None or isinstance(value, bool | int | float | str)):
+            # Not left to PostgreSQL's containment, which would take [1] as "holds 1".
+            raise InvalidNameError(f"{key}: cannot compare with {value!r}: "
+                                   "give a number, a string, true, false or null")
+        if isinstance(value, bool | str) and op not in ("==", "!="):
+            kind = "booleans" if isinstance(value, bool) else "strings"
+            raise InvalidNameError(f"{key}: {kind} compare with == or !=, not {op}")
+        if isinstance(value, int | float) and not math.isfinite(value):
+            # json.loads reads NaN and Infinity; no JSON document holds them.
+            raise InvalidNameError(f"{key}: cannot compare with {value!r}: give a finite number")
+        if value is None and op not in ("==", "!="):
+            raise InvalidNameError(f"{key}: cannot compare with {value!r}")
+        checked.append((tuple(key.split(".")[1:]), op, value))
+    return checked
 
 
-def _number_path(path: tuple[str, ...], op: str, value: float) -> ColumnElement[bool]:
+def config_clauses(where: object, dialect: str) -> list[ColumnElement[bool]]:
+    """SQL conditions on ``runs.config`` for ``where`` (see :func:`parse_config_filter`),
+    their values bound.
+
+    Raises:
+        InvalidNameError: For a bad path, operator or value.
+    """
+    checked = _checked(where)
+    if dialect == "sqlite":
+        return [_sqlite_clause(path, op, value) for path, op, value in checked]
+    shapes, values = _pg_template(checked)
+    return [_pg_clause(shape, values) for shape in shapes]
+
+
+def config_template(where: object) -> tuple[tuple[Hashable, ...], dict[str, Any]]:
+    """PostgreSQL: ``where`` as the *shapes* of its conditions and their parameters' values.
+
+    Filters that differ only in their values (``config.seed==3``, ``config.seed==4``) have
+    the same shapes, so a statement built once from :func:`template_clauses` serves all of
+    them with the values bound at execution.
+
+    Raises:
+        InvalidNameError: For a bad path, operator or value.
+    """
+    return _pg_template(_checked(where))
+
+
+def template_clauses(shapes: tuple[Hashable, ...]) -> list[ColumnElement[bool]]:
+    """PostgreSQL: the conditions of :func:`config_template`'s shapes, values unbound."""
+    return [_pg_clause(shape, None) for shape in shapes]
+
+
+def _sqlite_clause(path: tuple[str, ...], op: str, value: Any) -> ColumnElement[bool]:
+    json_path = "$" + "".join(f'."{p}"' for p in path)
+    kind: Any = func.json_type(RunRow.config, json_path)
+    # SQLite's AND stops at a false type check, and json_extract yields the SQL value itself
+    # (never an error), so no CASE guard: each run's config is then parsed at most twice per
+    # filter (its type, its value) instead of three times.
+    extracted: Any = func.json_extract(RunRow.config, json_path)
+    if isinstance(value, bool):
+        truth = extracted == 1
+        return cast("ColumnElement[bool]", kind.in_(("true", "false")) & (
+            truth if (op == "==") == value else ~truth))
+    if isinstance(value, int | float):
+        return cast("ColumnElement[bool]", kind.in_(("integer", "real")) & CONFIG_OPS[op](
+            extracted, float(value)))
+    if isinstance(value, str):
+        return cast("ColumnElement[bool]", (kind == "text") & CONFIG_OPS[op](extracted, value))
+    null = kind == "null"
+    return cast("ColumnElement[bool]", null if op == "==" else ~null)
+
+
+def _pg_template(
+    checked: list[tuple[tuple[str, ...], str, Any]],
+) -> tuple[tuple[Hashable, ...], dict[str, Any]]:
+    shapes: list[Hashable] = []
+    values: dict[str, Any] = {}
+    for i, (path, op, value) in enumerate(checked):
+        name = f"config_value_{i}"
+        if op == "==" and value is not None:
+            # Containment, which the GIN index on runs.config serves (models.py); jsonb
+            # compares numbers as numbers, so 1e-3 finds 0.001.
+            nested: Any = value
+            for part in reversed(path):
+                nested = {part: nested}
+            shapes.append(("contains", name))
+            values[name] = nested
+        elif isinstance(value, bool) or value is None:
+            shapes.append(("boolean" if value is not None else "null", path, op, value))
+        elif isinstance(value, int | float):
+            shapes.append(("number", name))
+            values[name] = _number_path(path, op, value)
+        else:
+            shapes.append(("string", path, op, name))
+            values[name] = value
+    return tuple(shapes), values
+
+
+def _number_path(path: tuple[str, ...], op: str, value: float) -> str:
     """A numeric comparison on PostgreSQL as one SQL/JSON path test (``config @? path``).
 
     One walk of the run's config per filter, where the guarded cast (``CASE WHEN
@@ -109,75 +201,34 @@ def _number_path(path: tuple[str, ...], op: str, value: float) -> ColumnElement[
     a finite number's JSON text, and bound as a parameter.
     """
     keys = "".join(f'."{part}"' for part in path)
-    test = f'strict ${keys} ? (@.type() == "number" && @ {op} {json.dumps(value)})'
-    return cast(
-        "ColumnElement[bool]",
-        type_coerce(RunRow.config, JSONB).op("@?", return_type=Boolean)(
-            bindparam(None, test, type_=JSONPATH)
-        ),
-    )
+    return f'strict ${keys} ? (@.type() == "number" && @ {op} {json.dumps(value)})'
 
 
-def _clause(path: tuple[str, ...], op: str, value: Any, dialect: str) -> ColumnElement[bool]:
-    return cast("ColumnElement[bool]", _condition(path, op, value, dialect))
+def _pg_clause(shape: Hashable, values: Mapping[str, Any] | None) -> ColumnElement[bool]:
+    """One condition of a :func:`_pg_template` shape; its parameter carries its value from
+    ``values``, or none (bound at execution) when ``values`` is None."""
+    kind, *rest = cast("tuple[Any, ...]", shape)
 
+    def value(name: str, type_: Any) -> Any:
+        return bindparam(name, values[name] if values is not None else None, type_=type_)
 
-def _condition(path: tuple[str, ...], op: str, value: Any, dialect: str) -> Any:
-    if not (value is None or isinstance(value, bool | int | float | str)):
-        # Not left to PostgreSQL's containment, which would take [1] as "holds 1".
-        raise InvalidNameError(f"config.{'.'.join(path)}: cannot compare with {value!r}: "
-                               "give a number, a string, true, false or null")
-    compare = CONFIG_OPS[op]
+    config = type_coerce(RunRow.config, JSONB)
+    if kind == "contains":
+        return config.contains(value(rest[0], JSONB))
+    if kind == "number":
+        return cast("ColumnElement[bool]", config.op("@?", return_type=Boolean)(
+            value(rest[0], JSONPATH)))
+    path, op = rest[0], rest[1]
     element = RunRow.config[path]
-    if dialect == "sqlite":
-        json_path = "$" + "".join(f'."{p}"' for p in path)
-        kind: Any = func.json_type(RunRow.config, json_path)
-        numeric, text, boolean = kind.in_(("integer", "real")), kind == "text", \
-            kind.in_(("true", "false"))
-        # SQLite's AND stops at a false type check, and json_extract yields the SQL value
-        # itself (never an error), so no CASE guard: each run's config is then parsed at
-        # most twice per filter (its type, its value) instead of three times.
-        extracted: Any = func.json_extract(RunRow.config, json_path)
-        number: Any = extracted
-        string: Any = extracted
-        truth: Any = extracted == 1
-    else:
-        if op == "==" and value is not None:
-            # Containment, which the GIN index on runs.config serves (models.py); jsonb
-            # compares numbers as numbers, so 1e-3 finds 0.001.
-            nested: Any = value
-            for part in reversed(path):
-                nested = {part: nested}
-            return type_coerce(RunRow.config, JSONB).contains(nested)
-        kind = func.jsonb_typeof(element)
-        numeric, text, boolean = kind == "number", kind == "string", kind == "boolean"
-        # PostgreSQL may evaluate the cast before the type check: the CASE keeps a string
-        # from ever reaching it.
-        number = case((numeric, element.as_float()), else_=None)
-        string = case((text, element.as_string()), else_=None)
+    json_type = func.jsonb_typeof(element)
+    if kind == "boolean":
         truth = element.as_boolean()
-    if isinstance(value, bool):
-        if op not in ("==", "!="):
-            raise InvalidNameError(f"config.{'.'.join(path)}: booleans compare with == or !=")
-        return boolean & (truth if (op == "==") == value else ~truth)
-    if isinstance(value, int | float):
-        if not math.isfinite(value):
-            # json.loads reads NaN and Infinity; no JSON document holds them.
-            raise InvalidNameError(f"config.{'.'.join(path)}: cannot compare with "
-                                   f"{value!r}: give a finite number")
-        if dialect != "sqlite":
-            return _number_path(path, op, value)
-        # On PostgreSQL the CASE alone is the guard (NULL never matches): checking the type
-        # again outside it would look the path up once more per run.
-        compared = compare(number, float(value))
-        return numeric & compared if dialect == "sqlite" else compared
-    if isinstance(value, str):
-        if op not in ("==", "!="):
-            raise InvalidNameError(f"config.{'.'.join(path)}: strings compare with == or !=, "
-                                   f"not {op}")
-        compared = compare(string, value)
-        return text & compared if dialect == "sqlite" else compared
-    if value is None and op in ("==", "!="):
-        null = kind == "null"
+        return cast("ColumnElement[bool]", (json_type == "boolean") & (
+            truth if (op == "==") == rest[2] else ~truth))
+    if kind == "null":
+        null = json_type == "null"
         return null if op == "==" else ~null
-    raise InvalidNameError(f"config.{'.'.join(path)}: cannot compare with {value!r}")
+    # PostgreSQL may evaluate an extraction before the type check: the CASE keeps any other
+    # type from reaching the comparison (NULL never matches).
+    string = case((json_type == "string", element.as_string()), else_=None)
+    return CONFIG_OPS[op](string, value(rest[2], String))

@@ -138,6 +138,9 @@ class CatalogCore:
         self._engine: Engine = create_catalog_engine(url)
         self._url = mask_url(self._engine.url)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False, autoflush=False)
+        # How config listings read a filter's checkpoints, as its last count of matching
+        # runs chose, until when (queries.QueriesMixin.list): (filter, limited) -> plan.
+        self._config_plans: dict[tuple[object, bool], tuple[str, float]] = {}
         # SQLite reads cost no round trips: one engine serves both paths there.
         self._reader: Engine = (
             create_catalog_engine(url, reads=True)
