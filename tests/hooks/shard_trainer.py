@@ -1,5 +1,6 @@
-"""One rank of a job whose state is sharded (DTensors ``Shard(0)`` over a 1-D CPU mesh), run
-by test_snapshot_shards.
+"""One rank of a job whose state is sharded (DTensors ``Shard(0)`` over a 1-D CPU mesh, or
+with ``SHARD_MESH=AxB`` a 2-D mesh: 2-D tensors ``[Shard(0), Shard(1)]``, 1-D ones
+``[Shard(0), Replicate()]``), run by test_snapshot_shards.
 
 Usage: ``python shard_trainer.py <run> <last step> <out dir>``, one process per rank, started
 by the test with torch's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (and the
@@ -12,7 +13,7 @@ one with fewer rows than ranks) plus an optimizer-like dict (``optim``: a moment
 parameter and a plain ``step`` tensor, the same on every rank). Each step adds the same
 seeded update to the global tensors, so the state of a step does not depend on the world size.
 After each ``mgr.step`` rank 0 saves the gathered full tensors to ``<out>/full<step>.pt``;
-after a resume every rank saves its local shards and their first rows to
+after a resume every rank saves its local shards and their offsets to
 ``<out>/resumed<world>_rank<RANK>.pt`` and logs ``resumed <step>`` to
 ``<out>/rank<RANK>.log`` (``resumed -1`` when fresh).
 
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from ckptstore.hooks.manager import CheckpointManager
 from ckptstore.store import CheckpointStore
@@ -46,11 +47,15 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (world,))
+    shape = os.environ.get("SHARD_MESH")
+    mesh = init_device_mesh("cpu", tuple(int(n) for n in shape.split("x")) if shape else (world,))
     out = Path(out_dir)
 
     def shard(full: torch.Tensor) -> Any:
-        return distribute_tensor(full, mesh, [Shard(0)])
+        if mesh.ndim == 1:
+            return distribute_tensor(full, mesh, [Shard(0)])
+        return distribute_tensor(full, mesh, [Shard(0), Shard(1) if full.dim() > 1
+                                              else Replicate()])
 
     gen = torch.Generator().manual_seed(0)
     params = {k: shard(torch.randn(s, generator=gen)) for k, s in SHAPES.items()}
@@ -72,7 +77,7 @@ def main() -> None:
         optim["step"].copy_(restored["optim"]["step"])
         first = restored["step"]
         torch.save({"step": first, "shards": {
-            f"{group}.{k}": (d[k].__create_chunk_list__()[0].offsets[0],
+            f"{group}.{k}": (tuple(d[k].__create_chunk_list__()[0].offsets),
                              d[k].to_local().clone())
             for group, d in (("params", params), ("momentum", optim["momentum"]))
             for k in SHAPES}}, out / f"resumed{world}_rank{rank}.pt")

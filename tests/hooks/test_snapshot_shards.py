@@ -16,12 +16,15 @@ import pytest
 import torch
 from process_support import add_test_dir, finish_child, preloaded_children
 
-from ckptstore.errors import ConfigError
+from ckptstore.errors import ConfigError, IntegrityError
 from ckptstore.ops.writing.snapshot import HEADER_BYTES, parse_header, snapshot_dir
 from ckptstore.ops.writing.snapshot_shards import (
+    MeshLayout,
     ShardSpec,
+    box_overlaps,
     chunk_rows,
     row_overlaps,
+    shard_boxes,
     specs_from_meta,
 )
 from ckptstore.ops.writing.snapshot_world import Held, HostInventory, agree_sharded_step
@@ -102,6 +105,56 @@ def test_shard_records_round_trip_and_malformed_ones_are_refused() -> None:
         specs_from_meta({"shards": {"a": {"global": [7]}}})
 
 
+@pytest.mark.parametrize(("shape", "layout", "want"), [
+    # 2x2 mesh, rows over the first mesh dimension, columns over the second.
+    ((7, 5), MeshLayout((2, 2), (0, 1, 2, 3), (0, 1)),
+     {0: ((0, 0), (4, 3)), 1: ((0, 3), (4, 2)), 2: ((4, 0), (3, 3)), 3: ((4, 3), (3, 2))}),
+    # The same dimension twice: split by the first mesh dimension, each piece by the second.
+    ((7,), MeshLayout((2, 2), (0, 1, 2, 3), (0, 0)),
+     {0: ((0,), (2,)), 1: ((2,), (2,)), 2: ((4,), (2,)), 3: ((6,), (1,))}),
+    # Replicated along the first mesh dimension; ranks placed on the mesh out of order.
+    ((4, 6), MeshLayout((2, 2), (3, 2, 1, 0), (None, 1)),
+     {3: ((0, 0), (4, 3)), 2: ((0, 3), (4, 3)), 1: ((0, 0), (4, 3)), 0: ((0, 3), (4, 3))}),
+    # Shard(1) over one dimension, fewer columns than ranks: the last box is empty.
+    ((3, 2), MeshLayout((3,), (0, 1, 2), (1,)),
+     {0: ((0, 0), (3, 1)), 1: ((0, 1), (3, 1)), 2: ((0, 2), (3, 0))}),
+    # A 0-dim tensor replicated everywhere.
+    ((), MeshLayout((2,), (0, 1), (None,)), {0: ((), ()), 1: ((), ())}),
+])
+def test_shard_boxes_place_shards_as_dtensor(shape: tuple[int, ...], layout: MeshLayout,
+                                             want: dict[int, tuple[tuple[int, ...], ...]]
+                                             ) -> None:
+    assert shard_boxes(shape, layout) == want
+    assert MeshLayout.from_json(layout.to_json()) == layout
+
+
+def test_box_overlaps_cover_a_new_box_once_from_distinct_old_boxes() -> None:
+    full = torch.arange(7 * 5).reshape(7, 5)
+    # Old: 2x2 mesh with rows replicated over the first mesh dimension (ranks 0/2 and 1/3
+    # hold the same boxes); new: Shard(0) over 3 ranks.
+    old = shard_boxes((7, 5), MeshLayout((2, 2), (0, 1, 2, 3), (None, 1)))
+    for new_rank, ((r0,), (rows,)) in enumerate(
+            [((0,), (3,)), ((3,), (3,)), ((6,), (1,))]):
+        box = ((r0, 0), (rows, 5))
+        parts = box_overlaps(box, old)
+        assert [rank for rank, *_ in parts] == [0, 1], new_rank  # never 2 or 3 again
+        local = torch.full((rows, 5), -1)
+        for rank, src, dst in parts:
+            (o0, o1), (n0, n1) = old[rank]
+            local[dst] = full[o0:o0 + n0, o1:o1 + n1][src]
+        assert torch.equal(local, full[r0:r0 + rows])
+    assert box_overlaps(((0, 0), (7, 5)), {0: ((0, 0), (0, 5))}) == []  # empty old box
+
+
+def test_a_shard_record_without_a_layout_is_read_as_one_dimensional() -> None:
+    # Snapshots written before layouts were recorded: Shard(0) over the ranks that wrote it.
+    spec = ShardSpec.from_json({"global": [7, 3], "offsets": [4, 0], "sizes": [3, 3]})
+    assert spec.layout is None and MeshLayout.one_d(2) == MeshLayout((2,), (0, 1), (0,))
+    with pytest.raises(IntegrityError):
+        ShardSpec.from_json({"global": [7], "offsets": [0], "sizes": [7], "mesh": [2],
+                             "ranks": [0, 0], "placements": [0]})
+
+
 def _held(rank: int, seq: int, step: int, replica: bool = False) -> Held:
     return Held(rank, seq, step, replica, f"slot{seq}.snap")
 
@@ -136,29 +189,26 @@ def _solo(tmp_path: Path) -> None:
                             world_size=1)
 
 
-@pytest.mark.parametrize("layout", ["replicate", "shard1", "mesh2d"])
+@pytest.mark.parametrize("layout", ["partial", "strided"])
 def test_unsupported_layouts_are_refused_with_a_config_error(tmp_path: Path,
                                                              layout: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     from ckptstore.hooks.manager import CheckpointManager
 
     _solo(tmp_path)
     try:
-        if layout == "mesh2d":
-            mesh = init_device_mesh("cpu", (1, 1))
-            placements = [Shard(0), Shard(0)]
-        else:
-            mesh = init_device_mesh("cpu", (1,))
-            placements = [Replicate() if layout == "replicate" else Shard(1)]
-        tensor = distribute_tensor(torch.ones(4, 2), mesh, placements)
+        mesh = init_device_mesh("cpu", (1,))
+        placement = Partial() if layout == "partial" else _StridedShard(0, split_factor=2)
+        tensor = DTensor.from_local(torch.ones(4, 2), mesh, [placement], run_check=False)
         with CheckpointStore.open(tmp_path / "store") as store:
             mgr = CheckpointManager(store, "r", snapshot_interval=1, handle_sigterm=False,
                                     history=False, distributed=False)
             try:
-                with pytest.raises(ConfigError, match=r"Shard\(0\) over a 1-D device mesh"):
+                with pytest.raises(ConfigError, match=r"Shard\(d\) and Replicate"):
                     mgr.step(1, lambda: {"w": tensor})
                 assert mgr.snapshots is not None and not list(
                     mgr.snapshots.directory.glob("slot*.snap"))  # nothing written
@@ -194,7 +244,8 @@ def test_a_snapshot_records_each_shard_and_a_sharded_durable_save_is_refused(
                 # The local shard's bytes, and where it sits in the global tensor.
                 assert torch.equal(flat.tensors["w"], weight.to_local())
                 assert info["world"] == 1
-                assert specs_from_meta(info) == {"w": ShardSpec((3, 2), (0, 0), (3, 2))}
+                assert specs_from_meta(info) == {"w": ShardSpec(
+                    (3, 2), (0, 0), (3, 2), MeshLayout((1,), (0,), (0,)))}
             with CheckpointManager(store, "s", snapshot_interval=1, save_interval=2,
                                    handle_sigterm=False, history=False,
                                    distributed=False) as mgr:
@@ -237,16 +288,18 @@ def _tails(out: Path) -> str:
     return "\n".join(p.read_text()[-2500:] for p in sorted(out.glob("proc*.out")))
 
 
-def _check_shards(out: Path, world: int, step: int) -> None:
+def _check_shards(out: Path, world: int, step: int, one_d: bool = True) -> None:
     full = torch.load(out / f"full{step}.pt")
     for rank in range(world):
         got = torch.load(out / f"resumed{world}_rank{rank}.pt")
         assert got["step"] == step
-        for key, (offset, local) in got["shards"].items():
-            start, rows = chunk_rows(full[key].shape[0], world)[rank]
-            assert offset == start and local.shape[0] == rows
+        for key, (offsets, local) in got["shards"].items():
+            if one_d:
+                start, rows = chunk_rows(full[key].shape[0], world)[rank]
+                assert offsets[0] == start and local.shape[0] == rows
+            box = tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))
             # Bit for bit the first run's tensor at that step.
-            assert torch.equal(local, full[key][start: start + rows]), (key, rank)
+            assert torch.equal(local, full[key][box]), (key, rank)
 
 
 def _damage_newest(tmp_path: Path, shm_root: Path, rank: int, step: int) -> None:
@@ -292,3 +345,26 @@ def test_a_sharded_state_resumes_at_another_world_size(
     # rank 1 (without replica servers: a job of one node has none): the whole tensors.
     assert _launch(ranks, tmp_path, shm_root, 6, out, 1) == [0], _tails(out)
     _check_shards(out, 1, 6)
+
+
+@pytest.mark.slow
+def test_a_2d_mesh_state_resumes_on_a_1d_mesh_and_back(
+        tmp_path: Path, shm_root: Path, ranks: multiprocessing.context.BaseContext) -> None:
+    # Four ranks on a 2x2 mesh (rows over one mesh dimension, columns over the other, the
+    # 1-D tensors replicated along the second), each a node of its own.
+    with CheckpointStore.open(tmp_path / "store") as store:
+        store.run("r")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert _launch(ranks, tmp_path, shm_root, 3, out, 4, WORLD_REPLICAS="2",
+                   SHARD_MESH="2x2") == [0] * 4, _tails(out)
+    # Three ranks with Shard(0) on a 1-D mesh, on nodes 0-2 (old rank 3's snapshot is read
+    # from its replica on node 0): each gathers its rows from the 2-D boxes, a box
+    # replicated on two old ranks read once.
+    assert _launch(ranks, tmp_path, shm_root, 4, out, 3, WORLD_REPLICAS="2") == [0, 0, 0], \
+        _tails(out)
+    _check_shards(out, 3, 3)
+    # And back to a 2-D mesh (2x1) on two nodes, from the three 1-D shards.
+    assert _launch(ranks, tmp_path, shm_root, 5, out, 2, WORLD_REPLICAS="2",
+                   SHARD_MESH="2x1") == [0, 0], _tails(out)
+    _check_shards(out, 2, 4, one_d=False)

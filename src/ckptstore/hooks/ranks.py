@@ -19,6 +19,7 @@ Each of them is a collective: every rank calls it, or none does.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,10 +40,12 @@ from ckptstore.ops.writing.snapshot import (
 )
 from ckptstore.ops.writing.snapshot_peer import SnapshotReplicaServer, pull_replica, pulled_slot
 from ckptstore.ops.writing.snapshot_shards import (
+    Box,
+    MeshLayout,
     ShardSpec,
-    chunk_rows,
+    box_overlaps,
     dtensor_templates,
-    row_overlaps,
+    shard_boxes,
     specs_from_meta,
 )
 from ckptstore.ops.writing.snapshot_world import (
@@ -246,40 +249,48 @@ class RankRestart:
         here: str, templates: dict[str, tuple[Any, ShardSpec]],
     ) -> tuple[Any, str | None]:
         """This rank's state at ``step`` with every DTensor's shard filled (in place) from
-        the old ranks' snapshots that overlap it; (None, why not) when that fails."""
-        plans: dict[str, tuple[list[tuple[int, int]], list[tuple[int, int, int, int]]]] = {}
-        for key, (_dt, spec) in templates.items():
-            old_rows = chunk_rows(spec.global_shape[0], old_world)
-            plans[key] = (old_rows, row_overlaps(old_rows, spec.offsets[0], spec.sizes[0]))
+        the old ranks' snapshots that overlap it; (None, why not) when that fails.
+
+        The old layout of each DTensor is read from one old rank's snapshot (the one the
+        values that are not DTensors come from): every old rank recorded the same. Each
+        other old snapshot read must then record the box that layout gives its rank.
+        """
         # Values that are not DTensors come from one old rank (its own, when it had one):
         # in a sharded state they must be the same on every rank (e.g. the step counter).
         base = min(rank, old_world - 1)
-        needed = {base} | {old for _rows, plan in plans.values() for old, *_ in plan}
         flats: dict[int, tuple[FlatState, dict[str, ShardSpec]]] = {}
-        for old in sorted(needed):
-            read, error = self._read_old_shard(inventories, rank, old, step, old_world, here)
-            if read is None:
-                return None, error
-            flats[old] = read
-        base_flat, base_specs = flats[base]
+        read, error = self._read_old_shard(inventories, rank, base, step, old_world, here)
+        if read is None:
+            return None, error
+        flats[base] = read
+        plans: dict[str, tuple[dict[int, Box], list[tuple[int, Any, Any]]]] = {}
+        for key, (_dt, spec) in templates.items():
+            plan, why = _reshard_plan(key, spec, flats[base][1].get(key), old_world)
+            if plan is None:
+                return None, f"step {step}: {why}"
+            plans[key] = plan
+        for old in sorted({old for _boxes, parts in plans.values() for old, *_ in parts}):
+            if old not in flats:
+                read, error = self._read_old_shard(inventories, rank, old, step, old_world,
+                                                   here)
+                if read is None:
+                    return None, error
+                flats[old] = read
+        base_flat = flats[base][0]
         tensors = dict(base_flat.tensors)
         with torch.no_grad():
-            for key, (dt, spec) in templates.items():
-                if key not in base_specs:
-                    return None, f"step {step} holds no shards of {key!r}"
-                old_rows, plan = plans[key]
+            for key, (dt, _spec) in templates.items():
+                boxes, parts = plans[key]
                 local = dt.to_local()
-                tail = spec.global_shape[1:]
-                for old, src, dst, rows in plan:
+                for old, src, dst in parts:
                     flat, specs = flats[old]
-                    want = ShardSpec(spec.global_shape,
-                                     (old_rows[old][0],) + (0,) * len(tail),
-                                     (old_rows[old][1], *tail))
+                    found = specs.get(key)
                     source = flat.tensors.get(key)
-                    if specs.get(key) != want or source is None or source.dtype != local.dtype:
+                    if (found is None or found.box != boxes[old] or source is None
+                            or source.dtype != local.dtype):
                         return None, (f"old rank {old}'s shard of {key!r} at step {step} is "
-                                      f"{specs.get(key)}, not {want} of {local.dtype}")
-                    local[dst: dst + rows].copy_(source[src: src + rows])
+                                      f"{found}, not the box {boxes[old]} of {local.dtype}")
+                    local[dst].copy_(source[src])
                 tensors[key] = dt
         return unflatten_state(base_flat.tree, tensors), None
 
@@ -345,3 +356,27 @@ class RankRestart:
         except (CkptError, OSError) as exc:
             return None, str(exc)
         return state, None
+
+
+def _reshard_plan(
+    key: str, spec: ShardSpec, old: ShardSpec | None, old_world: int
+) -> tuple[tuple[dict[int, Box], list[tuple[int, Any, Any]]] | None, str]:
+    """Every old rank's box of the DTensor ``key`` and the parts of this rank's box
+    (``spec``) to copy from them, from an old snapshot's record of it (``old``); or (None,
+    why not)."""
+    if old is None:
+        return None, f"no shards of {key!r}"
+    if old.global_shape != spec.global_shape:
+        return None, (f"{key!r} was {old.global_shape}, this state's is {spec.global_shape}")
+    layout = old.layout or MeshLayout.one_d(old_world)
+    if sorted(layout.ranks) != list(range(old_world)):
+        return None, f"{key!r} was laid out over ranks {layout.ranks}, not {old_world} ranks"
+    try:
+        boxes = shard_boxes(old.global_shape, layout)
+    except ValueError as exc:
+        return None, f"{key!r}: {exc}"
+    parts = box_overlaps(spec.box, boxes)
+    covered = sum(math.prod(s.stop - s.start for s in dst) for _old, _src, dst in parts)
+    if covered != math.prod(spec.sizes):
+        return None, f"the old shards of {key!r} do not cover this rank's box {spec.box}"
+    return (boxes, parts), ""

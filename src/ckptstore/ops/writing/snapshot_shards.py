@@ -1,23 +1,28 @@
-"""Sharded (DTensor) states in snapshots: what slice of each global tensor a rank holds, and
-which old ranks' slices a rank of another world size needs at a restart.
+"""Sharded (DTensor) states in snapshots: what box of each global tensor a rank holds, and
+which old ranks' boxes a rank of another world size needs at a restart.
 
 A snapshot holds a rank's *local* shard of each DTensor (its bytes are what the slot holds);
-its meta records, per DTensor key, the global shape and the shard's offsets and sizes
-(:class:`ShardSpec`, from ``DTensor.__create_chunk_list__()``, the call DCP's planner uses
-for the same purpose), and the world size the snapshot was written in. At a restart at
-another world size each rank computes which old ranks' shards overlap the rows it now owns
-(:func:`chunk_rows`, :func:`row_overlaps`: pure) and copies those rows into its shard
+its meta records, per DTensor key, the global shape, the shard's offsets and sizes, and the
+layout they come from: the device mesh's shape, the rank at each of its positions and the
+placement along each mesh dimension (:class:`ShardSpec`, :class:`MeshLayout`). At a restart
+at another world size each rank computes every old rank's box from the recorded layout
+(:func:`shard_boxes`, pure), which of them overlap the box it now owns
+(:func:`box_overlaps`), and copies those regions into its shard
 (``CheckpointManager.restore_latest``, docs/SNAPSHOTS.md "Sharded states").
 
-Supported: DTensors on a 1-D device mesh with the placement ``Shard(0)`` (what FSDP2 makes of
-every parameter and its optimizer state). Anything else (a 2-D mesh, ``Shard(d)`` with
-``d > 0``, ``Replicate``, ``Partial``, a 0-dim tensor) is refused with
-:class:`~ckptstore.errors.ConfigError`: its bytes would be snapshotted without a correct
-record of where they belong.
+Supported: DTensors whose placements are ``Shard(d)`` (any dimension) and ``Replicate`` on a
+device mesh of any number of dimensions: FSDP2's ``Shard(0)`` over one dimension, tensor
+parallelism's ``Shard(1)``, and both over a 2-D mesh. When writing, the box
+:func:`shard_boxes` gives this rank is compared with DTensor's own
+(``DTensor.__create_chunk_list__()``, the call DCP's planner uses); a layout whose boxes
+would be recorded wrongly (``Partial``, whose values are not a slice; a strided shard) is
+refused with :class:`~ckptstore.errors.ConfigError`: its bytes would be snapshotted without
+a correct record of where they belong.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,15 +34,68 @@ from ckptstore.format import FlatState, flatten_state
 from ckptstore.format.keys import render_path
 
 __all__ = [
+    "Box",
+    "MeshLayout",
     "ShardSpec",
+    "box_overlaps",
     "chunk_rows",
     "dtensor_spec",
     "dtensor_templates",
     "flatten_sharded",
     "is_dtensor",
     "row_overlaps",
+    "shard_boxes",
     "specs_from_meta",
 ]
+
+#: ``(offsets, sizes)``: where a shard sits in its global tensor, one entry per dimension.
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """How a DTensor is spread over ranks.
+
+    Attributes:
+        shape: The device mesh's shape.
+        ranks: The rank at each position of the mesh, in row-major order.
+        placements: Per mesh dimension, the tensor dimension it shards (``Shard(d)``), or
+            None where the tensor is replicated along it (``Replicate``).
+    """
+
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]
+    placements: tuple[int | None, ...]
+
+    @classmethod
+    def one_d(cls, world: int) -> MeshLayout:
+        """``Shard(0)`` over ranks ``0 .. world - 1``: the layout of a snapshot whose meta
+        records none (written before layouts were recorded)."""
+        return cls((world,), tuple(range(world)), (0,))
+
+    def to_json(self) -> dict[str, list[Any]]:
+        """The form recorded in a snapshot's meta."""
+        return {"mesh": list(self.shape), "ranks": list(self.ranks),
+                "placements": list(self.placements)}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> MeshLayout:
+        """Parse :meth:`to_json`'s form.
+
+        Raises:
+            IntegrityError: If it is malformed or inconsistent.
+        """
+        try:
+            layout = cls(tuple(int(x) for x in raw["mesh"]),
+                         tuple(int(x) for x in raw["ranks"]),
+                         tuple(None if p is None else int(p) for p in raw["placements"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise IntegrityError(f"malformed mesh layout in a snapshot: {raw!r}") from exc
+        if (len(layout.placements) != len(layout.shape)
+                or math.prod(layout.shape) != len(layout.ranks)
+                or len(set(layout.ranks)) != len(layout.ranks)):
+            raise IntegrityError(f"inconsistent mesh layout in a snapshot: {raw!r}")
+        return layout
 
 
 @dataclass(frozen=True)
@@ -53,11 +111,20 @@ class ShardSpec:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    layout: MeshLayout | None = None
 
-    def to_json(self) -> dict[str, list[int]]:
+    @property
+    def box(self) -> Box:
+        """``(offsets, sizes)``."""
+        return self.offsets, self.sizes
+
+    def to_json(self) -> dict[str, Any]:
         """The form recorded in a snapshot's meta."""
-        return {"global": list(self.global_shape), "offsets": list(self.offsets),
-                "sizes": list(self.sizes)}
+        raw: dict[str, Any] = {"global": list(self.global_shape),
+                               "offsets": list(self.offsets), "sizes": list(self.sizes)}
+        if self.layout is not None:
+            raw.update(self.layout.to_json())
+        return raw
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> ShardSpec:
@@ -67,11 +134,15 @@ class ShardSpec:
             IntegrityError: If it is malformed.
         """
         try:
-            return cls(tuple(int(x) for x in raw["global"]),
+            spec = cls(tuple(int(x) for x in raw["global"]),
                        tuple(int(x) for x in raw["offsets"]),
-                       tuple(int(x) for x in raw["sizes"]))
+                       tuple(int(x) for x in raw["sizes"]),
+                       MeshLayout.from_json(raw) if "mesh" in raw else None)
         except (KeyError, TypeError, ValueError) as exc:
             raise IntegrityError(f"malformed shard record in a snapshot: {raw!r}") from exc
+        if not (len(spec.global_shape) == len(spec.offsets) == len(spec.sizes)):
+            raise IntegrityError(f"malformed shard record in a snapshot: {raw!r}")
+        return spec
 
 
 def chunk_rows(dim0: int, parts: int) -> list[tuple[int, int]]:
@@ -114,6 +185,75 @@ def row_overlaps(old: Sequence[tuple[int, int]], start: int,
     return out
 
 
+def shard_boxes(global_shape: Sequence[int], layout: MeshLayout) -> dict[int, Box]:
+    """Every rank's box of a tensor of ``global_shape`` laid out as ``layout``.
+
+    DTensor's placement, computed: along each mesh dimension in order, ``Shard(d)`` splits
+    dimension ``d`` of the part placed so far as ``torch.chunk`` does (:func:`chunk_rows`)
+    and the rank's coordinate on that mesh dimension picks its piece; ``Replicate`` keeps
+    the part whole. A dimension sharded along two mesh dimensions is split by the first,
+    then each piece by the second.
+
+    Raises:
+        ValueError: If a placement names a dimension the tensor does not have.
+    """
+    shape = tuple(int(d) for d in global_shape)
+    for dim in layout.placements:
+        if dim is not None and not 0 <= dim < len(shape):
+            raise ValueError(f"Shard({dim}) of a {len(shape)}-dimensional tensor")
+    boxes: dict[int, Box] = {}
+    for position, rank in enumerate(layout.ranks):
+        coords, rest = [], position
+        for size in reversed(layout.shape):
+            coords.append(rest % size)
+            rest //= size
+        coords.reverse()
+        offsets, sizes = [0] * len(shape), list(shape)
+        for axis, dim in enumerate(layout.placements):
+            if dim is not None:
+                start, rows = chunk_rows(sizes[dim], layout.shape[axis])[coords[axis]]
+                offsets[dim] += start
+                sizes[dim] = rows
+        boxes[rank] = (tuple(offsets), tuple(sizes))
+    return boxes
+
+
+def box_overlaps(
+    box: Box, old: Mapping[int, Box]
+) -> list[tuple[int, tuple[slice, ...], tuple[slice, ...]]]:
+    """Which old boxes hold parts of ``box``, and where.
+
+    Args:
+        box: The new shard's ``(offsets, sizes)``.
+        old: Every old rank's box.
+
+    Returns:
+        ``(old rank, the part's slices in the old shard, its slices in the new shard)`` for
+        every non-empty overlap, in old rank order, each distinct old box once (a box
+        replicated on several ranks is read from the first of them); together they cover
+        ``box`` exactly when the old boxes tile the tensor.
+    """
+    offsets, sizes = box
+    out = []
+    seen: set[Box] = set()
+    for rank in sorted(old):
+        old_offsets, old_sizes = old[rank]
+        if old[rank] in seen or 0 in old_sizes:
+            continue
+        seen.add(old[rank])
+        lows = [max(a, b) for a, b in zip(offsets, old_offsets, strict=True)]
+        highs = [min(a + n, b + m) for a, n, b, m in
+                 zip(offsets, sizes, old_offsets, old_sizes, strict=True)]
+        if any(hi <= lo for lo, hi in zip(lows, highs, strict=True)):
+            continue
+        out.append((rank,
+                    tuple(slice(lo - o, hi - o) for lo, hi, o in
+                          zip(lows, highs, old_offsets, strict=True)),
+                    tuple(slice(lo - o, hi - o) for lo, hi, o in
+                          zip(lows, highs, offsets, strict=True))))
+    return out
+
+
 def is_dtensor(obj: Any) -> bool:
     """Whether ``obj`` is a DTensor (without importing torch.distributed when unavailable)."""
     if not isinstance(obj, torch.Tensor) or type(obj) in (torch.Tensor, torch.nn.Parameter):
@@ -126,30 +266,53 @@ def is_dtensor(obj: Any) -> bool:
 
 
 def dtensor_spec(tensor: Any, where: str = "") -> ShardSpec:
-    """The :class:`ShardSpec` of a DTensor sharded ``Shard(0)`` over a 1-D mesh.
+    """The :class:`ShardSpec` of a DTensor whose placements are ``Shard(d)`` and
+    ``Replicate``, on a device mesh of any shape.
 
     Args:
         tensor: The DTensor.
         where: Its key path, for messages.
 
     Raises:
-        ConfigError: For any other layout (not built: it would be restored wrongly).
+        ConfigError: For any other layout, or one whose box :func:`shard_boxes` does not
+            give as DTensor does (not built: it would be restored wrongly).
     """
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     mesh, placements = tensor.device_mesh, tuple(tensor.placements)
-    if mesh.ndim != 1 or placements != (Shard(0),) or tensor.dim() == 0:
-        raise ConfigError(
-            f"DTensor at {render_path(where) if where else '?'} has placements {placements} "
-            f"on a {mesh.ndim}-D mesh: snapshots reshard only DTensors sharded Shard(0) over "
-            "a 1-D device mesh (as FSDP2 shards them); give the snapshot a full or local "
-            "tensor there (e.g. .full_tensor()) or use the DCP layout (docs/SNAPSHOTS.md)")
+    shape = tuple(int(d) for d in tensor.shape)
+    dims: list[int | None] = []
+    for placement in placements:
+        # type() is: a strided shard (FSDP2 with tensor parallelism) is a Shard subclass
+        # whose pieces are not one box per rank.
+        if type(placement) is Shard and 0 <= placement.dim < len(shape):
+            dims.append(int(placement.dim))
+        elif type(placement) is Replicate:
+            dims.append(None)
+        else:
+            raise _unsupported(where, placements, mesh.ndim)
+    layout = MeshLayout(tuple(int(d) for d in mesh.shape),
+                        tuple(int(r) for r in mesh.mesh.flatten().tolist()), tuple(dims))
     chunks = tensor.__create_chunk_list__()
-    if len(chunks) != 1:  # one chunk per rank for a 1-D Shard(0) layout
-        raise ConfigError(f"DTensor at {where!r} reports {len(chunks)} local chunks, not 1")
-    return ShardSpec(tuple(int(d) for d in tensor.shape),
-                     tuple(int(d) for d in chunks[0].offsets),
-                     tuple(int(d) for d in chunks[0].sizes))
+    mine = shard_boxes(shape, layout).get(mesh.get_rank())
+    if len(chunks) != 1 or mine is None or not _same_box(
+            mine, (tuple(int(d) for d in chunks[0].offsets),
+                   tuple(int(d) for d in chunks[0].sizes))):
+        raise _unsupported(where, placements, mesh.ndim)
+    return ShardSpec(shape, mine[0], mine[1], layout)
+
+
+def _same_box(a: Box, b: Box) -> bool:
+    # An empty shard holds nothing: where DTensor says it starts does not matter.
+    return a == b or (a[1] == b[1] and 0 in a[1])
+
+
+def _unsupported(where: str, placements: tuple[Any, ...], ndim: int) -> ConfigError:
+    return ConfigError(
+        f"DTensor at {render_path(where) if where else '?'} has placements {placements} on a "
+        f"{ndim}-D mesh: snapshots reshard DTensors whose placements are Shard(d) and "
+        "Replicate (one box per rank); give the snapshot a full or local tensor there "
+        "(e.g. .full_tensor()) or use the DCP layout (docs/SNAPSHOTS.md)")
 
 
 def flatten_sharded(state: Any) -> tuple[FlatState, dict[str, ShardSpec]]:
