@@ -23,7 +23,6 @@ from ckptstore.ops.writing.snapshot_shards import (
     ShardSpec,
     box_overlaps,
     chunk_rows,
-    row_overlaps,
     shard_boxes,
     specs_from_meta,
 )
@@ -73,26 +72,31 @@ def test_shards_split_rows_as_torch_chunk(dim0: int, parts: int,
     assert all(rows == 0 for _, rows in want[len(sizes):])
 
 
+def _rows(dim0: int, parts: int) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+    return {rank: ((start,), (rows,)) for rank, (start, rows) in
+            enumerate(chunk_rows(dim0, parts))}
+
+
 def test_overlaps_of_uneven_shards_cover_each_new_shard_exactly() -> None:
-    old = chunk_rows(7, 2)  # [0, 4) and [4, 7)
-    new = chunk_rows(7, 3)  # [0, 3), [3, 6), [6, 7)
-    assert row_overlaps(old, *new[0]) == [(0, 0, 0, 3)]
-    assert row_overlaps(old, *new[1]) == [(0, 3, 0, 1), (1, 0, 1, 2)]
-    assert row_overlaps(old, *new[2]) == [(1, 2, 0, 1)]
-    assert row_overlaps(chunk_rows(2, 3), 0, 2) == [(0, 0, 0, 1), (1, 0, 1, 1)]
-    assert row_overlaps(old, 7, 0) == []  # an empty new shard needs nothing
+    old = _rows(7, 2)  # [0, 4) and [4, 7)
+    new = _rows(7, 3)  # [0, 3), [3, 6), [6, 7)
+    assert box_overlaps(new[0], old) == [(0, (slice(0, 3),), (slice(0, 3),))]
+    assert box_overlaps(new[1], old) == [(0, (slice(3, 4),), (slice(0, 1),)),
+                                         (1, (slice(0, 2),), (slice(1, 3),))]
+    assert box_overlaps(new[2], old) == [(1, (slice(2, 3),), (slice(0, 1),))]
+    assert box_overlaps(((7,), (0,)), old) == []  # an empty new shard needs nothing
     # Every split of every size into every other is rebuilt row for row.
     for dim0 in range(0, 12):
         full = torch.arange(dim0)
         for before in range(1, 6):
-            olds = chunk_rows(dim0, before)
-            pieces = [full[s: s + n] for s, n in olds]
+            olds = _rows(dim0, before)
+            pieces = {r: full[o[0]: o[0] + n[0]] for r, (o, n) in olds.items()}
             for after in range(1, 6):
-                for start, rows in chunk_rows(dim0, after):
-                    got = torch.full((rows,), -1)
-                    for index, src, dst, n in row_overlaps(olds, start, rows):
-                        got[dst: dst + n] = pieces[index][src: src + n]
-                    assert torch.equal(got, full[start: start + rows])
+                for box in _rows(dim0, after).values():
+                    got = torch.full(box[1], -1)
+                    for rank, src, dst in box_overlaps(box, olds):
+                        got[dst] = pieces[rank][src]
+                    assert torch.equal(got, full[box[0][0]: box[0][0] + box[1][0]])
 
 
 def test_shard_records_round_trip_and_malformed_ones_are_refused() -> None:

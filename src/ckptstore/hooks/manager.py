@@ -423,8 +423,9 @@ class CheckpointManager:
         Args:
             into: A state of the same structure to fill in place (fastest; no allocations).
                 In a multi-rank job, DTensors in it (``Shard(d)`` and ``Replicate`` on any
-                device mesh) make the restart reshard: their local shards are filled from the old ranks'
-                snapshots, at whatever world size wrote them (docs/SNAPSHOTS.md).
+                device mesh) make the restart reshard: their local shards are filled from
+                the old ranks' snapshots, at whatever world size wrote them
+                (docs/SNAPSHOTS.md).
             priority: Load progressively, group by group in this order (fnmatch patterns
                 such as ``["model/*"]``; everything else last); see
                 :func:`ckptstore.ops.reading.progressive.load_progressive`.

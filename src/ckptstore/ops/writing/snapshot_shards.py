@@ -43,7 +43,6 @@ __all__ = [
     "dtensor_templates",
     "flatten_sharded",
     "is_dtensor",
-    "row_overlaps",
     "shard_boxes",
     "specs_from_meta",
 ]
@@ -160,28 +159,6 @@ def chunk_rows(dim0: int, parts: int) -> list[tuple[int, int]]:
     for index in range(parts):
         start = min(index * size, dim0)
         out.append((start, max(0, min(size, dim0 - start))))
-    return out
-
-
-def row_overlaps(old: Sequence[tuple[int, int]], start: int,
-                 rows: int) -> list[tuple[int, int, int, int]]:
-    """Which old shards hold rows ``[start, start + rows)`` of a tensor, and where.
-
-    Args:
-        old: ``(first row, rows)`` of every old rank's shard, in old rank order.
-        start: The first global row of the new shard.
-        rows: Its number of rows.
-
-    Returns:
-        ``(old rank, row in the old shard, row in the new shard, rows)`` for every
-        non-empty overlap, in old rank order; together they cover the new shard exactly
-        when the old shards cover the tensor.
-    """
-    out = []
-    for index, (old_start, old_rows) in enumerate(old):
-        lo, hi = max(start, old_start), min(start + rows, old_start + old_rows)
-        if hi > lo:
-            out.append((index, lo - old_start, lo - start, hi - lo))
     return out
 
 
