@@ -288,6 +288,15 @@ def _launch(ctx: multiprocessing.context.BaseContext, tmp_path: Path, shm_root: 
             finish_child(p, 0)
 
 
+def _new_job(tmp_path: Path) -> Path:
+    """Create run ``r`` in the job's store; return the directory the ranks report to."""
+    with CheckpointStore.open(tmp_path / "store") as store:
+        store.run("r")
+    out = tmp_path / "out"
+    out.mkdir()
+    return out
+
+
 def _tails(out: Path) -> str:
     return "\n".join(p.read_text()[-2500:] for p in sorted(out.glob("proc*.out")))
 
@@ -325,10 +334,7 @@ def _damage_newest(tmp_path: Path, shm_root: Path, rank: int, step: int) -> None
 @pytest.mark.slow
 def test_a_sharded_state_resumes_at_another_world_size(
         tmp_path: Path, shm_root: Path, ranks: multiprocessing.context.BaseContext) -> None:
-    with CheckpointStore.open(tmp_path / "store") as store:
-        store.run("r")
-    out = tmp_path / "out"
-    out.mkdir()
+    out = _new_job(tmp_path)
     assert _launch(ranks, tmp_path, shm_root, 4, out, 2, WORLD_REPLICAS="2") == [0, 0], \
         _tails(out)
     # Damage old rank 1's step 4 in node 1's own slot (its replica on node 0 is intact): the
@@ -356,10 +362,7 @@ def test_a_2d_mesh_state_resumes_on_a_1d_mesh_and_back(
         tmp_path: Path, shm_root: Path, ranks: multiprocessing.context.BaseContext) -> None:
     # Four ranks on a 2x2 mesh (rows over one mesh dimension, columns over the other, the
     # 1-D tensors replicated along the second), each a node of its own.
-    with CheckpointStore.open(tmp_path / "store") as store:
-        store.run("r")
-    out = tmp_path / "out"
-    out.mkdir()
+    out = _new_job(tmp_path)
     assert _launch(ranks, tmp_path, shm_root, 3, out, 4, WORLD_REPLICAS="2",
                    SHARD_MESH="2x2") == [0] * 4, _tails(out)
     # Three ranks with Shard(0) on a 1-D mesh, on nodes 0-2 (old rank 3's snapshot is read
