@@ -319,17 +319,32 @@ def _config_runs_built(dialect: str, where: object) -> Select[Any]:
 
 
 @functools.lru_cache(maxsize=256)
-def _config_template(where: str | tuple[str, ...]) -> tuple[Select[Any], dict[str, Any]]:
-    """PostgreSQL: ``SELECT id FROM runs WHERE <the config filters>`` with the filters'
-    values as parameters, and those values (one statement per shape of filter: see
-    :func:`~ckptstore.catalog.config_filter.config_template`)."""
+def _config_template(
+    where: str | tuple[str, ...],
+) -> tuple[Select[Any], Select[Any], dict[str, Any]]:
+    """PostgreSQL: the statements of a filter text, its values as parameters, and those
+    values: ``SELECT id, <number of runs> FROM runs WHERE <the filters>`` (the count of
+    :func:`_config_runs_query`) and ``SELECT id FROM runs WHERE ...`` (the one-statement
+    listing's). The statements are built once per *shape* of filter
+    (:func:`~ckptstore.catalog.config_filter.config_template`): ``config.seed==3`` and
+    ``config.seed==4`` share them, and a text seen for the first time costs its parsing only.
+
+    Raises:
+        InvalidNameError: For a bad filter.
+    """
     shapes, values = config_template(where)
-    return _config_ids(shapes), values
+    return _config_ids(shapes), _config_counted(shapes), values
 
 
 @functools.lru_cache(maxsize=256)
 def _config_ids(shapes: tuple[Hashable, ...]) -> Select[Any]:
     return select(RunRow.id).where(*template_clauses(shapes))
+
+
+@functools.lru_cache(maxsize=256)
+def _config_counted(shapes: tuple[Hashable, ...]) -> Select[Any]:
+    total = select(func.count()).select_from(RunRow).scalar_subquery()
+    return select(RunRow.id, total).where(*template_clauses(shapes))
 
 
 def _filter_key(where: object) -> str | tuple[str, ...] | None:
@@ -463,24 +478,26 @@ class QueriesMixin(CatalogCore):
         order = _order_shape(order_by, params)
         if limit is not None:
             params["limit"] = check_count(limit, "limit", 1)
-        matching = _config_runs_query(self.dialect, where) if where else None
+        key = _filter_key(where) if where else None
+        ids: Select[Any] | None = None
+        matching: Select[Any] | None
+        if key is not None and self.dialect == "postgresql":
+            ids, matching, values = _config_template(key)
+            params.update(values)
+        else:
+            matching = _config_runs_query(self.dialect, where) if where else None
         # On PostgreSQL a filter text listed within the last _PLAN_SECONDS is read in ONE
         # statement, which selects the matching runs itself (so a run recorded meanwhile is
         # listed), reading their checkpoints the way the last count of them chose ("in" or
         # "scan"); counting them first costs a round trip and a second statement. Only that
         # choice is remembered, never which runs matched.
-        key = _filter_key(where) if matching is not None else None
         plan_key = (key, limit is not None)
-        remembered = self._config_plans.get(plan_key) if key is not None else None
+        remembered = self._config_plans.get(plan_key) if ids is not None else None
         folded = (
             remembered[0]
-            if key is not None and remembered is not None and time.monotonic() < remembered[1]
+            if remembered is not None and time.monotonic() < remembered[1]
             else None
         )
-        ids = None
-        if key is not None and folded is not None:
-            ids, values = _config_template(key)
-            params.update(values)
 
         def query(conn: Connection) -> builtins.list[Checkpoint]:
             runs = folded
@@ -488,14 +505,14 @@ class QueriesMixin(CatalogCore):
                 runs = self._config_runs(conn, matching, params, limited=limit is not None)
                 if runs is None:
                     return []
-                if key is not None and self.dialect == "postgresql":
+                if ids is not None:
                     if len(self._config_plans) >= _MAX_PLANS:
                         self._config_plans.clear()
                     self._config_plans[plan_key] = (runs, time.monotonic() + _PLAN_SECONDS)
             stmt = _listing(
                 self.dialect, run is not None, experiment is not None, len(tags), steps,
                 metric_ops, runs, state is not None, tier is not None, order,
-                limit is not None, ids,
+                limit is not None, ids if folded is not None else None,
             )
             return load_checkpoints(conn, stmt, params)
 
@@ -512,7 +529,8 @@ class QueriesMixin(CatalogCore):
         """Find the runs whose config matches; bind their ids; say how to read their rows.
 
         ONE query over the runs table (one row per run, ``matching``: see
-        :func:`_config_runs_query`) returns the matching ids and the number of runs. When
+        :func:`_config_runs_query` and :func:`_config_template`, whose filter values are in
+        ``params``) returns the matching ids and the number of runs. When
         few runs match, their checkpoints are read through the ``run_id`` indexes
         (``"in"``). When many do (a twentieth of the runs or more) and
         the listing has a limit, reading checkpoints through the listing's own order index
@@ -525,7 +543,7 @@ class QueriesMixin(CatalogCore):
             ``"in"`` or ``"scan"`` with ``params["run_ids"]`` set, or None when no run
             matches (nothing to list).
         """
-        rows = conn.execute(matching).all()
+        rows = conn.execute(matching, params).all()
         if not rows:
             return None
         ids = [row[0] for row in rows]
