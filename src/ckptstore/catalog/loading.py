@@ -64,6 +64,8 @@ __all__ = [
 
 # Replicas are shown fastest tier first; unknown tier names follow, alphabetically.
 _TIER_RANK = {tier: rank for rank, tier in enumerate(TIER_ORDER)}
+#: ``object.__new__``: a record without running its dataclass __init__ (see _record).
+_new_record = object.__new__
 # A dict lookup: calling the enum costs several times more per replica.
 _REPLICA_STATES = {state.value: state for state in ReplicaState}
 
@@ -269,7 +271,12 @@ def _record(row: Sequence[Any], attachments: bool) -> Checkpoint:
         attached: tuple[Replica, ...] = _replicas(replicas) if replicas else ()
     else:
         aliases, attached = (), ()
-    return Checkpoint(
+    # The record's fields set as its __dict__ in one step: the frozen dataclass's __init__
+    # sets its 25 fields one object.__setattr__ at a time, 3.4 us a record against 0.3 (0.3
+    # ms of a 100-record listing). tests/catalog/test_records_loading.py checks that every
+    # field is set and that the record equals the constructor's.
+    record = _new_record(Checkpoint)
+    record.__dict__.update(
         id=cid,
         run=run_name,
         step=step,
@@ -296,6 +303,7 @@ def _record(row: Sequence[Any], attachments: bool) -> Checkpoint:
         writer=writer,
         hosts=tuple(part_hosts) if part_hosts else (),
     )
+    return record
 
 
 def load_rows(rows: Sequence[Row[Any]], *, attachments: bool = True) -> list[Checkpoint]:
