@@ -22,6 +22,7 @@ a correct record of where they belong.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -154,12 +155,14 @@ def chunk_rows(dim0: int, parts: int) -> list[tuple[int, int]]:
     """
     if parts < 1 or dim0 < 0:
         raise ValueError(f"cannot split {dim0} rows into {parts} shards")
+    return [_chunk(dim0, parts, index) for index in range(parts)]
+
+
+def _chunk(dim0: int, parts: int, index: int) -> tuple[int, int]:
+    """Shard ``index`` of :func:`chunk_rows` alone."""
     size = -(-dim0 // parts)
-    out = []
-    for index in range(parts):
-        start = min(index * size, dim0)
-        out.append((start, max(0, min(size, dim0 - start))))
-    return out
+    start = min(index * size, dim0)
+    return start, max(0, min(size, dim0 - start))
 
 
 def shard_boxes(global_shape: Sequence[int], layout: MeshLayout) -> dict[int, Box]:
@@ -184,15 +187,19 @@ def shard_boxes(global_shape: Sequence[int], layout: MeshLayout) -> dict[int, Bo
         for size in reversed(layout.shape):
             coords.append(rest % size)
             rest //= size
-        coords.reverse()
-        offsets, sizes = [0] * len(shape), list(shape)
-        for axis, dim in enumerate(layout.placements):
-            if dim is not None:
-                start, rows = chunk_rows(sizes[dim], layout.shape[axis])[coords[axis]]
-                offsets[dim] += start
-                sizes[dim] = rows
-        boxes[rank] = (tuple(offsets), tuple(sizes))
+        boxes[rank] = _box(shape, layout, coords[::-1])
     return boxes
+
+
+def _box(shape: tuple[int, ...], layout: MeshLayout, coords: Sequence[int]) -> Box:
+    """The box of the rank at mesh coordinates ``coords`` (see :func:`shard_boxes`)."""
+    offsets, sizes = [0] * len(shape), list(shape)
+    for axis, dim in enumerate(layout.placements):
+        if dim is not None:
+            start, rows = _chunk(sizes[dim], layout.shape[axis], coords[axis])
+            offsets[dim] += start
+            sizes[dim] = rows
+    return tuple(offsets), tuple(sizes)
 
 
 def box_overlaps(
@@ -254,29 +261,43 @@ def dtensor_spec(tensor: Any, where: str = "") -> ShardSpec:
         ConfigError: For any other layout, or one whose box :func:`shard_boxes` does not
             give as DTensor does (not built: it would be restored wrongly).
     """
-    from torch.distributed.tensor import Replicate, Shard
-
     mesh, placements = tensor.device_mesh, tuple(tensor.placements)
     shape = tuple(int(d) for d in tensor.shape)
-    dims: list[int | None] = []
-    for placement in placements:
-        # type() is: a strided shard (FSDP2 with tensor parallelism) is a Shard subclass
-        # whose pieces are not one box per rank.
-        if type(placement) is Shard and 0 <= placement.dim < len(shape):
-            dims.append(int(placement.dim))
-        elif type(placement) is Replicate:
-            dims.append(None)
-        else:
-            raise _unsupported(where, placements, mesh.ndim)
-    layout = MeshLayout(tuple(int(d) for d in mesh.shape),
-                        tuple(int(r) for r in mesh.mesh.flatten().tolist()), tuple(dims))
+    layout = _layout(mesh, placements)
+    coords = mesh.get_coordinate()
+    if layout is None or coords is None or any(
+            d is not None and d >= len(shape) for d in layout.placements):
+        raise _unsupported(where, placements, mesh.ndim)
     chunks = tensor.__create_chunk_list__()
-    mine = shard_boxes(shape, layout).get(mesh.get_rank())
-    if len(chunks) != 1 or mine is None or not _same_box(
+    # Only this rank's box: a snapshot is taken every step, and the layout of every rank
+    # is computed only at a restart (shard_boxes).
+    mine = _box(shape, layout, coords)
+    if len(chunks) != 1 or not _same_box(
             mine, (tuple(int(d) for d in chunks[0].offsets),
                    tuple(int(d) for d in chunks[0].sizes))):
         raise _unsupported(where, placements, mesh.ndim)
     return ShardSpec(shape, mine[0], mine[1], layout)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(mesh: Any, placements: tuple[Any, ...]) -> MeshLayout | None:
+    """The :class:`MeshLayout` of DTensors on ``mesh`` with ``placements``, or None for a
+    placement that is not ``Shard(d)`` or ``Replicate``. Cached: every parameter of a model
+    shares a few layouts, and listing the mesh's ranks walks all of them."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    dims: list[int | None] = []
+    for placement in placements:
+        # type() is: a strided shard (FSDP2 with tensor parallelism) is a Shard subclass
+        # whose pieces are not one box per rank.
+        if type(placement) is Shard:
+            dims.append(int(placement.dim))
+        elif type(placement) is Replicate:
+            dims.append(None)
+        else:
+            return None
+    return MeshLayout(tuple(int(d) for d in mesh.shape),
+                      tuple(int(r) for r in mesh.mesh.flatten().tolist()), tuple(dims))
 
 
 def _same_box(a: Box, b: Box) -> bool:
