@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import event
+from sqlalchemy import event, inspect, text
 
 from ckptstore.capture import blob_digest
 from ckptstore.catalog import Catalog
@@ -168,3 +168,16 @@ def test_filters_of_one_shape_share_a_statement_and_keep_their_values(runs: Cata
         assert {c.run for c in runs.list(where="config.opt.name!=adam")} == {"b"}
         assert {c.run for c in runs.list(where="config.amp!=false")} == {"a"}
         assert {c.run for c in runs.list(where="config.amp!=true")} == {"b"}
+
+
+def test_runs_config_is_indexed(catalog: Catalog) -> None:
+    # PostgreSQL: a GIN index (jsonb_path_ops) that equality filters (containment) use.
+    indexes = {ix["name"]: ix for ix in inspect(catalog.engine).get_indexes("runs")}
+    assert indexes["ix_runs_config"]["column_names"] == ["config"]
+    if catalog.dialect != "postgresql":
+        return
+    with catalog.engine.begin() as conn:
+        conn.execute(text("SET LOCAL enable_seqscan = off"))  # a few runs: force the choice
+        plan = "\n".join(row[0] for row in conn.execute(text(
+            "EXPLAIN SELECT id FROM runs WHERE config @> '{\"optim\": \"sgd\"}'")))
+    assert "ix_runs_config" in plan, plan

@@ -52,6 +52,16 @@ def test_catalog_commands_never_import_torch_zarr_or_prefect(
     assert "ckptstore" in modules  # the check itself works: it sees our own package
 
 
+def test_runs_diff_never_imports_torch_zarr_or_prefect(
+        tmp_path: Path, catalog_template: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPT_CAPTURE", "1")  # contexts to compare (off in the rest of the suite)
+    filled = make_filled_store(tmp_path, catalog_template)
+    code, modules, out = imported(["runs", "diff", "base", "tuned", "--config",
+                                   str(filled.config)])
+    assert code == 0 and "same context" in out, out
+    assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
+
+
 def test_tab_completion_rides_the_fast_path() -> None:
     code, modules, out = imported([], env={"_CKPT_COMPLETE": "complete_bash",
                                            "COMP_WORDS": "ckpt l", "COMP_CWORD": "1"})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 from context_support import git
+
+from ckptstore import CheckpointStore
+from ckptstore.capture import blob_digest
 
 pytestmark = [pytest.mark.skipif(shutil.which("git") is None, reason="needs git"),
               pytest.mark.slow]
@@ -110,6 +114,14 @@ def test_a_recipe_resumes_the_run_bit_for_bit(tmp_path: Path) -> None:
     assert context["commit"] == git(repo, "rev-parse", "HEAD") and context["dirty"]
     assert context["command"] == ["train.py", str(STEPS), "final.pt"]
     assert context["config"] == {"lr": 0.03, "steps": STEPS}
+    with CheckpointStore.open(store) as opened:  # the whole recorded document
+        recorded = opened.catalog.context_of(opened.catalog.get(f"e2e@{SAVE_AT}"))
+    assert recorded is not None
+    command, environment = recorded.document["command"], recorded.document["environment"]
+    assert command["entry"] == str((repo / "train.py").resolve())
+    assert command["entry_blake3"] == blob_digest((repo / "train.py").read_bytes())
+    assert environment["platform"] == platform.platform()
+    assert recorded.document["seeds"]["torch"] == 0  # train.py's torch.manual_seed(0)
     recipe = tmp_path / "recipe"
     _run([sys.executable, "-m", "ckptstore", "reproduce", f"e2e@{SAVE_AT}", "--dir",
           str(recipe)], elsewhere, env)

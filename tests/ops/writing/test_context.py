@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -11,7 +12,8 @@ import torch
 from sqlalchemy import text
 
 from ckptstore import CheckpointStore
-from ckptstore.capture import capture_context, safe_config
+from ckptstore.capture import blob_digest, capture_context, safe_config
+from ckptstore.ops.reading.reproduce import check_against, diff_contexts
 
 GIT = shutil.which("git")
 pytestmark = pytest.mark.skipif(GIT is None, reason="needs git")
@@ -202,3 +204,65 @@ def test_many_untracked_files_are_capped(repo: Path, monkeypatch: pytest.MonkeyP
     doc = capture_context(where=repo).document
     assert len(doc["code"]["untracked"]) == 3
     assert any("7 untracked files" in n for n in doc["notes"])
+
+
+# ------------------------------------------------------------------ seeds, world, platform
+def test_seeds_world_size_and_platform_are_recorded(
+    repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as torchrun sets them, before the process group
+    monkeypatch.setenv("RANK", "3")
+    torch.manual_seed(1234)
+    doc = capture_context(where=repo).document
+    assert doc["seeds"] == {"pythonhashseed": "7", "torch": 1234}
+    assert (doc["world_size"], doc["rank"]) == (4, 3)
+    env = doc["environment"]
+    assert env["platform"] == platform.platform() and env["machine"] == platform.machine()
+    assert env["python"] == platform.python_version()
+
+
+def test_capture_false_in_the_config_file_records_nothing(
+    repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CKPT_CAPTURE")
+    for capture, recorded in (("false", False), ("true", True)):
+        config = tmp_path / f"{capture}.toml"
+        config.write_text(f'root = "{tmp_path / capture}"\ncapture = {capture}\n')
+        with CheckpointStore.open(config=config) as store:
+            ck = store.save("a", 1, _state(), config={"lr": 2})
+            assert (store.catalog.context_of(ck) is not None) is recorded, capture
+
+
+# ------------------------------------------------------------------ differences
+def test_differences_of_code_environment_and_packages(repo: Path, tmp_path: Path) -> None:
+    # What `ckpt runs diff` and `ckpt reproduce --check` list beyond the config: the
+    # commit, the change, Python, the platform and every package whose version differs.
+    with CheckpointStore.open(tmp_path / "store") as store:
+        ck = store.save("a", 1, _state(), config={"lr": 2})
+        ctx = store.catalog.context_of(ck)
+        assert ctx is not None
+        old_lock = b"torch==0.0.1\nnumpy==1.0.0\nnot-installed-here==3.0\n"
+        digest = blob_digest(old_lock)
+        other = {**ctx.document,
+                 "code": {**ctx.document["code"], "commit": "0" * 40, "dirty": False,
+                          "patch": None},
+                 "environment": {**ctx.document["environment"], "python": "3.9.0",
+                                 "platform": "Elsewhere-1.0", "lock": digest}}
+        store.run("b")
+        store.catalog.record_context("b", 1, other, "other", {digest: old_lock})
+        fields = {d.field: (d.a, d.b) for d in diff_contexts(store, ctx.document, other)}
+        assert fields["code.commit"][1] == "0" * 40
+        assert fields["code.dirty"] == (True, False) and "code.change" in fields
+        assert fields["environment.python"] == (platform.python_version(), "3.9.0")
+        assert fields["environment.platform"][1] == "Elsewhere-1.0"
+        assert fields["package.torch"][1] == "0.0.1"
+        assert fields["package.not-installed-here"] == (None, "3.0")
+        assert "config.lr" not in fields
+        # --check: the recorded context against this process, packages from its own lock.
+        recorded = store.catalog.run_contexts("b")[-1]
+        checked = {d.field: (d.a, d.b) for d in check_against(store, recorded, where=repo)}
+        assert checked["package.torch"][0] == "0.0.1"
+        assert checked["package.torch"][1] not in (None, "0.0.1")  # this environment's
+        assert checked["package.not-installed-here"] == ("3.0", None)
+        assert checked["code.commit"][0] == "0" * 40
