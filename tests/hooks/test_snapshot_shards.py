@@ -260,6 +260,32 @@ def test_a_snapshot_records_each_shard_and_a_sharded_durable_save_is_refused(
         dist.destroy_process_group()
 
 
+def test_a_snapshot_keeps_no_device_mesh_alive(tmp_path: Path) -> None:
+    # A mesh held past the snapshot would keep its process groups, and gloo's threads,
+    # alive after destroy_process_group() (they abort a process at exit now and then).
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ckptstore.ops.writing.snapshot_shards import flatten_sharded
+
+    _solo(tmp_path)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = distribute_tensor(torch.ones(3, 2), mesh, [Shard(0)])
+        flat, specs = flatten_sharded({"w": weight})
+        assert specs["w"].layout == MeshLayout((1,), (0,), (0,))
+        held = weakref.ref(mesh)
+        del weight, mesh, flat, specs
+        gc.collect()
+        assert held() is None
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------- real ranks (gloo)
 def _launch(ctx: multiprocessing.context.BaseContext, tmp_path: Path, shm_root: Path,
             last: int, out: Path, nranks: int, **extra: str) -> list[int]:

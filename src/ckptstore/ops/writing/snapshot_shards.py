@@ -22,7 +22,6 @@ a correct record of where they belong.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -249,13 +248,20 @@ def is_dtensor(obj: Any) -> bool:
     return isinstance(obj, DTensor)
 
 
-def dtensor_spec(tensor: Any, where: str = "") -> ShardSpec:
+def dtensor_spec(
+    tensor: Any, where: str = "",
+    layouts: dict[tuple[int, tuple[Any, ...]], MeshLayout | None] | None = None,
+) -> ShardSpec:
     """The :class:`ShardSpec` of a DTensor whose placements are ``Shard(d)`` and
     ``Replicate``, on a device mesh of any shape.
 
     Args:
         tensor: The DTensor.
         where: Its key path, for messages.
+        layouts: The layouts found so far in one walk of a state, by mesh and placements
+            (every parameter of a model shares a few; listing a mesh's ranks walks all of
+            them). Never kept past the walk: a mesh held on to would keep its process
+            groups, and gloo's threads, alive after ``destroy_process_group()``.
 
     Raises:
         ConfigError: For any other layout, or one whose box :func:`shard_boxes` does not
@@ -263,7 +269,13 @@ def dtensor_spec(tensor: Any, where: str = "") -> ShardSpec:
     """
     mesh, placements = tensor.device_mesh, tuple(tensor.placements)
     shape = tuple(int(d) for d in tensor.shape)
-    layout = _layout(mesh, placements)
+    key = (id(mesh), placements)
+    if layouts is None or key not in layouts:
+        layout = _layout(mesh, placements)
+        if layouts is not None:
+            layouts[key] = layout
+    else:
+        layout = layouts[key]
     coords = mesh.get_coordinate()
     if layout is None or coords is None or any(
             d is not None and d >= len(shape) for d in layout.placements):
@@ -279,11 +291,9 @@ def dtensor_spec(tensor: Any, where: str = "") -> ShardSpec:
     return ShardSpec(shape, mine[0], mine[1], layout)
 
 
-@functools.lru_cache(maxsize=64)
 def _layout(mesh: Any, placements: tuple[Any, ...]) -> MeshLayout | None:
     """The :class:`MeshLayout` of DTensors on ``mesh`` with ``placements``, or None for a
-    placement that is not ``Shard(d)`` or ``Replicate``. Cached: every parameter of a model
-    shares a few layouts, and listing the mesh's ranks walks all of them."""
+    placement that is not ``Shard(d)`` or ``Replicate``."""
     from torch.distributed.tensor import Replicate, Shard
 
     dims: list[int | None] = []
@@ -342,11 +352,13 @@ def dtensor_templates(state: Any) -> dict[str, tuple[Any, ShardSpec]]:
 def _flatten_local(state: Any) -> tuple[FlatState, dict[str, tuple[Any, ShardSpec]]]:
     """One walk of ``state``: every DTensor stored as its local shard, and found by its key."""
     found: dict[str, tuple[Any, ShardSpec]] = {}
+    # The meshes are alive for the whole walk (the state holds them): id() keys are safe.
+    layouts: dict[tuple[int, tuple[Any, ...]], MeshLayout | None] = {}
 
     def local(tensor: torch.Tensor, key: str) -> torch.Tensor:
         if not is_dtensor(tensor):
             return tensor  # refused by the flattener, as any other subclass
-        found[key] = (tensor, dtensor_spec(tensor, key))
+        found[key] = (tensor, dtensor_spec(tensor, key, layouts))
         # detach(): the flattener copies bytes only; the local tensor shares the shard's memory.
         return tensor.to_local().detach()  # type: ignore[attr-defined,no-any-return]
 
