@@ -3,7 +3,10 @@
 Usage: ``python interop_reader.py EXPECTED.json RESULT.json``
 
 ``EXPECTED.json`` maps ``"<checkpoint dir>::<array path>"`` to the base64 of the exact bytes
-the array must hold (its elements, little-endian, in C order). For every entry this script
+the array must hold (its elements, little-endian, in C order). A name with a fourth part,
+``"...::<dtype>:<offset>:<numel>"``, is a tensor stored as a cast (docs/FORMAT.md, version 3):
+elements ``[offset, offset + numel)`` of the float32 array rounded to ``dtype`` as the format
+defines it, done here with numpy alone. For every entry this script
 opens the array with zarr-python and with tensorstore, reads it whole, and records one
 verdict per reader: ``ok`` (the exact bytes), ``refused`` (the reader raised: a loud
 refusal) or ``mismatch`` (it returned other bytes: zeros from a missing chunk, garbage from a
@@ -56,9 +59,27 @@ def _tensorstore_bytes(directory: str, array: str) -> bytes:
     return bytes(data.astype(data.dtype.newbyteorder("<"), copy=False).tobytes())
 
 
-def _verdict(read: Any, directory: str, array: str, expected: bytes) -> dict[str, str]:
+def _rounded(data: bytes, cast: str) -> bytes:
+    """Elements of float32 ``data`` rounded as docs/FORMAT.md's casts say."""
+    import numpy as np
+
+    dtype, offset, numel = cast.split(":")
+    start = int(offset)
+    wide = np.frombuffer(data, dtype="<f4")[start : start + int(numel)]
+    if dtype == "float16":
+        return bytes(wide.astype("<f2").tobytes())
+    # bfloat16: the upper half of the bits after adding 0x7FFF plus the lowest kept bit
+    # (round to nearest, ties to even; the format stores no NaN as a cast).
+    bits = wide.view("<u4").astype(np.uint64)
+    return bytes(((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes())
+
+
+def _verdict(read: Any, directory: str, array: str, expected: bytes,
+             cast: str = "") -> dict[str, str]:
     try:
         got = read(directory, array)
+        if cast:
+            got = _rounded(got, cast)
     except Exception as exc:  # any failure to open or read is a refusal
         return {"verdict": "refused", "why": f"{type(exc).__name__}: {str(exc)[:300]}"}
     if got == expected:
@@ -78,11 +99,12 @@ def main(argv: list[str]) -> int:
         expected: dict[str, str] = json.load(fh)
     results: dict[str, dict[str, dict[str, str]]] = {}
     for name, b64 in expected.items():
-        directory, _, array = name.partition("::")
+        directory, _, rest = name.partition("::")
+        array, _, cast = rest.partition("::")
         want = base64.b64decode(b64)
         results[name] = {
-            "zarr": _verdict(_zarr_bytes, directory, array, want),
-            "tensorstore": _verdict(_tensorstore_bytes, directory, array, want),
+            "zarr": _verdict(_zarr_bytes, directory, array, want, cast),
+            "tensorstore": _verdict(_tensorstore_bytes, directory, array, want, cast),
         }
     leaked = sorted(m for m in ("torch", "ckptstore") if m in sys.modules)
     with open(result_path, "w", encoding="utf-8") as fh:

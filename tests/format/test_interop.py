@@ -62,7 +62,25 @@ def _state(seed: int) -> dict[str, Any]:
         "big": torch.randn(512, 512, generator=gen),
         "big_bf16": torch.randn(1024, 512, generator=gen).to(torch.bfloat16),
         "big_view": torch.randn(600, 600, generator=gen)[:, :480],
+        "mixed": _mixed(gen),
         "step": seed,
+    }
+
+
+def _mixed(gen: torch.Generator) -> dict[str, Any]:
+    """Mixed precision: bf16 and fp16 tensors that are exactly fp32 ones rounded, which a
+    save stores as casts (format version 3) of a packed and of a per-tensor array; with a
+    -0.0, a tie and a value beyond fp16's range (rounded to infinity)."""
+    small = torch.randn(40, 16, generator=gen)
+    small[0, 0] = -0.0
+    small[0, 1] = 1.0 + 2.0**-8  # halfway between two bf16 values: to the even one
+    large = torch.randn(1024, 300, generator=gen)
+    half = torch.randn(300, generator=gen) * 1e3
+    half[0] = 1e6
+    return {
+        "master": {"small": small, "large": large, "half": half},
+        "model": {"small": small.to(torch.bfloat16), "large": large.to(torch.bfloat16),
+                  "half": half.to(torch.float16)},
     }
 
 
@@ -137,7 +155,11 @@ def _flat_expectations(copy: Copy) -> None:
             continue
         buf = bytearray(array.length * array.itemsize)
         for t in manifest.tensors.values():
-            if t.array == name:
+            if t.array == name and t.cast:
+                # Read by the foreign rounding of the array's elements (interop_reader.py).
+                copy.expected[f"{name}::{t.torch_dtype}:{t.offset}:{t.numel}"] = _bytes(
+                    copy.truth[t.key])
+            elif t.array == name:
                 data = _bytes(copy.truth[t.key])
                 start = t.offset * array.itemsize
                 buf[start : start + len(data)] = data
@@ -321,3 +343,32 @@ def test_zarr_with_ckptstore_installed_explains_the_refusal(
         with pytest.raises(Exception, match=needs) as info:
             zarr.open_group(str(copy.directory), mode="r")[name][...]
         assert "ckpt compact" in str(info.value) and copy.manifest.id in str(info.value)
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in ("lossy", "dcp",
+                                                                 "lossy on warm (plain copy)")])
+def test_mixed_precision_copies_are_stored_as_casts_foreign_readers_round(
+        interop: tuple[list[Copy], dict[str, Any]], kind: str) -> None:
+    copies, out = interop
+    (copy,) = [c for c in copies if c.kind == kind]
+    casts = {k: t for k, t in copy.manifest.tensors.items() if t.cast}
+    assert sorted(casts) == ["mixed/model/half", "mixed/model/large", "mixed/model/small"]
+    assert copy.manifest.format_version == 3
+    assert {t.torch_dtype for t in casts.values()} == {"bfloat16", "float16"}
+    # Each is read through its array: by the rounding where the array opens, else refused
+    # with it (a delta's array).
+    for t in casts.values():
+        name = f"{t.array}::{t.torch_dtype}:{t.offset}:{t.numel}"
+        if copy.expected[t.array] is None:
+            assert name not in copy.expected
+            continue
+        assert {r: v["verdict"] for r, v in out["results"][f"{copy.directory}::{name}"].items()
+                } == {"zarr": "ok", "tensorstore": "ok"}
+
+
+def test_lossy_saves_store_no_casts(interop: tuple[list[Copy], dict[str, Any]]) -> None:
+    # A cast of a lossily stored tensor would not round to the saved bf16 tensor.
+    copies, _ = interop
+    (copy,) = [c for c in copies if c.kind == "lossy"]
+    assert not any(t.cast for t in copy.manifest.tensors.values())
+    assert copy.manifest.format_version == 2

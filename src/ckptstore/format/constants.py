@@ -26,6 +26,8 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DELTA_CODEC",
     "FILES_KEY",
+    "CAST_FORMAT_VERSION",
+    "CAST_PAIRS",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "MAX_CHUNK_BYTES",
@@ -50,8 +52,14 @@ __all__ = [
 #: local tiers, codecs that refuse plain readers where a copy is not self-contained, and the
 #: digest of every ``zarr.json`` in the manifest.
 FORMAT_VERSION = 2
+#: Version 3 adds tensors stored as the rounding of a wider tensor's elements (``cast`` in
+#: the tensor index); a checkpoint is written as version 3 only when it has such a tensor,
+#: so every other checkpoint stays readable by builds that read version 2.
+CAST_FORMAT_VERSION = 3
+#: (array dtype, tensor dtype) pairs a tensor may be stored as a cast of (version 3).
+CAST_PAIRS = frozenset({("float32", "bfloat16"), ("float32", "float16")})
 #: Versions this build reads (and the writers of older versions wrote).
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 
 #: Group holding the arrays of tensors that get an array of their own (version 2).
 TENSOR_GROUP = "tensors"

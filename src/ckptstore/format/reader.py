@@ -25,6 +25,7 @@ import torch
 from ckptstore.errors import (
     InvalidNameError,
 )
+from ckptstore.format.casts import cast_into
 from ckptstore.format.chunkio import ByteBuffer, ChunkReader, Dest, Locate
 from ckptstore.format.codecs import codec_spec
 from ckptstore.format.dtypes import dtype_by_name
@@ -167,6 +168,40 @@ def _chunk_dests(
         plan.setdefault((array.name, k), []).append(((lo - k * n) * isz, dest))
 
 
+class _Casts:
+    """The tensors of one read stored as casts (format version 3), and where each one's wide
+    elements come from: the same range read for its wide tensor in this read, else a scratch
+    tensor of the array's dtype the read fills first."""
+
+    def __init__(self, manifest: Manifest, keys: Sequence[str]) -> None:
+        self._manifest = manifest
+        self._wide: dict[tuple[str, int, int], str] = {}
+        for key in keys:
+            entry = manifest.tensors[key]
+            if not entry.cast:
+                self._wide.setdefault((entry.array, entry.offset, entry.numel), key)
+        self._pending: list[tuple[torch.Tensor, str | torch.Tensor]] = []
+
+    def plan(self, entry: TensorEntry, dest: torch.Tensor,
+             plan: dict[tuple[str, int], list[Dest]]) -> None:
+        """Arrange for ``dest`` (the cast tensor ``entry``) to be filled by :meth:`finish`."""
+        wide = self._wide.get((entry.array, entry.offset, entry.numel))
+        if wide is not None:
+            self._pending.append((dest, wide))
+            return
+        array = self._manifest.arrays[entry.array]
+        info = dtype_by_name(array.torch_dtype)
+        assert info is not None  # the manifest was validated
+        scratch = torch.empty(entry.numel, dtype=info.torch_dtype)
+        _chunk_dests(entry, array, _writable_bytes(scratch), plan)
+        self._pending.append((dest, scratch))
+
+    def finish(self, filled: dict[str, torch.Tensor]) -> None:
+        """Round the wide elements into each cast tensor, once the reads are done."""
+        for dest, source in self._pending:
+            cast_into(dest, filled[source] if isinstance(source, str) else source)
+
+
 @without_gc
 def read_checkpoint(
     directory: Path,
@@ -220,10 +255,12 @@ def read_checkpoint(
     )
 
     tensors: dict[str, torch.Tensor] = {}
+    filled: dict[str, torch.Tensor] = {}
     arrays_out: dict[str, np.ndarray[Any, Any]] = {}
     copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
     plan: dict[tuple[str, int], list[Dest]] = {}
     prefault: list[tuple[int, int]] = []
+    casts = _Casts(manifest, list(needed))
     for key in needed:
         entry = manifest.tensors[key]
         info = dtype_by_name(entry.torch_dtype)
@@ -242,11 +279,17 @@ def read_checkpoint(
                 tensors[key] = target
             else:
                 tensors[key] = dest
-        if entry.numel:
+        filled[key] = dest
+        if not entry.numel:
+            continue
+        if entry.cast:
+            casts.plan(entry, dest, plan)
+        else:
             _chunk_dests(entry, manifest.arrays[entry.array], _writable_bytes(dest), plan)
 
     reader = ChunkReader(Path(directory), manifest, locate)
     _run_reads(reader, manifest, plan, threads, prefault)
+    casts.finish(filled)
     if copy_back:
         with torch.no_grad():
             for target, fresh in copy_back:
@@ -289,15 +332,19 @@ def read_tensors(
     out: dict[str, torch.Tensor] = {}
     plan: dict[tuple[str, int], list[Dest]] = {}
     prefault: list[tuple[int, int]] = []
+    casts = _Casts(manifest, keys)
     for key in keys:
         entry = manifest.tensors[key]
         info = dtype_by_name(entry.torch_dtype)
         assert info is not None  # the manifest was validated
         out[key] = dest = _fresh(entry.shape, info.torch_dtype, prefault)
-        if entry.numel:
+        if entry.numel and entry.cast:
+            casts.plan(entry, dest, plan)
+        elif entry.numel:
             _chunk_dests(entry, manifest.arrays[entry.array], _writable_bytes(dest), plan)
     reader = ChunkReader(Path(directory), manifest, locate)
     _run_reads(reader, manifest, plan, threads, prefault)
+    casts.finish(out)
     return out
 
 
@@ -390,11 +437,22 @@ class RangeReader:
             MissingBaseError: If a chunk's base checkpoint cannot be found.
         """
         plan: dict[tuple[str, int], list[Dest]] = {}
+        casts: list[tuple[ByteBuffer, torch.dtype, torch.Tensor]] = []
         for key, first, stop, buf in ranges:
             entry = self.manifest.tensors[key]
-            _chunk_dests(entry, self.manifest.arrays[entry.array], buf, plan, first, stop)
+            array = self.manifest.arrays[entry.array]
+            if entry.cast:
+                # The wide elements into a scratch buffer, rounded into ``buf`` below.
+                wide, narrow = dtype_by_name(array.torch_dtype), dtype_by_name(entry.torch_dtype)
+                assert wide is not None and narrow is not None  # the manifest was validated
+                scratch = torch.empty(max(stop - first, 0), dtype=wide.torch_dtype)
+                casts.append((buf, narrow.torch_dtype, scratch))
+                buf = _writable_bytes(scratch)
+            _chunk_dests(entry, array, buf, plan, first, stop)
         for (name, index), dests in sorted(plan.items()):
             self._reader.read(self.manifest.arrays[name], index, sorted(dests, key=lambda d: d[0]))
+        for buf, dtype, scratch in casts:
+            cast_into(torch.from_numpy(buf).view(dtype), scratch)
 
 
 def iter_tensors(
@@ -402,16 +460,21 @@ def iter_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(key, tensor)`` one tensor at a time, for memory-bounded conversion.
 
-    Tensors come grouped by array (dtype) in packing order, not in flatten order; ndarray
-    leaves come as tensors. Memory holds one tensor plus at most one chunk.
+    Tensors come grouped by array (dtype) in packing order, not in flatten order, and the
+    tensors stored as casts last; ndarray leaves come as tensors. Memory holds one tensor plus
+    at most one chunk (a cast: plus its wide elements).
 
     Raises:
         IntegrityError: On a damaged chunk, as :func:`read_checkpoint`.
     """
     reader = ChunkReader(Path(directory), manifest, locate)
     by_array: dict[str, list[TensorEntry]] = {}
+    cast_keys: list[str] = []
     for entry in manifest.tensors.values():
-        by_array.setdefault(entry.array, []).append(entry)
+        if entry.cast:
+            cast_keys.append(entry.key)
+        else:
+            by_array.setdefault(entry.array, []).append(entry)
     for name, entries in by_array.items():
         array = manifest.arrays[name]
         entries.sort(key=lambda e: e.offset)
@@ -440,3 +503,7 @@ def iter_tensors(
                 else:
                     reader.read(array, k, [(at, dest)])
             yield entry.key, tensor
+    # Casts last, each from its own read of the wide elements (one tensor in memory, plus
+    # those elements).
+    for key in cast_keys:
+        yield key, read_tensors(directory, manifest, [key], locate=locate, threads=1)[key]

@@ -30,6 +30,7 @@ import torch
 from ckptstore.durable import fsync_many, storage_error, write_new_file
 from ckptstore.errors import CkptError, InvalidNameError, UnsafeObjectError
 from ckptstore.format.basecache import KeyframeCache
+from ckptstore.format.casts import find_casts
 from ckptstore.format.chunkwriter import ChunkWriter, ErrorStats
 from ckptstore.format.codecs import (
     AUTO,
@@ -41,6 +42,7 @@ from ckptstore.format.codecs import (
     codec_spec,
 )
 from ckptstore.format.constants import (
+    CAST_FORMAT_VERSION,
     CHUNK_DIR,
     DEFAULT_CHUNK_BYTES,
     FORMAT_VERSION,
@@ -50,6 +52,7 @@ from ckptstore.format.constants import (
     PER_TENSOR_MIN_BYTES,
 )
 from ckptstore.format.delta import DeltaSpec
+from ckptstore.format.dtypes import dtype_info
 from ckptstore.format.flatten import as_flat
 from ckptstore.format.gcpause import without_gc
 from ckptstore.format.layout import ArrayPlan, chunk_span, plan_layout
@@ -151,16 +154,24 @@ def write_checkpoint(
     else:
         flat = as_flat(state)
     scope = delta.scope if delta is not None and delta.lossy else None
+    # Narrow tensors that are exactly a wide one rounded (mixed precision's bf16 weights)
+    # are stored as casts of its elements. Never against a lossily stored tensor, and not
+    # for a streamed state, whose bytes exist only as its chunks are written.
+    casts = (find_casts(flat.tensors)
+             if scope is None and not isinstance(state, StreamedState) else {})
+    stored = ({k: t for k, t in flat.tensors.items() if k not in casts} if casts
+              else flat.tensors)
     plans = plan_layout(
-        flat.tensors, chunk_bytes, lossy_scope=scope,
+        stored, chunk_bytes, lossy_scope=scope,
         per_tensor_bytes=PER_TENSOR_MIN_BYTES,
     )
     sources: TensorSource = (
         state.source if isinstance(state, StreamedState) else MemorySource(
-            {key: _byte_view(t) for key, t in flat.tensors.items()},
-            {key: t.element_size() for key, t in flat.tensors.items()},
+            {key: _byte_view(t) for key, t in stored.items()},
+            {key: t.element_size() for key, t in stored.items()},
         )
     )
+    version = CAST_FORMAT_VERSION if casts else FORMAT_VERSION
     specs = {name: _array_codec(codec, plan, sources, base) for name, plan in plans.items()}
     docs: dict[str, bytes] = {}
 
@@ -174,6 +185,7 @@ def write_checkpoint(
                           p.members[0].shape if p.tensor is not None else None)
                 for p in plans.values()
             ],
+            version,
         ))
 
     def fault(name: str) -> None:
@@ -200,6 +212,7 @@ def write_checkpoint(
 
     manifest = _build_manifest(
         flat.tensors,
+        casts,
         flat.tree,
         plans,
         chunks,
@@ -370,6 +383,7 @@ def _make_dirs(directory: Path, plans: dict[str, ArrayPlan]) -> None:
 
 def _build_manifest(
     tensors: dict[str, torch.Tensor],
+    casts: dict[str, str],
     tree: Any,
     plans: dict[str, ArrayPlan],
     chunks: dict[str, list[ChunkEntry]],
@@ -402,19 +416,28 @@ def _build_manifest(
     }
     placements = {m.key: m for plan in plans.values() for m in plan.members}
     entries: dict[str, TensorEntry] = {}
-    for key in tensors:
-        place = placements[key]
+    cast_bytes = 0
+    for key, tensor in tensors.items():
+        wide = casts.get(key)
+        place = placements[key if wide is None else wide]
         chunk_len = plans[place.array].chunk_len
         start, stop = chunk_span(place.offset, place.numel, chunk_len)
+        dtype = plans[place.array].info.name
+        if wide is not None:
+            info = dtype_info(tensor.dtype)
+            assert info is not None  # find_casts keeps float16 and bfloat16 only
+            dtype = info.name
+            cast_bytes += tensor.numel() * tensor.element_size()
         entries[key] = TensorEntry(
             key,
             place.array,
             place.offset,
             place.numel,
             place.shape,
-            plans[place.array].info.name,
+            dtype,
             start,
             stop,
+            wide is not None,
         )
     referenced = any(
         o is not None for a in arrays.values() for c in a.chunks for o in c.owners()
@@ -423,7 +446,7 @@ def _build_manifest(
         # Nothing ended up relative to the keyframe: this checkpoint is a keyframe itself.
         delta = dataclasses.replace(delta, depth=0)
     return Manifest(
-        format_version=FORMAT_VERSION,
+        format_version=CAST_FORMAT_VERSION if casts else FORMAT_VERSION,
         id=ckpt_id,
         run=run,
         step=step,
@@ -435,7 +458,7 @@ def _build_manifest(
         arrays=arrays,
         tensors=entries,
         tree=tree,
-        logical_bytes=sum(p.length * p.info.itemsize for p in plans.values()),
+        logical_bytes=sum(p.length * p.info.itemsize for p in plans.values()) + cast_bytes,
         stored_bytes=stored_bytes,
         extra=extra,
         delta=delta,

@@ -228,7 +228,8 @@ def array_metas(manifest: Manifest) -> list[ArrayMeta]:
     reproduces the plain documents.
     """
     metas: list[ArrayMeta] = []
-    owners = {t.array: t for t in manifest.tensors.values()}
+    # A cast reads another tensor's array; the array's document names that tensor.
+    owners = {t.array: t for t in manifest.tensors.values() if not t.cast}
     for name, entry in manifest.arrays.items():
         info = dtype_by_name(entry.torch_dtype)
         if info is None:  # a parsed manifest has only known dtypes

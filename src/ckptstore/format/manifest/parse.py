@@ -17,6 +17,8 @@ from typing import Any
 
 from ckptstore.format.codecs import ARRAY_CODECS, CODEC_PRESETS
 from ckptstore.format.constants import (
+    CAST_FORMAT_VERSION,
+    CAST_PAIRS,
     DCP_ARRAY_GROUP,
     DCP_INDEX_KEY,
     DCP_PACK_GROUP,
@@ -165,7 +167,7 @@ def _parse(doc: Any) -> dict[str, Any]:
     # A format 2 DCP checkpoint lists its tensors (with their pieces) in the same index;
     # the DCP index parses them against its arrays.
     dcp_entries = version >= 2 and bool(extra.get(DCP_INDEX_KEY))
-    tensors = {} if dcp_entries else _parse_tensors(doc["tensors"], arrays)
+    tensors = {} if dcp_entries else _parse_tensors(doc["tensors"], arrays, version)
     srcs = {o for a in arrays.values() for c in a.chunks for o in c.owners() if o is not None}
     require(
         (kind == "delta") == bool(srcs),
@@ -453,42 +455,59 @@ def _parse_chunk(
 _TENSOR_FIELDS = frozenset(
     {"key", "array", "offset", "numel", "shape", "torch_dtype", "chunk_start", "chunk_stop"}
 )
+#: A version-3 entry of a tensor stored as the rounding of its array's elements.
+_CAST_FIELDS = _TENSOR_FIELDS | {"cast"}
 
 
-def _parse_tensors(raw: Any, arrays: dict[str, ArrayEntry]) -> dict[str, TensorEntry]:
+def _parse_tensors(raw: Any, arrays: dict[str, ArrayEntry],
+                   version: int = CAST_FORMAT_VERSION) -> dict[str, TensorEntry]:
     require(isinstance(raw, list), "tensors must be a list")
     require(len(raw) <= MAX_TENSORS, f"more than {MAX_TENSORS} tensors")
     tensors: dict[str, TensorEntry] = {}
+    casts = version >= CAST_FORMAT_VERSION
     for entry in raw:
         # Every check is a plain condition; the message (naming the tensor) is built only
         # for the one that fails: this loop runs once per tensor of a fresh process's
         # first read, which docs/FORMAT.md keeps fast.
-        if type(entry) is not dict or entry.keys() != _TENSOR_FIELDS:
+        if type(entry) is not dict:
             raise Invalid("tensor: bad fields")
+        fields = entry.keys()
+        cast = fields == _CAST_FIELDS and casts
+        if not cast and fields != _TENSOR_FIELDS:
+            raise Invalid("tensor: bad fields" + (
+                "" if casts or fields != _CAST_FIELDS
+                else f" (a cast needs format_version {CAST_FORMAT_VERSION})"))
+        if cast and entry["cast"] is not True:
+            raise Invalid("tensor: cast must be true where present")
         key = str_max(entry["key"], "tensor key", _MAX_KEY_CHARS)
         name, shape_raw = entry["array"], entry["shape"]
         array = arrays.get(name) if type(name) is str else None
-        problem = _tensor_problem(entry, key, tensors, array, shape_raw)
+        problem = _tensor_problem(entry, key, tensors, array, shape_raw, cast)
         if problem:
             raise Invalid(f"tensor {key!r}: {problem}")
         assert array is not None
         shape = tuple(shape_raw)
         numel, offset = entry["numel"], entry["offset"]
         span = (entry["chunk_start"], entry["chunk_stop"])
-        tensors[key] = TensorEntry(key, array.name, offset, numel, shape, array.torch_dtype,
-                                   *span)
+        tensors[key] = TensorEntry(key, array.name, offset, numel, shape,
+                                   entry["torch_dtype"] if cast else array.torch_dtype,
+                                   *span, cast)
     _check_disjoint(tensors)
     return tensors
 
 
 def _tensor_problem(entry: dict[str, Any], key: str, seen: dict[str, TensorEntry],
-                    array: ArrayEntry | None, shape_raw: Any) -> str:
+                    array: ArrayEntry | None, shape_raw: Any, cast: bool = False) -> str:
     """What is wrong with one tensor entry, or ``""``."""
     if key in seen:
         return "listed twice"
     if array is None:
         return f"unknown array {short(entry['array'])}"
-    if entry["torch_dtype"] != array.torch_dtype:
+    if cast:
+        if (array.torch_dtype, entry["torch_dtype"]) not in CAST_PAIRS:
+            return (f"cannot be a cast of array {array.name}: {short(entry['torch_dtype'])} "
+                    f"from {array.torch_dtype} is not one of {sorted(CAST_PAIRS)}")
+    elif entry["torch_dtype"] != array.torch_dtype:
         return "dtype differs from its array"
     if type(shape_raw) is not list or len(shape_raw) > MAX_DIMS:
         return f"shape must be a list of at most {MAX_DIMS} dims"
@@ -523,7 +542,8 @@ def _check_disjoint(tensors: dict[str, TensorEntry]) -> None:
     """
     spans: dict[str, list[tuple[int, int, str]]] = {}
     for t in tensors.values():
-        if t.numel:  # an empty tensor occupies no bytes
+        # An empty tensor occupies no bytes; a cast reads elements another tensor owns.
+        if t.numel and not t.cast:
             spans.setdefault(t.array, []).append((t.offset, t.offset + t.numel, t.key))
     for array, ranges in spans.items():
         ranges.sort()

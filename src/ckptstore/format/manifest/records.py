@@ -219,6 +219,10 @@ class TensorEntry:
         torch_dtype: Torch dtype name.
         chunk_start: First chunk holding its elements.
         chunk_stop: One past the last chunk (equal to ``chunk_start`` when empty).
+        cast: The tensor is not stored itself: its values are elements ``[offset, offset +
+            numel)`` of ``array`` (a wider float dtype, normally another tensor's range)
+            rounded to ``torch_dtype`` (format version 3; see
+            :mod:`ckptstore.format.casts`).
     """
 
     key: str
@@ -229,10 +233,11 @@ class TensorEntry:
     torch_dtype: str
     chunk_start: int
     chunk_stop: int
+    cast: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {
+        """JSON form (``cast`` only where set, so version-2 manifests keep their bytes)."""
+        doc: dict[str, Any] = {
             "key": self.key,
             "array": self.array,
             "offset": self.offset,
@@ -242,6 +247,9 @@ class TensorEntry:
             "chunk_start": self.chunk_start,
             "chunk_stop": self.chunk_stop,
         }
+        if self.cast:
+            doc["cast"] = True
+        return doc
 
 
 class FileEntry(NamedTuple):

@@ -56,7 +56,7 @@ import blake3
 import numpy as np
 
 from ckptstore.errors import ConfigError, IntegrityError, StorageError
-from ckptstore.format import ArrayEntry, ChunkEntry, Manifest, TensorEntry, read_manifest
+from ckptstore.format import ArrayEntry, ChunkEntry, Manifest, read_manifest
 from ckptstore.format.chunkio import ChunkReader
 from ckptstore.format.codecs import CODEC_PRESETS, TRAILER, codec_spec, crc32c_update, encode
 from ckptstore.format.constants import MAX_MANIFEST_BYTES, ZARR_JSON, chunk_rel
@@ -317,8 +317,7 @@ def reencode_copy(
         for name, a in manifest.arrays.items()
     }
     tensors = {
-        key: TensorEntry(t.key, names[t.array], t.offset, t.numel, t.shape, t.torch_dtype,
-                         t.chunk_start, t.chunk_stop)
+        key: dataclasses.replace(t, array=names[t.array])
         for key, t in manifest.tensors.items()
     }
     new = dataclasses.replace(
@@ -326,7 +325,7 @@ def reencode_copy(
         stored_bytes=chunk_total, reencoded_from=origin, metadata={}, metadata_ref={},
     )
     # Self-contained: every array's document is the plain one.
-    docs = build_metadata(ckpt_id, array_metas(new))
+    docs = build_metadata(ckpt_id, array_metas(new), new.format_version)
     if new.format_version >= 2:
         new = dataclasses.replace(new, metadata={rel: digest_of(d) for rel, d in docs.items()})
     data = new.to_json()
@@ -462,9 +461,7 @@ def check_same_content(original: Manifest, reencoded: Manifest) -> None:
         raise fail("the tensor keys differ")
     for key, t in original.tensors.items():
         u = reencoded.tensors[key]
-        if (u.key, u.array, u.offset, u.numel, u.shape, u.torch_dtype, u.chunk_start,
-                u.chunk_stop) != (t.key, names.get(t.array), t.offset, t.numel, t.shape,
-                                  t.torch_dtype, t.chunk_start, t.chunk_stop):
+        if u != dataclasses.replace(t, array=names.get(t.array, "")):
             raise fail(f"tensor {key} is placed differently")
 
 

@@ -360,11 +360,16 @@ def _as_tensor_nodes(node: Any) -> Any:
 
 
 def _iteration_order(manifest: Manifest) -> list[str]:
-    """Keys in the order :func:`iter_tensors` yields them: by array, then by offset."""
+    """Keys in the order :func:`iter_tensors` yields them: by array, then by offset; the
+    tensors stored as casts last."""
     by_array: dict[str, list[tuple[int, str]]] = {}
+    casts: list[str] = []
     for key, entry in manifest.tensors.items():
-        by_array.setdefault(entry.array, []).append((entry.offset, key))
-    return [key for group in by_array.values() for _, key in sorted(group)]
+        if entry.cast:
+            casts.append(key)
+        else:
+            by_array.setdefault(entry.array, []).append((entry.offset, key))
+    return [key for group in by_array.values() for _, key in sorted(group)] + casts
 
 
 # --------------------------------------------------------------------------- import
