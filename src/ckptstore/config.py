@@ -10,7 +10,7 @@ The config file is TOML. Keys may sit at the top level or under a ``[ckptstore]`
 
     root = "./ckpt"                       # store directory (catalog.db and hot/ live here)
     catalog_url = "postgresql+psycopg://postgres@127.0.0.1:5432/ckpt"
-    codec = "auto"                        # per array: raw fp32, Blosc-LZ4 where bf16 shrinks
+    codec = "auto"                        # per array: Blosc-LZ4 where a float array shrinks
 
     [tiers]
     hot = "file:///nvme/ckpt"

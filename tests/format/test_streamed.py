@@ -71,12 +71,17 @@ def test_a_streamed_state_writes_the_same_checkpoint_as_the_state(tmp_path: Path
         other = streamed.arrays[name]
         assert other.codec == array.codec  # auto chose from the same sample
         assert [c.blake3 for c in other.chunks] == [c.blake3 for c in array.chunks]
-    # Asked chunk by chunk, from the writer's threads; the codec sample is the only read
-    # on the calling thread (the bfloat16 array's first elements).
+    # Asked chunk by chunk, from the writer's threads; the codec samples are the only reads
+    # on the calling thread: one per float array (fp32 and bf16), of its first elements.
     chunks = sum(len(a.chunks) for a in plain.arrays.values())
     on_pool = [c for c in source.calls if c[0].startswith("ckpt-write")]
     assert len(on_pool) == chunks
-    assert [r for t, r in source.calls if not t.startswith("ckpt-write")] == [[("half", 0, 40_000)]]
+    samples = [r for t, r in source.calls if not t.startswith("ckpt-write")]
+    floats = [a for a in plain.arrays.values() if a.torch_dtype in ("float32", "bfloat16")]
+    assert len(samples) == len(floats) == 3  # float32, float32_small, bfloat16
+    assert sorted(k for ranges in samples for k, first, _ in ranges if first == 0) == [
+        "big", "half", "small/0", "small/1", "small/2"]
+    assert sum(len(ranges) for ranges in samples) == 5
     back = read_checkpoint(tmp_path / "streamed", read_manifest(tmp_path / "streamed"))
     assert torch.equal(back["big"], state["big"]) and back["lr"] == 0.5
 
