@@ -90,8 +90,8 @@ def find_casts(
 
     Args:
         tensors: The flat state (distinct tensors by key), CPU tensors.
-        usable: Whether a wide tensor may serve as a source (a save excludes tensors it
-            stores lossily).
+        usable: Whether a wide tensor may serve as a source (all by default; a lossy save
+            finds no casts at all, since its wide tensors are not stored exactly).
 
     Returns:
         For each narrow tensor stored as a cast, the key of its wide tensor (never itself a
