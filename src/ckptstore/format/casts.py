@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from ckptstore.format.constants import CAST_PAIRS
+from ckptstore.format.dtypes import dtype_info
 
 __all__ = [
     "CAST_MIN_ELEMENTS",
@@ -43,9 +44,6 @@ __all__ = [
 CAST_MIN_ELEMENTS = 256
 #: Candidates checked per narrow tensor, best key match first.
 MAX_CANDIDATES = 2
-
-_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
 
 def _suffix_score(a: str, b: str) -> tuple[int, int]:
     """How alike two keys end: common trailing path components, then characters."""
@@ -105,9 +103,9 @@ def find_casts(
     if not wide:
         return found
     for key, t in tensors.items():
-        name = _NAMES.get(t.dtype)
-        if (name is None or ("float32", name) not in CAST_PAIRS or t.numel() < CAST_MIN_ELEMENTS
-                or t.device.type != "cpu"):
+        info = dtype_info(t.dtype)
+        if (info is None or ("float32", info.name) not in CAST_PAIRS
+                or t.numel() < CAST_MIN_ELEMENTS or t.device.type != "cpu"):
             continue
         candidates = wide.get(tuple(t.shape))
         if not candidates:

@@ -460,7 +460,7 @@ _CAST_FIELDS = _TENSOR_FIELDS | {"cast"}
 
 
 def _parse_tensors(raw: Any, arrays: dict[str, ArrayEntry],
-                   version: int = CAST_FORMAT_VERSION) -> dict[str, TensorEntry]:
+                   version: int) -> dict[str, TensorEntry]:
     require(isinstance(raw, list), "tensors must be a list")
     require(len(raw) <= MAX_TENSORS, f"more than {MAX_TENSORS} tensors")
     tensors: dict[str, TensorEntry] = {}
