@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import traceback
 from collections.abc import Iterator
@@ -60,6 +61,25 @@ def test_transport_checksums_are_left_to_the_stores_own_digests(moto_s3: MotoS3)
     assert tier.fs.config_kwargs["retries"] == {"max_attempts": 1}
     assert tier.fs.config_kwargs["response_checksum_validation"] == "when_supported"
     assert tier.get_bytes("k") == b"x" * 100
+
+
+def test_tiers_share_botocores_parsed_models_and_nothing_else(
+        moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each tier's first request used to parse botocore's S3 model and endpoint data again
+    # (about 60 ms of CPU): the files are read once per process, through one loader.
+    first = S3Tier(moto_s3.url("a"), moto_s3.storage_options)
+    first.put_bytes("k", b"a")
+    models = first.fs.session.get_component("data_loader")
+    # A second tier, made after the credentials in the environment changed: its own
+    # session, which resolves them anew (moto refuses no key, the session shows what it used).
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "another-key-id")
+    second = S3Tier(moto_s3.url("b"), moto_s3.storage_options)
+    second.put_bytes("k", b"b")
+    assert second.fs.session is not first.fs.session
+    assert second.fs.session.get_component("data_loader") is models
+    keys = [asyncio.run(t.fs.session.get_credentials()).access_key for t in (first, second)]
+    assert keys == [moto_s3.client()._request_signer._credentials.access_key, "another-key-id"]
+    assert (first.get_bytes("k"), second.get_bytes("k")) == (b"a", b"b")
 
 
 @pytest.mark.parametrize("url", ["s3://", "s3:///x", "s3://b/a/../c", "http://b/x"])

@@ -64,6 +64,33 @@ ARCHIVAL_STORAGE_CLASSES = frozenset({"GLACIER", "DEEP_ARCHIVE"})
 
 _T = TypeVar("_T")
 
+#: botocore's loaders of its bundled JSON (service models, endpoints), one per data path.
+_LOADERS: dict[str | None, Any] = {}
+_LOADERS_LOCK = threading.Lock()
+
+
+def _session(profile: str | None) -> Any:
+    """A new botocore session for one tier's file system (its own credentials, resolved
+    when its client is made), reading botocore's JSON through a loader shared by the
+    process.
+
+    A session parses the S3 service model and the endpoint data on its first client (about
+    60 ms of CPU); every tier has a file system of its own, so a process with several tiers
+    or remotes (or a ``ckpt`` command opening a store) paid that per tier. The loader only
+    caches the files botocore ships, the same for every session reading the same data path.
+    """
+    from aiobotocore.session import AioSession
+    from botocore.loaders import create_loader
+
+    session = AioSession(profile=profile)
+    data_path = session.get_config_variable("data_path")
+    with _LOADERS_LOCK:
+        loader = _LOADERS.get(data_path)
+        if loader is None:
+            loader = _LOADERS[data_path] = create_loader(data_path)
+    session.register_component("data_loader", loader)
+    return session
+
 
 class RestoreState(enum.StrEnum):
     """Whether one object can be read, as its ``HEAD`` says (storage class, ``Restore``)."""
@@ -300,7 +327,9 @@ class S3Tier(Tier):
                 s3fs = require("s3fs", f"tier {self.name} ({self.url})")
                 # skip_instance_cache: s3fs would otherwise hand every caller with the same
                 # options one shared instance, listings cache and event loop included.
-                self._fs = s3fs.S3FileSystem(skip_instance_cache=True, **self._options)
+                own = {} if "session" in self._options else {
+                    "session": _session(self._options.get("profile"))}
+                self._fs = s3fs.S3FileSystem(skip_instance_cache=True, **own, **self._options)
             return self._fs
 
     def _path(self, key: str) -> str:
