@@ -64,7 +64,8 @@ ARCHIVAL_STORAGE_CLASSES = frozenset({"GLACIER", "DEEP_ARCHIVE"})
 
 _T = TypeVar("_T")
 
-#: botocore's loaders of its bundled JSON (service models, endpoints), one per data path.
+#: botocore's loaders of its bundled JSON (service models, endpoints), one per data path
+#: (``AWS_DATA_PATH``): the first session's, handed to every later one.
 _LOADERS: dict[str | None, Any] = {}
 _LOADERS_LOCK = threading.Lock()
 
@@ -80,15 +81,15 @@ def _session(profile: str | None) -> Any:
     caches the files botocore ships, the same for every session reading the same data path.
     """
     from aiobotocore.session import AioSession
-    from botocore.loaders import create_loader
 
     session = AioSession(profile=profile)
     data_path = session.get_config_variable("data_path")
     with _LOADERS_LOCK:
         loader = _LOADERS.get(data_path)
-        if loader is None:
-            loader = _LOADERS[data_path] = create_loader(data_path)
-    session.register_component("data_loader", loader)
+        if loader is None:  # the first session's own loader, made for its data path
+            _LOADERS[data_path] = session.get_component("data_loader")
+        else:
+            session.register_component("data_loader", loader)
     return session
 
 
