@@ -7,11 +7,12 @@ that need a real ``prefect server start`` share the session's ``real_prefect_ser
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +36,25 @@ for _var in ("CKPT_CONFIG", "CKPT_ROOT", "CKPT_CATALOG_URL", "CKPT_FAULT_POINT",
     os.environ.pop(_var, None)
 
 
+#: How to end the session's Prefect resources (the server, the flow tests' client
+#: settings) before the session ends, newest first: see :func:`pytest_runtest_teardown`.
+PREFECT_CLOSERS: list[Callable[[], None]] = []
+
+
+@pytest.fixture(scope="session")
+def prefect_closers() -> list[Callable[[], None]]:
+    """:data:`PREFECT_CLOSERS`, for the session fixtures of other directories' conftests."""
+    return PREFECT_CLOSERS
+
+
 @pytest.fixture(scope="session")
 def real_prefect_server(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, prefect_closers: list[Callable[[], None]],
 ) -> Iterator[tuple[str, dict[str, str]]]:
     """One real ``prefect server start`` on loopback for every test that needs one (~30 s to
     start on 2 cores; tests/flows and tests/deploy share it): ``(api_url, env)``, see
-    ``server_support.prefect_server``."""
+    ``server_support.prefect_server``. Stopped after the last of those tests, not at the end
+    of the session (:func:`pytest_runtest_teardown`)."""
     import sys
 
     helpers = str(Path(__file__).parent / "flows")
@@ -49,8 +62,26 @@ def real_prefect_server(
         sys.path.insert(0, helpers)
     from server_support import prefect_server
 
-    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as server:
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(prefect_server(tmp_path_factory.mktemp("prefect-server")))
+        prefect_closers.append(stack.close)
         yield server
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the last test that needs a Prefect server, stop it (and undo what was set up
+    to use it) instead of at the end of the session.
+
+    Those tests run first and in one process (:func:`pytest_collection_modifyitems`,
+    :func:`pytest_xdist_make_scheduler`); a server left running the rest of the session
+    spends CPU in its services' loops (about 2 CPU seconds a minute) that the other tests
+    need. ``trylast``: after pytest's own teardown of the test's fixtures, which may still
+    talk to the server. The session fixtures' own teardown later finds nothing left to do.
+    """
+    if _needs_prefect(item) and (nextitem is None or not _needs_prefect(nextitem)):
+        while PREFECT_CLOSERS:
+            PREFECT_CLOSERS.pop()()
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +25,8 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 
 @pytest.fixture(scope="session", autouse=True)
-def prefect_harness(real_prefect_server: tuple[str, dict[str, str]]) -> Iterator[None]:
+def prefect_harness(real_prefect_server: tuple[str, dict[str, str]],
+                    prefect_closers: list[Callable[[], None]]) -> Iterator[None]:
     """Point this process's Prefect client at the session's server, heartbeats off.
 
     Only Prefect's settings name the server, never ``os.environ``: the embedded runner takes
@@ -50,8 +51,11 @@ def prefect_harness(real_prefect_server: tuple[str, dict[str, str]]) -> Iterator
         publish = getattr(prefect.context, "_temporary_global_settings_context", None)
         if publish is not None:
             stack.enter_context(publish(prefect.context.get_settings_context()))
+        # Closed newest first: the logs drained, then the settings undone, before the server
+        # stops (after the last flow test: tests/conftest.py's pytest_runtest_teardown).
+        stack.callback(_drain_logs_and_events)
+        prefect_closers.append(stack.close)
         yield
-        _drain_logs_and_events()
 
 
 def _drain_logs_and_events() -> None:
