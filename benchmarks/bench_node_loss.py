@@ -37,15 +37,12 @@ Writes ``bench-out/node_loss.json``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import hashlib
 import json
 import os
 import random
-import select
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -202,32 +199,11 @@ class Cluster:
                          for n in NODES if (self.tmp / f"{n}.out").exists())
 
     def kill(self, proc: subprocess.Popen[bytes], node: str) -> None:
-        """SIGKILL a whole launch: the worker (torchrun starts it in a session of its own, so
-        it outlives a killed torchrun unless killed too) and torchrun's process group;
-        wait (bounded) until both are gone."""
-        for words in self.log(node):
-            if words[0] != "pid":
-                continue
-            pid = int(words[1])
-            try:
-                fd = os.pidfd_open(pid)
-            except ProcessLookupError:
-                continue
-            try:
-                # This benchmark's rank, not a reused pid (checked while the pidfd pins it).
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-                if "bench_node_loss.py" in cmdline:
-                    os.kill(pid, signal.SIGKILL)
-                    if not select.select([fd], [], [], LAUNCH_TIMEOUT_S)[0]:
-                        raise RuntimeError(f"rank {pid} of {node} survived SIGKILL")
-            except (ProcessLookupError, FileNotFoundError):
-                pass
-            finally:
-                os.close(fd)
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=LAUNCH_TIMEOUT_S)
+        """SIGKILL a whole launch, its rank included (bounded wait until all are gone)."""
+        from ckptstore.testing.launches import kill_launch
+
+        pids = [int(w[1]) for w in self.log(node) if w[0] == "pid"]
+        kill_launch(proc, pids, "bench_node_loss.py", LAUNCH_TIMEOUT_S)
 
     def wait(self, procs: list[subprocess.Popen[bytes]]) -> None:
         try:

@@ -12,9 +12,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import select
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -41,6 +39,7 @@ from ckptstore.ops.writing.snapshot_world import (
     ring_assignment,
 )
 from ckptstore.store import CheckpointStore
+from ckptstore.testing.launches import kill_launch
 from ckptstore.testing.ports import free_port
 
 HERE = Path(__file__).parent
@@ -333,27 +332,8 @@ def _workers(out: Path, host: str | None = None) -> list[int]:
 
 
 def _kill(proc: subprocess.Popen[bytes], workers: list[int]) -> None:
-    """SIGKILL a whole launch: torchrun's process group and its workers, which torchrun
-    starts in sessions of their own (so they outlive a killed torchrun unless killed too);
-    wait (bounded) until every one is gone."""
-    for pid in workers:
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            # A pid of this test's trainer, not a reused one (checked while the pidfd pins it).
-            if str(TRAINER) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                os.kill(pid, signal.SIGKILL)
-                assert select.select([fd], [], [], TIMEOUT_S)[0], f"worker {pid} survived"
-        except (ProcessLookupError, FileNotFoundError):
-            pass
-        finally:
-            os.close(fd)
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=TIMEOUT_S)
+    """SIGKILL a whole launch, its workers included (bounded wait until all are gone)."""
+    kill_launch(proc, workers, str(TRAINER), TIMEOUT_S)
 
 
 def _rank_of(out: Path, host: str) -> int:
