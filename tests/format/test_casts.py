@@ -4,6 +4,7 @@ fp32 tensors get no bytes of their own, and every read path gives their exact bi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 
 from ckptstore import CheckpointStore
 from ckptstore.errors import IntegrityError
-from ckptstore.format import iter_tensors, read_manifest, read_tensors
+from ckptstore.format import iter_tensors, iteration_order, read_manifest, read_tensors
 from ckptstore.format.casts import find_casts, rounds_to
 from ckptstore.format.manifest.parse import parse_manifest
 from ckptstore.format.reader import RangeReader
@@ -141,11 +142,31 @@ def test_every_read_path_gives_the_saved_bits(saved: Any) -> None:
         [("model/h.0.weight", 1000, 1100, buf.view(torch.uint8).numpy())])
     assert _same(buf, state["model"]["h.0.weight"].reshape(-1)[1000:1100])
     seen = dict(iter_tensors(directory, manifest))
-    # The casts come last, each read on its own.
-    assert set(list(seen)[-5:]) == {*(f"model/{k}" for k in state["model"]), "half"}
+    # Each cast right after the tensor whose elements it rounds (rounded from it, not read
+    # again), in the order the converters are told.
+    order = list(seen)
+    assert order == iteration_order(manifest)
+    for key, entry in manifest.tensors.items():
+        if entry.cast:
+            wide = order[order.index(key) - 1]
+            while manifest.tensors[wide].cast:  # one wide tensor may have several casts
+                wide = order[order.index(wide) - 1]
+            assert (manifest.tensors[wide].array, manifest.tensors[wide].offset) == (
+                entry.array, entry.offset), key
     assert _same(seen["half"], state["half"])
     for key, value in state["model"].items():
         assert _same(seen[f"model/{key}"], value), key
+    # A cast whose elements no other tensor of the manifest holds (another writer's
+    # manifest may say so) is read on its own, after the rest.
+    gone = manifest.tensors["master/h.0.weight"]
+    orphans = {k for k, t in manifest.tensors.items()
+               if t.cast and (t.array, t.offset) == (gone.array, gone.offset)}
+    assert "model/h.0.weight" in orphans
+    orphaned = dataclasses.replace(manifest, tensors={
+        k: t for k, t in manifest.tensors.items() if k != "master/h.0.weight"})
+    alone = dict(iter_tensors(directory, orphaned))
+    assert set(list(alone)[-len(orphans):]) == orphans
+    assert _same(alone["model/h.0.weight"], state["model"]["h.0.weight"])
 
 
 def test_a_save_against_a_base_and_a_verify_treat_casts_like_any_tensor(saved: Any) -> None:

@@ -37,7 +37,12 @@ if TYPE_CHECKING:
         Manifest,
         TensorEntry,
     )
-    from ckptstore.format.reader import iter_tensors, read_checkpoint, read_tensors
+    from ckptstore.format.reader import (
+        iter_tensors,
+        iteration_order,
+        read_checkpoint,
+        read_tensors,
+    )
     from ckptstore.format.verify import chunk_files, verify_checkpoint
     from ckptstore.format.writer import PHASES, write_checkpoint
 
@@ -64,6 +69,7 @@ _LAZY = {
     "Manifest": "ckptstore.format.manifest",
     "TensorEntry": "ckptstore.format.manifest",
     "iter_tensors": "ckptstore.format.reader",
+    "iteration_order": "ckptstore.format.reader",
     "read_checkpoint": "ckptstore.format.reader",
     "read_manifest": "ckptstore.format.committed",
     "read_tensors": "ckptstore.format.reader",
@@ -96,6 +102,7 @@ __all__ = [
     "chunk_files",
     "flatten_state",
     "iter_tensors",
+    "iteration_order",
     "parse_delta",
     "read_checkpoint",
     "read_manifest",

@@ -45,6 +45,7 @@ CAST_MIN_ELEMENTS = 256
 #: Candidates checked per narrow tensor, best key match first.
 MAX_CANDIDATES = 2
 
+
 def _suffix_score(a: str, b: str) -> tuple[int, int]:
     """How alike two keys end: common trailing path components, then characters."""
     pa, pb = a.split("/"), b.split("/")

@@ -41,7 +41,8 @@ from ckptstore.format.manifest import (
 from ckptstore.format.pool import run_all
 from ckptstore.format.tree import iter_tensor_refs, match_into, select_tree
 
-__all__ = ["RangeReader", "iter_tensors", "read_checkpoint", "read_tensors"]
+__all__ = ["RangeReader", "iter_tensors", "iteration_order", "read_checkpoint",
+           "read_tensors"]
 
 logger = logging.getLogger(__name__)
 
@@ -460,24 +461,18 @@ def iter_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(key, tensor)`` one tensor at a time, for memory-bounded conversion.
 
-    Tensors come grouped by array (dtype) in packing order, not in flatten order, and the
-    tensors stored as casts last; ndarray leaves come as tensors. Memory holds one tensor plus
-    at most one chunk (a cast: plus its wide elements).
+    Tensors come grouped by array (dtype) in packing order, not in flatten order
+    (:func:`iteration_order`), each tensor stored as a cast right after the tensor whose
+    elements it rounds; ndarray leaves come as tensors. Memory holds one tensor and its casts
+    plus at most one chunk.
 
     Raises:
         IntegrityError: On a damaged chunk, as :func:`read_checkpoint`.
     """
     reader = ChunkReader(Path(directory), manifest, locate)
-    by_array: dict[str, list[TensorEntry]] = {}
-    cast_keys: list[str] = []
-    for entry in manifest.tensors.values():
-        if entry.cast:
-            cast_keys.append(entry.key)
-        else:
-            by_array.setdefault(entry.array, []).append(entry)
+    by_array, followers, orphans = _iteration_plan(manifest)
     for name, entries in by_array.items():
         array = manifest.arrays[name]
-        entries.sort(key=lambda e: e.offset)
         held_index = -1
         held = np.empty(array.chunk_nbytes, dtype=np.uint8)
         for entry in entries:
@@ -502,8 +497,52 @@ def iter_tensors(
                     np.copyto(dest, held[at : at + len(dest)])
                 else:
                     reader.read(array, k, [(at, dest)])
+            # The tensors stored as casts of these elements, rounded from them: no read of
+            # their own.
+            rounded = []
+            for key in followers.get((entry.array, entry.offset, entry.numel), ()):
+                cast = manifest.tensors[key]
+                narrow = dtype_by_name(cast.torch_dtype)
+                assert narrow is not None
+                out = torch.empty(cast.shape, dtype=narrow.torch_dtype)
+                cast_into(out, tensor)
+                rounded.append((key, out))
             yield entry.key, tensor
-    # Casts last, each from its own read of the wide elements (one tensor in memory, plus
-    # those elements).
-    for key in cast_keys:
+            yield from rounded
+    # Casts of elements no other tensor of the manifest holds (another writer's manifest may
+    # say so): each from its own read of those elements.
+    for key in orphans:
         yield key, read_tensors(directory, manifest, [key], locate=locate, threads=1)[key]
+
+
+def _iteration_plan(manifest: Manifest) -> tuple[
+        dict[str, list[TensorEntry]], dict[tuple[str, int, int], list[str]], list[str]]:
+    """:func:`iter_tensors`' order: the stored tensors by array, each array's by offset; the
+    casts that follow each of them (by its array, offset and length); the casts no stored
+    tensor holds the elements of, last."""
+    by_array: dict[str, list[TensorEntry]] = {}
+    casts: dict[tuple[str, int, int], list[str]] = {}
+    for entry in manifest.tensors.values():
+        if entry.cast:
+            casts.setdefault((entry.array, entry.offset, entry.numel), []).append(entry.key)
+        else:
+            by_array.setdefault(entry.array, []).append(entry)
+    followers: dict[tuple[str, int, int], list[str]] = {}
+    for entries in by_array.values():
+        entries.sort(key=lambda e: e.offset)
+        for entry in entries:
+            span = (entry.array, entry.offset, entry.numel)
+            if span in casts:
+                followers[span] = casts.pop(span)
+    return by_array, followers, [key for keys in casts.values() for key in keys]
+
+
+def iteration_order(manifest: Manifest) -> list[str]:
+    """The keys in the order :func:`iter_tensors` yields them."""
+    by_array, followers, orphans = _iteration_plan(manifest)
+    order: list[str] = []
+    for entries in by_array.values():
+        for entry in entries:
+            order.append(entry.key)
+            order += followers.get((entry.array, entry.offset, entry.numel), ())
+    return order + orphans

@@ -211,6 +211,7 @@ def write_checkpoint(
     fault("metadata_written")
 
     manifest = _build_manifest(
+        version,
         flat.tensors,
         casts,
         flat.tree,
@@ -382,6 +383,7 @@ def _make_dirs(directory: Path, plans: dict[str, ArrayPlan]) -> None:
 
 
 def _build_manifest(
+    version: int,
     tensors: dict[str, torch.Tensor],
     casts: dict[str, str],
     tree: Any,
@@ -446,7 +448,7 @@ def _build_manifest(
         # Nothing ended up relative to the keyframe: this checkpoint is a keyframe itself.
         delta = dataclasses.replace(delta, depth=0)
     return Manifest(
-        format_version=CAST_FORMAT_VERSION if casts else FORMAT_VERSION,
+        format_version=version,
         id=ckpt_id,
         run=run,
         step=step,

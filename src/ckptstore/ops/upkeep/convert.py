@@ -55,6 +55,7 @@ from ckptstore.format import (
     Manifest,
     flatten_state,
     iter_tensors,
+    iteration_order,
     read_manifest,
     unflatten_state,
 )
@@ -337,7 +338,7 @@ def _export_dcp(
         skeleton,
         feed,
         {id(m): k for k, m in metas.items()},
-        _iteration_order(part),
+        iteration_order(part),
         progress=progress,
     )
 
@@ -357,19 +358,6 @@ def _as_tensor_nodes(node: Any) -> Any:
         if node.get("t") in ("list", "tuple", "dict", "odict"):
             return {**node, "v": [_as_tensor_nodes(v) for v in node["v"]]}
     return node
-
-
-def _iteration_order(manifest: Manifest) -> list[str]:
-    """Keys in the order :func:`iter_tensors` yields them: by array, then by offset; the
-    tensors stored as casts last."""
-    by_array: dict[str, list[tuple[int, str]]] = {}
-    casts: list[str] = []
-    for key, entry in manifest.tensors.items():
-        if entry.cast:
-            casts.append(key)
-        else:
-            by_array.setdefault(entry.array, []).append((entry.offset, key))
-    return [key for group in by_array.values() for _, key in sorted(group)] + casts
 
 
 # --------------------------------------------------------------------------- import
