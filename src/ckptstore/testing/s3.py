@@ -47,7 +47,8 @@ def _s3_application() -> Any:
     """moto's WSGI front with every request but ``/moto-api`` sent to its S3 application."""
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
 
-    class S3Only(DomainDispatcherApplication):
+    # moto is not type-analysed (pyproject.toml: mypy follow_imports = "skip"), so its base is Any.
+    class S3Only(DomainDispatcherApplication):  # type: ignore[misc]
         def get_application(self, environ: dict[str, Any]) -> Any:
             if str(environ.get("PATH_INFO", "")).startswith("/moto-api"):
                 return super().get_application(environ)
