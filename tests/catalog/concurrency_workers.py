@@ -1,7 +1,8 @@
-"""Bodies of the processes started by test_concurrency.py (importable by spawned children).
+"""Bodies of the processes started by test_concurrency.py (children of a forkserver that
+preloaded this module, or spawned ones).
 
-The test puts this directory on ``sys.path`` before starting processes; ``spawn`` children
-inherit the parent's ``sys.path`` and import this module by its plain name.
+The test puts this directory on ``sys.path`` before starting processes; the children
+inherit it and import this module by its plain name.
 """
 
 from __future__ import annotations

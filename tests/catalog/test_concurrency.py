@@ -8,11 +8,13 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from process_support import preloaded_children
 
 from ckptstore.catalog import Catalog, migrate
 from ckptstore.errors import IncompleteCheckpointError
@@ -24,10 +26,23 @@ WRITERS = 4
 SAVES_EACH = 25
 
 
+#: What the children's forkserver imports once: a spawned child spent about 0.75 CPU-s
+#: importing these before its first query, 14 children in this module.
+_PRELOAD = ["sqlalchemy", "ckptstore.catalog", "concurrency_workers"]
+
+
+@pytest.fixture(scope="module")
+def ctx() -> Iterator[multiprocessing.context.BaseContext]:
+    """Where the racing processes start: a forkserver with the catalog imported, stopped
+    with the module. When another module's forkserver runs already, spawned children
+    instead (tests/process_support.py). Either way each child is a process of its own."""
+    yield from preloaded_children(_PRELOAD, Path(__file__).parent)
+
+
 @pytest.fixture
-def workers(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """The worker module, importable by spawned children through the inherited sys.path."""
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+def workers(ctx: multiprocessing.context.BaseContext) -> ModuleType:
+    """The worker module, importable by the children through the inherited sys.path
+    (``ctx`` put this directory there)."""
     import concurrency_workers
 
     return concurrency_workers
@@ -38,11 +53,11 @@ def _collect(results: Any, expected: int) -> list[tuple[Any, ...]]:
 
 
 def test_concurrent_writers_get_unique_gap_free_versions(
-    catalog: Catalog, catalog_url: str, workers: ModuleType
+    catalog: Catalog, catalog_url: str, workers: ModuleType,
+    ctx: multiprocessing.context.BaseContext,
 ) -> None:
     # One set of processes covers both races (starting processes is the slow part):
     # WRITERS processes ensure_run() the same names at once, then save into one run.
-    ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(WRITERS)
     results = ctx.Queue()
     race = [f"race-{i}" for i in range(10)]
@@ -77,10 +92,10 @@ def test_concurrent_writers_get_unique_gap_free_versions(
 
 
 def test_killed_writer_leaves_an_invisible_pending_row(
-    catalog: Catalog, catalog_url: str, workers: ModuleType, save: Any
+    catalog: Catalog, catalog_url: str, workers: ModuleType, save: Any,
+    ctx: multiprocessing.context.BaseContext,
 ) -> None:
     committed = save("victim", 1)
-    ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     proc = ctx.Process(target=workers.begin_and_hang, args=(catalog_url, "victim", results))
     proc.start()
@@ -110,10 +125,11 @@ def test_killed_writer_leaves_an_invisible_pending_row(
     assert catalog.begin_checkpoint("victim", 8).version == 3  # versions move on
 
 
-def test_concurrent_first_open_creates_the_schema_once(empty_url: str, workers: ModuleType) -> None:
+def test_concurrent_first_open_creates_the_schema_once(
+    empty_url: str, workers: ModuleType, ctx: multiprocessing.context.BaseContext,
+) -> None:
     # Several processes opening a brand-new catalog at once: one runs the migrations, the
     # others wait for it (BEGIN IMMEDIATE / advisory lock) and then find the schema at head.
-    ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(2)
     results = ctx.Queue()
     procs = [
