@@ -37,13 +37,13 @@ $(STAMP): pyproject.toml constraints.txt
 services:
 	@bash scripts/ensure-postgres.sh
 
-# Python may cache the bytecode of what it imports (in __pycache__ beside each module) for the
-# processes this Makefile starts, even where the environment sets PYTHONDONTWRITEBYTECODE (as
-# on the CI machines): each of the ~300 Python processes the suite starts would otherwise
-# compile every module it imports again, and byte-compiling all of .venv ahead of time took
-# 42 s of a fresh install for the fraction of it that is ever imported. Writes are atomic
-# (a temporary file renamed into place) and a stale entry is never read (Python checks the
-# source's mtime and size).
+# The processes this Makefile starts cache the bytecode of the modules they import (in
+# __pycache__ beside each), even where the environment sets PYTHONDONTWRITEBYTECODE (as on the
+# CI machines): otherwise each of the ~300 Python processes the suite starts compiles all it
+# imports again. A whole run imports about 7,000 of the 19,000 modules in .venv, 20 CPU-s to
+# compile once; byte-compiling all of .venv ahead of time took 42 s of a fresh install. Writes
+# are atomic (a temporary file renamed into place) and a stale entry is never read (Python
+# checks the source's mtime and size).
 unexport PYTHONDONTWRITEBYTECODE
 
 # Byte-compile the project's own modules on every core, so that the first processes of a run
