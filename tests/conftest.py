@@ -7,6 +7,7 @@ that need a real ``prefect server start`` share the session's ``real_prefect_ser
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -19,6 +20,10 @@ from typing import Any
 import pytest
 
 _PREFECT_HOME = tempfile.mkdtemp(prefix="ckpt-prefect-home-")
+# Removed when this process exits (a Prefect database of about 5 MB where a test ran a flow):
+# registered before Prefect is imported, so it runs after Prefect's own exit handlers, which
+# stop the temporary server that writes there.
+atexit.register(shutil.rmtree, _PREFECT_HOME, ignore_errors=True)
 os.environ.setdefault("PREFECT_HOME", _PREFECT_HOME)
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")

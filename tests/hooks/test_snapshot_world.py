@@ -309,9 +309,12 @@ class Nodes:
         procs = []
         for node in range(2):
             log = (self.out / f"node-{node}.out").open("a")
+            # --log-dir: torchrun's own files go in the test's directory, not in a torchelastic_*
+            # directory left behind in /tmp.
             cmd = [str(torchrun), "--nnodes", "2", "--node-rank", str(node),
                    "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                    f"127.0.0.1:{port}", "--rdzv-id", rdzv, "--max-restarts", "0",
+                   "--log-dir", str(self.tmp / "torchrun"),
                    str(TRAINER), "r", str(last), str(self.out)]
             procs.append(subprocess.Popen(
                 cmd, env=self.env(node, **(extra or {}).get(node, {})), stdout=log,

@@ -119,10 +119,13 @@ def _launch(cluster: Cluster, scenario: str, nodes: list[str], nproc: int, *,
     for k, node in enumerate(nodes):
         log = (cluster.tmp / f"{scenario}-{node}.log").open("w")
         logs.append(log)
+        # --log-dir: torchrun's own files go in the test's directory, not in a torchelastic_*
+        # directory left behind in /tmp.
         cmd = [str(torchrun), "--nnodes", str(len(nodes)), "--node-rank", str(k),
                "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv,
-               "--max-restarts", "0", str(WORKER), scenario, str(cluster.out)]
+               "--max-restarts", "0", "--log-dir", str(cluster.tmp / "torchrun"),
+               str(WORKER), scenario, str(cluster.out)]
         procs.append(subprocess.Popen(cmd, env=cluster.env(node, warm=warm), stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + TIMEOUT_S
