@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-import typer
 from cli_support import Ckpt, FilledStore, make_filled_store
 
-from ckptstore.cli.app import app, main
+from ckptstore.cli.app import main
+from ckptstore.cli.commands import click_command
 from ckptstore.store import CheckpointStore
 
 #: Commands that run until interrupted (servers): they print no result to put in JSON.
@@ -30,7 +30,7 @@ OWN_CONFIG = {"remote add"}
 
 def leaf_commands(group: Any = None, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
     """``"db upgrade"`` -> click command, for every command a user can run."""
-    group = typer.main.get_command(app) if group is None else group
+    group = click_command() if group is None else group
     found: dict[str, Any] = {}
     for name, command in group.commands.items():
         path = (*prefix, name)

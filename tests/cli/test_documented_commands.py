@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import typer
 
-from ckptstore.cli.app import app
+from ckptstore.cli.commands import click_command
 
 ROOT = Path(__file__).resolve().parents[2]
 _INLINE = re.compile(r"`(ckpt [^`]+)`")
@@ -88,7 +88,7 @@ _EAGER = {"--version", "--install-completion", "--show-completion", "--help"}
 def _parse(line: str) -> None:
     """Resolve the subcommand path and parse its arguments as ``ckpt`` would, without
     running anything; raises typer's usage error for anything unknown or missing."""
-    command: Any = typer.main.get_command(app)
+    command: Any = click_command()
     args = shlex.split(line)[1:]
     if args and args[0] in _EAGER:
         # Options that act while parsing (print, install, exit): only check they exist.
@@ -117,7 +117,7 @@ def test_the_docs_show_commands() -> None:
 def _names_a_command(line: str) -> bool:
     """Whether the line only names a command (``ckpt show``, ``ckpt db current``), as prose
     does, rather than showing a full command line."""
-    command: Any = typer.main.get_command(app)
+    command: Any = click_command()
     for word in shlex.split(line)[1:]:
         command = getattr(command, "commands", {}).get(word)
         if command is None:

@@ -9,17 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import typer
 from cli_support import Ckpt, FilledStore, make_filled_store
 
-from ckptstore.cli.app import app
+from ckptstore.cli.commands import click_command
 
 W = "{work}"
 
 
 def leaf_commands(group: Any = None, prefix: tuple[str, ...] = ()) -> set[str]:
     """Every command a user can run (``"db upgrade"``, ...)."""
-    group = typer.main.get_command(app) if group is None else group
+    group = click_command() if group is None else group
     found: set[str] = set()
     for name, command in group.commands.items():
         if hasattr(command, "commands"):
