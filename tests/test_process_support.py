@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 
 CHILD_AND_SERVER = """
 import json, multiprocessing, os, sys, time
-from multiprocessing import forkserver
+from multiprocessing import forkserver, util
 from process_support import end_children, stop_forkserver
 
 if __name__ == "__main__":
@@ -20,7 +21,8 @@ if __name__ == "__main__":
     child.start()
     server = forkserver._forkserver._forkserver_pid
     report = {"child": child.pid, "server": server, "ended": end_children(),
-              "stopped": stop_forkserver(), "again": stop_forkserver()}
+              "stopped": stop_forkserver(), "again": stop_forkserver(),
+              "tempdir": util.get_temp_dir()}
     print(json.dumps(report), flush=True)
     # Exit as a killed test process does: no atexit handler ends the children for us.
     os._exit(0)
@@ -48,6 +50,9 @@ def test_a_left_child_and_its_forkserver_are_ended() -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
+    # The child's multiprocessing temporary directory: the exit handler that removes it did
+    # not run (os._exit), so the test removes it rather than leave a pymp-* in /tmp.
+    shutil.rmtree(report["tempdir"])
     assert report["ended"] == [report["child"]]
     assert report["stopped"] == report["server"] and report["again"] is None
     assert _gone(report["child"]) and _gone(report["server"])
