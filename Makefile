@@ -3,9 +3,10 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
-# make test runs whole test modules in this many processes (pytest-xdist): most of the suite
-# waits on subprocesses and servers, so two processes fit a 2-core machine. Each module goes
-# whole to one process, the modules that need a Prefect server together, the longest first
+# make test runs whole test modules in this many processes (pytest-xdist): two for a 2-core
+# machine. The suite is CPU-bound there (both cores busy 88 % of a run, counting the processes
+# the tests start), and a third process measured no faster. Each module goes whole to one
+# process, the modules that need a Prefect server together, the longest first
 # (tests/conftest.py's scheduler).
 TEST_WORKERS ?= 2
 TEST_DIST := --dist loadfile
