@@ -1,5 +1,6 @@
 """Ending the child processes a test started (through :mod:`multiprocessing` or as whole
-sessions), the forkserver they came from, and a test process acting as another host.
+sessions), the forkserver they came from, a test process acting as another host, and the
+``torchrun`` command line that leaves nothing in /tmp.
 
 A forkserver lives as long as any process holds its "alive" pipe, and every child it forks
 gets a copy: one child left running keeps the server, and so a process of the suite, alive
@@ -29,6 +30,7 @@ __all__ = [
     "finish_child",
     "preloaded_children",
     "stop_forkserver",
+    "torchrun",
     "wait_sessions",
 ]
 
@@ -177,3 +179,10 @@ def child_main(main: Callable[[], object], script: str, args: Sequence[str],
     os.close(fd)
     sys.argv = [script, *args]
     main()
+
+
+def torchrun(log_dir: Path) -> list[str]:
+    """The start of a ``torchrun`` command line: this environment's launcher, with its own
+    files (``--log-dir``) in ``log_dir``, inside the test's directory. Without it each launch
+    leaves a ``torchelastic_*`` directory in /tmp."""
+    return [str(Path(sys.executable).with_name("torchrun")), "--log-dir", str(log_dir)]

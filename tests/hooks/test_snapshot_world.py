@@ -14,7 +14,6 @@ import multiprocessing
 import os
 import shutil
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from process_support import add_test_dir, finish_child, preloaded_children
+from process_support import add_test_dir, finish_child, preloaded_children, torchrun
 
 from ckptstore.errors import ConfigError
 from ckptstore.hooks.manager import CheckpointManager
@@ -304,17 +303,13 @@ class Nodes:
     def launch(self, last: int, extra: dict[int, dict[str, str]] | None = None
                ) -> list[subprocess.Popen[bytes]]:
         """One ``torchrun --nnodes 2 --node-rank K`` per node, rendezvous on loopback."""
-        torchrun = Path(sys.executable).with_name("torchrun")
         port, rdzv = free_port(), f"snapworld-{uuid.uuid4().hex[:8]}"
         procs = []
         for node in range(2):
             log = (self.out / f"node-{node}.out").open("a")
-            # --log-dir: torchrun's own files go in the test's directory, not in a torchelastic_*
-            # directory left behind in /tmp.
-            cmd = [str(torchrun), "--nnodes", "2", "--node-rank", str(node),
+            cmd = [*torchrun(self.tmp / "torchrun"), "--nnodes", "2", "--node-rank", str(node),
                    "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                    f"127.0.0.1:{port}", "--rdzv-id", rdzv, "--max-restarts", "0",
-                   "--log-dir", str(self.tmp / "torchrun"),
                    str(TRAINER), "r", str(last), str(self.out)]
             procs.append(subprocess.Popen(
                 cmd, env=self.env(node, **(extra or {}).get(node, {})), stdout=log,

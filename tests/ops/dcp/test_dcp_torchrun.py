@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from process_support import torchrun
 
 from ckptstore import CheckpointStore
 from ckptstore.errors import CheckpointNotFoundError
@@ -44,12 +45,9 @@ def _env() -> dict[str, str]:
 
 
 def _torchrun(nproc: int, scenarios: str, root: Path, out: Path) -> None:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    # --log-dir: torchrun's own files go in the test's directory, not in a torchelastic_*
-    # directory left behind in /tmp.
     cmd = [
-        str(torchrun), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port()), "--log-dir", str(out.parent / "torchrun"),
+        *torchrun(out.parent / "torchrun"), "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
         str(WORKER), scenarios, str(root), str(out),
     ]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)

@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -40,7 +39,7 @@ from typing import Any
 import pytest
 import torch
 from pg_support import create_pg_database, drop_pg_database, require_pg
-from process_support import acting_as_host, preloaded_children
+from process_support import acting_as_host, preloaded_children, torchrun
 
 from ckptstore import CheckpointStore
 from ckptstore.catalog import migrate
@@ -112,20 +111,17 @@ class Cluster:
 def _launch(cluster: Cluster, scenario: str, nodes: list[str], nproc: int, *,
             warm: bool = True) -> None:
     """One torchrun per simulated node, all at once, rendezvous over c10d on loopback."""
-    torchrun = Path(sys.executable).with_name("torchrun")
     port, rdzv = free_port(), f"mn-{uuid.uuid4().hex[:8]}"
     procs = []
     logs = []
     for k, node in enumerate(nodes):
         log = (cluster.tmp / f"{scenario}-{node}.log").open("w")
         logs.append(log)
-        # --log-dir: torchrun's own files go in the test's directory, not in a torchelastic_*
-        # directory left behind in /tmp.
-        cmd = [str(torchrun), "--nnodes", str(len(nodes)), "--node-rank", str(k),
+        cmd = [*torchrun(cluster.tmp / "torchrun"), "--nnodes", str(len(nodes)),
+               "--node-rank", str(k),
                "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv,
-               "--max-restarts", "0", "--log-dir", str(cluster.tmp / "torchrun"),
-               str(WORKER), scenario, str(cluster.out)]
+               "--max-restarts", "0", str(WORKER), scenario, str(cluster.out)]
         procs.append(subprocess.Popen(cmd, env=cluster.env(node, warm=warm), stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + TIMEOUT_S
