@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import shutil
 import tempfile
@@ -87,6 +88,28 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if _needs_prefect(item) and (nextitem is None or not _needs_prefect(nextitem)):
         while PREFECT_CLOSERS:
             PREFECT_CLOSERS.pop()()
+
+
+#: The test module this process ran last (:func:`pytest_runtest_setup`).
+_LAST_MODULE: list[Path | None] = [None]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before each test module, collect the garbage once and freeze what is left
+    (``gc.freeze``), so that later collections leave it out.
+
+    A test process comes to hold over a million long-lived objects (torch, Prefect,
+    botocore's service models, every module imported so far), and each of Python's full
+    collections walks them all: 66 full collections took 39 CPU seconds of a whole run's two
+    test processes, 0.4 to 0.5 s each. With the freeze, the run's full collections (283,
+    counting these) took 13 s. A cycle of frozen objects that becomes unreachable later stays
+    in memory until the process ends.
+    """
+    if item.path != _LAST_MODULE[0]:
+        _LAST_MODULE[0] = item.path
+        gc.collect()
+        gc.freeze()
 
 
 @pytest.fixture
