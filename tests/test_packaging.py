@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from source_support import imported_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "ckptstore"
@@ -105,22 +106,11 @@ def _imported_top_levels() -> dict[str, set[str]]:
     string given to ``require(...)`` (how ckptstore.extras imports optional packages)."""
     found: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                  and node.func.id == "require" and node.args
-                  and isinstance(node.args[0], ast.Constant)
-                  and isinstance(node.args[0].value, str)):
-                names = [node.args[0].value]
-            for name in names:
-                top = name.partition(".")[0]
-                if top in sys.stdlib_module_names or top in ("ckptstore", "__future__"):
-                    continue
-                found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+        for name in imported_modules(ast.parse(path.read_text(), filename=str(path))):
+            top = name.partition(".")[0]
+            if top in sys.stdlib_module_names or top in ("ckptstore", "__future__"):
+                continue
+            found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
     return found
 
 

@@ -13,6 +13,8 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
+from source_support import attribute_chains, imported_modules
+
 ROOT = Path(__file__).resolve().parent.parent
 #: Checked code: the package and the stack's scripts (scripts/typecheck.sh).
 CHECKED = [ROOT / "src" / "ckptstore", ROOT / "scripts" / "stack"]
@@ -32,22 +34,10 @@ def skipped_patterns() -> list[str]:
 
 
 def dotted_names(source: str) -> Iterator[str]:
-    """Every module path a source names: its imports (``import a.b``, ``from a import b`` as
-    ``a.b``) and its attribute chains (``a.b.c``), which mypy resolves through the package."""
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            yield node.module
-            yield from (f"{node.module}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Attribute):
-            parts = [node.attr]
-            value = node.value
-            while isinstance(value, ast.Attribute):
-                parts.append(value.attr)
-                value = value.value
-            if isinstance(value, ast.Name):
-                yield ".".join([value.id, *reversed(parts)])
+    """Every module path a source names: its imports and its attribute chains."""
+    tree = ast.parse(source)
+    yield from imported_modules(tree)
+    yield from attribute_chains(tree)
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -62,16 +52,17 @@ def uses_of(patterns: list[str], source: str) -> list[str]:
 
 
 def test_the_scan_finds_each_way_of_reaching_a_module() -> None:
-    patterns = ["torch.fx.*", "transformers.models.*"]
+    patterns = ["torch.fx.*", "torch.jit.*", "transformers.models.*"]
     source = (
         "import torch.fx\n"
         "from torch import fx\n"
         "from transformers.models.bert import BertModel\n"
         "def f():\n    return torch.fx.symbolic_trace\n"
         "import torch.nn\nfrom transformers import Trainer\n"
+        "require('torch.jit', 'scripting')\n"
     )
     assert uses_of(patterns, source) == [
-        "torch.fx", "torch.fx.symbolic_trace", "transformers.models.bert",
+        "torch.fx", "torch.fx.symbolic_trace", "torch.jit", "transformers.models.bert",
         "transformers.models.bert.BertModel",
     ]
 
