@@ -112,6 +112,41 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         gc.freeze()
 
 
+#: What the default memory directory held when the run began (:func:`pytest_sessionstart`).
+_MEMORY_ROOT_BEFORE: list[set[str]] = []
+
+
+def _memory_root_entries() -> set[str]:
+    from ckptstore.storage.shm import DEFAULT_MEMORY_ROOT
+
+    return set(os.listdir(DEFAULT_MEMORY_ROOT)) if DEFAULT_MEMORY_ROOT.is_dir() else set()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Note what the default memory directory (/dev/shm/ckptstore) holds before any test."""
+    if not hasattr(session.config, "workerinput"):  # the process that runs or leads the run
+        _MEMORY_ROOT_BEFORE.append(_memory_root_entries())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if a test left anything new in the default memory directory.
+
+    Memory tiers and snapshots stay there after their store closes, on purpose (they outlive
+    a crashed process), so a test that does not pass its own ``memory_tier_dir``
+    (``shm_root``) leaves them in the machine's memory after the suite ends. Checked once, in
+    the process that runs or leads the run, after every test has finished.
+    """
+    if not _MEMORY_ROOT_BEFORE:
+        return
+    left = sorted(_memory_root_entries() - _MEMORY_ROOT_BEFORE[0])
+    if left:
+        from ckptstore.storage.shm import DEFAULT_MEMORY_ROOT
+
+        print(f"\nERROR: tests left {left} in {DEFAULT_MEMORY_ROOT}: give the store that "
+              "made them a memory_tier_dir under the test's own directory (shm_root)")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.fixture
 def store_root(tmp_path: Path) -> Path:
     """An empty directory for a store."""

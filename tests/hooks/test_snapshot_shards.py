@@ -223,7 +223,7 @@ def test_unsupported_layouts_are_refused_with_a_config_error(tmp_path: Path,
 
 
 def test_a_snapshot_records_each_shard_and_a_sharded_durable_save_is_refused(
-        tmp_path: Path) -> None:
+        tmp_path: Path, shm_root: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -236,7 +236,9 @@ def test_a_snapshot_records_each_shard_and_a_sharded_durable_save_is_refused(
         mesh = init_device_mesh("cpu", (1,))
         weight = distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)])
         state = {"w": weight, "n": torch.ones(2), "step": 1}
-        with CheckpointStore.open(tmp_path / "store") as store:
+        # Snapshots outlive the store on purpose (in /dev/shm by default): this test's go
+        # to its own directory, removed with it.
+        with CheckpointStore.open(tmp_path / "store", memory_tier_dir=str(shm_root)) as store:
             with CheckpointManager(store, "r", snapshot_interval=1, handle_sigterm=False,
                                    history=False, distributed=False) as mgr:
                 mgr.step(1, lambda: state)
