@@ -20,10 +20,29 @@ from typing import Any
 
 import pytest
 
-_PREFECT_HOME = tempfile.mkdtemp(prefix="ckpt-prefect-home-")
-# Removed when this process exits (a Prefect database of about 5 MB where a test ran a flow):
-# registered before Prefect is imported, so it runs after Prefect's own exit handlers, which
-# stop the temporary server that writes there.
+#: Where the run's temporary directories go when the command line names none (``--basetemp``):
+#: the machine's memory file system, if it has :data:`MEMORY_TMP_MIN_FREE` bytes free.
+MEMORY_TMP_PARENT = Path("/dev/shm")
+#: A whole run holds at most about 1.1 GB there at a time (a passed test's directory is
+#: removed when it ends: ``tmp_path_retention_policy`` in pyproject.toml).
+MEMORY_TMP_MIN_FREE = 4 * 2**30
+
+
+def _memory_tmp_usable(parent: Path) -> bool:
+    try:
+        st = os.statvfs(parent)
+    except OSError:
+        return False
+    return os.access(parent, os.W_OK) and st.f_bavail * st.f_frsize >= MEMORY_TMP_MIN_FREE
+
+
+_PREFECT_HOME = tempfile.mkdtemp(
+    prefix="ckpt-prefect-home-",
+    dir=MEMORY_TMP_PARENT if _memory_tmp_usable(MEMORY_TMP_PARENT) else None)
+# Removed when this process exits (a Prefect database of about 5 MB where a test ran a flow,
+# in memory like the tests' directories: the temporary Prefect servers of the processes the
+# tests start write it): registered before Prefect is imported, so it runs after Prefect's own
+# exit handlers, which stop the temporary server that writes there.
 atexit.register(shutil.rmtree, _PREFECT_HOME, ignore_errors=True)
 os.environ.setdefault("PREFECT_HOME", _PREFECT_HOME)
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
@@ -90,24 +109,10 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
             PREFECT_CLOSERS.pop()()
 
 
-#: Where the run's temporary directories go when the command line names none (``--basetemp``):
-#: the machine's memory file system, if it has :data:`MEMORY_TMP_MIN_FREE` bytes free.
-MEMORY_TMP_PARENT = Path("/dev/shm")
-#: A whole run holds at most about 1.1 GB there at a time (a passed test's directory is
-#: removed when it ends: ``tmp_path_retention_policy`` in pyproject.toml).
-MEMORY_TMP_MIN_FREE = 4 * 2**30
 #: The run's directory in memory, once made (:func:`pytest_configure`).
 _MEMORY_TMP: list[Path] = []
 #: Holds True once the run has failed (:func:`pytest_sessionfinish`).
 _RUN_FAILED: list[bool] = []
-
-
-def _memory_tmp_usable(parent: Path) -> bool:
-    try:
-        st = os.statvfs(parent)
-    except OSError:
-        return False
-    return os.access(parent, os.W_OK) and st.f_bavail * st.f_frsize >= MEMORY_TMP_MIN_FREE
 
 
 @pytest.hookimpl(tryfirst=True)
