@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import gc
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -29,6 +30,7 @@ MEMORY_TMP_MIN_FREE = 4 * 2**30
 
 
 def _memory_tmp_usable(parent: Path) -> bool:
+    """Whether ``parent`` exists, is writable and has :data:`MEMORY_TMP_MIN_FREE` free."""
     try:
         st = os.statvfs(parent)
     except OSError:
@@ -36,8 +38,14 @@ def _memory_tmp_usable(parent: Path) -> bool:
     return os.access(parent, os.W_OK) and st.f_bavail * st.f_frsize >= MEMORY_TMP_MIN_FREE
 
 
+def _memory_tmp_prefix(kind: str) -> str:
+    """The name of a temporary directory of this process in memory starts with this: the
+    process id in it tells :func:`_sweep_memory_tmp` whether its owner still runs."""
+    return f"ckpt-{kind}-{os.getpid()}-"
+
+
 _PREFECT_HOME = tempfile.mkdtemp(
-    prefix="ckpt-prefect-home-",
+    prefix=_memory_tmp_prefix("prefect-home"),
     dir=MEMORY_TMP_PARENT if _memory_tmp_usable(MEMORY_TMP_PARENT) else None)
 # Removed when this process exits (a Prefect database of about 5 MB where a test ran a flow,
 # in memory like the tests' directories: the temporary Prefect servers of the processes the
@@ -134,10 +142,26 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     if not _memory_tmp_usable(MEMORY_TMP_PARENT):
         return
-    base = Path(tempfile.mkdtemp(prefix="ckpt-pytest-", dir=MEMORY_TMP_PARENT))
+    _sweep_memory_tmp(MEMORY_TMP_PARENT)
+    base = Path(tempfile.mkdtemp(prefix=_memory_tmp_prefix("pytest"), dir=MEMORY_TMP_PARENT))
     _MEMORY_TMP.append(base)
     config.option.basetemp = str(base)
     config.add_cleanup(_end_memory_tmp)
+
+
+def _sweep_memory_tmp(parent: Path) -> None:
+    """Remove what runs that were killed (no exit handler ran) left in memory: the
+    directories of :func:`_memory_tmp_prefix` whose process is gone."""
+    for entry in parent.glob("ckpt-*-*-*"):
+        match = re.fullmatch(r"ckpt-(?:pytest|prefect-home)-(\d+)-\w+", entry.name)
+        if match is None or not entry.is_dir() or entry.is_symlink():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)
+        except PermissionError:
+            pass  # another user's process: still running
 
 
 def _end_memory_tmp() -> None:
