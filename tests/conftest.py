@@ -128,10 +128,11 @@ def pytest_configure(config: pytest.Config) -> None:
     """Put the run's temporary directories (``tmp_path``) in memory, not on the disk.
 
     The tests write and fsync about 4.6 GB of small files, checkpoints and catalogs: on the
-    2-core reference machine the same run took 546 s and 871 CPU-s with them on the disk and
-    435 s and 700 CPU-s in /dev/shm. What is specific to a disk file system (hot and warm
-    tiers on it beside a memory tier and snapshots in /dev/shm, hard links that cannot cross
-    the two) is covered on purpose by tests/storage/test_disk_filesystem.py, on the disk.
+    2-core reference machine, two runs of the same tree one after the other took 546 s and
+    871 CPU-s with them on the disk, 435 s and 700 CPU-s in /dev/shm. What is specific to a
+    disk file system (hot and warm tiers on it beside a memory tier and snapshots in /dev/shm,
+    hard links that cannot cross the two) is covered on purpose by
+    tests/storage/test_disk_filesystem.py, on the disk.
     ``--basetemp DIR`` (``make test PYTEST_ARGS=--basetemp=DIR``) puts them where it says.
 
     Runs in the process that runs or leads the run, before pytest's own ``tmp_path``
