@@ -223,7 +223,7 @@ def test_unsupported_layouts_are_refused_with_a_config_error(tmp_path: Path,
 
 
 def test_a_snapshot_records_each_shard_and_a_sharded_durable_save_is_refused(
-        tmp_path: Path, shm_root: Path) -> None:
+        tmp_path: Path, snap_store: CheckpointStore) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -236,28 +236,28 @@ def test_a_snapshot_records_each_shard_and_a_sharded_durable_save_is_refused(
         mesh = init_device_mesh("cpu", (1,))
         weight = distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)])
         state = {"w": weight, "n": torch.ones(2), "step": 1}
-        # Snapshots outlive the store on purpose (in /dev/shm by default): this test's go
-        # to its own directory, removed with it.
-        with CheckpointStore.open(tmp_path / "store", memory_tier_dir=str(shm_root)) as store:
-            with CheckpointManager(store, "r", snapshot_interval=1, handle_sigterm=False,
-                                   history=False, distributed=False) as mgr:
-                mgr.step(1, lambda: state)
-                assert mgr.snapshots is not None
-                mgr.snapshots.flush()
-                found = newest_snapshot(store, "r")
-                assert found is not None
-                flat, info = read_snapshot_flat(found)
-                # The local shard's bytes, and where it sits in the global tensor.
-                assert torch.equal(flat.tensors["w"], weight.to_local())
-                assert info["world"] == 1
-                assert specs_from_meta(info) == {"w": ShardSpec(
-                    (3, 2), (0, 0), (3, 2), MeshLayout((1,), (0,), (0,)))}
-            with CheckpointManager(store, "s", snapshot_interval=1, save_interval=2,
-                                   handle_sigterm=False, history=False,
-                                   distributed=False) as mgr:
-                mgr.step(1, lambda: state)  # a snapshot alone: fine
-                with pytest.raises(ConfigError, match="durable save of a sharded"):
-                    mgr.step(2, lambda: state)
+        # Snapshots outlive the store on purpose (in /dev/shm by default): snap_store's go
+        # to the test's own directory, removed with it.
+        store = snap_store
+        with CheckpointManager(store, "r", snapshot_interval=1, handle_sigterm=False,
+                               history=False, distributed=False) as mgr:
+            mgr.step(1, lambda: state)
+            assert mgr.snapshots is not None
+            mgr.snapshots.flush()
+            found = newest_snapshot(store, "r")
+            assert found is not None
+            flat, info = read_snapshot_flat(found)
+            # The local shard's bytes, and where it sits in the global tensor.
+            assert torch.equal(flat.tensors["w"], weight.to_local())
+            assert info["world"] == 1
+            assert specs_from_meta(info) == {"w": ShardSpec(
+                (3, 2), (0, 0), (3, 2), MeshLayout((1,), (0,), (0,)))}
+        with CheckpointManager(store, "s", snapshot_interval=1, save_interval=2,
+                               handle_sigterm=False, history=False,
+                               distributed=False) as mgr:
+            mgr.step(1, lambda: state)  # a snapshot alone: fine
+            with pytest.raises(ConfigError, match="durable save of a sharded"):
+                mgr.step(2, lambda: state)
     finally:
         dist.destroy_process_group()
 
